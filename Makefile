@@ -1,0 +1,40 @@
+# hetero-pd: everything installs into .venv from this repository's own files.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROMPT ?= What is the capital of France? Answer in one sentence.
+
+.PHONY: setup run test lint fmt bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/hetero-pd fetch-model smollm2-135m-instruct
+	$(VENV)/bin/hetero-pd generate --chat "$(PROMPT)"
+
+test: setup
+	$(VENV)/bin/hetero-pd fetch-model smollm2-135m-instruct
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy hetero_pd backends transfer edge
+
+fmt: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: setup
+	$(VENV)/bin/hetero-pd bench offline
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
