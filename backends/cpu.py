@@ -1,0 +1,153 @@
+"""The host CPU as a backend: always available, a single device "cpu", no streams."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from backends import probe
+from backends.base import Backend
+
+# Module-level so tests can point them at fixture files.
+MEMINFO_PATH = Path("/proc/meminfo")
+CPUINFO_PATH = Path("/proc/cpuinfo")
+# cgroup v2 first, then v1: inside a container the limit, not the host, is what we may use.
+CGROUP_LIMIT_PATHS = (
+    (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
+    (
+        Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+        Path("/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ),
+)
+# cgroup v1 reports "no limit" as a huge page-aligned number.
+_NO_LIMIT = 1 << 60
+
+
+def _read_meminfo() -> tuple[int, int] | None:
+    """(MemAvailable, MemTotal) in bytes from /proc/meminfo, or None if unreadable."""
+    try:
+        text = MEMINFO_PATH.read_text()
+    except OSError:
+        return None
+    fields: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            scale = 1024 if parts[1:2] == ["kB"] else 1
+            fields[key.strip()] = int(parts[0]) * scale
+    if "MemTotal" not in fields:
+        return None
+    return fields.get("MemAvailable", fields.get("MemFree", 0)), fields["MemTotal"]
+
+
+def _read_sysconf() -> tuple[int, int]:
+    """(available, total) physical memory in bytes from sysconf."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def _read_cgroup_limit() -> tuple[int, int] | None:
+    """(limit - usage, limit) of this process's memory cgroup, or None if unlimited."""
+    for limit_path, usage_path in CGROUP_LIMIT_PATHS:
+        try:
+            limit_text = limit_path.read_text().strip()
+            usage = int(usage_path.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if not limit_text.isdigit() or int(limit_text) >= _NO_LIMIT:
+            return None  # "max" (v2) or the v1 sentinel: unlimited
+        limit = int(limit_text)
+        return max(limit - usage, 0), limit
+    return None
+
+
+def host_memory_info() -> tuple[int, int]:
+    """(free_bytes, total_bytes) this process can use: /proc/meminfo (or sysconf), clamped
+    to the memory cgroup limit when there is one."""
+    free, total = _read_meminfo() or _read_sysconf()
+    cgroup = _read_cgroup_limit()
+    if cgroup is not None:
+        free, total = min(free, cgroup[0]), min(total, cgroup[1])
+    return free, total
+
+
+def host_cpu_name() -> str:
+    """CPU model name ("Intel(R) Xeon(R) ..."), falling back to the architecture."""
+    try:
+        for line in CPUINFO_PATH.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model") and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+class CpuBackend(Backend):
+    """The host. Copies are synchronous, there are no streams or events, and host buffers
+    are ordinary (unpinned) memory: pinning needs an accelerator runtime."""
+
+    kind = "cpu"
+    # Measured as bf16 because CPUs have no fast fp16 GEMM; on AVX2-only machines it is
+    # several times slower than fp32, which the profile then shows.
+    half_dtype = torch.bfloat16
+
+    def is_available(self) -> bool:
+        """Always True."""
+        return True
+
+    def device_count(self) -> int:
+        """Always 1: the host is one device, however many cores it has."""
+        return 1
+
+    def make_device(self, index: int) -> torch.device:
+        """`torch.device("cpu")` (the host has no numbered devices)."""
+        return torch.device("cpu")
+
+    def index_of(self, device: torch.device) -> int:
+        """0 for the host; ValueError for another kind or a nonzero index."""
+        index = super().index_of(device)
+        if index != 0:
+            raise ValueError(f"the host is the single device 'cpu', got {device}")
+        return index
+
+    def device_name(self, device: torch.device) -> str:
+        """CPU model name."""
+        self.index_of(device)
+        return host_cpu_name()
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        """No-op: cpu work is synchronous."""
+        if device is not None:
+            self.index_of(device)
+
+    def new_stream(self, device: torch.device) -> torch.Stream | None:
+        """None: the host has no streams."""
+        self.index_of(device)
+        return None
+
+    def new_event(self, device: torch.device, enable_timing: bool = False) -> torch.Event | None:
+        """None: the host has no events."""
+        self.index_of(device)
+        return None
+
+    def memory_info(self, device: torch.device) -> tuple[int, int]:
+        """(available, total) host memory in bytes; see `host_memory_info`."""
+        self.index_of(device)
+        return host_memory_info()
+
+    def pinned_empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """An ordinary host tensor (nothing to pin for)."""
+        return torch.empty(tuple(shape), dtype=dtype, device="cpu")
+
+    def profile_threads(self) -> int:
+        """torch's intra-op thread count."""
+        return torch.get_num_threads()
+
+    def probe_plan(self, quick: bool) -> probe.ProbePlan:
+        """Small sizes: a few hundred milliseconds in all on a 2-core machine."""
+        return probe.CPU_QUICK if quick else probe.CPU_FULL

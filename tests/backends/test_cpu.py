@@ -1,0 +1,126 @@
+"""The cpu backend: copies, host buffers, memory reporting, (absent) streams and events."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends import cpu, get_backend
+from backends.cpu import CpuBackend
+
+HOST = torch.device("cpu")
+
+
+@pytest.fixture
+def backend() -> CpuBackend:
+    found = get_backend("cpu")
+    assert isinstance(found, CpuBackend)
+    return found
+
+
+def test_single_always_available_device(backend: CpuBackend) -> None:
+    assert backend.is_available()
+    assert backend.device_count() == 1
+    assert backend.device() == HOST
+    assert backend.device(0) == HOST
+    with pytest.raises(ValueError, match="cpu:1 does not exist"):
+        backend.device(1)
+    assert backend.device_name(HOST)
+    assert not backend.supports_ipc()
+
+
+def test_no_streams_or_events_and_sync_is_a_no_op(backend: CpuBackend) -> None:
+    assert backend.new_stream(HOST) is None
+    assert backend.new_event(HOST, enable_timing=True) is None
+    backend.synchronize()
+    backend.synchronize(HOST)
+
+
+def test_rejects_devices_of_other_kinds(backend: CpuBackend) -> None:
+    with pytest.raises(ValueError, match="the cpu backend was given a cuda device"):
+        backend.new_stream(torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="single device 'cpu'"):
+        backend.memory_info(torch.device("cpu", 1))
+
+
+def test_memory_info_is_plausible(backend: CpuBackend) -> None:
+    free, total = backend.memory_info(HOST)
+    assert 0 < free <= total
+
+
+def test_memory_info_reads_meminfo(
+    backend: CpuBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  2048 kB\nMemFree:  512 kB\nMemAvailable:  1024 kB\n")
+    monkeypatch.setattr(cpu, "MEMINFO_PATH", meminfo)
+    monkeypatch.setattr(cpu, "CGROUP_LIMIT_PATHS", ())
+    assert backend.memory_info(HOST) == (1024 * 1024, 2048 * 1024)
+
+
+def test_memory_info_is_clamped_to_the_cgroup_limit(
+    backend: CpuBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  4194304 kB\nMemAvailable:  3145728 kB\n")  # 4 GiB, 3 GiB
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    limit.write_text(f"{1 << 30}\n")
+    usage.write_text(f"{256 << 20}\n")
+    monkeypatch.setattr(cpu, "MEMINFO_PATH", meminfo)
+    monkeypatch.setattr(cpu, "CGROUP_LIMIT_PATHS", ((limit, usage),))
+    assert backend.memory_info(HOST) == (768 << 20, 1 << 30)
+    limit.write_text("max\n")  # cgroup v2 without a limit
+    assert backend.memory_info(HOST) == (3 << 30, 4 << 30)
+
+
+def test_memory_info_falls_back_to_sysconf(
+    backend: CpuBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cpu, "MEMINFO_PATH", tmp_path / "missing")
+    monkeypatch.setattr(cpu, "CGROUP_LIMIT_PATHS", ())
+    free, total = backend.memory_info(HOST)
+    assert 0 < free <= total
+
+
+def test_cpu_name_from_cpuinfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t: avx2\n")
+    monkeypatch.setattr(cpu, "CPUINFO_PATH", cpuinfo)
+    assert cpu.host_cpu_name() == "Test CPU 9000"
+    monkeypatch.setattr(cpu, "CPUINFO_PATH", tmp_path / "missing")
+    assert cpu.host_cpu_name()
+
+
+@pytest.mark.parametrize("shape", [(4, 8), torch.Size([2, 3, 5])])
+def test_pinned_empty_is_a_host_buffer(
+    backend: CpuBackend, shape: tuple[int, ...] | torch.Size
+) -> None:
+    buffer = backend.pinned_empty(shape, torch.float16)
+    assert buffer.shape == torch.Size(shape)
+    assert buffer.dtype == torch.float16
+    assert buffer.device == HOST
+    assert not buffer.is_pinned()  # nothing to pin for without an accelerator
+
+
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_copy_host_to_host(backend: CpuBackend, non_blocking: bool) -> None:
+    src = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    dst = backend.pinned_empty(src.shape, src.dtype)
+    backend.copy(dst, src, non_blocking=non_blocking)
+    backend.synchronize(HOST)
+    assert torch.equal(dst, src)
+    strided = torch.zeros(4, 3, 2).permute(2, 1, 0)  # non-contiguous destination
+    backend.copy(strided, src)
+    assert torch.equal(strided, src)
+
+
+def test_copy_refuses_to_broadcast_convert_or_cross_kinds(backend: CpuBackend) -> None:
+    src = torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"dst \(3, 2\) torch.float32 and src \(2, 3\)"):
+        backend.copy(torch.empty(3, 2), src)
+    with pytest.raises(ValueError, match="matching tensors"):
+        backend.copy(torch.empty(2, 3, dtype=torch.float16), src)
+    with pytest.raises(ValueError, match="cannot copy a tensor on meta"):
+        backend.copy(torch.empty(2, 3, device="meta"), src)
