@@ -1,0 +1,239 @@
+"""Token sampling: greedy, temperature, top-k, top-p and min-p, with per-request seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from hetero_pd.sampling_params import SamplingParams
+
+# Rows with top-p but no top-k first look for their nucleus among this many most likely
+# tokens (a partial top-k is ~10x cheaper than sorting a 49k vocab on CPU) and fall back to a
+# full sort only when those do not hold top_p of the probability mass.
+TOP_P_CANDIDATES = 1024
+
+
+def top_k_top_p_candidates(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens that survive top-k then top-p, as sorted candidates.
+
+    Args:
+        logits: ``[num_rows, vocab]`` float logits (already divided by the temperature).
+        top_k: ``[num_rows]`` integers; ``<= 0`` or ``>= vocab`` disables top-k for the row.
+            Tokens tied with the k-th largest logit are kept.
+        top_p: ``[num_rows]`` floats in ``(0, 1]``; ``1`` disables top-p for the row. Keeps
+            the smallest set of most likely tokens whose probability (after top-k) sums to
+            at least ``top_p``; the most likely token is always kept.
+
+    Returns:
+        ``(values, token_ids)``, both ``[num_rows, width]``: each row's ``width`` most likely
+        tokens in descending order, values of dropped ones set to ``-inf``. Tokens beyond
+        ``width`` are all dropped.
+    """
+    vocab = logits.shape[-1]
+    k = [kk if 0 < kk < vocab else 0 for kk in top_k.tolist()]
+    p = top_p.tolist()
+    p_only = [kk == 0 and pp < 1.0 for kk, pp in zip(k, p, strict=True)]
+    need = max(max(k), TOP_P_CANDIDATES if any(p_only) else 0)
+    unmasked = any(kk == 0 and pp >= 1.0 for kk, pp in zip(k, p, strict=True))
+    if not unmasked and (need + 1) * 2 < vocab:
+        vals, ids = logits.topk(need + 1, dim=-1)
+        masked, exact = _mask_sorted(vals, logits, k, top_p, p_only, windowed=True)
+        if exact:
+            return masked, ids
+    vals, ids = logits.sort(dim=-1, descending=True)
+    masked, _ = _mask_sorted(vals, logits, k, top_p, p_only, windowed=False)
+    return masked, ids
+
+
+def _mask_sorted(
+    vals: torch.Tensor,
+    logits: torch.Tensor,
+    k: list[int],
+    top_p: torch.Tensor,
+    p_only: list[bool],
+    windowed: bool,
+) -> tuple[torch.Tensor, bool]:
+    """Masks sorted candidate ``vals``; also says whether the window held every kept token."""
+    device = vals.device
+    width = vals.shape[-1]
+    k_eff = torch.tensor([kk or width for kk in k], device=device)
+    kth = vals.gather(1, (k_eff - 1).unsqueeze(1))
+    exact = True
+    if windowed:
+        # A top-k row is exact unless its last candidate ties with its k-th (more ties outside).
+        has_k = torch.tensor([kk > 0 for kk in k], device=device)
+        exact = not bool((has_k & (vals[:, -1] >= kth[:, 0])).any())
+    masked = vals.masked_fill(vals < kth, float("-inf"))
+
+    p = top_p.to(device=device, dtype=vals.dtype)
+    if not bool((p < 1.0).any()):
+        return masked, exact
+    # Unnormalized probabilities relative to the top token: elementwise, so a row's result
+    # does not depend on the window width or the other rows.
+    weights = (masked - vals[:, :1]).exp()
+    cum = weights.cumsum(dim=-1)
+    total = cum[:, -1].clone()
+    if windowed and any(p_only):
+        rows = [i for i, flag in enumerate(p_only) if flag]
+        total[rows] = (logits[rows] - vals[rows, :1]).exp().sum(dim=-1)
+        exact = exact and bool((cum[rows, -1] >= p[rows] * total[rows]).all())
+    target = (p * total).unsqueeze(1)
+    # Token j is dropped when the tokens ranked above it already reach p; column 0 never is.
+    drop = torch.zeros_like(masked, dtype=torch.bool)
+    drop[:, 1:] = (cum[:, :-1] >= target) & (p < 1.0).unsqueeze(1)
+    return masked.masked_fill(drop, float("-inf")), exact
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Return a copy of ``logits`` with the tokens outside top-k and top-p set to ``-inf``.
+
+    Same arguments and rules as :func:`top_k_top_p_candidates`.
+    """
+    vals, ids = top_k_top_p_candidates(logits, top_k, top_p)
+    return torch.full_like(logits, float("-inf")).scatter_(1, ids, vals)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the probabilities below ``min_p`` times each row's largest one (not renormalized).
+
+    Args:
+        probs: ``[num_rows, vocab]`` probabilities, normalized or not.
+        min_p: ``[num_rows]`` floats in ``[0, 1]``; ``0`` disables it for the row.
+    """
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.to(probs).unsqueeze(1)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+class Sampler:
+    """Samples one token per row of a ``[num_seqs, vocab]`` float logits tensor.
+
+    Greedy rows (``params.greedy``) take the argmax of the raw logits, bit-exact with
+    transformers' greedy search. Other rows: divide by the temperature, mask with top-k,
+    top-p and min-p (in that order), then sample by exponential race, ``argmax(probs / q)``
+    with ``q ~ Exponential(1)`` per token. A row whose generator is not ``None`` draws one
+    noise value per vocabulary token from that generator only, so its samples depend only
+    on its seed and its own logits, not on the rest of the batch; the other rows share one
+    draw from the global RNG.
+    """
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        suppress_token_ids: list[list[int]] | None = None,
+    ) -> list[int]:
+        """Return the sampled token id of each row.
+
+        Args:
+            logits: ``[num_seqs, vocab]`` logits of the last position of each sequence.
+            params: one ``SamplingParams`` per row.
+            generators: one per row; ``torch.Generator`` (any device) for seeded requests,
+                created once per request and passed at every step, else ``None``.
+            suppress_token_ids: optional, per row, token ids that must not be sampled
+                (see ``stop.suppressed_token_ids``: EOS and ``stop_token_ids`` before
+                ``min_tokens``). Applies to greedy rows too.
+        """
+        num_seqs = logits.shape[0]
+        if len(params) != num_seqs or len(generators) != num_seqs:
+            raise ValueError(
+                f"expected one SamplingParams and one generator per logits row ({num_seqs}), "
+                f"got {len(params)} params and {len(generators)} generators"
+            )
+        if suppress_token_ids is not None and any(suppress_token_ids):
+            logits = _suppress(logits, suppress_token_ids)
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            return logits.argmax(dim=-1).tolist()
+
+        tokens = logits.argmax(dim=-1).tolist() if any(greedy) else [0] * num_seqs
+        rows = [i for i, g in enumerate(greedy) if not g]
+        temperature = torch.tensor([params[i].temperature for i in rows], device=logits.device)
+        x = logits[rows].float().div_(temperature.unsqueeze(1))
+        vocab = logits.shape[-1]
+        uses_masks = [0 < params[i].top_k < vocab or params[i].top_p < 1.0 for i in rows]
+        masked = [j for j, m in enumerate(uses_masks) if m]
+        plain = [j for j, m in enumerate(uses_masks) if not m]
+        for group, use_masks in ((plain, False), (masked, True)):
+            if not group:
+                continue
+            group_params = [params[rows[j]] for j in group]
+            group_gens = [generators[rows[j]] for j in group]
+            sampled = _sample(_take(x, group), group_params, group_gens, use_masks)
+            for j, token in zip(group, sampled, strict=True):
+                tokens[rows[j]] = token
+        return tokens
+
+
+def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    return x if len(rows) == x.shape[0] else x[rows]
+
+
+def _suppress(logits: torch.Tensor, suppress_token_ids: list[list[int]]) -> torch.Tensor:
+    row_idx = [row for row, ids in enumerate(suppress_token_ids) for _ in ids]
+    col_idx = [token for ids in suppress_token_ids for token in ids]
+    logits = logits.clone()
+    logits[row_idx, col_idx] = float("-inf")
+    return logits
+
+
+def _sample(
+    x: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    use_masks: bool,
+) -> list[int]:
+    """Sample each row of temperature-scaled float32 logits ``x`` by exponential race."""
+    device = x.device
+    vocab = x.shape[-1]
+    ids: torch.Tensor | None = None
+    if use_masks:
+        top_k = torch.tensor([p.top_k for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        x, ids = top_k_top_p_candidates(x, top_k, top_p)
+        weights = (x - x[:, :1]).exp_()
+    else:
+        weights = (x - x.amax(dim=-1, keepdim=True)).exp_()
+    # Unnormalized probabilities with max 1: the race and min-p are scale-invariant per row.
+    if any(p.min_p > 0.0 for p in params):
+        weights = apply_min_p(weights, torch.tensor([p.min_p for p in params], device=device))
+
+    noise = _exponential_noise(weights.shape, generators, ids, vocab, device)
+    choice = weights.div_(noise).argmax(dim=-1)
+    if ids is not None:
+        choice = ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+    return choice.tolist()
+
+
+def _exponential_noise(
+    shape: torch.Size,
+    generators: list[torch.Generator | None],
+    ids: torch.Tensor | None,
+    vocab: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Exponential(1) noise for ``[rows, width]`` weights whose token ids are ``ids``.
+
+    Unseeded rows get fresh global-RNG noise for just their width. A seeded row always draws
+    one value per vocabulary token from its generator and takes the values of its candidates
+    by token id, so what it consumes and samples is independent of the batch.
+    """
+    # -log(U) is Exponential(1) and faster than exponential_(); U == 0 gives +inf, which
+    # only makes that token lose.
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        return torch.rand(shape, device=device).log_().neg_()
+    noise = torch.empty(shape, device=device)
+    if unseeded:
+        noise[unseeded] = torch.rand((len(unseeded), shape[1]), device=device).log_().neg_()
+    for row, gen in enumerate(generators):
+        if gen is None:
+            continue
+        # Drawn on the generator's own device so a CPU generator also serves GPU logits.
+        row_noise = torch.rand(vocab, device=gen.device, generator=gen).log_().neg_().to(device)
+        noise[row] = row_noise if ids is None else row_noise[ids[row]]
+    return noise

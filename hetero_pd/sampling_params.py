@@ -1,0 +1,139 @@
+"""Per-request sampling parameters (mirrors vLLM's ``SamplingParams``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Temperatures below this are treated as 0 (greedy): dividing logits by them would overflow.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64  # exclusive; the range torch.Generator.manual_seed accepts
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float))) and not isinstance(value, bool)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample one completion.
+
+    Every field is validated on construction; a bad value raises ``ValueError`` naming the
+    field, the value and what is allowed. After construction ``stop`` is always a
+    ``list[str]``, ``stop_token_ids`` a ``list[int]``, ``temperature``/``top_p``/``min_p``
+    are floats and ``top_k`` is ``0`` when disabled (``-1`` is accepted as an alias).
+
+    Attributes:
+        n: number of completions per prompt; only 1 is supported.
+        max_tokens: maximum number of generated tokens; ``None`` means until EOS or the
+            model's maximum length.
+        temperature: softmax temperature; ``0`` means greedy (argmax).
+        top_p: nucleus sampling, keep the smallest set of tokens whose probability mass
+            reaches ``top_p``; in ``(0, 1]``, ``1`` disables it.
+        top_k: keep only the ``top_k`` most likely tokens; ``0`` or ``-1`` disables it.
+        min_p: drop tokens whose probability is below ``min_p`` times the top token's;
+            in ``[0, 1]``, ``0`` disables it.
+        seed: makes sampling for this request reproducible, whatever else is in the batch.
+        stop: strings that end generation; they are not part of the output unless
+            ``include_stop_str_in_output``.
+        stop_token_ids: token ids that end generation (the token is kept in ``token_ids``).
+        ignore_eos: keep generating after the EOS token.
+        min_tokens: EOS and ``stop_token_ids`` cannot end generation before this many tokens.
+        skip_special_tokens: leave special tokens out of the output text.
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.n) or self.n != 1:
+            raise ValueError(
+                f"n must be 1 (one completion per request is supported), got {self.n!r}"
+            )
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        self.temperature = _finite_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        self.top_p = _finite_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(
+                f"top_k must be an integer >= 1, or 0 or -1 to disable it, got {self.top_k!r}"
+            )
+        self.top_k = max(self.top_k, 0)
+        self.min_p = _finite_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not _SEED_MIN <= self.seed < _SEED_MAX
+        ):
+            raise ValueError(
+                f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}"
+            )
+        self.stop = _normalize_stop(self.stop)
+        self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax token (temperature 0)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+
+def _finite_float(name: str, value: Any) -> float:
+    if not _is_number(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _normalize_stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"stop must be a string, a list of strings or None, got {stop!r}")
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"stop must contain only non-empty strings, got {item!r}")
+    return list(items)
+
+
+def _normalize_stop_token_ids(ids: Any) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of integers or None, got {ids!r}")
+    for token_id in ids:
+        if not _is_int(token_id) or token_id < 0:
+            raise ValueError(f"stop_token_ids must contain only integers >= 0, got {token_id!r}")
+    return list(ids)
