@@ -1,0 +1,105 @@
+"""The `hetero-pd` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from hetero_pd.models.fetch import DEFAULT_MODEL, KNOWN_MODELS
+
+
+def _cmd_fetch_model(args: argparse.Namespace) -> int:
+    from hetero_pd.models.fetch import fetch_model
+
+    print(fetch_model(args.name))
+    return 0
+
+
+def _cmd_devices(args: argparse.Namespace) -> int:
+    from backends import devices_report
+
+    print(devices_report(quick=not args.full))
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from hetero_pd import LLM, SamplingParams
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or None,
+    )
+    for prompt in args.prompt:
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": prompt}], params)[0]
+        else:
+            out = llm.generate(prompt, params)[0]
+        print(out.outputs[0].text)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    rest: list[str] = args.rest
+    if args.what == "offline":
+        from hetero_pd.bench_offline import main as bench_offline
+
+        return bench_offline(rest)
+    from hetero_pd.bench_transfer import main as bench_transfer
+
+    return bench_transfer(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hetero-pd",
+        description="Prefill/decode disaggregated LLM serving on heterogeneous hardware.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("fetch-model", help="download and convert a known model once")
+    p.add_argument("name", choices=sorted(KNOWN_MODELS), help="model name")
+    p.set_defaults(func=_cmd_fetch_model)
+
+    p = sub.add_parser("devices", help="list devices with their measured capability profile")
+    p.add_argument("--full", action="store_true", help="longer, steadier probes")
+    p.set_defaults(func=_cmd_devices)
+
+    p = sub.add_parser("generate", help="generate text for one or more prompts")
+    p.add_argument("prompt", nargs="+", help="prompt text (one completion each)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="known name or local HF folder")
+    p.add_argument("--device", default="cpu", help="cpu | cuda[:N] | npu[:N]")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("bench", help="benchmarks: offline (engine vs transformers), transfer")
+    p.add_argument("what", choices=["offline", "transfer"])
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
+    p.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        print(f"hetero-pd: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

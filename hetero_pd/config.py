@@ -1,0 +1,85 @@
+"""EngineConfig: the one typed object that configures an engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hetero_pd.engine.scheduler import ROLES, Role
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "auto": "float32",
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype}")
+        return dtype
+    name = _DTYPE_ALIASES.get(dtype, dtype)
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How one engine runs one model on one device.
+
+    `kv_cache_gb` sizes the KV cache; `num_kv_blocks` overrides it with an exact count.
+    `max_model_len` defaults to the model's limit, capped at 4096 (and at its sliding window).
+    """
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    role: Role = "both"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    kv_cache_gb: float = 1.0
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        positive = ["block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gb"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("max_model_len", "num_kv_blocks", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Builds a config, rejecting unknown keyword arguments by name."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s) {unknown}; allowed: {sorted(names - {'model'})}"
+            )
+        if isinstance(kwargs.get("dtype"), torch.dtype):
+            kwargs["dtype"] = next(k for k, v in DTYPES.items() if v == kwargs["dtype"])
+        return cls(model=str(model), **kwargs)

@@ -1,0 +1,196 @@
+"""LLMEngine: add requests, step (schedule -> run -> update -> detokenize), abort."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from backends import backend_for, parse_device
+from hetero_pd import envs
+from hetero_pd.config import EngineConfig
+from hetero_pd.engine.detokenizer import IncrementalDetokenizer
+from hetero_pd.engine.kv_cache_manager import KVCacheManager
+from hetero_pd.engine.model_runner import ModelRunner
+from hetero_pd.engine.request import Request, RequestStatus
+from hetero_pd.engine.scheduler import Scheduler, SchedulerConfig
+from hetero_pd.engine.stop import StopChecker
+from hetero_pd.models.config import ModelConfig
+from hetero_pd.models.fetch import resolve_model
+from hetero_pd.models.loader import load_model
+from hetero_pd.outputs import CompletionOutput, RequestOutput
+from hetero_pd.sampling_params import SamplingParams
+
+MAX_DEFAULT_MODEL_LEN = 4096
+
+
+@dataclass(slots=True)
+class _OutputState:
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    stop: StopChecker
+    sent_len: int = 0
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        threads = config.num_threads or envs.num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        self.model_path = resolve_model(config.model)
+        self.model_config = cfg = ModelConfig.from_dir(self.model_path)
+        self.max_model_len = self._max_model_len(cfg)
+        self.device = parse_device(config.device)
+        backend_for(self.device).require_available()
+        dtype = config.torch_dtype
+        self.tokenizer = load_tokenizer(str(self.model_path))
+        model = load_model(self.model_path, cfg, dtype, self.device, self.max_model_len)
+        num_blocks = config.num_kv_blocks or self._blocks_for_budget(cfg, dtype)
+        self.runner = ModelRunner(model, cfg, num_blocks, config.block_size, self.device, dtype)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        sched_cfg = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            role=config.role,
+        )
+        self.scheduler = Scheduler(sched_cfg, self.kv)
+        self.eos_token_ids = frozenset(cfg.eos_token_ids) | self._tokenizer_eos()
+        self._states: dict[str, _OutputState] = {}
+        self._ids = itertools.count()
+
+    def _max_model_len(self, cfg: ModelConfig) -> int:
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window:
+            # Positions never leave the window, so the model's sliding attention is exact.
+            limit = min(limit, cfg.sliding_window)
+        if self.config.max_model_len is None:
+            return min(limit, MAX_DEFAULT_MODEL_LEN)
+        if self.config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.config.max_model_len} exceeds what {self.model_path} "
+                f"supports ({limit})"
+            )
+        return self.config.max_model_len
+
+    def _blocks_for_budget(self, cfg: ModelConfig, dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        per_block = self.config.block_size * cfg.kv_bytes_per_token * elem
+        num_blocks = int(self.config.kv_cache_gb * 2**30) // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_gb={self.config.kv_cache_gb} holds no KV block")
+        return num_blocks
+
+    def _tokenizer_eos(self) -> frozenset[int]:
+        eos = self.tokenizer.eos_token_id
+        return frozenset() if eos is None else frozenset([int(eos)])
+
+    # -- requests ------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt))
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Request:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenize(prompt)
+        else:
+            text, token_ids = None, self._check_token_ids(prompt)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        req = Request(
+            rid, token_ids, params, self.eos_token_ids, priority=priority, generator=generator
+        )
+        self.scheduler.add_request(req)
+        self._states[rid] = _OutputState(
+            text,
+            IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
+            StopChecker.from_params(params),
+        )
+        return req
+
+    def _check_token_ids(self, prompt: Any) -> list[int]:
+        vocab = self.model_config.vocab_size
+        if not isinstance(prompt, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise TypeError("a prompt must be a string or a list of integer token ids")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return list(prompt)
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self._states.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one batch; returns an output for every request that got a new token."""
+        out = self.scheduler.schedule()
+        if not out:
+            return []
+        sampled = self.runner.execute(out)
+        self.scheduler.update(out, sampled)
+        reqs = {c.request.request_id: c.request for c in out.chunks}
+        return [self._make_output(reqs[rid], token) for rid, token in sampled.items()]
+
+    def _make_output(self, req: Request, token: int) -> RequestOutput:
+        state = self._states[req.request_id]
+        delta = state.detok.add(token)
+        finished = req.status.finished or req.status is RequestStatus.KV_READY
+        if finished:
+            delta += state.detok.flush()
+        text = state.detok.text
+        match = state.stop.check(text, len(delta)) if state.stop else None
+        if match is not None:
+            text = text[: match.text_len]
+            if not finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                finished = True
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = match.stop_str
+        visible = len(text) if finished or not state.stop else state.stop.streamable_text_len(text)
+        delta_text = text[state.sent_len : visible]
+        state.sent_len = visible
+        if finished:
+            del self._states[req.request_id]
+        completion = CompletionOutput(
+            index=0,
+            text=text[:visible],
+            token_ids=req.output_token_ids,
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            delta_text=delta_text,
+            delta_token_ids=[token],
+        )
+        return RequestOutput(
+            req.request_id,
+            state.prompt,
+            req.prompt_token_ids,
+            [completion],
+            finished,
+            req.num_cached_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()

@@ -1,0 +1,132 @@
+"""Turns a SchedulerOutput into one forward pass and sampled tokens. The only engine file
+that touches tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hetero_pd.engine.sampler import Sampler
+from hetero_pd.engine.scheduler import SchedulerOutput
+from hetero_pd.engine.stop import suppressed_token_ids
+from hetero_pd.models.attention import AttentionMetadata, PrefillSpan
+from hetero_pd.models.config import ModelConfig
+from hetero_pd.models.llama import CausalLM, KVCache
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_rows: list[int]  # row of the last token of each chunk that samples
+    sample_chunks: list[int]  # index into SchedulerOutput.chunks of those chunks
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model, self.cfg = model, cfg
+        self.block_size, self.device = block_size, device
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Per layer: (K, V), each [num_blocks, block_size, kv_heads, head_dim].
+        self.kv_caches: list[KVCache] = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        self.sampler = Sampler()
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        sample_rows: list[int] = []
+        sample_chunks: list[int] = []
+        for i, chunk in enumerate(out.chunks):
+            req = chunk.request
+            start, end = req.num_computed_tokens, req.num_computed_tokens + chunk.num_tokens
+            row = len(ids)
+            ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            table = req.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if chunk.num_tokens == 1:
+                decode_tables.append(table[: -(-end // bs)])
+                decode_lens.append(end)
+            elif start == 0:
+                prefills.append(PrefillSpan(row, row + chunk.num_tokens))
+            else:
+                q_pos = torch.arange(start, end)
+                mask = torch.arange(end)[None, :] <= q_pos[:, None]
+                bt = torch.tensor(table[: -(-end // bs)], dtype=torch.long)
+                prefills.append(
+                    PrefillSpan(
+                        row,
+                        row + chunk.num_tokens,
+                        bt.to(self.device),
+                        mask.to(self.device),
+                        end,
+                    )
+                )
+            if chunk.samples:
+                sample_rows.append(len(ids) - 1)
+                sample_chunks.append(i)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decode_tokens=len(decode_tables),
+            prefills=prefills,
+        )
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            meta.decode_block_tables = self._tensor(padded)
+            lens = torch.tensor(decode_lens)
+            mask = torch.arange(width * bs)[None, :] < lens[:, None]
+            meta.decode_mask = mask[:, None, None, :].to(self.device)
+        return StepInputs(
+            self._tensor(ids), self._tensor(positions), meta, sample_rows, sample_chunks
+        )
+
+    def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long).to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None
+    ) -> dict[str, int]:
+        """Runs one step; returns the sampled token per request id that samples."""
+        inputs = self.prepare(out)
+        hidden = self.model(
+            inputs.positions,
+            inputs.meta,
+            self.kv_caches,
+            input_ids=inputs.input_ids,
+            on_layer_done=on_layer_done,
+        )
+        if not inputs.sample_rows:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        reqs = [out.chunks[i].request for i in inputs.sample_chunks]
+        suppress = [
+            suppressed_token_ids(r.params, r.num_output_tokens, r.eos_token_ids) for r in reqs
+        ]
+        tokens = self.sampler(
+            logits, [r.params for r in reqs], [r.generator for r in reqs], suppress
+        )
+        return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}

@@ -1,0 +1,254 @@
+"""Continuous batching with chunked prefill, decode first, preemption by recompute.
+
+Each step gets a token budget. Running requests are served first, decoding ones before
+those still in prefill; what budget is left admits waiting requests (prefix cache first).
+When a running request cannot grow, the lowest-priority, latest request not yet scheduled
+this step is preempted: its blocks are freed and it is queued to be recomputed.
+
+Roles: `both` serves a request end to end. `prefill` stops a request after its first token
+and holds its blocks (status KV_READY) until `release_held`. `decode` also takes requests
+whose KV arrives from elsewhere: `add_remote` reserves their blocks up front
+(WAITING_FOR_REMOTE_KVS) and `remote_kv_ready` joins them to the decode batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hetero_pd.engine.block_pool import NoFreeBlocksError
+from hetero_pd.engine.kv_cache_manager import KVCacheManager
+from hetero_pd.engine.request import Request, RequestStatus
+
+Role = Literal["prefill", "decode", "both"]
+ROLES: tuple[str, ...] = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int = 2048
+    role: Role = "both"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    request: Request
+    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, so the step samples."""
+        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # single-token chunks (decode) come first, then longer prefill chunks
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Request] = []  # sorted by (priority, arrival)
+        self.running: list[Request] = []
+        self.remote: dict[str, Request] = {}  # waiting for KV from a prefill worker
+        self.held: dict[str, Request] = {}  # prefill role: blocks held for hand-off
+        self.requests: dict[str, Request] = {}
+
+    # -- admission ---------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self._check_fits(req)
+        self.requests[req.request_id] = req
+        bisect.insort(self.waiting, req, key=Request.sort_key)
+
+    def add_remote(self, req: Request) -> list[int]:
+        """Reserves blocks for a prompt whose KV another worker computes; returns block ids.
+
+        Raises NoFreeBlocksError when the blocks are not there now (back-pressure)."""
+        if self.config.role == "prefill":
+            raise ValueError("a prefill-role engine does not accept remote KV")
+        self._check_fits(req)
+        if not self.kv.allocate_new(req, [], req.num_prompt_tokens):
+            raise NoFreeBlocksError(
+                f"request {req.request_id}: no room for {req.num_prompt_tokens} tokens of KV "
+                f"({self.kv.num_free_blocks} blocks free)"
+            )
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.requests[req.request_id] = req
+        self.remote[req.request_id] = req
+        return list(req.block_ids)
+
+    def remote_kv_ready(self, request_id: str, first_token_id: int) -> None:
+        """The prompt's KV has landed in the reserved blocks; decode from `first_token_id`."""
+        req = self.remote.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_computed_blocks(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self.append_token(req, first_token_id)
+
+    def remote_kv_failed(self, request_id: str) -> None:
+        """The KV never arrived: compute the prompt here instead (recompute policy)."""
+        req = self.remote.pop(request_id)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, req, key=Request.sort_key)
+
+    def _check_fits(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if not req.prompt_token_ids:
+            raise ValueError(f"request {req.request_id}: the prompt is empty")
+        if req.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"request {req.request_id}: prompt has {req.num_prompt_tokens} tokens, the "
+                f"limit is max_model_len - 1 = {self.config.max_model_len - 1}"
+            )
+        if self.kv.blocks_for(req.num_prompt_tokens + 1) > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"request {req.request_id}: {req.num_prompt_tokens} prompt tokens need more "
+                f"KV blocks than the cache has ({self.kv.pool.num_blocks})"
+            )
+
+    # -- one step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.sort_key()))
+        pending = list(self.running)
+        while pending and budget > 0:
+            req = pending.pop(0)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = max(pending, key=Request.sort_key) if pending else req
+                if victim is not req:
+                    pending.remove(victim)
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(req, n))
+                budget -= n
+        if not out.preempted:
+            budget = self._admit(out, budget)
+        out.chunks.sort(key=lambda c: c.num_tokens > 1)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.kv.find_cached_prefix(req)
+            remaining = req.num_tokens - len(cached) * self.kv.block_size
+            n = min(remaining, budget)
+            if not self.kv.allocate_new(req, cached, n):
+                break
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, n))
+            budget -= n
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        bisect.insort(self.waiting, req, key=Request.sort_key)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Records the step's progress and sampled tokens; returns requests that changed
+        state to finished (or KV_READY on a prefill worker)."""
+        done = []
+        for chunk in out.chunks:
+            req = chunk.request
+            req.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_computed_blocks(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            if self.config.role == "prefill" and req.num_output_tokens == 0:
+                req.all_token_ids.append(token)
+                self.running.remove(req)
+                req.status = RequestStatus.KV_READY
+                self.held[req.request_id] = req
+                done.append(req)
+                continue
+            if self.append_token(req, token):
+                done.append(req)
+        return done
+
+    def append_token(self, req: Request, token: int) -> bool:
+        """Appends a sampled token; finishes the request on EOS, stop ids or length."""
+        req.all_token_ids.append(token)
+        params = req.params
+        n_out = req.num_output_tokens
+        status = None
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+            elif params.stop_token_ids and token in params.stop_token_ids:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        if status is None and (
+            (params.max_tokens is not None and n_out >= params.max_tokens)
+            or req.num_tokens >= self.config.max_model_len
+        ):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None:
+            return False
+        self.finish(req, status)
+        return True
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Ends a request wherever it is and frees its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.remote.pop(req.request_id, None)
+        self.held.pop(req.request_id, None)
+        self.kv.free(req)
+        req.status = status
+        self.requests.pop(req.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def release_held(self, request_id: str) -> None:
+        """Prefill role: the KV was handed off (or its lease expired); free the blocks."""
+        req = self.held.pop(request_id)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED_STOPPED
+        self.requests.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.remote)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.remote)

@@ -1,0 +1,18 @@
+"""Every HETERO_PD_* environment variable, read in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $HETERO_PD_CACHE_DIR, else ~/.cache/hetero-pd."""
+    env = os.environ.get("HETERO_PD_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "hetero-pd"
+
+
+def num_threads() -> int | None:
+    """$HETERO_PD_NUM_THREADS: torch intra-op threads for CPU engines (unset: torch's default)."""
+    env = os.environ.get("HETERO_PD_NUM_THREADS")
+    return int(env) if env else None

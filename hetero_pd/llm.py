@@ -1,0 +1,127 @@
+"""The offline API, mirroring vLLM's: `LLM(...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hetero_pd.config import EngineConfig
+from hetero_pd.engine.llm_engine import LLMEngine
+from hetero_pd.models.fetch import DEFAULT_MODEL
+from hetero_pd.outputs import RequestOutput
+from hetero_pd.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Args:
+        model: a known model name (default `smollm2-135m-instruct`, fetched on first use) or
+            the path of a local Hugging Face folder (llama, mistral or qwen2 architecture).
+        device: "cpu", "cuda[:N]" or "npu[:N]".
+        dtype: "float32", "bfloat16" or "float16" (float32 is the right choice on CPUs).
+        **kwargs: any other EngineConfig field (max_num_seqs, kv_cache_gb, ...).
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        device: str = "cpu",
+        dtype: str = "float32",
+        **kwargs: Any,
+    ) -> None:
+        config = EngineConfig.from_kwargs(model, device=device, dtype=dtype, **kwargs)
+        self.engine = LLMEngine(config)
+        self._next_id = 0
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (a string or a list of token ids), all in one batch;
+        returns the outputs in prompt order."""
+        batch = _as_batch(prompts)
+        params = _params_for(batch, sampling_params)
+        ids = []
+        for prompt, p in zip(batch, params, strict=True):
+            ids.append(f"gen-{self._next_id}")
+            self._next_id += 1
+            self.engine.add_request(prompt, p, request_id=ids[-1])
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template (with the generation prompt) and generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = [
+            self.apply_chat_template(conv)  # type: ignore[arg-type]
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[Message]) -> list[int]:
+        tok = self.engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(f"the tokenizer of {self.engine.model_path} has no chat template")
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tok.encode(text, add_special_tokens=False))
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [final[rid] for rid in ids]
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return [prompts]
+    batch = list(prompts)
+    if not batch:
+        raise ValueError("prompts is empty")
+    return batch
+
+
+def _params_for(
+    batch: list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * len(batch)
+    if isinstance(params, SamplingParams):
+        return [params] * len(batch)
+    params = list(params)
+    if len(params) != len(batch):
+        raise ValueError(f"got {len(params)} SamplingParams for {len(batch)} prompts")
+    return params

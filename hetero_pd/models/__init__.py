@@ -1,0 +1,1 @@
+"""Model code: configs, the Llama family, paged attention, weight loading, fetching."""

@@ -1,0 +1,150 @@
+"""The Llama family (llama, mistral, qwen2) over a paged KV cache, runnable by layer range."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetero_pd.models.attention import AttentionMetadata, paged_attention
+from hetero_pd.models.config import ModelConfig
+from hetero_pd.models.rotary import apply_rope, rope_table
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        return self.o_proj(o.view(-1, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM. `forward` runs layers [start, end) on a flat token batch.
+
+    Layer 0 takes token ids, any later start layer takes hidden states [num_tokens, hidden];
+    the output is the hidden state after layer `end - 1` (before the final norm), so
+    running [0, k) then [k, L) equals running [0, L).
+    """
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.max_positions = max_positions
+        self.cos_sin = torch.empty(0)  # set by init_rope() once the model is on its device
+
+    def init_rope(self, device: torch.device) -> None:
+        self.cos_sin = rope_table(self.cfg, self.max_positions).to(device)
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+        input_ids: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        start_layer: int = 0,
+        end_layer: int | None = None,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        end = self.cfg.num_layers if end_layer is None else end_layer
+        if not 0 <= start_layer < end <= self.cfg.num_layers:
+            raise ValueError(
+                f"layer range [{start_layer}, {end}) is not inside [0, {self.cfg.num_layers})"
+            )
+        if start_layer == 0:
+            if input_ids is None:
+                raise ValueError("input_ids are required when starting at layer 0")
+            h = self.embed_tokens(input_ids)
+        else:
+            if hidden_states is None:
+                raise ValueError(f"hidden_states are required when starting at layer {start_layer}")
+            h = hidden_states
+        cs = self.cos_sin[positions].to(h.dtype)
+        cos, sin = cs[:, 0:1, :], cs[:, 1:2, :]
+        for i in range(start_layer, end):
+            h = self.layers[i](h, cos, sin, kv_caches[i], meta)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return h
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on the rows that sample; logits in float32."""
+        return self.lm_head(self.norm(hidden_states)).float()

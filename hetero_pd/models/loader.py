@@ -1,0 +1,127 @@
+"""Builds a CausalLM from a Hugging Face folder of safetensors weights."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from hetero_pd.models.config import ModelConfig
+from hetero_pd.models.llama import CausalLM
+
+
+class ModelLoadError(RuntimeError):
+    """Weights are missing, corrupt or do not match the config."""
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# checkpoint sub-name -> (our parameter, index of the shard inside a fused parameter)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def _target(name: str) -> tuple[str, int | None]:
+    """Maps a checkpoint tensor name to (our parameter name, shard index or None)."""
+    if name.startswith("model.") and not name.startswith("model.layers."):
+        return name[len("model.") :], None
+    m = _LAYER.match(name)
+    if m is None:
+        return name, None
+    layer, rest = m.groups()
+    module, _, kind = rest.rpartition(".")
+    if module in _FUSED:
+        fused, shard = _FUSED[module]
+        return f"layers.{layer}.{fused}.{kind}", shard
+    return f"layers.{layer}.{rest}", None
+
+
+def _shard_sizes(cfg: ModelConfig, param: str) -> list[int]:
+    if "qkv_proj" in param:
+        kv = cfg.num_kv_heads * cfg.head_dim
+        return [cfg.num_heads * cfg.head_dim, kv, kv]
+    return [cfg.intermediate_size, cfg.intermediate_size]
+
+
+def weight_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weight files")
+    return files
+
+
+def load_model(
+    path: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+) -> CausalLM:
+    """Loads weights into a new model on `device` in `dtype`, checking every shape."""
+    path = Path(path)
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions)
+    model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    if cfg.tie_word_embeddings:
+        params.pop("lm_head.weight")
+    filled: dict[str, set[int | None]] = {}
+    for file in weight_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    _copy_tensor(cfg, params, filled, name, f.get_tensor(name), file)
+        except SafetensorError as e:
+            raise ModelLoadError(f"{file}: corrupt or unreadable safetensors file ({e})") from e
+    missing = [
+        p
+        for p, t in params.items()
+        if p not in filled
+        or (p.endswith(("qkv_proj.weight", "qkv_proj.bias")) and len(filled[p]) != 3)
+        or (p.endswith("gate_up_proj.weight") and len(filled[p]) != 2)
+    ]
+    if missing:
+        raise ModelLoadError(
+            f"{path}: weights missing for {len(missing)} parameters, e.g. {missing[:3]}"
+        )
+    model.tie_weights()
+    model.to(dtype)
+    model.init_rope(device)
+    return model.eval()
+
+
+def _copy_tensor(
+    cfg: ModelConfig,
+    params: dict[str, torch.nn.Parameter],
+    filled: dict[str, set[int | None]],
+    name: str,
+    tensor: torch.Tensor,
+    file: Path,
+) -> None:
+    target, shard = _target(name)
+    if target.endswith("rotary_emb.inv_freq"):
+        return
+    if target == "lm_head.weight" and cfg.tie_word_embeddings:
+        return
+    param = params.get(target)
+    if param is None:
+        raise ModelLoadError(f"{file}: unexpected tensor {name!r} for a {cfg.architecture}")
+    dest = param.data
+    if shard is not None:
+        sizes = _shard_sizes(cfg, target)
+        offset = sum(sizes[:shard])
+        dest = dest.narrow(0, offset, sizes[shard])
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ModelLoadError(
+            f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"the config implies {tuple(dest.shape)}"
+        )
+    with torch.no_grad():
+        dest.copy_(tensor)
+    filled.setdefault(target, set()).add(shard)
