@@ -1,1 +1,28 @@
-"""transfer."""
+"""KV transfer engine: move blocks of per-layer KV tensors between workers.
+
+See ``transfer/README.md`` for the API, transports, state machine and error codes.
+"""
+
+from __future__ import annotations
+
+from transfer.config import EngineConfig, RetryPolicy, Role
+from transfer.engine import TransferEngine
+from transfer.errors import StatusCode, TransferError
+from transfer.faults import FaultPlan, FaultRule
+from transfer.handle import RemoteBlocks, TransferHandle, TransferState
+from transfer.region import KVRegion
+
+__all__ = [
+    "EngineConfig",
+    "FaultPlan",
+    "FaultRule",
+    "KVRegion",
+    "RemoteBlocks",
+    "RetryPolicy",
+    "Role",
+    "StatusCode",
+    "TransferEngine",
+    "TransferError",
+    "TransferHandle",
+    "TransferState",
+]

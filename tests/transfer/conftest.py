@@ -1,0 +1,56 @@
+"""Fixtures: a receiver engine in a child process, and parent-side engines cleaned up."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from transfer import KVRegion, TransferEngine
+from transfer.testing import PeerProcess, fill, make_config
+
+SECRET = "test-secret"
+REGION = {"layers": 4, "blocks": 64, "block_shape": [16, 2, 8], "seed": 7}
+#: Small frames so that a transfer of a few blocks spans many of them.
+FAST = {
+    "secret": SECRET,
+    "chunk_bytes": 4096,
+    "ack_timeout_s": 0.5,
+    "link_timeout_s": 2.0,
+    "transfer_timeout_s": 8.0,
+    "retry": {"attempts": 6, "base_delay_s": 0.01, "max_delay_s": 0.1},
+}
+
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[PeerProcess]:
+    """A decode-side engine in its own process (shared-memory region)."""
+    peer = PeerProcess(f"decode-{next(_ids)}", FAST, REGION)
+    try:
+        yield peer
+    finally:
+        peer.close()
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., TransferEngine]]:
+    """Build parent-side engines (closed at teardown) with a region filled with seed 99."""
+    engines: list[TransferEngine] = []
+
+    def build(**overrides: object) -> TransferEngine:
+        spec = {**FAST, **overrides}
+        eng = TransferEngine(f"prefill-{next(_ids)}", "prefill", make_config(spec))
+        region = KVRegion.allocate("kv", 4, 64, (16, 2, 8))
+        fill(region, 99)
+        eng.register_region(region)
+        engines.append(eng)
+        return eng
+
+    try:
+        yield build
+    finally:
+        for eng in engines:
+            eng.close()

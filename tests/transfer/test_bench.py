@@ -1,0 +1,27 @@
+"""`hetero-pd bench transfer` runs end to end and ends with the promised JSON line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hetero_pd.bench_transfer import main
+
+KEYS = {
+    "shm_gbps",
+    "tcp_gbps",
+    "memcpy_gbps",
+    "raw_zmq_gbps",
+    "tcp_vs_raw_zmq",
+    "shm_vs_memcpy",
+    "checksum_overhead",
+}
+
+
+def test_bench_transfer_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--tokens", "256", "--repeats", "1"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    result = json.loads(last)
+    assert set(result) >= KEYS
+    assert all(result[k] > 0 for k in KEYS - {"checksum_overhead"})

@@ -1,0 +1,97 @@
+"""Ownership across failures: killed peers, stale epochs, repeated transfer ids, no leaks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from transfer import KVRegion, RemoteBlocks, TransferEngine, TransferState
+from transfer.region import sweep_stale_shm
+from transfer.testing import PeerProcess, blocks_digest
+
+from .conftest import FAST, REGION
+
+SRC, DST = [1, 2, 3, 4], [40, 41, 42, 43]
+
+
+def test_receiver_killed_mid_transfer(make_engine: Callable[..., TransferEngine]) -> None:
+    """The decode process dies before the ACK: the push ends inside its deadline, blocks freed."""
+    eng = make_engine(faults=[{"kind": "delay", "msg_type": "end", "nth": 1, "delay_s": 0.5}])
+    with PeerProcess("decode-doomed", FAST, REGION) as peer:
+        eng.link(peer.engine_id, peer.address)
+        blocks = RemoteBlocks.from_wire(peer.call("reserve", rid="doomed", ids=DST))
+        t0 = time.monotonic()
+        h = eng.push_blocks(peer.engine_id, SRC, blocks, transport="tcp", timeout_s=3)
+        peer.kill()
+        assert sweep_stale_shm() >= 1  # the dead peer's /dev/shm region is reclaimed
+        state = h.wait(6)
+        assert state in (TransferState.TIMED_OUT, TransferState.FAILED)
+        assert time.monotonic() - t0 < 5
+        assert h.error is not None and h.error.code.name in ("TIMEOUT", "LINK_FAILED", "NOT_LINKED")
+        assert h.released in ("timeout", "failed")
+        assert eng.held_blocks() == {}
+
+
+def test_sender_killed_reservation_times_out_and_refuses_late_writes(
+    make_engine: Callable[..., TransferEngine],
+) -> None:
+    """The prefill process dies mid-push: the reservation times out; later writes are refused."""
+    eng = make_engine()
+    recv = eng.reserve("orphan", DST, timeout_s=1.5)
+    assert recv.blocks is not None
+    sender_cfg = {**FAST, "faults": [{"kind": "drop", "msg_type": "end", "nth": 1, "count": 99}]}
+    with PeerProcess("prefill-doomed", sender_cfg, {**REGION, "shared": False}) as peer:
+        peer.call("link", peer=eng.engine_id, address=eng.address)
+        peer.call("push", peer=eng.engine_id, src=SRC, dst=recv.blocks.to_wire(), transport="tcp")
+        assert recv.wait(5) is TransferState.TIMED_OUT
+        assert recv.error is not None and recv.error.code.name == "TIMEOUT"
+        peer.kill()
+    # a late push into the timed-out reservation (same epoch) is refused
+    late = make_engine()
+    late.link(eng.engine_id, eng.address)
+    h = late.push_blocks(eng.engine_id, SRC, recv.blocks, transport="tcp")
+    assert h.wait(5) is TransferState.FAILED
+    assert h.error is not None and h.error.code.name == "STALE_EPOCH"
+    assert eng.release("orphan") == 0.0
+    assert eng.reserved_blocks() == {"kv": 0}
+
+
+def test_released_blocks_reject_old_epoch(
+    receiver: PeerProcess, make_engine: Callable[..., TransferEngine]
+) -> None:
+    eng = make_engine()
+    eng.link(receiver.engine_id, receiver.address)
+    old = RemoteBlocks.from_wire(receiver.call("reserve", rid="epoch-a", ids=DST))
+    receiver.call("release", rid="epoch-a")
+    receiver.call("zero")
+    new = RemoteBlocks.from_wire(receiver.call("reserve", rid="epoch-b", ids=DST))
+    assert new.epoch != old.epoch
+    h = eng.push_blocks(receiver.engine_id, SRC, old)
+    assert h.wait(5) is TransferState.FAILED
+    assert h.error is not None and h.error.code.name == "STALE_EPOCH"
+    assert not h.error.recoverable
+    assert receiver.call("digest", ids=DST) == blocks_digest(_zeros(eng), DST)  # untouched
+    ok = eng.push_blocks(receiver.engine_id, SRC, new)
+    assert ok.wait(5) is TransferState.DONE
+    receiver.call("release", rid="epoch-b")
+
+
+def test_repeated_transfer_id_applied_once(
+    receiver: PeerProcess, make_engine: Callable[..., TransferEngine]
+) -> None:
+    eng = make_engine()
+    eng.link(receiver.engine_id, receiver.address)
+    blocks = RemoteBlocks.from_wire(receiver.call("reserve", rid="dup", ids=DST))
+    first = eng.push_blocks(receiver.engine_id, SRC, blocks, transfer_id="xid-dup", transport="tcp")
+    assert first.wait(5) is TransferState.DONE
+    receiver.call("zero")
+    again = eng.push_blocks(receiver.engine_id, SRC, blocks, transfer_id="xid-dup", transport="tcp")
+    assert again.wait(5) is TransferState.DONE  # acknowledged as a duplicate...
+    assert receiver.call("digest", ids=DST) == blocks_digest(_zeros(eng), DST)  # ...not re-applied
+    assert receiver.call("counts")["metrics"]["transports"]["tcp"]["duplicates_total"] >= 1
+    receiver.call("release", rid="dup")
+
+
+def _zeros(eng: TransferEngine) -> KVRegion:
+    region = eng.region()
+    return KVRegion.allocate("z", region.num_layers, region.num_blocks, region.block_shape)

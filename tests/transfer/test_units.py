@@ -1,0 +1,135 @@
+"""Pure units: wire validation, fault injector, ledger epochs, checksums, error taxonomy."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from transfer import StatusCode, TransferError, checksum, layout, wire
+from transfer.faults import FaultInjector, FaultPlan, FaultRule
+from transfer.handle import TransferHandle
+from transfer.ledger import Ledger
+from transfer.region import KVRegion
+
+
+def test_wire_roundtrip_and_rejections() -> None:
+    raw = wire.encode("ack", b"t" * 16, x="a", code=0, msg="", bad=[1, 2], dup=False)
+    assert wire.decode(raw, 1) == ("ack", msgpack.unpackb(raw))
+    cases = {
+        b"\xc1": "malformed",
+        msgpack.packb([1, 2]): "malformed",
+        msgpack.packb({"v": 2, "t": "ack", "sid": b""}): "bad_version",
+        msgpack.packb({"v": 1, "t": "pickle", "sid": b""}): "unknown_type",
+        msgpack.packb(
+            {
+                "v": 1,
+                "t": "ack",
+                "sid": b"",
+                "x": "a",
+                "code": True,
+                "msg": "",
+                "bad": [],
+                "dup": False,
+            }
+        ): "bad_field",
+        b"\x00" * (wire.MAX_HEADER_BYTES + 1): "oversized_header",
+    }
+    for frame, reason in cases.items():
+        with pytest.raises(wire.FrameError) as info:
+            wire.decode(frame, 1)
+        assert info.value.reason == reason
+    with pytest.raises(wire.FrameError):
+        wire.decode(raw, 2)  # an ack never carries a payload
+    with pytest.raises(wire.FrameError):
+        wire.int_list([1, -1], "ids")
+
+
+def test_every_schema_field_is_typed() -> None:
+    for msg_type, fields in wire.SCHEMAS.items():
+        assert msg_type in ("bye",) or fields
+        assert all(isinstance(t, tuple) and t for t in fields.values())
+
+
+def test_fault_injector_is_deterministic() -> None:
+    plan = FaultPlan(
+        (
+            FaultRule("drop", "data", nth=2),
+            FaultRule("reorder", "data", nth=3),
+            FaultRule("corrupt", "end", nth=1),
+        )
+    )
+    inj = FaultInjector(plan)
+    sent = [o.parts[0] for i in range(4) for o in inj.apply("data", [bytes([i])], None)]
+    assert sent == [b"\x00", b"\x03", b"\x02"]  # 1 dropped, 2 sent after 3
+    (end,) = inj.apply("end", [b"\x00\x00"], None)
+    assert end.parts == [b"\x00\x5a"]
+    with pytest.raises(ValueError):
+        FaultRule("explode")
+
+
+def test_ledger_epochs_and_fences() -> None:
+    region = KVRegion.allocate("kv", 1, 8, (4, 1, 2))
+    ledger = Ledger(4)
+    ledger.add_region(region)
+    h = TransferHandle("r1", "recv", "", "r1")
+    res = ledger.reserve(region, "r1", [1, 2], range(1), h, 1e18)
+    ids = torch.tensor([1, 2]).numpy()
+    assert ledger.check("kv", "r1", res.blocks.epoch, ids) is res
+    with pytest.raises(TransferError) as info:
+        ledger.check("kv", "r1", res.blocks.epoch + 1, ids)
+    assert info.value.code is StatusCode.STALE_EPOCH
+    with pytest.raises(TransferError):
+        ledger.reserve(region, "r2", [2, 3], range(1), TransferHandle("x", "recv", "", "r2"), 1e18)
+    ledger.grant("xid", "kv", [2], until=1e18)
+    _, wait = ledger.release("r1")
+    assert wait > 0  # a direct writer still holds a grant on block 2
+    with pytest.raises(TransferError) as info:
+        ledger.reserve(region, "r3", [2], range(1), TransferHandle("y", "recv", "", "r3"), 1e18)
+    assert "fenced" in info.value.message
+    assert ledger.reserved_blocks() == {"kv": 0}
+
+
+def test_checksums_agree_and_detect_flips() -> None:
+    data = bytes(range(256)) * 64
+    for algo in checksum.available():
+        whole = checksum.digest(algo, data)
+        assert checksum.digest_parts(algo, [data[:1000], data[1000:]]) == whole
+        flipped = bytearray(data)
+        flipped[77] ^= 1
+        assert checksum.digest(algo, flipped) != whole
+    assert checksum.resolve("auto") == checksum.available()[0]
+
+
+def test_error_taxonomy() -> None:
+    assert StatusCode.TIMEOUT.recoverable and StatusCode.LINK_FAILED.recoverable
+    assert not StatusCode.STALE_EPOCH.recoverable and not StatusCode.REPEAT_REQUEST.recoverable
+    assert (
+        StatusCode.from_number(StatusCode.KV_CACHE_NOT_EXIST.number)
+        is StatusCode.KV_CACHE_NOT_EXIST
+    )
+    assert len({c.number for c in StatusCode}) == len(StatusCode)
+
+
+def test_layout_plan_covers_every_block_once() -> None:
+    chunks = layout.plan(range(2, 4), 10, 4)
+    assert [(c.ti, c.lo, c.hi) for c in chunks] == [
+        (2, 0, 4),
+        (2, 4, 8),
+        (2, 8, 10),
+        (3, 0, 4),
+        (3, 4, 8),
+        (3, 8, 10),
+    ]
+    assert [c.seq for c in chunks] == list(range(6))
+
+
+def test_datadist_adapter_is_optional() -> None:
+    from transfer.transports import datadist
+
+    assert datadist.to_status("LLM_WAIT_PROC_TIMEOUT") is StatusCode.TIMEOUT
+    assert datadist.to_status("LLM_REPEAT_REQUEST") is StatusCode.REPEAT_REQUEST
+    assert datadist.to_status("SOMETHING_NEW") is StatusCode.INTERNAL
+    if not datadist.available():
+        with pytest.raises(TransferError):
+            datadist.open_datadist(__import__("transfer").Role.PREFILL, 0)

@@ -1,0 +1,101 @@
+"""Typed configuration of a transfer engine (one frozen object per engine)."""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field, fields
+
+from transfer.faults import FaultPlan
+
+
+class Role(enum.Enum):
+    """What a worker does; informational (either role may push or pull)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Bounded exponential backoff: delay ``min(base * 2**attempt, max)``, ``attempts`` tries."""
+
+    attempts: int = 5
+    base_delay_s: float = 0.01
+    max_delay_s: float = 0.5
+
+    def delay(self, attempt: int) -> float:
+        """Backoff before retry number ``attempt`` (1-based)."""
+        return float(min(self.base_delay_s * (2 ** max(attempt - 1, 0)), self.max_delay_s))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Settings of one :class:`~transfer.engine.TransferEngine`.
+
+    Deadlines are in seconds. ``secret`` is the deployment's shared secret: peers prove they
+    know it when linking (HMAC challenge both ways); an empty secret disables the check and
+    must only be used on a trusted loopback.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    secret: bytes = b""
+    #: Deadline of one link handshake.
+    link_timeout_s: float = 5.0
+    #: Default deadline of a whole transfer, all retries included (LLM-DataDist sync_kv_timeout).
+    transfer_timeout_s: float = 30.0
+    #: How long the sender holds its source blocks waiting for the ACK.
+    lease_s: float = 60.0
+    #: How long one attempt waits for the peer's answer before re-linking and retrying.
+    ack_timeout_s: float = 5.0
+    #: Longest a direct (shared-memory) write grant stays valid.
+    grant_s: float = 10.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    #: Target payload bytes per data frame over TCP.
+    chunk_bytes: int = 4 << 20
+    #: Largest frame accepted from the network; larger ones are rejected and counted.
+    max_frame_bytes: int = 64 << 20
+    #: Checksums per chunk on the stream (TCP) transport; off for direct writes by default.
+    checksum_stream: bool = True
+    checksum_direct: bool = False
+    #: Checksum algorithm: "xxh3", "crc32c", "crc32" or "auto" (fastest installed).
+    checksum_algo: str = "auto"
+    #: Transports this engine may choose from, best first.
+    transports: tuple[str, ...] = ("local", "cuda_ipc", "shm", "tcp")
+    #: Committed transfer ids remembered for duplicate detection.
+    dedup_capacity: int = 65536
+    #: Faults injected into this engine's outgoing frames (tests only).
+    faults: FaultPlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes <= 0 or self.max_frame_bytes < self.chunk_bytes:
+            raise ValueError("EngineConfig: need 0 < chunk_bytes <= max_frame_bytes")
+        for name in ("link_timeout_s", "transfer_timeout_s", "lease_s", "ack_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineConfig.{name} must be > 0")
+        unknown = set(self.transports) - {"local", "cuda_ipc", "shm", "tcp"}
+        if unknown:
+            raise ValueError(f"EngineConfig.transports: unknown transport(s) {sorted(unknown)}")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> EngineConfig:
+        """Build a config from ``HETERO_PD_TRANSFER_*`` environment variables plus overrides.
+
+        Reads ``HETERO_PD_TRANSFER_SECRET`` (the shared secret) and
+        ``HETERO_PD_TRANSFER_HOST``; other settings come from ``overrides``.
+        """
+        names = {f.name for f in fields(cls)}
+        bad = set(overrides) - names
+        if bad:
+            raise ValueError(f"EngineConfig: unknown key(s) {sorted(bad)}")
+        values: dict[str, object] = {}
+        secret = os.environ.get("HETERO_PD_TRANSFER_SECRET")
+        if secret:
+            values["secret"] = secret.encode()
+        host = os.environ.get("HETERO_PD_TRANSFER_HOST")
+        if host:
+            values["host"] = host
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,346 @@
+"""The public transfer engine: one per worker process.
+
+Decode side (receiver)::
+
+    eng = TransferEngine("decode-0", Role.DECODE)
+    eng.register_region(KVRegion.allocate("kv", 30, 1024, (16, 3, 64), shared=True))
+    h = eng.reserve("req-1", block_ids=[3, 4, 9])     # hand h.blocks to the prefill worker
+    ... eng.progress() / h.wait() ...                   # DONE once every layer committed
+    eng.release("req-1")                                # after use, timeout or abort
+
+Prefill side (sender), streaming layer ranges as they are computed::
+
+    eng.link("decode-0", address)
+    for l0, l1 in layer_chunks:
+        hs.append(eng.push_blocks("decode-0", src_block_ids, blocks, layers=(l0, l1)))
+    ... when all hs are terminal, free the source blocks (h.released says why) ...
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from transfer import wire
+from transfer.config import EngineConfig, Role
+from transfer.core import Core
+from transfer.errors import StatusCode, TransferError
+from transfer.handle import Callback, RemoteBlocks, TransferHandle, TransferState
+from transfer.movers import OutTransfer
+from transfer.receiver import PendingPull
+from transfer.region import KVRegion
+
+
+class TransferEngine:
+    """Moves KV blocks between workers (see the module docstring for the flow)."""
+
+    def __init__(
+        self, engine_id: str, role: Role | str = Role.MIXED, config: EngineConfig | None = None
+    ) -> None:
+        self.engine_id = engine_id
+        self.role = Role(role)
+        self.config = config or EngineConfig()
+        self._core = Core(engine_id, self.role, self.config)
+        self._ids = itertools.count()
+
+    @property
+    def address(self) -> str:
+        """ZMQ endpoint peers pass to :meth:`link` (``tcp://host:port``)."""
+        return self._core.address
+
+    # ---- links --------------------------------------------------------------------------
+    def link(self, peer_id: str, address: str, timeout: float | None = None) -> None:
+        """Connect and authenticate to ``peer_id`` listening at ``address``.
+
+        Blocks until linked; raises LINK_FAILED / AUTH_FAILED. Linking is needed once per
+        pair, from either side: both may then push and pull. Transfers re-link by themselves.
+        """
+        core = self._core
+        wait = timeout if timeout is not None else self.config.link_timeout_s
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def start() -> None:
+            core.sender.addresses[peer_id] = address
+            core.linker.connect(peer_id, address, fut)
+
+        core.call(start)
+        try:
+            fut.result(wait + 1.0)
+        except concurrent.futures.TimeoutError:
+            raise TransferError(
+                StatusCode.LINK_FAILED, f"{peer_id} at {address}: timed out"
+            ) from None
+
+    def unlink(self, peer_id: str) -> None:
+        """Drop every session with ``peer_id``; its transfers fail or time out."""
+        core = self._core
+
+        def stop() -> None:
+            core.sender.addresses.pop(peer_id, None)
+            for table in (core.out_sessions, core.in_sessions):
+                s = table.get(peer_id)
+                if s is not None:
+                    core.send(s, "bye", wire.encode("bye", s.token))
+                    core.linker.drop(s, "unlink")
+
+        core.call_wait(stop, self.config.link_timeout_s)
+
+    def peers(self) -> list[str]:
+        """Ids of peers with a live session."""
+        core = self._core
+        return sorted({*core.out_sessions, *core.in_sessions})
+
+    # ---- regions and reservations -------------------------------------------------------
+    def register_region(self, region: KVRegion) -> None:
+        """Make ``region`` available for pushes (as destination) and pulls (as source)."""
+        core = self._core
+
+        def add() -> None:
+            if region.name in core.regions:
+                raise TransferError(StatusCode.PARAM_INVALID, f"region {region.name!r} exists")
+            core.regions[region.name] = region
+            core.ledger.add_region(region)
+            core.linker.announce_regions()
+
+        core.call_wait(add, 10.0)
+
+    def region(self, name: str = "kv") -> KVRegion:
+        """A registered region."""
+        try:
+            return self._core.regions[name]
+        except KeyError:
+            raise TransferError(StatusCode.KV_CACHE_NOT_EXIST, f"no region {name!r}") from None
+
+    def reserve(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        *,
+        region: str = "kv",
+        layers: tuple[int, int] | None = None,
+        timeout_s: float | None = None,
+        callback: Callback | None = None,
+    ) -> TransferHandle:
+        """Accept pushes for ``request_id`` into ``block_ids`` (decode side).
+
+        Returns a ``kind="recv"`` handle: ``handle.blocks`` (a :class:`RemoteBlocks`) is what
+        the sender needs; the handle is DONE when every layer in ``layers`` (default: all)
+        has been committed, TIMED_OUT after ``timeout_s`` (then late writes are refused).
+        """
+        reg = self.region(region)
+        handle = TransferHandle(f"{self.engine_id}/recv/{request_id}", "recv", "", request_id)
+        handle._cancel = self._release_handle
+        if callback is not None:
+            handle.add_done_callback(callback)
+        deadline = time.monotonic() + (timeout_s or self.config.transfer_timeout_s)
+        self._core.ledger.reserve(
+            reg, request_id, list(block_ids), range(*self._layers(reg, layers)), handle, deadline
+        )
+        handle.nbytes = len(block_ids) * reg.block_bytes * len(reg.tensor_range(layers))
+        return handle
+
+    def _release_handle(self, handle: TransferHandle) -> None:
+        self.release(handle.request_id)
+
+    def release(self, request_id: str) -> float:
+        """Free a reservation (after use, timeout or abort); late writes are refused.
+
+        Returns seconds until its blocks may be reused: 0.0, unless a direct (shared-memory)
+        writer still holds a grant on them.
+        """
+        core = self._core
+        res, wait = core.ledger.release(request_id)
+        if res is not None:
+            err = TransferError(StatusCode.CANCELLED, f"request {request_id!r} released")
+
+            def drop() -> None:
+                core.receiver.release(res)
+                core.finish(res.handle, TransferState.CANCELLED, err)
+
+            core.call(drop)
+        return wait
+
+    # ---- transfers ----------------------------------------------------------------------
+    def push_blocks(
+        self,
+        peer: str,
+        src_blocks: Sequence[int],
+        dst: RemoteBlocks,
+        *,
+        layers: tuple[int, int] | None = None,
+        region: str = "kv",
+        num_tokens: int | None = None,
+        transfer_id: str | None = None,
+        transport: str | None = None,
+        checksum: bool | str | None = None,
+        timeout_s: float | None = None,
+        lease_s: float | None = None,
+        callback: Callback | None = None,
+    ) -> TransferHandle:
+        """Copy our blocks ``src_blocks`` (layers ``[l0, l1)``) into the peer's ``dst``.
+
+        Returns at once. Keep the source blocks until the handle is terminal; ``released``
+        then says whether the ACK or the lease ended the hold. ``transfer_id`` makes the push
+        idempotent across caller retries; ``checksum`` overrides the configured default
+        (True/False or an algorithm name); ``transport`` forces one (``"tcp"``, ``"shm"``).
+        """
+        reg = self.region(region)
+        src = list(src_blocks)
+        reg.check_blocks(src, "source")
+        l0, l1 = self._layers(reg, layers)
+        if not src:
+            raise TransferError(StatusCode.PARAM_INVALID, "no source blocks")
+        ntok = num_tokens if num_tokens is not None else len(src) * reg.block_size
+        if not 0 < ntok <= len(src) * reg.block_size:
+            raise TransferError(
+                StatusCode.PARAM_INVALID, f"num_tokens={ntok} for {len(src)} blocks"
+            )
+        xid = transfer_id or f"{self.engine_id}/{dst.request_id}/{l0}-{l1}/{next(self._ids)}"
+        nbytes = len(src) * reg.block_bytes * len(reg.tensor_range((l0, l1)))
+        handle = TransferHandle(xid, "push", peer, dst.request_id, nbytes=nbytes)
+        handle._cancel = lambda h: self._core.call(lambda: self._core.sender.cancel(h))
+        if callback is not None:
+            handle.add_done_callback(callback)
+        algo: str | None
+        if checksum is None:
+            algo = None
+        elif checksum is False:
+            algo = "off"
+        elif checksum is True:
+            algo = self.config.checksum_algo
+        else:
+            algo = checksum
+        now = time.monotonic()
+        deadline = now + (timeout_s or self.config.transfer_timeout_s)
+        lease = now + (lease_s or self.config.lease_s)
+        ot = OutTransfer(
+            handle,
+            reg,
+            torch.tensor(src, dtype=torch.long),
+            dst,
+            (l0, l1),
+            ntok,
+            algo,
+            transport,
+            deadline,
+            lease,
+        )
+        self._core.call(lambda: self._core.sender.start(ot))
+        return handle
+
+    def pull_blocks(
+        self,
+        peer: str,
+        src_blocks: Sequence[int],
+        dst: RemoteBlocks,
+        *,
+        src_region: str = "kv",
+        layers: tuple[int, int] | None = None,
+        num_tokens: int | None = None,
+        transfer_id: str | None = None,
+        timeout_s: float | None = None,
+        callback: Callback | None = None,
+    ) -> TransferHandle:
+        """Fetch the peer's blocks ``src_blocks`` into our reservation ``dst``.
+
+        ``dst`` comes from our own :meth:`reserve`. The peer serves the pull as a push (with
+        its own lease on the source blocks); the handle is DONE once the data committed here.
+        """
+        core = self._core
+        reg = self.region(dst.region)
+        l0, l1 = self._layers(reg, layers)
+        xid = transfer_id or f"{self.engine_id}/pull/{dst.request_id}/{l0}-{l1}/{next(self._ids)}"
+        ttl = timeout_s or self.config.transfer_timeout_s
+        nbytes = len(src_blocks) * reg.block_bytes * len(reg.tensor_range((l0, l1)))
+        handle = TransferHandle(xid, "pull", peer, dst.request_id, nbytes=nbytes, blocks=dst)
+        if callback is not None:
+            handle.add_done_callback(callback)
+        fields: dict[str, Any] = {
+            "x": xid,
+            "rid": dst.request_id,
+            "ep": dst.epoch,
+            "reg": dst.region,
+            "dst": list(dst.block_ids),
+            "sreg": src_region,
+            "src": list(src_blocks),
+            "lay": [l0, l1],
+            "ntok": num_tokens,
+            "ttl": float(ttl),
+        }
+        now = time.monotonic()
+        pull = PendingPull(handle, fields, now + ttl, now + self.config.ack_timeout_s)
+
+        def start() -> None:
+            session = core.session_for(peer)
+            if session is None:
+                core.finish(
+                    handle,
+                    TransferState.FAILED,
+                    TransferError(StatusCode.NOT_LINKED, f"no link to {peer!r}"),
+                )
+                return
+            core.receiver.start_pull(session, pull)
+
+        core.call(start)
+        return handle
+
+    # ---- progress, metrics, lifecycle ---------------------------------------------------
+    def progress(self) -> list[TransferHandle]:
+        """Handles that finished since the last call; runs their callbacks here. Non-blocking."""
+        done = []
+        completed = self._core.completed
+        while completed:
+            handle = completed.popleft()
+            handle._run_callbacks()
+            done.append(handle)
+        return done
+
+    poll = progress
+
+    def metrics(self) -> dict[str, Any]:
+        """Snapshot for the Prometheus exporter (plain dicts and numbers)."""
+        core = self._core
+        return core.metrics.snapshot(
+            engine_id=self.engine_id,
+            peers=len(self.peers()),
+            transfers_active=len(core.sender.active) + len(core.receiver.active),
+            held_blocks=sum(core.sender.held_blocks().values()),
+            reserved_blocks=sum(core.ledger.reserved_blocks().values()),
+        )
+
+    def held_blocks(self) -> dict[str, int]:
+        """Source blocks still held by unfinished sends, per region (0 when idle)."""
+        return self._core.call_wait(self._core.sender.held_blocks, 10.0)
+
+    def reserved_blocks(self) -> dict[str, int]:
+        """Destination blocks still reserved, per region (0 after every release)."""
+        return self._core.ledger.reserved_blocks()
+
+    def close(self, close_regions: bool = True) -> None:
+        """Stop the engine; unfinished handles fail with ENGINE_CLOSED."""
+        core = self._core
+        if core.closing:
+            return
+        core.call(lambda: setattr(core, "closing", True))
+        core.thread.join(10.0)
+        self.progress()
+        if close_regions:
+            for region in core.regions.values():
+                region.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _layers(reg: KVRegion, layers: tuple[int, int] | None) -> tuple[int, int]:
+        rng = reg.tensor_range(layers)
+        tpl = reg.tensors_per_layer
+        return rng.start // tpl, rng.stop // tpl

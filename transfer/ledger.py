@@ -1,0 +1,173 @@
+"""Receiver-side bookkeeping: reserved destination blocks, their epochs, and seen transfers.
+
+Every reservation gets a fresh, never reused epoch. Each destination block records the epoch
+of the reservation that owns it (0 = free, -1 = owned but dead after a timeout), so a write
+is accepted only while ``owner[block] == epoch`` for every block it touches: a late or
+duplicate transfer can never land in blocks that were released and handed to another request.
+
+Direct (shared-memory) writers are granted a bounded time window; releasing blocks while a
+grant is open fences them until the grant ends (:meth:`Ledger.release` says how long).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from transfer.errors import StatusCode, TransferError
+from transfer.handle import RemoteBlocks, TransferHandle
+from transfer.region import KVRegion
+
+FREE = 0
+DEAD = -1
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Destination blocks of one request, waiting for the layers in ``expected``."""
+
+    blocks: RemoteBlocks
+    handle: TransferHandle
+    expected: frozenset[int]
+    deadline: float
+    layers_done: set[int] = field(default_factory=set)
+    alive: bool = True
+
+
+class Ledger:
+    """Reservations, epochs, grants and committed transfer ids (thread-safe)."""
+
+    def __init__(self, dedup_capacity: int) -> None:
+        self.lock = threading.RLock()
+        self._owner: dict[str, np.ndarray] = {}
+        self._fence: dict[str, np.ndarray] = {}
+        self._next_epoch = 1
+        self.by_request: dict[str, Reservation] = {}
+        self.grants: dict[str, tuple[str, list[int], float]] = {}
+        self.committed: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._capacity = dedup_capacity
+
+    def add_region(self, region: KVRegion) -> None:
+        """Start tracking the blocks of a newly registered region."""
+        with self.lock:
+            self._owner[region.name] = np.zeros(region.num_blocks, dtype=np.int64)
+            self._fence[region.name] = np.zeros(region.num_blocks, dtype=np.float64)
+
+    def reserve(
+        self,
+        region: KVRegion,
+        request_id: str,
+        block_ids: list[int],
+        layers: range,
+        handle: TransferHandle,
+        deadline: float,
+    ) -> Reservation:
+        """Own ``block_ids`` for ``request_id`` under a fresh epoch."""
+        region.check_blocks(block_ids, "destination")
+        ids = np.asarray(block_ids, dtype=np.int64)
+        with self.lock:
+            if request_id in self.by_request:
+                raise TransferError(
+                    StatusCode.REPEAT_REQUEST, f"request {request_id!r} already has a reservation"
+                )
+            owner, fence = self._owner[region.name], self._fence[region.name]
+            busy = ids[owner[ids] != FREE]
+            if busy.size:
+                raise TransferError(
+                    StatusCode.PARAM_INVALID,
+                    f"blocks {busy[:8].tolist()} of {region.name!r} are reserved by another "
+                    "request; release it first",
+                )
+            fenced = float(fence[ids].max(initial=0.0)) - time.monotonic()
+            if fenced > 0:
+                raise TransferError(
+                    StatusCode.PARAM_INVALID,
+                    f"blocks of {region.name!r} are fenced for {fenced:.3f}s more by a direct "
+                    "write grant of a released request; reserve them after that",
+                )
+            epoch = self._next_epoch
+            self._next_epoch += 1
+            owner[ids] = epoch
+            blocks = RemoteBlocks(request_id, epoch, tuple(block_ids), region.name)
+            handle.blocks = blocks
+            res = Reservation(blocks, handle, frozenset(layers), deadline)
+            self.by_request[request_id] = res
+            return res
+
+    def check(self, region: str, request_id: str, epoch: int, ids: np.ndarray) -> Reservation:
+        """The live reservation that ``(request_id, epoch)`` names, or STALE_EPOCH."""
+        with self.lock:
+            res = self.by_request.get(request_id)
+            owner = self._owner.get(region)
+            if owner is None:
+                raise TransferError(StatusCode.KV_CACHE_NOT_EXIST, f"no region {region!r}")
+            if res is None or res.blocks.epoch != epoch or not res.alive:
+                raise TransferError(
+                    StatusCode.STALE_EPOCH,
+                    f"request {request_id!r} epoch {epoch} is not a live reservation here",
+                )
+            if ids.size and (ids.max() >= owner.size or not bool((owner[ids] == epoch).all())):
+                raise TransferError(
+                    StatusCode.STALE_EPOCH,
+                    f"blocks of {request_id!r} changed owner (epoch {epoch})",
+                )
+            return res
+
+    def kill(self, res: Reservation) -> None:
+        """Keep the blocks owned but refuse every further write (after a timeout)."""
+        with self.lock:
+            res.alive = False
+            owner = self._owner[res.blocks.region]
+            ids = np.asarray(res.blocks.block_ids, dtype=np.int64)
+            owner[ids[owner[ids] == res.blocks.epoch]] = DEAD
+
+    def release(self, request_id: str) -> tuple[Reservation | None, float]:
+        """Free the request's blocks; returns it and seconds until they may be reused."""
+        now = time.monotonic()
+        with self.lock:
+            res = self.by_request.pop(request_id, None)
+            if res is None:
+                return None, 0.0
+            res.alive = False
+            region = res.blocks.region
+            ids = np.asarray(res.blocks.block_ids, dtype=np.int64)
+            owner = self._owner[region]
+            owner[ids] = FREE
+            wait = 0.0
+            for _xid, (g_region, g_ids, until) in self.grants.items():
+                if g_region == region and until > now and set(g_ids) & set(res.blocks.block_ids):
+                    fence = self._fence[region]
+                    fence[ids] = np.maximum(fence[ids], until)
+                    wait = max(wait, until - now)
+            return res, wait
+
+    def grant(self, xid: str, region: str, ids: list[int], until: float) -> None:
+        """Record a direct-write window on ``ids``."""
+        with self.lock:
+            self.grants[xid] = (region, ids, until)
+
+    def end_grant(self, xid: str) -> None:
+        """The direct writer is done (or gone)."""
+        with self.lock:
+            self.grants.pop(xid, None)
+
+    def commit(
+        self, xid: str, fingerprint: tuple[str, int], res: Reservation, layers: range
+    ) -> bool:
+        """Remember ``xid`` as applied; mark layers received. True if the request is complete."""
+        with self.lock:
+            self.committed[xid] = fingerprint
+            while len(self.committed) > self._capacity:
+                self.committed.popitem(last=False)
+            self.grants.pop(xid, None)
+            res.layers_done.update(layers)
+            return res.expected <= res.layers_done
+
+    def reserved_blocks(self) -> dict[str, int]:
+        """Blocks currently owned by reservations, per region (for leak checks)."""
+        with self.lock:
+            return {name: int((owner != FREE).sum()) for name, owner in self._owner.items()}

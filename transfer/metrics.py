@@ -1,0 +1,95 @@
+"""Transfer metrics: plain counters per transport, snapshotted as a dict for Prometheus.
+
+The engine's I/O thread is the only writer; :meth:`Metrics.snapshot` copies under a lock so
+the serving layer can read from any thread. Names follow Prometheus conventions (``_total``
+for counters, ``_seconds`` / ``_bytes`` units) so the exporter can map them one to one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: Upper bounds (seconds) of the transfer latency histogram buckets.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
+
+
+@dataclass(slots=True)
+class TransportMetrics:
+    """Counters of one transport (``local``, ``shm``, ``tcp``, ``cuda_ipc``)."""
+
+    bytes_sent_total: int = 0
+    bytes_received_total: int = 0
+    transfers_started_total: int = 0
+    transfers_done_total: int = 0
+    transfers_failed_total: int = 0
+    transfers_timed_out_total: int = 0
+    #: Incoming transfers verified and committed (receiver side).
+    transfers_received_total: int = 0
+    retries_total: int = 0
+    relinks_total: int = 0
+    checksum_failures_total: int = 0
+    lease_expiries_total: int = 0
+    duplicates_total: int = 0
+    stale_epoch_rejections_total: int = 0
+    latency_seconds_sum: float = 0.0
+    latency_seconds_count: int = 0
+    latency_seconds_max: float = 0.0
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
+    #: Throughput of the most recent completed send (bytes / latency), in GB/s.
+    last_gbps: float = 0.0
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """Record one completed transfer."""
+        self.latency_seconds_sum += seconds
+        self.latency_seconds_count += 1
+        self.latency_seconds_max = max(self.latency_seconds_max, seconds)
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.latency_buckets[i] += 1
+        if seconds > 0:
+            self.last_gbps = nbytes / seconds / 1e9
+
+
+@dataclass(slots=True)
+class Metrics:
+    """All metrics of one engine."""
+
+    transports: dict[str, TransportMetrics] = field(default_factory=dict)
+    #: Frames rejected before use, by reason (malformed, oversized, unauthenticated, ...).
+    frames_rejected: Counter[str] = field(default_factory=Counter)
+    links_total: int = 0
+    link_failures_total: int = 0
+    auth_failures_total: int = 0
+    faults_injected_total: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def of(self, transport: str) -> TransportMetrics:
+        """Counters of ``transport`` (created on first use)."""
+        tm = self.transports.get(transport)
+        if tm is None:
+            with self.lock:
+                tm = self.transports.setdefault(transport, TransportMetrics())
+        return tm
+
+    def reject(self, reason: str) -> None:
+        """Count one rejected frame."""
+        with self.lock:
+            self.frames_rejected[reason] += 1
+
+    def snapshot(self, **gauges: Any) -> dict[str, Any]:
+        """A deep copy as plain dicts and numbers, plus the given gauges."""
+        with self.lock:
+            return {
+                "transports": {name: asdict(tm) for name, tm in self.transports.items()},
+                "frames_rejected": dict(self.frames_rejected),
+                "frames_rejected_total": sum(self.frames_rejected.values()),
+                "links_total": self.links_total,
+                "link_failures_total": self.link_failures_total,
+                "auth_failures_total": self.auth_failures_total,
+                "faults_injected_total": self.faults_injected_total,
+                "latency_bucket_bounds": list(LATENCY_BUCKETS),
+                **gauges,
+            }

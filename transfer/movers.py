@@ -1,0 +1,130 @@
+"""Outgoing transfer state and the code that moves its bytes (stream frames, direct copies).
+
+:mod:`transfer.sender` decides *when* (attempts, retries, ACKs); this module decides *how*
+the bytes of one attempt go out, a bounded slice per call so the I/O loop stays responsive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import zmq
+
+from transfer import checksum, layout, wire
+from transfer.devices import to_host
+from transfer.errors import TransferError
+from transfer.handle import RemoteBlocks, TransferHandle, TransferState
+from transfer.region import KVRegion
+from transfer.session import Session
+
+if TYPE_CHECKING:
+    from transfer.core import Core
+
+#: Bytes moved per transfer per loop iteration before polling the sockets again.
+PUMP_BYTES = 16 << 20
+#: Zero-copy bytes a stream transfer may have queued in ZMQ at once.
+WINDOW_BYTES = 64 << 20
+
+
+@dataclass(slots=True, eq=False)
+class OutTransfer:
+    """State of one outgoing transfer (all attempts)."""
+
+    handle: TransferHandle
+    region: KVRegion
+    src_ids: torch.Tensor
+    dst: RemoteBlocks
+    layers: tuple[int, int]
+    num_tokens: int
+    requested_algo: str | None
+    forced: str | None
+    deadline: float
+    lease_until: float
+    transport: str = ""
+    session: Session | None = None
+    algo: str | None = None
+    chunks: list[layout.Chunk] = field(default_factory=list)
+    bpc: int = 1
+    queue: deque[int] = field(default_factory=deque)
+    phase: str = "link"
+    attempt_until: float = 0.0
+    retry_at: float = 0.0
+    grant_until: float = 0.0
+    dst_tensors: list[torch.Tensor] | None = None
+    trackers: deque[tuple[zmq.MessageTracker, int]] = field(default_factory=deque)
+    closing: tuple[TransferState, TransferError | None, str] | None = None
+    last_error: TransferError | None = None
+
+    @property
+    def inflight(self) -> int:
+        """Bytes handed to ZMQ zero-copy and not yet released by it."""
+        while self.trackers and self.trackers[0][0].done:
+            self.trackers.popleft()
+        return sum(n for _, n in self.trackers)
+
+
+def pump_stream(core: Core, ot: OutTransfer) -> bool:
+    """Send a bounded slice of chunks; True once every chunk has been handed to ZMQ."""
+    session = ot.session
+    assert session is not None
+    safe_views = core.injector is None
+    moved = 0
+    while ot.queue and moved < PUMP_BYTES and ot.inflight < WINDOW_BYTES:
+        seq = ot.queue[0]
+        c = ot.chunks[seq]
+        data = layout.gather(ot.region.tensors[c.ti], ot.src_ids[c.lo : c.hi])
+        if not safe_views and data.device.type == "cpu":
+            data = data.clone()
+        host = to_host(data)
+        buf = layout.as_bytes(host)
+        digest = checksum.digest(ot.algo, buf) if ot.algo else None
+        header = wire.encode(
+            "data",
+            session.token,
+            x=ot.handle.transfer_id,
+            s=seq,
+            ti=c.ti,
+            lo=c.lo,
+            hi=c.hi,
+            d=digest,
+        )
+        sent = core.send(session, "data", header, buf, track=safe_views)
+        if sent is False:
+            return False  # not connected (yet): the attempt timer decides
+        if isinstance(sent, zmq.MessageTracker):
+            ot.trackers.append((sent, len(buf)))
+        ot.queue.popleft()
+        moved += len(buf)
+        core.metrics.of(ot.transport).bytes_sent_total += len(buf)
+        if ot.phase != "send":
+            return False  # the session went away under a fault; the attempt timer decides
+    return not ot.queue
+
+
+def pump_direct(core: Core, ot: OutTransfer) -> list[int] | None:
+    """Copy a bounded slice into the mapped destination; digests ([] if off) once done."""
+    session = ot.session
+    assert session is not None and ot.dst_tensors is not None
+    dst_ids = torch.tensor(ot.dst.block_ids, dtype=torch.long)
+    moved = 0
+    while ot.queue and moved < PUMP_BYTES:
+        if time.monotonic() > ot.grant_until:
+            return None  # the caller notices the expired grant
+        c = ot.chunks[ot.queue.popleft()]
+        data = layout.gather(ot.region.tensors[c.ti], ot.src_ids[c.lo : c.hi])
+        layout.scatter(
+            ot.dst_tensors[c.ti], dst_ids, data, c.lo, ot.region.block_size, ot.num_tokens
+        )
+        nbytes = data.numel() * data.element_size()
+        moved += nbytes
+        core.metrics.of(ot.transport).bytes_sent_total += nbytes
+    if ot.queue:
+        return None
+    if not ot.algo:
+        return []
+    tensors = ot.region.tensor_range(ot.layers)
+    return [layout.digest_blocks(ot.algo, ot.dst_tensors[ti], dst_ids) for ti in tensors]

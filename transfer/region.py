@@ -1,0 +1,215 @@
+"""KV cache regions: the per-layer tensors a worker registers with its engine.
+
+A region is a list of tensors that all share a leading block dimension::
+
+    tensors = [K_0, V_0, K_1, V_1, ..., K_{L-1}, V_{L-1}]     (tensors_per_layer = 2)
+    each:  [num_blocks, block_size, num_kv_heads, head_dim]   (any inner shape works)
+
+Layer ``l`` owns tensors ``l*tpl .. l*tpl+tpl-1``; a layer range ``[l0, l1)`` selects a
+contiguous run of tensors, which is what layer-by-layer streaming sends.
+
+A region allocated with ``shared=True`` lives in files under ``/dev/shm`` so that a sender
+on the same host can map it and write the destination blocks directly (one copy).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import shutil
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from transfer.errors import StatusCode, TransferError
+
+SHM_ROOT = "/dev/shm"
+
+_DTYPES = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    )
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Wire name of a dtype (``"float16"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`; raises PARAM_INVALID for unsupported names."""
+    dt = _DTYPES.get(name)
+    if dt is None:
+        raise TransferError(StatusCode.PARAM_INVALID, f"unsupported dtype {name!r}")
+    return dt
+
+
+@dataclass(slots=True)
+class KVRegion:
+    """A registered KV cache: ``tensors`` all ``[num_blocks, block_size, *inner]``."""
+
+    name: str
+    tensors: list[torch.Tensor]
+    tensors_per_layer: int = 2
+    shm_paths: list[str] | None = None
+    _shm_dir: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.tensors or len(self.tensors) % self.tensors_per_layer:
+            raise TransferError(
+                StatusCode.PARAM_INVALID,
+                f"region {self.name!r}: {len(self.tensors)} tensors is not a multiple of "
+                f"tensors_per_layer={self.tensors_per_layer}",
+            )
+        first = self.tensors[0]
+        if first.dim() < 2:
+            raise TransferError(StatusCode.PARAM_INVALID, "region tensors need [blocks, ...]")
+        for i, t in enumerate(self.tensors):
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise TransferError(
+                    StatusCode.PARAM_INVALID,
+                    f"region {self.name!r}: tensor {i} is {tuple(t.shape)} {t.dtype} on "
+                    f"{t.device}, tensor 0 is {tuple(first.shape)} {first.dtype} on {first.device}",
+                )
+            if not t.is_contiguous():
+                raise TransferError(StatusCode.PARAM_INVALID, f"region tensor {i} not contiguous")
+
+    @classmethod
+    def allocate(
+        cls,
+        name: str,
+        num_layers: int,
+        num_blocks: int,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        *,
+        tensors_per_layer: int = 2,
+        device: str | torch.device = "cpu",
+        shared: bool = False,
+    ) -> KVRegion:
+        """Allocate zeroed tensors; ``block_shape`` is ``(block_size, *inner)``.
+
+        ``shared=True`` (CPU only) backs each tensor with a file in ``/dev/shm`` that peers on
+        this host may map; :meth:`close` removes the files.
+        """
+        shape = (num_blocks, *block_shape)
+        count = num_layers * tensors_per_layer
+        if not shared:
+            tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+            return cls(name, tensors, tensors_per_layer)
+        if torch.device(device).type != "cpu":
+            raise TransferError(StatusCode.PARAM_INVALID, "shared regions must be on the CPU")
+        sweep_stale_shm()
+        root = os.path.join(SHM_ROOT, f"hetero_pd-{os.getpid()}-{secrets.token_hex(4)}")
+        os.makedirs(root, mode=0o700)
+        paths = [os.path.join(root, f"{name}.{i}") for i in range(count)]
+        numel = math.prod(shape)
+        tensors = []
+        for path in paths:
+            t = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+            t.zero_()  # fault the pages in now, not during the first transfer
+            tensors.append(t)
+        return cls(name, tensors, tensors_per_layer, paths, root)
+
+    @property
+    def num_layers(self) -> int:
+        """Number of layers (tensors // tensors_per_layer)."""
+        return len(self.tensors) // self.tensors_per_layer
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per tensor."""
+        return int(self.tensors[0].shape[0])
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block (dimension 1)."""
+        return int(self.tensors[0].shape[1])
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block of one tensor, ``(block_size, *inner)``."""
+        return tuple(self.tensors[0].shape[1:])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Element type."""
+        return self.tensors[0].dtype
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one tensor."""
+        return self.tensors[0][0].numel() * self.tensors[0].element_size()
+
+    def tensor_range(self, layers: tuple[int, int] | None) -> range:
+        """Tensor indices covering ``layers`` (all when None); validates the range."""
+        l0, l1 = layers if layers is not None else (0, self.num_layers)
+        if not 0 <= l0 < l1 <= self.num_layers:
+            raise TransferError(
+                StatusCode.PARAM_INVALID,
+                f"layer range [{l0}, {l1}) outside region {self.name!r} with {self.num_layers}",
+            )
+        return range(l0 * self.tensors_per_layer, l1 * self.tensors_per_layer)
+
+    def check_blocks(self, ids: list[int], what: str) -> None:
+        """Raise KV_CACHE_NOT_EXIST unless every id is a valid block index."""
+        bad = [i for i in ids if not 0 <= i < self.num_blocks]
+        if bad:
+            raise TransferError(
+                StatusCode.KV_CACHE_NOT_EXIST,
+                f"{what} block ids {bad[:8]} outside region {self.name!r} "
+                f"(0..{self.num_blocks - 1})",
+            )
+
+    def describe(self) -> dict[str, Any]:
+        """Wire description sent to peers when linking."""
+        return {
+            "name": self.name,
+            "nl": self.num_layers,
+            "tpl": self.tensors_per_layer,
+            "nb": self.num_blocks,
+            "shape": list(self.block_shape),
+            "dt": dtype_name(self.dtype),
+            "dev": self.tensors[0].device.type,
+            "paths": self.shm_paths,
+        }
+
+    def close(self) -> None:
+        """Remove the shared-memory files (mappings stay valid until dropped)."""
+        if self._shm_dir is not None:
+            shutil.rmtree(self._shm_dir, ignore_errors=True)
+            self._shm_dir = None
+
+
+def sweep_stale_shm() -> int:
+    """Remove shared regions left in /dev/shm by processes that died; returns how many."""
+    removed = 0
+    try:
+        names = os.listdir(SHM_ROOT)
+    except OSError:
+        return 0
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "hetero_pd" or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(SHM_ROOT, name), ignore_errors=True)
+            removed += 1
+        except PermissionError:
+            continue  # alive, owned by someone else
+    return removed

@@ -1,0 +1,50 @@
+"""Peers: authenticated sessions and the outbound links that establish them."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+
+@dataclass(slots=True, eq=False)
+class Link:
+    """An outbound connection (a DEALER socket) and its handshake state."""
+
+    peer_id: str
+    address: str
+    socket: zmq.Socket[bytes]
+    nonce: bytes
+    deadline: float
+    waiters: list[concurrent.futures.Future[None]] = field(default_factory=list)
+    session: Session | None = None
+    peer_hello: dict[str, Any] | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    """An authenticated peer. Frames both ways carry ``token``.
+
+    Outbound sessions (we linked) send on ``link.socket``; inbound ones (the peer linked to
+    us) send through our ROUTER to ``identity``. Either kind may push, pull and ACK.
+    """
+
+    peer_id: str
+    role: str
+    host: str
+    pid: int
+    regions: dict[str, dict[str, Any]]
+    token: bytes
+    identity: bytes | None = None
+    link: Link | None = None
+    alive: bool = True
+    #: Destination tensors of the peer's regions opened by a direct transport (shm, local).
+    mapped: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def outbound(self) -> bool:
+        """True when we initiated the link (and so can re-link)."""
+        return self.link is not None

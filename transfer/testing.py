@@ -1,0 +1,200 @@
+"""A transfer engine in a child process, driven over a pipe: for tests and the benchmark.
+
+The control channel carries msgpack bytes (never pickles). The child owns one engine and one
+region filled with deterministic data; :class:`PeerProcess` is the parent's handle to it and
+always kills the child on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import multiprocessing as mp
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgpack
+import torch
+
+from transfer import layout
+from transfer.config import EngineConfig, RetryPolicy
+from transfer.engine import TransferEngine
+from transfer.faults import FaultPlan, FaultRule
+from transfer.handle import RemoteBlocks, TransferHandle
+from transfer.region import KVRegion, parse_dtype
+
+
+def fill(region: KVRegion, seed: int) -> None:
+    """Deterministic contents, different per tensor and block."""
+    gen = torch.Generator().manual_seed(seed)
+    for t in region.tensors:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+
+
+def blocks_digest(region: KVRegion, ids: list[int], layers: tuple[int, int] | None = None) -> str:
+    """SHA-256 over blocks ``ids`` of every tensor in ``layers`` (for equality checks)."""
+    h = hashlib.sha256()
+    index = torch.tensor(ids, dtype=torch.long)
+    for ti in region.tensor_range(layers):
+        h.update(layout.as_bytes(region.tensors[ti].index_select(0, index).contiguous()))
+    return h.hexdigest()
+
+
+def make_config(spec: dict[str, Any]) -> EngineConfig:
+    """EngineConfig from plain values (faults as a list of rule dicts)."""
+    spec = dict(spec)
+    faults = spec.pop("faults", None)
+    retry = spec.pop("retry", None)
+    if "secret" in spec and isinstance(spec["secret"], str):
+        spec["secret"] = spec["secret"].encode()
+    if "transports" in spec:
+        spec["transports"] = tuple(spec["transports"])
+    if faults:
+        spec["faults"] = FaultPlan(tuple(FaultRule(**r) for r in faults))
+    if retry:
+        spec["retry"] = RetryPolicy(**retry)
+    return EngineConfig(**spec)
+
+
+def _outcome(h: TransferHandle) -> dict[str, Any]:
+    return {
+        "state": h.state.value,
+        "code": h.error.code.name if h.error else None,
+        "released": h.released,
+        "attempts": h.attempts,
+    }
+
+
+def _serve(
+    conn: Connection, engine_id: str, config: dict[str, Any], region: dict[str, Any]
+) -> None:
+    torch.set_num_threads(1)
+    engine = TransferEngine(engine_id, "mixed", make_config(config))
+    reg = KVRegion.allocate(
+        "kv",
+        region["layers"],
+        region["blocks"],
+        tuple(region["block_shape"]),
+        parse_dtype(region.get("dtype", "float32")),
+        shared=region.get("shared", True),
+    )
+    fill(reg, region.get("seed", 1))
+    engine.register_region(reg)
+    handles: dict[str, TransferHandle] = {}
+    conn.send_bytes(msgpack.packb({"address": engine.address}))
+    try:
+        while True:
+            cmd = msgpack.unpackb(conn.recv_bytes())
+            if cmd["op"] == "stop":
+                break
+            try:
+                out = _command(engine, reg, handles, cmd)
+            except Exception as exc:  # reported to the parent, which raises it
+                conn.send_bytes(msgpack.packb({"ok": False, "error": repr(exc)}))
+                continue
+            engine.progress()
+            conn.send_bytes(msgpack.packb({"ok": True, "out": out}))
+    except EOFError:
+        pass
+    finally:
+        engine.close()
+
+
+def _command(
+    engine: TransferEngine, reg: KVRegion, handles: dict[str, TransferHandle], cmd: dict[str, Any]
+) -> Any:
+    op = cmd.pop("op")
+    out: Any = None
+    if op == "link":
+        engine.link(cmd["peer"], cmd["address"])
+    elif op == "reserve":
+        h = engine.reserve(cmd["rid"], cmd["ids"], timeout_s=cmd.get("timeout"))
+        handles[cmd["rid"]] = h
+        assert h.blocks is not None
+        out = h.blocks.to_wire()
+    elif op == "wait":
+        h = handles[cmd["rid"]]
+        h.wait(cmd["timeout"])
+        out = _outcome(h)
+    elif op == "release":
+        engine.release(cmd["rid"])
+    elif op == "push":
+        dst = RemoteBlocks.from_wire(cmd.pop("dst"))
+        lay = cmd.pop("layers", None)
+        h = engine.push_blocks(
+            cmd.pop("peer"), cmd.pop("src"), dst, layers=tuple(lay) if lay else None, **cmd
+        )
+        handles[h.transfer_id] = h
+        out = h.transfer_id
+    elif op == "wait_push":
+        h = handles[cmd["xid"]]
+        h.wait(cmd["timeout"])
+        out = _outcome(h)
+    elif op == "digest":
+        out = blocks_digest(reg, cmd["ids"], tuple(cmd["layers"]) if cmd.get("layers") else None)
+    elif op == "zero":
+        for t in reg.tensors:
+            t.zero_()
+    elif op == "counts":
+        out = {
+            "held": sum(engine.held_blocks().values()),
+            "reserved": sum(engine.reserved_blocks().values()),
+            "metrics": engine.metrics(),
+        }
+    return out
+
+
+class PeerProcess:
+    """Parent-side handle of a child engine process (spawned; killed on close)."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        config: dict[str, Any] | None = None,
+        region: dict[str, Any] | None = None,
+        start_timeout: float = 60.0,
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self.engine_id = engine_id
+        self._conn, child = ctx.Pipe()
+        region = region or {"layers": 4, "blocks": 64, "block_shape": [16, 2, 8]}
+        self.process = ctx.Process(
+            target=_serve, args=(child, engine_id, config or {}, region), daemon=True
+        )
+        self.process.start()
+        child.close()
+        self.address: str = self._recv(start_timeout)["address"]
+
+    def _recv(self, timeout: float) -> Any:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"peer {self.engine_id} did not answer within {timeout}s")
+        return msgpack.unpackb(self._conn.recv_bytes())
+
+    def call(self, op: str, call_timeout: float = 30.0, **kwargs: Any) -> Any:
+        """Run one command in the child and return its result (its errors re-raised here)."""
+        self._conn.send_bytes(msgpack.packb({"op": op, **kwargs}))
+        reply = self._recv(call_timeout)
+        if not reply["ok"]:
+            raise RuntimeError(f"peer {self.engine_id}: {op} failed: {reply['error']}")
+        return reply["out"]
+
+    def kill(self) -> None:
+        """SIGKILL the child (simulates a crashed worker)."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+
+    def close(self) -> None:
+        """Stop the child gracefully, killing it if it does not exit quickly."""
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self._conn.send_bytes(msgpack.packb({"op": "stop"}))
+            self.process.join(5)
+        self.kill()
+        self._conn.close()
+
+    def __enter__(self) -> PeerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

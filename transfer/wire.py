@@ -1,0 +1,159 @@
+"""Wire format: one versioned msgpack header per frame, optionally followed by raw bytes.
+
+A frame is a ZMQ multipart message ``[header]`` or ``[header, payload]``. The header is a
+msgpack map with ``v`` (protocol version), ``t`` (message type), ``sid`` (session token,
+empty during the handshake) and the fields listed in :data:`SCHEMAS`. Payloads are raw tensor
+bytes, never pickled objects. :func:`decode` validates every field's type before anything
+else looks at it; whatever does not validate raises :class:`FrameError` with a short reason
+that the engine counts in its metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+VERSION = 1
+MAX_HEADER_BYTES = 1 << 20
+
+_INT = (int,)
+_STR = (str,)
+_BIN = (bytes,)
+_FLOAT = (float, int)
+_LIST = (list,)
+_OPT_INT = (int, type(None))
+_OPT_STR = (str, type(None))
+_OPT_LIST = (list, type(None))
+
+#: Required fields (and their types) per message type, beyond ``v``, ``t`` and ``sid``.
+SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
+    # handshake
+    "hello": {
+        "eid": _STR,
+        "role": _STR,
+        "host": _STR,
+        "pid": _INT,
+        "nonce": _BIN,
+        "regions": _LIST,
+    },
+    "challenge": {
+        "eid": _STR,
+        "role": _STR,
+        "host": _STR,
+        "pid": _INT,
+        "nonce": _BIN,
+        "proof": _BIN,
+        "regions": _LIST,
+    },
+    "auth": {"proof": _BIN},
+    "welcome": {"token": _BIN},
+    "regions": {"regions": _LIST},
+    "bye": {},
+    # transfers
+    "begin": {
+        "x": _STR,
+        "rid": _STR,
+        "ep": _INT,
+        "reg": _STR,
+        "dst": _LIST,
+        "nsrc": _INT,
+        "dt": _STR,
+        "bs": _INT,
+        "tpl": _INT,
+        "shape": _LIST,
+        "lay": _LIST,
+        "ntok": _INT,
+        "nf": _INT,
+        "bpc": _INT,
+        "ck": _OPT_STR,
+        "mode": _STR,
+    },
+    "grant": {"x": _STR, "ttl": _FLOAT},
+    "data": {"x": _STR, "s": _INT, "ti": _INT, "lo": _INT, "hi": _INT, "d": _OPT_INT},
+    "end": {"x": _STR, "nf": _INT, "ds": _OPT_LIST},
+    "ack": {"x": _STR, "code": _INT, "msg": _STR, "bad": _LIST, "dup": (bool,)},
+    "error": {"x": _STR, "code": _INT, "msg": _STR},
+    "pull": {
+        "x": _STR,
+        "rid": _STR,
+        "ep": _INT,
+        "reg": _STR,
+        "dst": _LIST,
+        "sreg": _STR,
+        "src": _LIST,
+        "lay": _OPT_LIST,
+        "ntok": _OPT_INT,
+        "ttl": _FLOAT,
+    },
+}
+
+#: Message types that carry a payload part.
+WITH_PAYLOAD = frozenset({"data"})
+#: Message types accepted from a peer that has not authenticated yet.
+HANDSHAKE = frozenset({"hello", "challenge", "auth", "welcome"})
+
+
+class FrameError(Exception):
+    """A frame that must be rejected; ``reason`` is a short metric label."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def encode(msg_type: str, sid: bytes = b"", **fields: Any) -> bytes:
+    """Serialize one header. Field names must match :data:`SCHEMAS` (checked in tests)."""
+    return msgpack.packb({"v": VERSION, "t": msg_type, "sid": sid, **fields}, use_bin_type=True)
+
+
+def decode(raw: bytes | memoryview, nparts: int) -> tuple[str, dict[str, Any]]:
+    """Parse and validate a header; ``nparts`` is the number of parts in the message."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise FrameError("oversized_header", f"{len(raw)} bytes")
+    try:
+        obj = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=1 << 16,
+            max_str_len=1 << 12,
+            max_array_len=1 << 20,
+            max_map_len=64,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types on garbage; all mean "malformed"
+        raise FrameError("malformed", type(exc).__name__) from None
+    if not isinstance(obj, dict):
+        raise FrameError("malformed", "header is not a map")
+    if obj.get("v") != VERSION:
+        raise FrameError("bad_version", repr(obj.get("v"))[:40])
+    msg_type = obj.get("t")
+    if not isinstance(msg_type, str) or msg_type not in SCHEMAS:
+        raise FrameError("unknown_type", repr(msg_type)[:40])
+    if not isinstance(obj.get("sid"), bytes):
+        raise FrameError("malformed", "sid")
+    expected_parts = 2 if msg_type in WITH_PAYLOAD else 1
+    if nparts != expected_parts:
+        raise FrameError("bad_parts", f"{msg_type} with {nparts} parts")
+    for name, types in SCHEMAS[msg_type].items():
+        value = obj.get(name, _MISSING)
+        # bool is an int subclass: never accept it where an int is required
+        if (
+            value is _MISSING
+            or not isinstance(value, types)
+            or (isinstance(value, bool) and bool not in types)
+        ):
+            raise FrameError("bad_field", f"{msg_type}.{name}")
+    return msg_type, obj
+
+
+def int_list(value: list[Any], name: str, limit: int | None = None) -> list[int]:
+    """Validate a list of non-negative ints (optionally ``< limit``)."""
+    for item in value:
+        if type(item) is not int or item < 0 or (limit is not None and item >= limit):
+            raise FrameError("bad_field", f"{name} holds {item!r}")
+    return value
+
+
+_MISSING = object()
