@@ -44,15 +44,30 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    rest: list[str] = args.rest
-    if args.what == "offline":
-        from hetero_pd.bench_offline import main as bench_offline
+def _passthrough(command: str, argv: list[str]) -> int:
+    """Commands with their own argument parsers (and their own --help)."""
+    run: Callable[[list[str]], int]
+    if command == "serve":
+        from hetero_pd.serving.serve import main as run
+    elif command == "worker":
+        from hetero_pd.serving.worker import main as run
+    elif argv[:1] == ["offline"]:
+        from hetero_pd.bench_offline import main as run
+    elif argv[:1] == ["serve"]:
+        from hetero_pd.bench.serve import main as run
+    elif argv[:1] == ["transfer"]:
+        from hetero_pd.bench_transfer import main as run
+    else:
+        print("usage: hetero-pd bench {offline,serve,transfer} [--help | options]")
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    return run(argv[1:] if command == "bench" else argv)
 
-        return bench_offline(rest)
-    from hetero_pd.bench_transfer import main as bench_transfer
 
-    return bench_transfer(rest)
+PASSTHROUGH = {
+    "serve": "run a deployment (router + workers) in the foreground: serve CONFIG",
+    "worker": "run one worker process (the launcher starts these)",
+    "bench": "benchmarks: bench offline | serve | transfer",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,18 +99,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("bench", help="benchmarks: offline (engine vs transformers), transfer")
-    p.add_argument("what", choices=["offline", "transfer"])
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
-    p.set_defaults(func=_cmd_bench)
+    for name, text in PASSTHROUGH.items():
+        sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASSTHROUGH:
+        command, rest = argv[0], argv[1:]
+        return _guarded(lambda: _passthrough(command, rest))
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
+    return _guarded(lambda: func(args))
+
+
+def _guarded(run: Callable[[], int]) -> int:
     try:
-        return func(args)
+        return run()
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"hetero-pd: error: {e}", file=sys.stderr)
         return 2

@@ -81,5 +81,6 @@ class EngineConfig:
                 f"unknown engine option(s) {unknown}; allowed: {sorted(names - {'model'})}"
             )
         if isinstance(kwargs.get("dtype"), torch.dtype):
-            kwargs["dtype"] = next(k for k, v in DTYPES.items() if v == kwargs["dtype"])
+            dtype = parse_dtype(kwargs["dtype"])  # a clear error for an unsupported dtype
+            kwargs["dtype"] = next(k for k, v in DTYPES.items() if v == dtype)
         return cls(model=str(model), **kwargs)

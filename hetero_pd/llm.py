@@ -51,11 +51,17 @@ class LLM:
         returns the outputs in prompt order."""
         batch = _as_batch(prompts)
         params = _params_for(batch, sampling_params)
-        ids = []
-        for prompt, p in zip(batch, params, strict=True):
-            ids.append(f"gen-{self._next_id}")
-            self._next_id += 1
-            self.engine.add_request(prompt, p, request_id=ids[-1])
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(batch, params, strict=True):
+                rid = f"gen-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(prompt, p, request_id=rid)
+                ids.append(rid)
+        except BaseException:
+            for rid in ids:  # all or nothing: a rejected prompt leaves nothing queued
+                self.engine.abort_request(rid)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,9 +15,10 @@ from hetero_pd import envs
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.detokenizer import IncrementalDetokenizer
 from hetero_pd.engine.kv_cache_manager import KVCacheManager
-from hetero_pd.engine.model_runner import ModelRunner
+from hetero_pd.engine.model_runner import KVAllocator, ModelRunner
 from hetero_pd.engine.request import Request, RequestStatus
-from hetero_pd.engine.scheduler import Scheduler, SchedulerConfig
+from hetero_pd.engine.sampler import advance_generator
+from hetero_pd.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hetero_pd.engine.stop import StopChecker
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
@@ -25,6 +27,7 @@ from hetero_pd.outputs import CompletionOutput, RequestOutput
 from hetero_pd.sampling_params import SamplingParams
 
 MAX_DEFAULT_MODEL_LEN = 4096
+LayerHookFactory = Callable[[SchedulerOutput], Callable[[int], None] | None]
 
 
 @dataclass(slots=True)
@@ -40,7 +43,7 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_allocator: KVAllocator | None = None) -> None:
         self.config = config
         threads = config.num_threads or envs.num_threads()
         if threads:
@@ -54,7 +57,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(str(self.model_path))
         model = load_model(self.model_path, cfg, dtype, self.device, self.max_model_len)
         num_blocks = config.num_kv_blocks or self._blocks_for_budget(cfg, dtype)
-        self.runner = ModelRunner(model, cfg, num_blocks, config.block_size, self.device, dtype)
+        self.runner = ModelRunner(
+            model, cfg, num_blocks, config.block_size, self.device, dtype, kv_allocator
+        )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -65,6 +70,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self._tokenizer_eos()
         self._states: dict[str, _OutputState] = {}
+        self._prompts: dict[str, str] = {}
         self._ids = itertools.count()
 
     def _max_model_len(self, cfg: ModelConfig) -> int:
@@ -104,26 +110,76 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> Request:
+        req = self._new_request(prompt, params, request_id, priority)
+        try:
+            self.scheduler.add_request(req)
+        except BaseException:
+            self._prompts.pop(req.request_id, None)
+            raise
+        self._track(req)
+        return req
+
+    def add_remote_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> list[int]:
+        """Decode role: reserves KV blocks for a prompt another worker prefills; returns them.
+
+        Raises NoFreeBlocksError when the cache cannot hold the prompt now."""
+        req = self._new_request(prompt_token_ids, params, request_id, priority)
+        block_ids = self.scheduler.add_remote(req)
+        self._track(req)
+        return block_ids
+
+    def remote_kv_ready(self, request_id: str, first_token_id: int) -> RequestOutput:
+        """The prompt's KV landed in the reserved blocks: join the decode batch."""
+        req = self.scheduler.remote_kv_ready(request_id, first_token_id)
+        if req.generator is not None and not req.params.greedy:
+            advance_generator(req.generator, self.model_config.vocab_size)
+        return self._make_output(req, first_token_id)
+
+    def remote_kv_failed(self, request_id: str) -> None:
+        """The KV never arrived: prefill the prompt here (the recompute policy)."""
+        self.scheduler.remote_kv_failed(request_id)
+
+    def release_held(self, request_id: str) -> None:
+        """Prefill role: the request's KV was handed off (or given up); free its blocks."""
+        self.scheduler.release_held(request_id)
+
+    def _track(self, req: Request) -> None:
+        self._states[req.request_id] = _OutputState(
+            self._prompts.pop(req.request_id, None),
+            IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens
+            ),
+            StopChecker.from_params(req.params),
+        )
+
+    def _new_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+    ) -> Request:
         params = params or SamplingParams()
         if isinstance(prompt, str):
             text: str | None = prompt
-            token_ids = self.tokenize(prompt)
+            token_ids = self._check_token_ids(self.tokenize(prompt))
         else:
             text, token_ids = None, self._check_token_ids(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        req = Request(
+        if text is not None:
+            self._prompts[rid] = text
+        return Request(
             rid, token_ids, params, self.eos_token_ids, priority=priority, generator=generator
         )
-        self.scheduler.add_request(req)
-        self._states[rid] = _OutputState(
-            text,
-            IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
-            StopChecker.from_params(params),
-        )
-        return req
 
     def _check_token_ids(self, prompt: Any) -> list[int]:
         vocab = self.model_config.vocab_size
@@ -144,12 +200,16 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- one step ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Runs one batch; returns an output for every request that got a new token."""
+    def step(self, layer_hook: LayerHookFactory | None = None) -> list[RequestOutput]:
+        """Runs one batch; returns an output for every request that got a new token.
+
+        `layer_hook`, if given, sees the step's schedule before the forward pass and may
+        return a callback run after each layer (layer-wise KV streaming uses it)."""
         out = self.scheduler.schedule()
         if not out:
             return []
-        sampled = self.runner.execute(out)
+        on_layer_done = layer_hook(out) if layer_hook is not None else None
+        sampled = self.runner.execute(out, on_layer_done)
         self.scheduler.update(out, sampled)
         reqs = {c.request.request_id: c.request for c in out.chunks}
         return [self._make_output(reqs[rid], token) for rid, token in sampled.items()]

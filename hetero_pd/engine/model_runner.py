@@ -15,6 +15,20 @@ from hetero_pd.models.attention import AttentionMetadata, PrefillSpan
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.llama import CausalLM, KVCache
 
+# (num_layers, num_blocks, block_shape, dtype, device) -> [K0, V0, K1, V1, ...]
+KVAllocator = Callable[[int, int, tuple[int, ...], torch.dtype, torch.device], list[torch.Tensor]]
+
+
+def allocate_kv_tensors(
+    num_layers: int,
+    num_blocks: int,
+    block_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    shape = (num_blocks, *block_shape)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * num_layers)]
+
 
 @dataclass(slots=True)
 class StepInputs:
@@ -34,17 +48,21 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        kv_allocator: KVAllocator | None = None,
     ) -> None:
         self.model, self.cfg = model, cfg
         self.block_size, self.device = block_size, device
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # Per layer: (K, V), each [num_blocks, block_size, kv_heads, head_dim].
-        self.kv_caches: list[KVCache] = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
+        block_shape = (block_size, cfg.num_kv_heads, cfg.head_dim)
+        allocate = kv_allocator or allocate_kv_tensors
+        tensors = allocate(cfg.num_layers, num_blocks, block_shape, dtype, device)
+        if len(tensors) != 2 * cfg.num_layers:
+            raise ValueError(
+                f"KV allocator gave {len(tensors)} tensors for {cfg.num_layers} layers"
             )
-            for _ in range(cfg.num_layers)
+        # Per layer: (K, V), each [num_blocks, block_size, kv_heads, head_dim].
+        self.kv_tensors = tensors
+        self.kv_caches: list[KVCache] = [
+            (tensors[2 * i], tensors[2 * i + 1]) for i in range(cfg.num_layers)
         ]
         self.sampler = Sampler()
 

@@ -237,3 +237,11 @@ def _exponential_noise(
         row_noise = torch.rand(vocab, device=gen.device, generator=gen).log_().neg_().to(device)
         noise[row] = row_noise if ids is None else row_noise[ids[row]]
     return noise
+
+
+def advance_generator(generator: torch.Generator, vocab_size: int) -> None:
+    """Consumes the draws one non-greedy sample takes from a seeded row's generator.
+
+    A decode worker calls it for the first token, which the prefill worker sampled, so a
+    seeded request yields the same tokens disaggregated as in one engine."""
+    torch.rand(vocab_size, device=generator.device, generator=generator)

@@ -98,7 +98,7 @@ class Scheduler:
         self.remote[req.request_id] = req
         return list(req.block_ids)
 
-    def remote_kv_ready(self, request_id: str, first_token_id: int) -> None:
+    def remote_kv_ready(self, request_id: str, first_token_id: int) -> Request:
         """The prompt's KV has landed in the reserved blocks; decode from `first_token_id`."""
         req = self.remote.pop(request_id)
         req.num_computed_tokens = req.num_prompt_tokens
@@ -106,6 +106,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self.append_token(req, first_token_id)
+        return req
 
     def remote_kv_failed(self, request_id: str) -> None:
         """The KV never arrived: compute the prompt here instead (recompute policy)."""
@@ -215,6 +216,8 @@ class Scheduler:
         if status is None and (
             (params.max_tokens is not None and n_out >= params.max_tokens)
             or req.num_tokens >= self.config.max_model_len
+            # the next step would need more KV than the whole cache: it could never run
+            or self.kv.blocks_for(req.num_tokens) > self.kv.pool.num_blocks
         ):
             status = RequestStatus.FINISHED_LENGTH
         if status is None:
@@ -246,6 +249,12 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.FINISHED_STOPPED
         self.requests.pop(request_id, None)
+
+    def get(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"no request {request_id!r}")
+        return req
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.remote)

@@ -12,8 +12,9 @@ from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.llama import CausalLM
 
 
-class ModelLoadError(RuntimeError):
-    """Weights are missing, corrupt or do not match the config."""
+class ModelLoadError(ValueError):
+    """Weights are missing, corrupt or do not match the config (a ValueError, like
+    ModelConfigError, so callers such as the CLI report it as a bad model argument)."""
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -40,6 +41,17 @@ def _target(name: str) -> tuple[str, int | None]:
         fused, shard = _FUSED[module]
         return f"layers.{layer}.{fused}.{kind}", shard
     return f"layers.{layer}.{rest}", None
+
+
+def _missing_tensors(param: str, filled: set[int | None]) -> list[str]:
+    """Checkpoint names of the tensors that `param` still lacks."""
+    name = param if param.startswith("lm_head.") else f"model.{param}"
+    m = _LAYER.match(name)
+    module, _, kind = m.group(2).rpartition(".") if m else ("", "", "")
+    shards = [(ckpt, i) for ckpt, (fused, i) in _FUSED.items() if fused == module]
+    if m is None or not shards:
+        return [] if filled else [name]
+    return [f"model.layers.{m.group(1)}.{ckpt}.{kind}" for ckpt, i in shards if i not in filled]
 
 
 def _shard_sizes(cfg: ModelConfig, param: str) -> list[int]:
@@ -79,16 +91,10 @@ def load_model(
                     _copy_tensor(cfg, params, filled, name, f.get_tensor(name), file)
         except SafetensorError as e:
             raise ModelLoadError(f"{file}: corrupt or unreadable safetensors file ({e})") from e
-    missing = [
-        p
-        for p, t in params.items()
-        if p not in filled
-        or (p.endswith(("qkv_proj.weight", "qkv_proj.bias")) and len(filled[p]) != 3)
-        or (p.endswith("gate_up_proj.weight") and len(filled[p]) != 2)
-    ]
+    missing = [name for p in params for name in _missing_tensors(p, filled.get(p, set()))]
     if missing:
         raise ModelLoadError(
-            f"{path}: weights missing for {len(missing)} parameters, e.g. {missing[:3]}"
+            f"{path}: weights missing for {len(missing)} tensor(s), e.g. {missing[:3]}"
         )
     model.tie_weights()
     model.to(dtype)

@@ -1,0 +1,88 @@
+"""The `hetero-pd` command line, run as users run it (a subprocess) where it matters."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetero_pd.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def hetero_pd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hetero_pd.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
+def test_help_lists_the_commands() -> None:
+    result = hetero_pd("--help", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: hetero-pd")
+    for command in ("fetch-model", "devices", "generate", "bench"):
+        assert command in result.stdout
+
+
+def test_generate_prints_the_completion(tiny_llama_dir: Path) -> None:
+    from hetero_pd import LLM, SamplingParams
+
+    result = hetero_pd("generate", "--model", str(tiny_llama_dir), "in the", "--max-tokens", "4")
+    assert result.returncode == 0, result.stderr
+    expected = LLM(str(tiny_llama_dir), num_kv_blocks=8).generate(
+        "in the", SamplingParams(temperature=0, max_tokens=4)
+    )[0]
+    assert expected.outputs[0].text.strip()
+    assert result.stdout == expected.outputs[0].text + "\n"
+
+
+def test_bad_model_path_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no-such-model"
+    assert main(["generate", "--model", str(missing), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hetero-pd: error:")
+    assert str(missing) in err
+
+
+def test_corrupt_weights_are_a_usage_error(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "model.safetensors").write_bytes(b"\x00" * 16)
+    assert main(["generate", "--model", str(model), "in the", "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hetero-pd: error:")
+    assert "corrupt or unreadable safetensors file" in err and str(model) in err
+
+
+def test_unknown_model_name_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["fetch-model", "llama-9000"])
+    assert e.value.code == 2
+    assert "invalid choice: 'llama-9000'" in capsys.readouterr().err
+
+
+def test_fetch_model_returns_the_cached_folder(default_model_dir: Path) -> None:
+    result = hetero_pd("fetch-model", "smollm2-135m-instruct", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(default_model_dir)
+    assert "downloading" not in result.stderr, "a cached model must not be fetched again"
+
+
+def test_devices_prints_a_table_with_the_cpu() -> None:
+    result = hetero_pd("devices", timeout=120)
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.splitlines()
+    assert header.split()[0] == "device"
+    assert any(row.split()[0] == "cpu" for row in rows), result.stdout
