@@ -1,0 +1,1 @@
+"""Serving: worker processes, router, OpenAI-compatible REST API."""

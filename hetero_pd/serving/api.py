@@ -1,0 +1,269 @@
+"""The OpenAI-compatible REST API (aiohttp) in front of the router.
+
+POST /v1/completions, POST /v1/chat/completions (streaming or not), GET /v1/models,
+GET /health, GET /metrics. Errors use OpenAI's JSON shape and status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from hetero_pd.serving import openai_protocol as oai
+from hetero_pd.serving.router import Router, RouterError
+
+log = logging.getLogger("hetero_pd.api")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(slots=True)
+class ApiState:
+    router: Router
+    tokenizer: Any
+    model_names: list[str]
+    max_model_len: int
+    vocab_size: int
+    api_keys: tuple[str, ...] = ()
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass(slots=True)
+class _Timing:
+    start: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    last: float | None = None
+    gaps: list[float] = field(default_factory=list)
+
+    def token(self) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        elif self.last is not None:
+            self.gaps.append(now - self.last)
+        self.last = now
+
+
+def create_app(state: ApiState) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=16 * 2**20)
+    app["state"] = state
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+def _error_response(err: oai.APIError, retry_after: float | None = None) -> web.Response:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
+    return web.json_response(err.to_json(), status=err.status, headers=headers)
+
+
+def _api_error(e: RouterError) -> oai.APIError:
+    if e.status == 429:
+        return oai.too_many_requests(e.message)
+    if e.status == 400:
+        return oai.bad_request(e.message, code=e.code)
+    return oai.APIError(e.status, e.message, "server_error", None, e.code)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except oai.APIError as e:
+        return _error_response(e)
+    except RouterError as e:
+        return _error_response(_api_error(e), e.retry_after)
+
+
+def _state(request: web.Request) -> ApiState:
+    state: ApiState = request.app["state"]
+    return state
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = _state(request)
+    oai.check_api_key(request.headers, state.api_keys)
+    return web.json_response(oai.models_response(state.model_names, state.created))
+
+
+async def _health(request: web.Request) -> web.Response:
+    router = _state(request).router
+    workers = {
+        w.id: {
+            "role": w.role,
+            "alive": w.alive,
+            "load": {k: v for k, v in w.load.items() if k != "transfer"},
+        }
+        for w in router.workers.values()
+    }
+    ok = bool(router.live("decode", "both"))
+    return web.json_response(
+        {"status": "ok" if ok else "unavailable", "workers": workers}, status=200 if ok else 503
+    )
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    router = _state(request).router
+    router.refresh_metrics()
+    body, content_type = router.metrics.render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, oai.parse_completion_request)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, oai.parse_chat_request)
+
+
+def _prompt_ids(state: ApiState, req: oai.GenerateRequest) -> list[int]:
+    tok = state.tokenizer
+    if req.kind == "chat":
+        if not getattr(tok, "chat_template", None):
+            raise oai.bad_request(
+                "this model has no chat template; use /v1/completions", "messages"
+            )
+        text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+        return list(tok.encode(text, add_special_tokens=False))
+    if req.prompt_token_ids is not None:
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < state.vocab_size]
+        if bad:
+            raise oai.bad_request(
+                f"token ids {bad[:5]} are outside the vocabulary [0, {state.vocab_size})",
+                "prompt",
+            )
+        return list(req.prompt_token_ids)
+    assert req.prompt is not None
+    return list(tok.encode(req.prompt))
+
+
+async def _generate(
+    request: web.Request, parse: Callable[[Any], oai.GenerateRequest]
+) -> web.StreamResponse:
+    state = _state(request)
+    oai.check_api_key(request.headers, state.api_keys)
+    req = parse(oai.parse_json_body(await request.read()))
+    if req.model not in state.model_names:
+        raise oai.model_not_found(req.model)
+    prompt_ids = _prompt_ids(state, req)
+    max_tokens = oai.check_context_length(req, len(prompt_ids), state.max_model_len)
+    if req.params.max_tokens is None:
+        req.params.max_tokens = max_tokens
+    stream = state.router.generate(req.request_id, prompt_ids, req.params, req.priority)
+    if req.stream:
+        return await _stream(request, state, req, stream, len(prompt_ids))
+    return await _collect(state, req, stream, len(prompt_ids))
+
+
+def _outcome(e: RouterError) -> str:
+    return "rejected" if e.status == 429 else "error"
+
+
+def _observe(state: ApiState, timing: _Timing, prompt: int, gen: int, outcome: str) -> None:
+    end = time.perf_counter()
+    ttft = timing.first - timing.start if timing.first is not None else None
+    tpot = None
+    if timing.first is not None and gen > 1:
+        tpot = (end - timing.first) / (gen - 1)
+    e2e = end - timing.start if outcome in ("stop", "length") else None
+    state.router.metrics.observe_request(ttft, tpot, timing.gaps, e2e, prompt, gen, outcome)
+
+
+async def _collect(
+    state: ApiState, req: oai.GenerateRequest, stream: Any, prompt_tokens: int
+) -> web.Response:
+    timing = _Timing()
+    parts: list[str] = []
+    completion_tokens, finish = 0, "abort"
+    outcome = "abort"
+    try:
+        async for msg in stream:
+            timing.token()
+            parts.append(msg["text"])
+            completion_tokens = msg["completion_tokens"]
+            if msg["finish_reason"] is not None:
+                finish = msg["finish_reason"]
+        outcome = finish if finish in ("stop", "length") else "abort"
+    except RouterError as e:
+        outcome = _outcome(e)
+        raise
+    finally:
+        _observe(state, timing, prompt_tokens, completion_tokens, outcome)
+    build = oai.chat_response if req.kind == "chat" else oai.completion_response
+    return web.json_response(build(req, "".join(parts), finish, prompt_tokens, completion_tokens))
+
+
+async def _stream(
+    request: web.Request,
+    state: ApiState,
+    req: oai.GenerateRequest,
+    stream: Any,
+    prompt_tokens: int,
+) -> web.StreamResponse:
+    timing = _Timing()
+    chat = req.kind == "chat"
+    completion_tokens = 0
+    outcome = "abort"
+    resp: web.StreamResponse | None = None
+    try:
+        async for msg in stream:
+            if resp is None:
+                # Headers go out with the first token, so an early failure can still be a
+                # proper HTTP error status.
+                resp = await _open_stream(request)
+                if chat:
+                    await resp.write(oai.sse(oai.chat_chunk(req, "", role="assistant")))
+            timing.token()
+            completion_tokens = msg["completion_tokens"]
+            finish = msg["finish_reason"]
+            if msg["text"] or finish is None:
+                chunk = (
+                    oai.chat_chunk(req, msg["text"])
+                    if chat
+                    else oai.completion_chunk(req, msg["text"])
+                )
+                await resp.write(oai.sse(chunk))
+            if finish is not None:
+                last = (
+                    oai.chat_chunk(req, None, finish_reason=finish)
+                    if chat
+                    else oai.completion_chunk(req, "", finish)
+                )
+                await resp.write(oai.sse(last))
+                outcome = finish if finish in ("stop", "length") else "abort"
+        if resp is None:
+            resp = await _open_stream(request)
+        if req.include_usage:
+            await resp.write(oai.sse(oai.usage_chunk(req, prompt_tokens, completion_tokens)))
+        await resp.write(oai.sse_done())
+        await resp.write_eof()
+        return resp
+    except RouterError as e:
+        outcome = _outcome(e)
+        if resp is None:
+            raise
+        await resp.write(oai.sse(_api_error(e).to_json()))
+        await resp.write(oai.sse_done())
+        return resp
+    except (ConnectionResetError, asyncio.CancelledError):
+        outcome = "abort"
+        raise
+    finally:
+        _observe(state, timing, prompt_tokens, completion_tokens, outcome)
+
+
+async def _open_stream(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    return resp

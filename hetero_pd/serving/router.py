@@ -1,0 +1,302 @@
+"""The router: picks workers for each request and runs the disaggregated flow.
+
+    router            decode D                 prefill P
+      |-- reserve ------>| reserve blocks
+      |<-- reserved -----| (block ids + epoch)
+      |-- prefill (dest = D's blocks) ---------->| prefill, push KV (layer-wise optional)
+      |                  |<======= KV blocks ====| checksum, ACK
+      |<-- prefill_done (first token) -----------| frees its blocks after the ACK
+      |-- kv_ready ----->| joins the decode batch
+      |<-- output ... ---| tokens stream to the client
+
+On a prefill failure the deployment's policy decides: `recompute` (D prefills itself),
+`retry` (a fresh reservation and another P), or `fail` (a clear error). A client that goes
+away aborts the request on every worker involved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq.asyncio
+
+from hetero_pd.sampling_params import SamplingParams
+from hetero_pd.serving import messages as M
+from hetero_pd.serving.policy import FAILURE_POLICIES, Chooser, FailurePolicy, RoutingConfig
+from hetero_pd.serving.prom import ServingMetrics
+from hetero_pd.serving.worker_client import WorkerClient
+
+log = logging.getLogger("hetero_pd.router")
+DEAD = "__dead__"
+
+
+class RouterError(Exception):
+    """A request the router cannot serve; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str, code: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.retry_after = status, message, code, retry_after
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    failure_policy: FailurePolicy = "recompute"
+    max_retries: int = 2
+    max_inflight: int = 256
+    reserve_timeout_s: float = 30.0
+    prefill_timeout_s: float = 120.0
+    token_timeout_s: float = 120.0  # longest silence between two outputs of one request
+    heartbeat_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.failure_policy not in FAILURE_POLICIES:
+            raise ValueError(
+                f"failure_policy must be one of {FAILURE_POLICIES}, got {self.failure_policy!r}"
+            )
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, metrics: ServingMetrics | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or ServingMetrics()
+        self.ctx = zmq.asyncio.Context()
+        self.workers: dict[str, WorkerClient] = {}
+        self.chooser = Chooser(cfg.routing)
+        self._queues: dict[str, asyncio.Queue[tuple[str, dict[str, Any]]]] = {}
+
+    # -- workers -------------------------------------------------------------------------
+    async def add_worker(self, worker_id: str, address: str, timeout_s: float = 120.0) -> None:
+        old = self.workers.pop(worker_id, None)
+        if old is not None:
+            self._on_dead(old)
+            await old.close()
+        client = WorkerClient(
+            worker_id,
+            address,
+            self.ctx,
+            self._on_message,
+            self._on_dead,
+            self.cfg.heartbeat_timeout_s,
+        )
+        self.workers[worker_id] = client
+        await client.start(timeout_s)
+
+    async def close(self) -> None:
+        for client in self.workers.values():
+            await client.close()
+        self.ctx.term()
+
+    def live(self, *roles: str) -> list[WorkerClient]:
+        return [w for w in self.workers.values() if w.alive and w.role in roles]
+
+    def mark_dead(self, worker_id: str) -> None:
+        """The supervisor saw the process exit: take it out of rotation at once."""
+        client = self.workers.get(worker_id)
+        if client is not None and client.alive:
+            client._mark_dead("process exited")
+
+    def _on_message(self, client: WorkerClient, msg: dict[str, Any]) -> None:
+        queue = self._queues.get(msg.get("rid", ""))
+        if queue is not None:
+            queue.put_nowait((client.id, msg))
+
+    def _on_dead(self, client: WorkerClient) -> None:
+        for rid in list(client.inflight):
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.put_nowait((client.id, {"t": DEAD}))
+        self.metrics.set_worker(client.id, client.role, 0, 0, 0.0, False)
+
+    def refresh_metrics(self) -> None:
+        for w in self.workers.values():
+            load = w.load
+            queued = int(load.get("waiting", 0)) + int(load.get("remote", 0))
+            self.metrics.set_worker(
+                w.id,
+                w.role,
+                queued,
+                int(load.get("running", 0)),
+                float(load.get("kv_usage", 0.0)),
+                w.alive,
+            )
+
+    # -- requests ------------------------------------------------------------------------
+    async def generate(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Yields the decode worker's `output` messages until one carries a finish reason."""
+        if len(self._queues) >= self.cfg.max_inflight:
+            raise RouterError(429, "the server is at capacity; retry shortly", "overloaded", 1.0)
+        decoders = self.live("decode", "both")
+        if not decoders:
+            raise RouterError(503, "no decode-capable worker is alive", "no_workers", 2.0)
+        queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        self._queues[rid] = queue
+        involved: list[WorkerClient] = []
+        finished = False
+        try:
+            decode = await self._start(rid, prompt_ids, params, priority, queue, involved)
+            while True:
+                wid, msg = await self._next(queue, self.cfg.token_timeout_s, rid)
+                if msg["t"] == DEAD and wid == decode.id:
+                    raise RouterError(503, f"decode worker {wid} died mid-request", "worker_died")
+                if msg["t"] == "error" and wid == decode.id:
+                    raise RouterError(500, msg["message"], msg["code"].lower())
+                if msg["t"] == "output" and wid == decode.id:
+                    finished = msg["finish_reason"] is not None
+                    yield msg
+                    if finished:
+                        return
+        finally:
+            self._queues.pop(rid, None)
+            for w in involved:
+                w.inflight.discard(rid)
+                if not finished:
+                    w.send("abort", rid=rid)
+
+    async def _next(
+        self, queue: asyncio.Queue[tuple[str, dict[str, Any]]], timeout_s: float, rid: str
+    ) -> tuple[str, dict[str, Any]]:
+        try:
+            return await asyncio.wait_for(queue.get(), timeout_s)
+        except TimeoutError:
+            raise RouterError(
+                504, f"request {rid}: no progress for {timeout_s}s", "timeout"
+            ) from None
+
+    async def _start(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        queue: asyncio.Queue[tuple[str, dict[str, Any]]],
+        involved: list[WorkerClient],
+    ) -> WorkerClient:
+        """Gets the prompt's KV onto a decode worker; returns that worker."""
+        wire = M.params_to_wire(params)
+        decode, cached = self.chooser.pick(self.live("decode", "both"), prompt_ids)
+        prefill = self.live("prefill")
+        self._enlist(decode, rid, involved)
+        self.chooser.record(decode, prompt_ids)
+        if decode.role == "both" or self.chooser.prefill_locally(len(prompt_ids), cached, prefill):
+            self.metrics.decision("colocated" if decode.role == "both" else "local_prefill")
+            decode.send("generate", rid=rid, prompt_ids=prompt_ids, params=wire, priority=priority)
+            return decode
+        self.metrics.decision("disaggregated")
+        tried: set[str] = set()
+        for attempt in range(self.cfg.max_retries + 1):
+            blocks = await self._reserve(decode, rid, prompt_ids, wire, priority, queue)
+            candidates = [w for w in self.live("prefill") if w.id not in tried] or prefill
+            if not candidates:
+                break
+            worker, _ = self.chooser.pick(candidates, prompt_ids)
+            tried.add(worker.id)
+            self._enlist(worker, rid, involved)
+            worker.send(
+                "prefill",
+                rid=rid,
+                prompt_ids=prompt_ids,
+                params=wire,
+                priority=priority,
+                dest_worker=decode.id,
+                dest_address=decode.info["transfer_address"],
+                dest_blocks=blocks,
+            )
+            outcome = await self._await_prefill(worker, decode, rid, queue)
+            worker.inflight.discard(rid)
+            if isinstance(outcome, int):
+                decode.send("kv_ready", rid=rid, first_token=outcome)
+                return decode
+            log.warning("request %s: prefill on %s failed: %s", rid, worker.id, outcome)
+            self.metrics.transfer_failure(outcome.split(":", 1)[0])
+            policy = self.cfg.failure_policy
+            if policy == "fail":
+                self.metrics.decision("fail")
+                raise RouterError(503, f"prefill failed ({outcome})", "prefill_failed")
+            if policy == "recompute" or attempt == self.cfg.max_retries:
+                break
+            self.metrics.decision("retry")
+            decode.send("abort", rid=rid)  # a fresh reservation: a new epoch for the retry
+        self.metrics.decision("recompute")
+        decode.send("kv_failed", rid=rid)
+        return decode
+
+    def _enlist(self, worker: WorkerClient, rid: str, involved: list[WorkerClient]) -> None:
+        worker.inflight.add(rid)
+        if worker not in involved:
+            involved.append(worker)
+
+    async def _reserve(
+        self,
+        decode: WorkerClient,
+        rid: str,
+        prompt_ids: list[int],
+        wire: dict[str, Any],
+        priority: int,
+        queue: asyncio.Queue[tuple[str, dict[str, Any]]],
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + self.cfg.reserve_timeout_s
+        delay = 0.05
+        while True:
+            decode.send("reserve", rid=rid, prompt_ids=prompt_ids, params=wire, priority=priority)
+            while True:
+                wid, msg = await self._next(queue, max(deadline - time.monotonic(), 0.01), rid)
+                if wid != decode.id:
+                    continue
+                if msg["t"] == DEAD:
+                    raise RouterError(503, f"decode worker {wid} died", "worker_died")
+                if msg["t"] in ("reserved", "error"):
+                    break
+            if msg["t"] == "reserved":
+                return dict(msg["blocks"])
+            if msg["code"] != "NO_FREE_BLOCKS":
+                raise RouterError(
+                    400 if msg["code"] == "BAD_REQUEST" else 503,
+                    msg["message"],
+                    msg["code"].lower(),
+                )
+            if time.monotonic() + delay > deadline:
+                raise RouterError(429, "no KV cache room on the decode workers", "overloaded", 1.0)
+            await asyncio.sleep(delay)  # back-pressure: decode is full, wait for room
+            delay = min(delay * 2, 1.0)
+
+    async def _await_prefill(
+        self,
+        prefill: WorkerClient,
+        decode: WorkerClient,
+        rid: str,
+        queue: asyncio.Queue[tuple[str, dict[str, Any]]],
+    ) -> int | str:
+        """The first token, or a string saying why the prefill failed."""
+        deadline = time.monotonic() + self.cfg.prefill_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "TIMEOUT: no prefill result"
+            try:
+                wid, msg = await asyncio.wait_for(queue.get(), left)
+            except TimeoutError:
+                return "TIMEOUT: no prefill result"
+            if wid == decode.id and msg["t"] == DEAD:
+                raise RouterError(503, f"decode worker {wid} died", "worker_died")
+            if wid != prefill.id:
+                continue
+            if msg["t"] == DEAD:
+                return f"WORKER_DIED: prefill worker {wid} died"
+            if msg["t"] == "error":
+                if msg["code"] == "BAD_REQUEST":
+                    raise RouterError(400, msg["message"], "bad_request")
+                return f"{msg['code']}: {msg['message']}"
+            if msg["t"] == "prefill_done":
+                stats = msg["transfer"]
+                self.metrics.observe_transfer(
+                    "kv", int(stats.get("bytes", 0)), float(stats.get("seconds", 0.0))
+                )
+                return int(msg["first_token"])

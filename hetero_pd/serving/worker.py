@@ -1,0 +1,384 @@
+"""A worker process: one engine on one device, a ZMQ control endpoint, the transfer engine
+wired to its KV cache.
+
+    router --(generate | reserve | prefill | kv_ready | kv_failed | abort | check)--> worker
+    worker --(ready | heartbeat | output | reserved | prefill_done | error | integrity)--> router
+
+The loop is single-threaded: poll the control socket, step the engine, progress transfers,
+send heartbeats. The transfer engine's own I/O thread moves the KV bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from hetero_pd.config import EngineConfig
+from hetero_pd.engine.block_pool import NoFreeBlocksError
+from hetero_pd.engine.llm_engine import LLMEngine
+from hetero_pd.serving import messages as M
+from hetero_pd.serving.prefill_push import PushTracker
+from transfer import EngineConfig as TransferConfig
+from transfer import KVRegion, RemoteBlocks, TransferEngine, TransferError, TransferHandle
+
+log = logging.getLogger("hetero_pd.worker")
+READY_LINE = "HETERO_PD_WORKER_READY"
+TRANSPORTS = ("local", "cuda_ipc", "shm", "tcp")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    worker_id: str
+    role: str  # prefill | decode | both
+    engine: dict[str, Any]  # EngineConfig fields (model, device, dtype, ...)
+    host: str = "127.0.0.1"
+    heartbeat_s: float = 0.5
+    layerwise: bool = False  # push each layer's KV as soon as it is computed
+    transfer_secret: str = ""
+    transfer_timeout_s: float = 30.0
+    transfer_transports: tuple[str, ...] = TRANSPORTS
+    checksum: bool = True
+    remote_kv_timeout_s: float = 60.0
+    cpus: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerConfig:
+        raw = json.loads(text)
+        raw["transfer_transports"] = tuple(raw.get("transfer_transports", TRANSPORTS))
+        raw["cpus"] = tuple(raw.get("cpus", ()))
+        return cls(**raw)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.id = cfg.worker_id
+        tcfg = TransferConfig(
+            host=cfg.host,
+            secret=cfg.transfer_secret.encode(),
+            transfer_timeout_s=cfg.transfer_timeout_s,
+            transports=cfg.transfer_transports,
+        )
+        role = {"prefill": "prefill", "decode": "decode"}.get(cfg.role, "mixed")
+        self.transfer = TransferEngine(cfg.worker_id, role, tcfg)
+        self.region: KVRegion | None = None
+        engine_cfg = EngineConfig.from_kwargs(**{**cfg.engine, "role": cfg.role})
+        self.engine = LLMEngine(engine_cfg, kv_allocator=self._allocate_kv)
+        assert self.region is not None
+        self.transfer.register_region(self.region)
+        self.ctx: Any = zmq.Context()
+        self.sock: Any = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port(f"tcp://{cfg.host}")
+        self.address: str = f"tcp://{cfg.host}:{self.port}"
+        self.routers: set[bytes] = set()
+        self.owner: dict[str, bytes] = {}  # request id -> router identity
+        self.recv: dict[str, TransferHandle] = {}  # decode: reservations awaiting KV
+        self.pushes: PushTracker = PushTracker(self.transfer, self.engine, self._on_push_result)
+        self.linked: set[str] = set()
+        self.draining: bool = False
+        self.stopped: bool = False
+        self._last_heartbeat: float = 0.0
+
+    def _allocate_kv(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> list[torch.Tensor]:
+        # On the CPU the cache lives in shared memory so a peer on this host writes into it.
+        shared = device.type == "cpu" and "shm" in self.cfg.transfer_transports
+        self.region = KVRegion.allocate(
+            "kv", num_layers, num_blocks, block_shape, dtype, device=device, shared=shared
+        )
+        return self.region.tensors
+
+    def info(self) -> dict[str, Any]:
+        e = self.engine
+        return {
+            "address": self.address,
+            "transfer_address": self.transfer.address,
+            "model": str(e.config.model),
+            "device": str(e.device),
+            "max_model_len": e.max_model_len,
+            "block_size": e.config.block_size,
+            "num_blocks": e.kv.pool.num_blocks,
+            "pid": os.getpid(),
+        }
+
+    # -- main loop -----------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self.stopped:
+            busy = self.engine.has_unfinished_requests() or self.pushes.active
+            events = dict(poller.poll(0 if busy else 20))
+            if self.sock in events:
+                self._drain_socket()
+            if self.engine.has_unfinished_requests():
+                hook = self.pushes.layer_hook if self.cfg.layerwise else None
+                for out in self.engine.step(hook):
+                    self._on_output(out)
+            self.transfer.progress()
+            self._expire_reservations()
+            now = time.monotonic()
+            if now - self._last_heartbeat >= self.cfg.heartbeat_s:
+                self._heartbeat(now)
+            idle = not self.engine.has_unfinished_requests() and not self.pushes.active
+            if self.draining and idle:
+                break
+        self._broadcast(M.encode("bye", worker=self.id))
+
+    def close(self) -> None:
+        self.transfer.close()
+        self.sock.close()
+        self.ctx.term()
+
+    def _drain_socket(self) -> None:
+        while True:
+            try:
+                ident, frame = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:
+                continue  # wrong number of frames: not one of ours
+            self.routers.add(ident)
+            try:
+                msg = M.decode(frame)
+                self._handle(ident, msg)
+            except M.MessageError as e:
+                log.warning("%s: rejected control frame: %s", self.id, e)
+            except (ValueError, TypeError, KeyError) as e:
+                rid = msg.get("rid", "") if isinstance(msg, dict) else ""
+                self._send(
+                    ident,
+                    M.encode(
+                        "error", rid=rid, code="BAD_REQUEST", message=str(e), recoverable=False
+                    ),
+                )
+
+    def _send(self, ident: bytes, frame: bytes) -> None:
+        try:
+            self.sock.send_multipart([ident, frame], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("%s: router %r not reading; message dropped", self.id, ident)
+
+    def _broadcast(self, frame: bytes) -> None:
+        for ident in list(self.routers):
+            self._send(ident, frame)
+
+    def _reply(self, rid: str, frame: bytes) -> None:
+        ident = self.owner.get(rid)
+        if ident is not None:
+            self._send(ident, frame)
+
+    def _error(self, rid: str, code: str, message: str, recoverable: bool) -> None:
+        self._reply(
+            rid, M.encode("error", rid=rid, code=code, message=message, recoverable=recoverable)
+        )
+
+    # -- messages ------------------------------------------------------------------------
+    def _handle(self, ident: bytes, msg: dict[str, Any]) -> None:
+        kind = msg["t"]
+        if kind == "hello":
+            self._send(
+                ident, M.encode("ready", worker=self.id, role=self.cfg.role, info=self.info())
+            )
+            return
+        if kind == "check":
+            self._send(ident, self._integrity())
+            return
+        if kind == "shutdown":
+            self.draining = True
+            if not msg["drain"]:
+                self.stopped = True
+            return
+        rid = msg["rid"]
+        if kind in ("generate", "reserve", "prefill"):
+            if self.draining:
+                self.owner[rid] = ident
+                self._error(rid, "DRAINING", f"worker {self.id} is shutting down", True)
+                self.owner.pop(rid, None)
+                return
+            self.owner[rid] = ident
+        handler = getattr(self, f"_on_{kind}", None)
+        if handler is None:
+            raise ValueError(f"message type {kind!r} is not for a worker")
+        handler(msg)
+
+    def _on_generate(self, msg: dict[str, Any]) -> None:
+        params = M.params_from_wire(msg["params"])
+        self.engine.add_request(msg["prompt_ids"], params, msg["rid"], msg["priority"])
+
+    def _on_reserve(self, msg: dict[str, Any]) -> None:
+        rid = msg["rid"]
+        params = M.params_from_wire(msg["params"])
+        try:
+            block_ids = self.engine.add_remote_request(
+                msg["prompt_ids"], params, rid, msg["priority"]
+            )
+        except NoFreeBlocksError as e:
+            self._error(rid, "NO_FREE_BLOCKS", str(e), True)
+            self.owner.pop(rid, None)
+            return
+        handle = self.transfer.reserve(rid, block_ids, timeout_s=self.cfg.remote_kv_timeout_s)
+        self.recv[rid] = handle
+        blocks = handle.blocks
+        assert blocks is not None
+        self._reply(rid, M.encode("reserved", rid=rid, blocks=blocks.to_wire(), cached_tokens=0))
+
+    def _on_prefill(self, msg: dict[str, Any]) -> None:
+        rid = msg["rid"]
+        params = M.params_from_wire(msg["params"])
+        dest = RemoteBlocks.from_wire(msg["dest_blocks"])
+        peer = msg["dest_worker"]
+        if peer not in self.linked:
+            try:
+                self.transfer.link(peer, msg["dest_address"])
+            except TransferError as e:
+                self._error(rid, e.code.name, str(e), e.code.recoverable)
+                self.owner.pop(rid, None)
+                return
+            self.linked.add(peer)
+        req = self.engine.add_request(msg["prompt_ids"], params, rid, msg["priority"])
+        self.pushes.expect(req.request_id, peer, dest)
+
+    def _on_kv_ready(self, msg: dict[str, Any]) -> None:
+        rid = msg["rid"]
+        handle = self.recv.pop(rid, None)
+        if handle is None:
+            return  # aborted meanwhile
+        self.transfer.release(rid)
+        if handle.state.value != "done":
+            # The sender saw an ACK we never gave for this epoch: never trust those blocks.
+            self.engine.remote_kv_failed(rid)
+            return
+        self._on_output(self.engine.remote_kv_ready(rid, msg["first_token"]))
+
+    def _on_kv_failed(self, msg: dict[str, Any]) -> None:
+        rid = msg["rid"]
+        if self.recv.pop(rid, None) is not None:
+            self.transfer.release(rid)
+            self.engine.remote_kv_failed(rid)
+
+    def _on_abort(self, msg: dict[str, Any]) -> None:
+        rid = msg["rid"]
+        self.pushes.cancel(rid)
+        if self.recv.pop(rid, None) is not None:
+            self.transfer.release(rid)
+        self.engine.abort_request(rid)
+        self.owner.pop(rid, None)
+
+    # -- engine and transfer events ------------------------------------------------------
+    def _on_output(self, out: Any) -> None:
+        rid = out.request_id
+        if self.pushes.is_pushing(rid):
+            if out.finished:
+                self.pushes.prefill_finished(rid, out.outputs[0].token_ids[0])
+            return
+        c = out.outputs[0]
+        self._reply(
+            rid,
+            M.encode(
+                "output",
+                rid=rid,
+                text=c.delta_text,
+                token_ids=c.delta_token_ids,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                prompt_tokens=len(out.prompt_token_ids),
+                completion_tokens=len(c.token_ids),
+                cached_tokens=out.num_cached_tokens,
+            ),
+        )
+        if out.finished:
+            self.owner.pop(rid, None)
+
+    def _on_push_result(
+        self, rid: str, first_token: int, error: TransferError | None, stats: dict[str, Any]
+    ) -> None:
+        if error is None:
+            self._reply(
+                rid, M.encode("prefill_done", rid=rid, first_token=first_token, transfer=stats)
+            )
+        else:
+            self._error(rid, error.code.name, str(error), error.code.recoverable)
+        self.owner.pop(rid, None)
+
+    def _expire_reservations(self) -> None:
+        for rid, handle in list(self.recv.items()):
+            if handle.state.terminal and handle.state.value != "done":
+                # Timed out or cancelled before kv_ready: compute the prompt here.
+                self.recv.pop(rid)
+                self.transfer.release(rid)
+                self.engine.remote_kv_failed(rid)
+
+    def _heartbeat(self, now: float) -> None:
+        self._last_heartbeat = now
+        s = self.engine.scheduler
+        load = {
+            "waiting": len(s.waiting),
+            "running": len(s.running),
+            "remote": len(s.remote),
+            "held": len(s.held),
+            "waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+            "kv_usage": round(self.engine.kv.usage, 4),
+            "free_blocks": self.engine.kv.num_free_blocks,
+            "draining": self.draining,
+            "transfer": self.transfer.metrics(),
+        }
+        self._broadcast(M.encode("heartbeat", worker=self.id, load=load))
+
+    def _integrity(self) -> bytes:
+        try:
+            self.engine.check_integrity()
+        except AssertionError as e:
+            return M.encode("integrity", ok=False, used_blocks=-1, message=str(e))
+        used = self.engine.kv.pool.counts()[2]
+        busy = self.engine.has_unfinished_requests() or self.pushes.active or self.recv
+        msg = "busy" if busy else "idle"
+        return M.encode("integrity", ok=True, used_blocks=used, message=msg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`hetero-pd worker --config-json '{...}'`: run one worker in the foreground."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="hetero-pd worker")
+    p.add_argument("--config-json", required=True, help="WorkerConfig as JSON")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = WorkerConfig.from_json(args.config_json)
+    if cfg.cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cfg.cpus)
+    worker = Worker(cfg)
+
+    def on_term(signum: int, frame: Any) -> None:
+        worker.draining = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    print(f"{READY_LINE} {json.dumps({'worker': worker.id, **worker.info()})}", flush=True)
+    try:
+        worker.serve_forever()
+    finally:
+        worker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
