@@ -70,10 +70,8 @@ class ModelRunner:
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSpan] = []
+        decode_rows: list[tuple[list[int], int]] = []  # (block table, context length)
+        spans: list[tuple[int, int, int, list[int]]] = []  # (row, start, end, block table)
         sample_rows: list[int] = []
         sample_chunks: list[int] = []
         for i, chunk in enumerate(out.chunks):
@@ -82,44 +80,43 @@ class ModelRunner:
             row = len(ids)
             ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
-            table = req.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if chunk.num_tokens == 1:
-                decode_tables.append(table[: -(-end // bs)])
-                decode_lens.append(end)
-            elif start == 0:
-                prefills.append(PrefillSpan(row, row + chunk.num_tokens))
+                decode_rows.append((req.block_ids, end))
             else:
-                q_pos = torch.arange(start, end)
-                mask = torch.arange(end)[None, :] <= q_pos[:, None]
-                bt = torch.tensor(table[: -(-end // bs)], dtype=torch.long)
-                prefills.append(
-                    PrefillSpan(
-                        row,
-                        row + chunk.num_tokens,
-                        bt.to(self.device),
-                        mask.to(self.device),
-                        end,
-                    )
-                )
+                spans.append((row, start, end, req.block_ids))
             if chunk.samples:
                 sample_rows.append(len(ids) - 1)
                 sample_chunks.append(i)
+        # Cache slot of every position of every scheduled request, as one tensor op each.
+        pos = torch.tensor(positions, dtype=torch.long)
+        tables = [t for t, _ in decode_rows] + [t for *_, t in spans]
+        width = max((len(t) for t in tables), default=0)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        counts = [1] * len(decode_rows) + [e - s for _, s, e, _ in spans]
+        row_of_token = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        slots = table[row_of_token, pos // bs] * bs + pos % bs
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decode_tokens=len(decode_tables),
-            prefills=prefills,
+            slot_mapping=slots.to(self.device), num_decode_tokens=len(decode_rows)
         )
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            meta.decode_block_tables = self._tensor(padded)
-            lens = torch.tensor(decode_lens)
-            mask = torch.arange(width * bs)[None, :] < lens[:, None]
+        if decode_rows:
+            ctx = max(n for _, n in decode_rows)
+            offsets = torch.arange(ctx)
+            decode_table = table[: len(decode_rows)]
+            dslots = decode_table[:, offsets // bs] * bs + offsets % bs
+            lens = torch.tensor([n for _, n in decode_rows])
+            mask = offsets[None, :] < lens[:, None]
+            meta.decode_slots = dslots.reshape(-1).to(self.device)
             meta.decode_mask = mask[:, None, None, :].to(self.device)
-        return StepInputs(
-            self._tensor(ids), self._tensor(positions), meta, sample_rows, sample_chunks
-        )
+        for j, (row, start, end, _) in enumerate(spans):
+            span = PrefillSpan(row, row + end - start)
+            if start > 0:
+                offsets = torch.arange(end)
+                bt = table[len(decode_rows) + j]
+                q_pos = torch.arange(start, end)
+                span.context_slots = (bt[offsets // bs] * bs + offsets % bs).to(self.device)
+                span.mask = (offsets[None, :] <= q_pos[:, None]).to(self.device)
+            meta.prefills.append(span)
+        return StepInputs(self._tensor(ids), pos.to(self.device), meta, sample_rows, sample_chunks)
 
     def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long).to(self.device, non_blocking=True)

@@ -24,9 +24,8 @@ class PrefillSpan:
     start: int
     end: int
     # Both set only when the chunk attends to tokens already in the cache (a prefix):
-    block_table: torch.Tensor | None = None  # [num_blocks]
+    context_slots: torch.Tensor | None = None  # [context_len] cache slots of tokens 0..end-1
     mask: torch.Tensor | None = None  # [chunk_len, context_len] bool, True = attend
-    context_len: int = 0
 
 
 @dataclass(slots=True)
@@ -35,8 +34,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] long: where each token's K/V is written
     num_decode_tokens: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks] long
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size]
+    # Cache slots each decode token attends to, padded to the longest context:
+    decode_slots: torch.Tensor | None = None  # [num_decode * max_context] long
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] bool
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -54,31 +54,48 @@ def paged_attention(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     nd = meta.num_decode_tokens
+    if nd == q.shape[0] and not meta.prefills:
+        return _decode(q, k_flat, v_flat, meta, scale)
+    out = torch.empty_like(q)
     if nd:
-        assert meta.decode_block_tables is not None
-        group = q.shape[1] // num_kv_heads
-        # Query heads sharing a KV head become that head's "query rows": [nd, kv_heads, group, dim]
-        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        kd = k_cache[meta.decode_block_tables].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        vd = v_cache[meta.decode_block_tables].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:nd] = od.reshape(nd, -1, head_dim)
+        out[:nd] = _decode(q[:nd], k_flat, v_flat, meta, scale)
     for span in meta.prefills:
         qp = q[span.start : span.end].transpose(0, 1)
-        if span.block_table is None:
+        if span.context_slots is None:
             kp = k[span.start : span.end].transpose(0, 1)
             vp = v[span.start : span.end].transpose(0, 1)
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            n = span.context_len
-            kp = k_cache[span.block_table].view(-1, num_kv_heads, head_dim)[:n].transpose(0, 1)
-            vp = v_cache[span.block_table].view(-1, num_kv_heads, head_dim)[:n].transpose(0, 1)
+            kp = k_flat.index_select(0, span.context_slots).transpose(0, 1)
+            vp = v_flat.index_select(0, span.context_slots).transpose(0, 1)
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=span.mask, scale=scale, enable_gqa=True
             )
         out[span.start : span.end] = op.transpose(0, 1)
     return out
+
+
+def _decode(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence against its cached context."""
+    assert meta.decode_slots is not None
+    nd, num_kv_heads, head_dim = q.shape[0], k_flat.shape[1], k_flat.shape[2]
+    # Query heads sharing a KV head become that head's "query rows": [nd, kv_heads, group, dim]
+    qd = q.view(nd, num_kv_heads, -1, head_dim)
+    # index_select on the flat cache is far cheaper than advanced indexing by block table.
+    kd = k_flat.index_select(0, meta.decode_slots).view(nd, -1, num_kv_heads, head_dim)
+    vd = v_flat.index_select(0, meta.decode_slots).view(nd, -1, num_kv_heads, head_dim)
+    od = F.scaled_dot_product_attention(
+        qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask, scale=scale
+    )
+    return od.reshape(nd, -1, head_dim)
