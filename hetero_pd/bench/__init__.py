@@ -1,0 +1,14 @@
+"""Serving benchmarks: an OpenAI-API load generator with SLO attainment and goodput.
+
+Modules, in the order a run uses them:
+
+- ``datasets``: the prompts (random, chat + summarization mix, JSONL file);
+- ``arrivals``: when each request is sent (Poisson / gamma arrivals);
+- ``client``: one streaming request, timed chunk by chunk (SSE parsing);
+- ``runner``: one run (schedule, concurrency cap, progress bar);
+- ``metrics``: per-request results -> throughput, latency percentiles, goodput;
+- ``sweep``: the binary search for goodput over request rates;
+- ``report`` and ``plots``: the summary table and the PNGs;
+- ``serve``: the ``hetero-pd bench serve`` command line (``main``);
+- ``compare``: result files side by side (used by ``scripts/vllm_side_by_side.sh``).
+"""

