@@ -3,8 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
+CONFIG ?= configs/local.yaml
 
-.PHONY: setup run test lint fmt bench clean
+.PHONY: setup run generate test lint fmt bench clean
 
 setup: $(STAMP)
 
@@ -18,6 +19,9 @@ $(STAMP): pyproject.toml
 
 run: setup
 	$(VENV)/bin/hetero-pd fetch-model smollm2-135m-instruct
+	$(VENV)/bin/hetero-pd serve $(CONFIG)
+
+generate: setup
 	$(VENV)/bin/hetero-pd generate --chat "$(PROMPT)"
 
 test: setup

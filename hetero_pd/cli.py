@@ -55,10 +55,12 @@ def _passthrough(command: str, argv: list[str]) -> int:
         from hetero_pd.bench_offline import main as run
     elif argv[:1] == ["serve"]:
         from hetero_pd.bench.serve import main as run
+    elif argv[:1] == ["pd"]:
+        from hetero_pd.bench_pd import main as run
     elif argv[:1] == ["transfer"]:
         from hetero_pd.bench_transfer import main as run
     else:
-        print("usage: hetero-pd bench {offline,serve,transfer} [--help | options]")
+        print("usage: hetero-pd bench {offline,serve,pd,transfer} [--help | options]")
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     return run(argv[1:] if command == "bench" else argv)
 
@@ -66,7 +68,7 @@ def _passthrough(command: str, argv: list[str]) -> int:
 PASSTHROUGH = {
     "serve": "run a deployment (router + workers) in the foreground: serve CONFIG",
     "worker": "run one worker process (the launcher starts these)",
-    "bench": "benchmarks: bench offline | serve | transfer",
+    "bench": "benchmarks: bench offline | serve | pd | transfer",
 }
 
 
