@@ -53,6 +53,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     seed: int = 0
+    # Edge split: > 0 makes a cloud engine that runs layers [start_layer, L) on hidden
+    # states received from a device (prefix caching is then off: it never sees token ids).
+    start_layer: int = 0
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -62,6 +65,8 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.start_layer < 0:
+            raise ValueError(f"start_layer must be >= 0, got {self.start_layer}")
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -57,10 +57,23 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(str(self.model_path))
         model = load_model(self.model_path, cfg, dtype, self.device, self.max_model_len)
         num_blocks = config.num_kv_blocks or self._blocks_for_budget(cfg, dtype)
+        if not 0 <= config.start_layer < cfg.num_layers:
+            raise ValueError(
+                f"start_layer={config.start_layer} is outside the model's {cfg.num_layers} layers"
+            )
         self.runner = ModelRunner(
-            model, cfg, num_blocks, config.block_size, self.device, dtype, kv_allocator
+            model,
+            cfg,
+            num_blocks,
+            config.block_size,
+            self.device,
+            dtype,
+            kv_allocator,
+            config.start_layer,
         )
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # Prompt token ids of split requests are placeholders: hashing them would alias.
+        caching = config.enable_prefix_caching and config.start_layer == 0
+        self.kv = KVCacheManager(num_blocks, config.block_size, caching)
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -110,6 +123,8 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> Request:
+        if self.config.start_layer:
+            raise ValueError("a split engine takes hidden states: use add_split_request")
         req = self._new_request(prompt, params, request_id, priority)
         try:
             self.scheduler.add_request(req)
@@ -133,6 +148,59 @@ class LLMEngine:
         block_ids = self.scheduler.add_remote(req)
         self._track(req)
         return block_ids
+
+    def add_split_request(
+        self,
+        prompt_hidden: torch.Tensor,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        remote_kv: bool = False,
+    ) -> list[int] | None:
+        """Split (edge) role: a prompt given as the hidden states after layer
+        `start_layer - 1`, [num_tokens, hidden]. With `remote_kv`, reserves blocks for KV
+        another worker computes (returns them), else queues the prompt for prefill here."""
+        self._require_split()
+        hidden = self.model_config.hidden_size
+        if prompt_hidden.dim() != 2 or prompt_hidden.shape[1] != hidden:
+            raise ValueError(
+                f"prompt hidden states must be [num_tokens, {hidden}], "
+                f"got {tuple(prompt_hidden.shape)}"
+            )
+        if prompt_hidden.shape[0] == 0:
+            raise ValueError(f"request {request_id}: the prompt is empty")
+        placeholders = [0] * prompt_hidden.shape[0]  # the engine never sees the prompt's ids
+        req = self._new_request(placeholders, params, request_id, priority)
+        req.prompt_hidden = prompt_hidden
+        block_ids = None
+        if remote_kv:
+            block_ids = self.scheduler.add_remote(req)
+        else:
+            self.scheduler.add_request(req)
+        self._states[req.request_id] = _OutputState(
+            None,
+            IncrementalDetokenizer(self.tokenizer, [], params.skip_special_tokens),
+            StopChecker.from_params(params),
+        )
+        return block_ids
+
+    def supply_hidden(self, request_id: str, hidden_row: torch.Tensor) -> None:
+        """The device's hidden state for the request's newest token, [1, hidden]."""
+        self._require_split()
+        req = self.scheduler.get(request_id)
+        hidden = self.model_config.hidden_size
+        if tuple(hidden_row.shape) != (1, hidden):
+            raise ValueError(
+                f"a token's hidden state must be [1, {hidden}], got {tuple(hidden_row.shape)}"
+            )
+        expected = req.num_tokens - req.num_prompt_tokens
+        if len(req.hidden_rows) >= expected:
+            raise ValueError(f"request {request_id}: hidden state for a token not sampled yet")
+        req.hidden_rows.append(hidden_row)
+
+    def _require_split(self) -> None:
+        if self.config.start_layer == 0:
+            raise ValueError("this engine is not a split engine (start_layer is 0)")
 
     def remote_kv_ready(self, request_id: str, first_token_id: int) -> RequestOutput:
         """The prompt's KV landed in the reserved blocks: join the decode batch."""

@@ -49,8 +49,11 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         kv_allocator: KVAllocator | None = None,
+        start_layer: int = 0,
     ) -> None:
         self.model, self.cfg = model, cfg
+        # > 0: a split (edge) engine; every request's inputs are hidden states entering here.
+        self.start_layer = start_layer
         self.block_size, self.device = block_size, device
         block_shape = (block_size, cfg.num_kv_heads, cfg.head_dim)
         allocate = kv_allocator or allocate_kv_tensors
@@ -127,11 +130,14 @@ class ModelRunner:
     ) -> dict[str, int]:
         """Runs one step; returns the sampled token per request id that samples."""
         inputs = self.prepare(out)
+        hidden_in = self._hidden_inputs(out) if self.start_layer else None
         hidden = self.model(
             inputs.positions,
             inputs.meta,
             self.kv_caches,
-            input_ids=inputs.input_ids,
+            input_ids=None if hidden_in is not None else inputs.input_ids,
+            hidden_states=hidden_in,
+            start_layer=self.start_layer,
             on_layer_done=on_layer_done,
         )
         if not inputs.sample_rows:
@@ -145,3 +151,17 @@ class ModelRunner:
             logits, [r.params for r in reqs], [r.generator for r in reqs], suppress
         )
         return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
+
+    def _hidden_inputs(self, out: SchedulerOutput) -> torch.Tensor:
+        """The received hidden states of every scheduled position, in batch order."""
+        pieces = []
+        for chunk in out.chunks:
+            req = chunk.request
+            assert req.prompt_hidden is not None, "a split engine only takes split requests"
+            start, end = req.num_computed_tokens, req.num_computed_tokens + chunk.num_tokens
+            n_prompt = len(req.prompt_hidden)
+            if start < n_prompt:
+                pieces.append(req.prompt_hidden[start : min(end, n_prompt)])
+            pieces.extend(req.hidden_rows[max(start, n_prompt) - n_prompt : end - n_prompt])
+        dtype = self.kv_caches[0][0].dtype
+        return torch.cat(pieces).to(self.device, dtype)

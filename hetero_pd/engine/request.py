@@ -68,6 +68,10 @@ class Request:
     generator: torch.Generator | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Split (edge) requests: the input of each position is a hidden state received from the
+    # device, not a token id; the prompt's token ids are placeholders the engine never sees.
+    prompt_hidden: torch.Tensor | None = None  # [num_prompt_tokens, hidden]
+    hidden_rows: list[torch.Tensor] = field(default_factory=list)  # one [1, hidden] per output
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -80,6 +84,14 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_ready_tokens(self) -> int:
+        """Tokens whose input is available: all of them, unless a split request still waits
+        for the device's hidden state of its newest token."""
+        if self.prompt_hidden is None:
+            return len(self.all_token_ids)
+        return min(len(self.all_token_ids), len(self.prompt_hidden) + len(self.hidden_rows))
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -137,10 +137,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.sort_key()))
-        pending = list(self.running)
+        pending = [r for r in self.running if r.num_ready_tokens > r.num_computed_tokens]
         while pending and budget > 0:
             req = pending.pop(0)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_ready_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = max(pending, key=Request.sort_key) if pending else req
                 if victim is not req:
@@ -161,7 +161,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             cached = self.kv.find_cached_prefix(req)
-            remaining = req.num_tokens - len(cached) * self.kv.block_size
+            remaining = req.num_ready_tokens - len(cached) * self.kv.block_size
             n = min(remaining, budget)
             if not self.kv.allocate_new(req, cached, n):
                 break
