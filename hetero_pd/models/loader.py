@@ -43,7 +43,7 @@ def _target(name: str) -> tuple[str, int | None]:
     return f"layers.{layer}.{rest}", None
 
 
-def _missing_tensors(param: str, filled: set[int | None]) -> list[str]:
+def missing_tensors(param: str, filled: set[int | None]) -> list[str]:
     """Checkpoint names of the tensors that `param` still lacks."""
     name = param if param.startswith("lm_head.") else f"model.{param}"
     m = _LAYER.match(name)
@@ -88,10 +88,10 @@ def load_model(
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    _copy_tensor(cfg, params, filled, name, f.get_tensor(name), file)
+                    copy_tensor(cfg, params, filled, name, f.get_tensor(name), file)
         except SafetensorError as e:
             raise ModelLoadError(f"{file}: corrupt or unreadable safetensors file ({e})") from e
-    missing = [name for p in params for name in _missing_tensors(p, filled.get(p, set()))]
+    missing = [name for p in params for name in missing_tensors(p, filled.get(p, set()))]
     if missing:
         raise ModelLoadError(
             f"{path}: weights missing for {len(missing)} tensor(s), e.g. {missing[:3]}"
@@ -102,7 +102,7 @@ def load_model(
     return model.eval()
 
 
-def _copy_tensor(
+def copy_tensor(
     cfg: ModelConfig,
     params: dict[str, torch.nn.Parameter],
     filled: dict[str, set[int | None]],
