@@ -7,6 +7,7 @@ GET /health, GET /metrics. Errors use OpenAI's JSON shape and status codes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -49,9 +50,12 @@ class _Timing:
         self.last = now
 
 
+STATE = web.AppKey("state", ApiState)
+
+
 def create_app(state: ApiState) -> web.Application:
     app = web.Application(middlewares=[_errors], client_max_size=16 * 2**20)
-    app["state"] = state
+    app[STATE] = state
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_get("/v1/models", _models)
@@ -81,11 +85,22 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _error_response(e)
     except RouterError as e:
         return _error_response(_api_error(e), e.retry_after)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        # aiohttp's own answers (unknown route, wrong method) in OpenAI's shape too.
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        err = oai.APIError(e.status, f"{request.method} {request.path}: {e.reason}", kind)
+        return web.json_response(err.to_json(), status=e.status, headers=_allow(e))
+
+
+def _allow(e: web.HTTPException) -> dict[str, str] | None:
+    allow = e.headers.get("Allow")
+    return {"Allow": allow} if allow else None
 
 
 def _state(request: web.Request) -> ApiState:
-    state: ApiState = request.app["state"]
-    return state
+    return request.app[STATE]
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -126,7 +141,20 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 
 def _prompt_ids(state: ApiState, req: oai.GenerateRequest) -> list[int]:
-    tok = state.tokenizer
+    ids = _tokenize(state.tokenizer, req)
+    # Also for text: a tokenizer may know more tokens than the model has embeddings.
+    bad = [t for t in ids if not 0 <= t < state.vocab_size]
+    if bad:
+        where = "the prompt's token ids" if req.prompt_token_ids is not None else "the tokenizer"
+        raise oai.bad_request(
+            f"token ids {bad[:5]} from {where} are outside the model's vocabulary "
+            f"[0, {state.vocab_size})",
+            "messages" if req.kind == "chat" else "prompt",
+        )
+    return ids
+
+
+def _tokenize(tok: Any, req: oai.GenerateRequest) -> list[int]:
     if req.kind == "chat":
         if not getattr(tok, "chat_template", None):
             raise oai.bad_request(
@@ -135,12 +163,6 @@ def _prompt_ids(state: ApiState, req: oai.GenerateRequest) -> list[int]:
         text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
         return list(tok.encode(text, add_special_tokens=False))
     if req.prompt_token_ids is not None:
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < state.vocab_size]
-        if bad:
-            raise oai.bad_request(
-                f"token ids {bad[:5]} are outside the vocabulary [0, {state.vocab_size})",
-                "prompt",
-            )
         return list(req.prompt_token_ids)
     assert req.prompt is not None
     return list(tok.encode(req.prompt))
@@ -158,10 +180,14 @@ async def _generate(
     max_tokens = oai.check_context_length(req, len(prompt_ids), state.max_model_len)
     if req.params.max_tokens is None:
         req.params.max_tokens = max_tokens
-    stream = state.router.generate(req.request_id, prompt_ids, req.params, req.priority)
-    if req.stream:
-        return await _stream(request, state, req, stream, len(prompt_ids))
-    return await _collect(state, req, stream, len(prompt_ids))
+    # aclosing: however the handler ends (a client disconnect cancels it wherever it is
+    # awaiting), the router's generator is closed now, so its abort reaches the workers.
+    async with contextlib.aclosing(
+        state.router.generate(req.request_id, prompt_ids, req.params, req.priority)
+    ) as stream:
+        if req.stream:
+            return await _stream(request, state, req, stream, len(prompt_ids))
+        return await _collect(state, req, stream, len(prompt_ids))
 
 
 def _outcome(e: RouterError) -> str:
@@ -254,7 +280,12 @@ async def _stream(
         await resp.write(oai.sse(_api_error(e).to_json()))
         await resp.write(oai.sse_done())
         return resp
-    except (ConnectionResetError, asyncio.CancelledError):
+    except ConnectionResetError:
+        # The client went away while we wrote: an abort, not a server error (aiohttp would
+        # log a traceback for a raised one); the router's generator is closed by the caller.
+        outcome = "abort"
+        return resp if resp is not None else web.StreamResponse()
+    except asyncio.CancelledError:
         outcome = "abort"
         raise
     finally:

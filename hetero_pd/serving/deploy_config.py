@@ -15,6 +15,7 @@ import yaml
 
 from hetero_pd.config import EngineConfig
 from hetero_pd.serving.policy import FAILURE_POLICIES, POLICIES
+from transfer import FaultRule
 
 ROLES = ("prefill", "decode", "both")
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "role", "device"}
@@ -51,6 +52,15 @@ class TransferSpec:
     transports: tuple[str, ...] = ("local", "cuda_ipc", "shm", "tcp")
     timeout_s: float = 30.0
     secret: str = ""
+    #: Longest a shared-memory write into a decode worker's blocks may take; blocks released
+    #: while one is open are not reused before it ends.
+    grant_s: float = 10.0
+    #: How long a decode worker waits for a prompt's KV before computing it itself.
+    remote_kv_timeout_s: float = 60.0
+    #: For tests and fault drills only: worker id (e.g. "prefill-0") -> FaultRule fields
+    #: (kind, msg_type, nth, count, delay_s) injected into that worker's outgoing transfer
+    #: frames (see transfer/faults.py). Never set this in production.
+    faults: dict[str, tuple[dict[str, Any], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +72,37 @@ class Deployment:
     engine: dict[str, Any] = field(default_factory=dict)
     transfer: TransferSpec = field(default_factory=TransferSpec)
     source: str = "<dict>"
+
+
+def worker_ids(workers: tuple[WorkerSpec, ...]) -> list[str]:
+    """The id of every worker process, in launch order: `prefill-0`, `decode-0`, `both-1`."""
+    counters: dict[str, int] = {}
+    ids = []
+    for spec in workers:
+        for _ in range(spec.count):
+            n = counters.get(spec.role, 0)
+            counters[spec.role] = n + 1
+            ids.append(f"{spec.role}-{n}")
+    return ids
+
+
+def _faults(raw: Any, ids: list[str], source: str) -> dict[str, tuple[dict[str, Any], ...]]:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: transfer.faults must map worker ids to lists of rules")
+    out = {}
+    for wid, rules in raw.items():
+        where = f"transfer.faults.{wid}"
+        if wid not in ids:
+            raise ConfigError(f"{source}: {where}: no such worker; the workers are {ids}")
+        if not isinstance(rules, (list, tuple)) or not all(isinstance(r, dict) for r in rules):
+            raise ConfigError(f"{source}: {where} must be a list of mappings")
+        for rule in rules:
+            try:
+                FaultRule(**rule)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"{source}: {where}: {e}") from e
+        out[str(wid)] = tuple(dict(r) for r in rules)
+    return out
 
 
 def _typed(cls: type, raw: Any, where: str, source: str) -> Any:
@@ -132,12 +173,16 @@ def parse_deployment(raw: Any, source: str = "<dict>") -> Deployment:
         raise ConfigError(f"{source}: no worker can decode (add a 'decode' or 'both' worker)")
     if "prefill" in roles and "decode" not in roles:
         raise ConfigError(f"{source}: prefill workers need at least one 'decode' worker")
+    transfer = _typed(TransferSpec, raw.get("transfer", {}), "transfer", source)
+    transfer = dataclasses.replace(
+        transfer, faults=_faults(transfer.faults, worker_ids(workers), source)
+    )
     return Deployment(
         model=str(raw["model"]),
         dtype=str(raw.get("dtype", "float32")),
         workers=workers,
         router=router,
         engine=dict(engine),
-        transfer=_typed(TransferSpec, raw.get("transfer", {}), "transfer", source),
+        transfer=transfer,
         source=source,
     )

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 
 from hetero_pd.models.fetch import resolve_model
-from hetero_pd.serving.deploy_config import Deployment
+from hetero_pd.serving.deploy_config import Deployment, worker_ids
 from hetero_pd.serving.router import Router
 from hetero_pd.serving.worker import READY_LINE, WorkerConfig
 
@@ -33,14 +33,12 @@ class WorkerProcess:
 
 def worker_configs(dep: Deployment) -> list[WorkerConfig]:
     """One WorkerConfig per worker process, ids like `prefill-0`, `decode-0`, `both-1`."""
-    total = sum(w.count for w in dep.workers)
-    threads = max(1, (os.cpu_count() or 1) // total)
-    counters: dict[str, int] = {}
+    ids = iter(worker_ids(dep.workers))
+    threads = max(1, (os.cpu_count() or 1) // sum(w.count for w in dep.workers))
     out = []
     for spec in dep.workers:
         for _ in range(spec.count):
-            n = counters.get(spec.role, 0)
-            counters[spec.role] = n + 1
+            wid = next(ids)
             engine = {
                 "model": dep.model,
                 "dtype": dep.dtype,
@@ -50,15 +48,18 @@ def worker_configs(dep: Deployment) -> list[WorkerConfig]:
             }
             out.append(
                 WorkerConfig(
-                    worker_id=f"{spec.role}-{n}",
+                    worker_id=wid,
                     role=spec.role,
                     engine=engine,
                     layerwise=dep.transfer.layerwise,
                     checksum=dep.transfer.checksum,
                     transfer_transports=dep.transfer.transports,
                     transfer_timeout_s=dep.transfer.timeout_s,
+                    transfer_grant_s=dep.transfer.grant_s,
+                    remote_kv_timeout_s=dep.transfer.remote_kv_timeout_s,
                     transfer_secret=dep.transfer.secret,
                     cpus=spec.cpus,
+                    transfer_faults=dep.transfer.faults.get(wid, ()),
                 )
             )
     return out

@@ -38,7 +38,10 @@ class Chooser:
 
     def __init__(self, cfg: RoutingConfig, index_capacity: int = 100_000) -> None:
         self.cfg = cfg
-        self._rr = itertools.count()
+        # One round-robin counter per candidate set: picking the decode worker must not
+        # advance the prefill rotation (with one decoder and two prefillers, a shared counter
+        # would send every prompt to the same prefill worker).
+        self._rr: dict[tuple[str, ...], itertools.count[int]] = {}
         self._owner: OrderedDict[int, str] = OrderedDict()
         self._capacity = index_capacity
 
@@ -49,7 +52,8 @@ class Chooser:
         if not candidates:
             raise LookupError("no live worker")
         if self.cfg.policy == "round_robin":
-            return candidates[next(self._rr) % len(candidates)], 0
+            counter = self._rr.setdefault(tuple(w.id for w in candidates), itertools.count())
+            return candidates[next(counter) % len(candidates)], 0
         least = min(candidates, key=lambda w: w.load_score)
         if self.cfg.policy == "least_loaded" or not prompt_ids:
             return least, 0

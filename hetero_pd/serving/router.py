@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq.asyncio
 
@@ -33,6 +33,9 @@ from hetero_pd.serving.worker_client import WorkerClient
 
 log = logging.getLogger("hetero_pd.router")
 DEAD = "__dead__"
+T = TypeVar("T")
+#: Decode-worker answers to `reserve` that mean "not now": back off and ask again.
+BACKPRESSURE = ("NO_FREE_BLOCKS", "KV_FENCED")
 
 
 class RouterError(Exception):
@@ -98,8 +101,8 @@ class Router:
     def mark_dead(self, worker_id: str) -> None:
         """The supervisor saw the process exit: take it out of rotation at once."""
         client = self.workers.get(worker_id)
-        if client is not None and client.alive:
-            client._mark_dead("process exited")
+        if client is not None and not client.gone:
+            client.mark_gone("process exited")
 
     def _on_message(self, client: WorkerClient, msg: dict[str, Any]) -> None:
         queue = self._queues.get(msg.get("rid", ""))
@@ -129,7 +132,7 @@ class Router:
     # -- requests ------------------------------------------------------------------------
     async def generate(
         self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Yields the decode worker's `output` messages until one carries a finish reason."""
         if len(self._queues) >= self.cfg.max_inflight:
             raise RouterError(429, "the server is at capacity; retry shortly", "overloaded", 1.0)
@@ -141,13 +144,16 @@ class Router:
         involved: list[WorkerClient] = []
         finished = False
         try:
-            decode = await self._start(rid, prompt_ids, params, priority, queue, involved)
+            decode, early = await self._start(rid, prompt_ids, params, priority, queue, involved)
             while True:
-                wid, msg = await self._next(queue, self.cfg.token_timeout_s, rid)
+                if early is not None:
+                    wid, msg, early = decode.id, early, None
+                else:
+                    wid, msg = await self._next(queue, self.cfg.token_timeout_s, rid)
                 if msg["t"] == DEAD and wid == decode.id:
                     raise RouterError(503, f"decode worker {wid} died mid-request", "worker_died")
                 if msg["t"] == "error" and wid == decode.id:
-                    raise RouterError(500, msg["message"], msg["code"].lower())
+                    raise _worker_error(msg)
                 if msg["t"] == "output" and wid == decode.id:
                     finished = msg["finish_reason"] is not None
                     yield msg
@@ -164,7 +170,7 @@ class Router:
         self, queue: asyncio.Queue[tuple[str, dict[str, Any]]], timeout_s: float, rid: str
     ) -> tuple[str, dict[str, Any]]:
         try:
-            return await asyncio.wait_for(queue.get(), timeout_s)
+            return await _get_within(queue, timeout_s)
         except TimeoutError:
             raise RouterError(
                 504, f"request {rid}: no progress for {timeout_s}s", "timeout"
@@ -178,8 +184,9 @@ class Router:
         priority: int,
         queue: asyncio.Queue[tuple[str, dict[str, Any]]],
         involved: list[WorkerClient],
-    ) -> WorkerClient:
-        """Gets the prompt's KV onto a decode worker; returns that worker."""
+    ) -> tuple[WorkerClient, dict[str, Any] | None]:
+        """Gets the prompt's KV onto a decode worker; returns that worker and, when it already
+        answered (it stopped waiting for the KV and computed the prompt), its first output."""
         wire = M.params_to_wire(params)
         decode, cached = self.chooser.pick(self.live("decode", "both"), prompt_ids)
         prefill = self.live("prefill")
@@ -188,12 +195,15 @@ class Router:
         if decode.role == "both" or self.chooser.prefill_locally(len(prompt_ids), cached, prefill):
             self.metrics.decision("colocated" if decode.role == "both" else "local_prefill")
             decode.send("generate", rid=rid, prompt_ids=prompt_ids, params=wire, priority=priority)
-            return decode
+            return decode, None
         self.metrics.decision("disaggregated")
         tried: set[str] = set()
         for attempt in range(self.cfg.max_retries + 1):
             blocks = await self._reserve(decode, rid, prompt_ids, wire, priority, queue)
-            candidates = [w for w in self.live("prefill") if w.id not in tried] or prefill
+            live = self.live("prefill")
+            # Another prefill worker if there is one, else the same one again; never a dead
+            # one (nothing would ever answer for it).
+            candidates = [w for w in live if w.id not in tried] or live
             if not candidates:
                 break
             worker, _ = self.chooser.pick(candidates, prompt_ids)
@@ -213,7 +223,12 @@ class Router:
             worker.inflight.discard(rid)
             if isinstance(outcome, int):
                 decode.send("kv_ready", rid=rid, first_token=outcome)
-                return decode
+                return decode, None
+            worker.send("abort", rid=rid)  # e.g. after a timeout: stop it computing for nothing
+            if isinstance(outcome, dict):
+                log.warning("request %s: %s gave up waiting for the KV", rid, decode.id)
+                self.metrics.decision("recompute")
+                return decode, outcome
             log.warning("request %s: prefill on %s failed: %s", rid, worker.id, outcome)
             self.metrics.transfer_failure(outcome.split(":", 1)[0])
             policy = self.cfg.failure_policy
@@ -226,7 +241,7 @@ class Router:
             decode.send("abort", rid=rid)  # a fresh reservation: a new epoch for the retry
         self.metrics.decision("recompute")
         decode.send("kv_failed", rid=rid)
-        return decode
+        return decode, None
 
     def _enlist(self, worker: WorkerClient, rid: str, involved: list[WorkerClient]) -> None:
         worker.inflight.add(rid)
@@ -256,12 +271,8 @@ class Router:
                     break
             if msg["t"] == "reserved":
                 return dict(msg["blocks"])
-            if msg["code"] != "NO_FREE_BLOCKS":
-                raise RouterError(
-                    400 if msg["code"] == "BAD_REQUEST" else 503,
-                    msg["message"],
-                    msg["code"].lower(),
-                )
+            if msg["code"] not in BACKPRESSURE:
+                raise _worker_error(msg, default_status=503)
             if time.monotonic() + delay > deadline:
                 raise RouterError(429, "no KV cache room on the decode workers", "overloaded", 1.0)
             await asyncio.sleep(delay)  # back-pressure: decode is full, wait for room
@@ -273,26 +284,34 @@ class Router:
         decode: WorkerClient,
         rid: str,
         queue: asyncio.Queue[tuple[str, dict[str, Any]]],
-    ) -> int | str:
-        """The first token, or a string saying why the prefill failed."""
+    ) -> int | str | dict[str, Any]:
+        """The first token, a string saying why the prefill failed, or the decode worker's
+        first output when it stopped waiting (its reservation expired: it computes the
+        prompt itself, and what it streams is the answer)."""
         deadline = time.monotonic() + self.cfg.prefill_timeout_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 return "TIMEOUT: no prefill result"
             try:
-                wid, msg = await asyncio.wait_for(queue.get(), left)
+                wid, msg = await _get_within(queue, left)
             except TimeoutError:
                 return "TIMEOUT: no prefill result"
-            if wid == decode.id and msg["t"] == DEAD:
-                raise RouterError(503, f"decode worker {wid} died", "worker_died")
+            if wid == decode.id:
+                if msg["t"] == DEAD:
+                    raise RouterError(503, f"decode worker {wid} died", "worker_died")
+                if msg["t"] == "error":
+                    raise _worker_error(msg)
+                if msg["t"] == "output":
+                    return msg
+                continue
             if wid != prefill.id:
                 continue
             if msg["t"] == DEAD:
                 return f"WORKER_DIED: prefill worker {wid} died"
             if msg["t"] == "error":
                 if msg["code"] == "BAD_REQUEST":
-                    raise RouterError(400, msg["message"], "bad_request")
+                    raise _worker_error(msg)
                 return f"{msg['code']}: {msg['message']}"
             if msg["t"] == "prefill_done":
                 stats = msg["transfer"]
@@ -300,3 +319,19 @@ class Router:
                     "kv", int(stats.get("bytes", 0)), float(stats.get("seconds", 0.0))
                 )
                 return int(msg["first_token"])
+
+
+def _worker_error(msg: dict[str, Any], default_status: int = 500) -> RouterError:
+    """The HTTP-facing error for a worker's `error` message."""
+    code = msg["code"]
+    status = {"BAD_REQUEST": 400, "DRAINING": 503}.get(code, default_status)
+    return RouterError(status, msg["message"], code.lower(), 2.0 if status == 503 else None)
+
+
+async def _get_within(queue: asyncio.Queue[T], timeout_s: float) -> T:
+    """`queue.get()` with a deadline (TimeoutError). Not `asyncio.wait_for`: before Python
+    3.12 it returns the item and swallows a cancellation that lands as the item arrives,
+    so a client disconnect during a fast token stream could go unnoticed and the request
+    would run to the end."""
+    async with asyncio.timeout(timeout_s):
+        return await queue.get()

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,7 +29,15 @@ from hetero_pd.engine.llm_engine import LLMEngine
 from hetero_pd.serving import messages as M
 from hetero_pd.serving.prefill_push import PushTracker
 from transfer import EngineConfig as TransferConfig
-from transfer import KVRegion, RemoteBlocks, TransferEngine, TransferError, TransferHandle
+from transfer import (
+    FaultPlan,
+    FaultRule,
+    KVRegion,
+    RemoteBlocks,
+    TransferEngine,
+    TransferError,
+    TransferHandle,
+)
 
 log = logging.getLogger("hetero_pd.worker")
 READY_LINE = "HETERO_PD_WORKER_READY"
@@ -45,16 +54,20 @@ class WorkerConfig:
     layerwise: bool = False  # push each layer's KV as soon as it is computed
     transfer_secret: str = ""
     transfer_timeout_s: float = 30.0
+    transfer_grant_s: float = 10.0
     transfer_transports: tuple[str, ...] = TRANSPORTS
     checksum: bool = True
     remote_kv_timeout_s: float = 60.0
     cpus: tuple[int, ...] = field(default_factory=tuple)
+    #: Tests and fault drills only: FaultRule fields for this worker's outgoing transfer frames.
+    transfer_faults: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def from_json(cls, text: str) -> WorkerConfig:
         raw = json.loads(text)
         raw["transfer_transports"] = tuple(raw.get("transfer_transports", TRANSPORTS))
         raw["cpus"] = tuple(raw.get("cpus", ()))
+        raw["transfer_faults"] = tuple(raw.get("transfer_faults", ()))
         return cls(**raw)
 
     def to_json(self) -> str:
@@ -65,11 +78,17 @@ class Worker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         self.id = cfg.worker_id
+        faults = None
+        if cfg.transfer_faults:
+            faults = FaultPlan(tuple(FaultRule(**rule) for rule in cfg.transfer_faults))
         tcfg = TransferConfig(
             host=cfg.host,
             secret=cfg.transfer_secret.encode(),
             transfer_timeout_s=cfg.transfer_timeout_s,
+            grant_s=cfg.transfer_grant_s,
             transports=cfg.transfer_transports,
+            checksum_stream=cfg.checksum,
+            faults=faults,
         )
         role = {"prefill": "prefill", "decode": "decode"}.get(cfg.role, "mixed")
         self.transfer = TransferEngine(cfg.worker_id, role, tcfg)
@@ -86,6 +105,9 @@ class Worker:
         self.routers: set[bytes] = set()
         self.owner: dict[str, bytes] = {}  # request id -> router identity
         self.recv: dict[str, TransferHandle] = {}  # decode: reservations awaiting KV
+        # decode: released reservations whose blocks a direct writer may still touch until
+        # `until`; the engine frees or reuses them (the action) only after that.
+        self.fenced: dict[str, tuple[float, Callable[[str], None]]] = {}
         self.pushes: PushTracker = PushTracker(self.transfer, self.engine, self._on_push_result)
         self.linked: set[str] = set()
         self.draining: bool = False
@@ -125,8 +147,7 @@ class Worker:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         while not self.stopped:
-            busy = self.engine.has_unfinished_requests() or self.pushes.active
-            events = dict(poller.poll(0 if busy else 20))
+            events = dict(poller.poll(self._poll_ms()))
             if self.sock in events:
                 self._drain_socket()
             if self.engine.has_unfinished_requests():
@@ -135,13 +156,24 @@ class Worker:
                     self._on_output(out)
             self.transfer.progress()
             self._expire_reservations()
+            self._unfence()
             now = time.monotonic()
             if now - self._last_heartbeat >= self.cfg.heartbeat_s:
                 self._heartbeat(now)
-            idle = not self.engine.has_unfinished_requests() and not self.pushes.active
-            if self.draining and idle:
+            if self.draining and not self._busy():
                 break
         self._broadcast(M.encode("bye", worker=self.id))
+
+    def _busy(self) -> bool:
+        return self.engine.has_unfinished_requests() or self.pushes.active or bool(self.fenced)
+
+    def _poll_ms(self) -> int:
+        s = self.engine.scheduler
+        if s.waiting or s.running:
+            return 0  # the engine has a step to run
+        # Only waiting on transfers (remote KV, pushes, fences): check often, without spinning
+        # on a core the other worker may need.
+        return 1 if self._busy() else 20
 
     def close(self) -> None:
         self.transfer.close()
@@ -162,14 +194,17 @@ class Worker:
                 self._handle(ident, msg)
             except M.MessageError as e:
                 log.warning("%s: rejected control frame: %s", self.id, e)
-            except (ValueError, TypeError, KeyError) as e:
+            except (ValueError, TypeError, KeyError, TransferError) as e:
                 rid = msg.get("rid", "") if isinstance(msg, dict) else ""
-                self._send(
-                    ident,
-                    M.encode(
-                        "error", rid=rid, code="BAD_REQUEST", message=str(e), recoverable=False
-                    ),
+                if isinstance(e, TransferError):
+                    code, recoverable = e.code.name, e.code.recoverable
+                else:
+                    code, recoverable = "BAD_REQUEST", False
+                error = M.encode(
+                    "error", rid=rid, code=code, message=str(e), recoverable=recoverable
                 )
+                self._send(ident, error)
+                self.owner.pop(rid, None)
 
     def _send(self, ident: bytes, frame: bytes) -> None:
         try:
@@ -227,6 +262,14 @@ class Worker:
     def _on_reserve(self, msg: dict[str, Any]) -> None:
         rid = msg["rid"]
         params = M.params_from_wire(msg["params"])
+        if rid in self.fenced:  # a retry while the previous attempt's blocks are fenced
+            until = self.fenced[rid][0]
+            message = (
+                f"request {rid}: its previous blocks are fenced for {until - time.monotonic():.2f}s"
+            )
+            self._error(rid, "KV_FENCED", message, True)
+            self.owner.pop(rid, None)
+            return
         try:
             block_ids = self.engine.add_remote_request(
                 msg["prompt_ids"], params, rid, msg["priority"]
@@ -235,7 +278,13 @@ class Worker:
             self._error(rid, "NO_FREE_BLOCKS", str(e), True)
             self.owner.pop(rid, None)
             return
-        handle = self.transfer.reserve(rid, block_ids, timeout_s=self.cfg.remote_kv_timeout_s)
+        try:
+            handle = self.transfer.reserve(rid, block_ids, timeout_s=self.cfg.remote_kv_timeout_s)
+        except TransferError as e:
+            self.engine.abort_request(rid)
+            self._error(rid, e.code.name, str(e), e.code.recoverable)
+            self.owner.pop(rid, None)
+            return
         self.recv[rid] = handle
         blocks = handle.blocks
         assert blocks is not None
@@ -262,26 +311,44 @@ class Worker:
         handle = self.recv.pop(rid, None)
         if handle is None:
             return  # aborted meanwhile
-        self.transfer.release(rid)
         if handle.state.value != "done":
             # The sender saw an ACK we never gave for this epoch: never trust those blocks.
-            self.engine.remote_kv_failed(rid)
+            self._release(rid, self.engine.remote_kv_failed)
             return
+        self.transfer.release(rid)  # every write was committed: no grant is left open
         self._on_output(self.engine.remote_kv_ready(rid, msg["first_token"]))
 
     def _on_kv_failed(self, msg: dict[str, Any]) -> None:
         rid = msg["rid"]
         if self.recv.pop(rid, None) is not None:
-            self.transfer.release(rid)
-            self.engine.remote_kv_failed(rid)
+            self._release(rid, self.engine.remote_kv_failed)
 
     def _on_abort(self, msg: dict[str, Any]) -> None:
         rid = msg["rid"]
         self.pushes.cancel(rid)
-        if self.recv.pop(rid, None) is not None:
-            self.transfer.release(rid)
-        self.engine.abort_request(rid)
+        if rid in self.fenced:
+            self.fenced[rid] = (self.fenced[rid][0], self.engine.abort_request)
+        elif self.recv.pop(rid, None) is not None:
+            self._release(rid, self.engine.abort_request)
+        else:
+            self.engine.abort_request(rid)
         self.owner.pop(rid, None)
+
+    def _release(self, rid: str, then: Callable[[str], None]) -> None:
+        """Releases `rid`'s reservation, then runs `then(rid)` (which frees or reuses its
+        blocks in the engine) once no direct (shared-memory) writer can still write there."""
+        wait = self.transfer.release(rid)
+        if wait > 0:
+            self.fenced[rid] = (time.monotonic() + wait, then)
+        else:
+            then(rid)
+
+    def _unfence(self) -> None:
+        now = time.monotonic()
+        for rid, (until, then) in list(self.fenced.items()):
+            if until <= now:
+                del self.fenced[rid]
+                then(rid)
 
     # -- engine and transfer events ------------------------------------------------------
     def _on_output(self, out: Any) -> None:
@@ -324,8 +391,7 @@ class Worker:
             if handle.state.terminal and handle.state.value != "done":
                 # Timed out or cancelled before kv_ready: compute the prompt here.
                 self.recv.pop(rid)
-                self.transfer.release(rid)
-                self.engine.remote_kv_failed(rid)
+                self._release(rid, self.engine.remote_kv_failed)
 
     def _heartbeat(self, now: float) -> None:
         self._last_heartbeat = now
@@ -349,8 +415,7 @@ class Worker:
         except AssertionError as e:
             return M.encode("integrity", ok=False, used_blocks=-1, message=str(e))
         used = self.engine.kv.pool.counts()[2]
-        busy = self.engine.has_unfinished_requests() or self.pushes.active or self.recv
-        msg = "busy" if busy else "idle"
+        msg = "busy" if self._busy() or self.recv else "idle"
         return M.encode("integrity", ok=True, used_blocks=used, message=msg)
 
 

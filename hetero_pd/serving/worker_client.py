@@ -46,6 +46,8 @@ class WorkerClient:
         self.load: dict[str, Any] = {}
         self.last_seen = 0.0
         self.alive = False
+        self.dead_at = 0.0
+        self.gone = False  # its process exited or it said bye: back only after a new hello
         self.inflight: set[str] = set()
         self._ready = asyncio.Event()
         self._integrity: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -106,15 +108,15 @@ class WorkerClient:
             kind = msg["t"]
             if kind == "heartbeat":
                 self.load = msg["load"]
-                self.alive = not msg["load"].get("draining", False)
+                self.alive = not msg["load"].get("draining", False) and not self.gone
             elif kind == "ready":
                 self.role, self.info = msg["role"], msg["info"]
-                self.alive = True
+                self.alive, self.gone = True, False
                 self._ready.set()
             elif kind == "integrity":
                 self._integrity.put_nowait(msg)
             elif kind == "bye":
-                self._mark_dead("said bye")
+                self.mark_gone("said bye")
             else:
                 self.on_message(self, msg)
 
@@ -129,12 +131,20 @@ class WorkerClient:
                 self.alive = True
 
     def _came_back(self, silent: float) -> bool:
-        recent = silent < self.heartbeat_timeout_s
+        # Only a message heard after it was marked dead brings it back.
+        recent = silent < self.heartbeat_timeout_s and self.last_seen > self.dead_at
         draining = bool(self.load.get("draining", False))
-        return not self.alive and self._ready.is_set() and recent and not draining
+        usable = self._ready.is_set() and not self.gone and not draining
+        return not self.alive and usable and recent
+
+    def mark_gone(self, why: str) -> None:
+        """The worker will not answer again (its process exited, or it said bye)."""
+        self.gone = True
+        self._mark_dead(why)
 
     def _mark_dead(self, why: str) -> None:
         if self.alive or self.inflight:
             log.warning("worker %s out of rotation: %s", self.id, why)
         self.alive = False
+        self.dead_at = time.monotonic()
         self.on_dead(self)

@@ -1,0 +1,24 @@
+"""Fixtures for the serving tests: the single-process engine as the reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hetero_pd import LLM, SamplingParams
+
+
+class Reference:
+    """`hetero_pd.LLM` over the same model: what the stack must answer."""
+
+    def __init__(self, model: str | Path) -> None:
+        self.llm = LLM(str(model), num_kv_blocks=512, max_model_len=1024, num_threads=1)
+
+    def texts(self, prompts: list[list[int]], params: SamplingParams) -> list[str]:
+        return [o.outputs[0].text for o in self.llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_llama_dir: Path) -> Reference:
+    return Reference(tiny_llama_dir)

@@ -1,0 +1,46 @@
+"""The test-only `transfer.faults` setting: validated with the key named, and handed to
+exactly the worker it names (through the worker's JSON config)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hetero_pd.serving.deploy_config import ConfigError, parse_deployment
+from hetero_pd.serving.launcher import worker_configs
+from hetero_pd.serving.worker import WorkerConfig
+
+
+def raw(faults: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "workers": [{"role": "prefill", "count": 2}, {"role": "decode"}],
+        "transfer": {"faults": faults, "grant_s": 2.0, "remote_kv_timeout_s": 5.0},
+    }
+
+
+def test_faults_reach_only_the_named_worker() -> None:
+    rule = {"kind": "corrupt", "msg_type": "data", "nth": 1, "count": 3}
+    dep = parse_deployment(raw({"prefill-1": [rule]}))
+    configs = {c.worker_id: WorkerConfig.from_json(c.to_json()) for c in worker_configs(dep)}
+    assert set(configs) == {"prefill-0", "prefill-1", "decode-0"}
+    assert configs["prefill-1"].transfer_faults == (rule,)
+    assert configs["prefill-0"].transfer_faults == () == configs["decode-0"].transfer_faults
+    assert {c.transfer_grant_s for c in configs.values()} == {2.0}
+    assert {c.remote_kv_timeout_s for c in configs.values()} == {5.0}
+
+
+@pytest.mark.parametrize(
+    ("faults", "message"),
+    [
+        ({"prefill-7": []}, r"transfer\.faults\.prefill-7: no such worker"),
+        ({"prefill-0": [{"kind": "explode"}]}, r"transfer\.faults\.prefill-0: .*kind"),
+        ({"prefill-0": [{"kind": "drop", "when": 1}]}, r"transfer\.faults\.prefill-0: .*when"),
+        ({"prefill-0": {"kind": "drop"}}, r"must be a list of mappings"),
+        (["prefill-0"], r"transfer\.faults must map worker ids"),
+    ],
+)
+def test_bad_faults_are_rejected_with_the_key(faults: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_deployment(raw(faults), "deploy.yaml")
