@@ -26,6 +26,7 @@ import zmq
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.block_pool import NoFreeBlocksError
 from hetero_pd.engine.llm_engine import LLMEngine
+from hetero_pd.engine.scheduler import SchedulerOutput
 from hetero_pd.serving import messages as M
 from hetero_pd.serving.prefill_push import PushTracker
 from transfer import EngineConfig as TransferConfig
@@ -151,8 +152,7 @@ class Worker:
             if self.sock in events:
                 self._drain_socket()
             if self.engine.has_unfinished_requests():
-                hook = self.pushes.layer_hook if self.cfg.layerwise else None
-                for out in self.engine.step(hook):
+                for out in self.engine.step(self._layer_hook):
                     self._on_output(out)
             self.transfer.progress()
             self._expire_reservations()
@@ -392,6 +392,20 @@ class Worker:
                 # Timed out or cancelled before kv_ready: compute the prompt here.
                 self.recv.pop(rid)
                 self._release(rid, self.engine.remote_kv_failed)
+
+    def _layer_hook(self, out: SchedulerOutput) -> Callable[[int], None]:
+        """Runs after every layer of a step: layer-wise KV pushes, and heartbeats, so that a
+        long step never looks like a dead worker to the router."""
+        push = self.pushes.layer_hook(out) if self.cfg.layerwise else None
+
+        def on_layer_done(layer: int) -> None:
+            if push is not None:
+                push(layer)
+            now = time.monotonic()
+            if now - self._last_heartbeat >= self.cfg.heartbeat_s:
+                self._heartbeat(now)
+
+        return on_layer_done
 
     def _heartbeat(self, now: float) -> None:
         self._last_heartbeat = now
