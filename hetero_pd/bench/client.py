@@ -10,7 +10,6 @@ else the number of content chunks is.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any, Literal
@@ -187,7 +186,7 @@ async def send_request(
             for msg in decoder.flush():
                 if not timer.on_message(msg, time.perf_counter()):
                     return out
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
         out.error = (f"{type(e).__name__}: {e}")[:300]
         return out
     return timer.finish()

@@ -150,7 +150,7 @@ def request_records(results: list[RequestResult]) -> list[dict[str, Any]]:
 
 def _config(args: argparse.Namespace, cfg: RunConfig, n: int, slo: SLO) -> dict[str, Any]:
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "label": args.label,
         "url": cfg.url,
         "endpoint": cfg.endpoint,
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    except (ConnectionError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, ConnectionError, aiohttp.ClientError) as e:
         print(f"{PROG}: cannot benchmark {args.url}: {e}", file=sys.stderr)
         return 1
     print(json.dumps(result))
