@@ -49,6 +49,14 @@ def _passthrough(command: str, argv: list[str]) -> int:
     run: Callable[[list[str]], int]
     if command == "serve":
         from hetero_pd.serving.serve import main as run
+    elif command == "validate":
+        from hetero_pd.deploy.cli import validate_main as run
+    elif command == "plan":
+        from hetero_pd.deploy.cli import plan_main as run
+    elif command == "render":
+        from hetero_pd.deploy.cli import render_main as run
+    elif command == "status":
+        from hetero_pd.deploy.status import main as run
     elif command == "worker":
         from hetero_pd.serving.worker import main as run
     elif argv[:1] == ["offline"]:
@@ -67,6 +75,10 @@ def _passthrough(command: str, argv: list[str]) -> int:
 
 PASSTHROUGH = {
     "serve": "run a deployment (router + workers) in the foreground: serve CONFIG",
+    "validate": "check deployment files before anything starts: validate CONFIG",
+    "plan": "P/D worker counts for a deployment's workload, with the reasoning: plan CONFIG",
+    "render": "Kubernetes manifests for a deployment: render k8s CONFIG",
+    "status": "workers, roles, devices, health and load of a running deployment",
     "worker": "run one worker process (the launcher starts these)",
     "bench": "benchmarks: bench offline | serve | pd | transfer",
 }

@@ -110,12 +110,21 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
+    """Readiness: 200 while a decode-capable worker is live, else 503; both list every
+    worker (role, device, pid, liveness, load, supervisor state). `?live=1` is liveness:
+    200 whenever this process answers (Kubernetes must not restart a router that is only
+    waiting for its workers)."""
     router = _state(request).router
+    if request.query.get("live"):
+        return web.json_response({"status": "alive"})
     workers = {
         w.id: {
             "role": w.role,
+            "device": w.info.get("device"),
+            "pid": w.info.get("pid"),
             "alive": w.alive,
             "load": {k: v for k, v in w.load.items() if k != "transfer"},
+            **router.supervision.get(w.id, {}),
         }
         for w in router.workers.values()
     }

@@ -1,7 +1,8 @@
-"""Starts a deployment's workers as processes, connects the router to them, watches them.
+"""Starts a deployment's workers as processes, connects the router to them, supervises them.
 
 Each worker prints one READY line with the addresses it bound (ports chosen by the OS), so
-no port is configured by hand. A worker that exits is taken out of rotation at once.
+no port is configured by hand. A worker that exits is taken out of rotation at once and
+restarted with backoff; stopping SIGTERMs, then SIGKILLs, and reaps every worker.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
+from hetero_pd.deploy.supervisor import Supervisor
+from hetero_pd.deploy.workers import WorkerInstance, expand_workers
 from hetero_pd.models.fetch import resolve_model
-from hetero_pd.serving.deploy_config import Deployment, worker_ids
+from hetero_pd.serving.deploy_config import Deployment
 from hetero_pd.serving.router import Router
 from hetero_pd.serving.worker import READY_LINE, WorkerConfig
 
@@ -32,58 +36,63 @@ class WorkerProcess:
 
 
 def worker_configs(dep: Deployment) -> list[WorkerConfig]:
-    """One WorkerConfig per worker process, ids like `prefill-0`, `decode-0`, `both-1`."""
-    ids = iter(worker_ids(dep.workers))
-    threads = max(1, (os.cpu_count() or 1) // sum(w.count for w in dep.workers))
-    out = []
-    for spec in dep.workers:
-        for _ in range(spec.count):
-            wid = next(ids)
-            engine = {
-                "model": dep.model,
-                "dtype": dep.dtype,
-                "device": spec.device,
-                "num_threads": threads,
-                **dep.engine,
-            }
-            out.append(
-                WorkerConfig(
-                    worker_id=wid,
-                    role=spec.role,
-                    engine=engine,
-                    layerwise=dep.transfer.layerwise,
-                    checksum=dep.transfer.checksum,
-                    transfer_transports=dep.transfer.transports,
-                    transfer_timeout_s=dep.transfer.timeout_s,
-                    transfer_grant_s=dep.transfer.grant_s,
-                    remote_kv_timeout_s=dep.transfer.remote_kv_timeout_s,
-                    transfer_secret=dep.transfer.secret,
-                    cpus=spec.cpus,
-                    transfer_faults=dep.transfer.faults.get(wid, ()),
-                )
-            )
-    return out
+    """One WorkerConfig per worker process, ids like `prefill-0`, `decode-0`, `both-1`, each
+    on the device the deployment assigns it (`cuda` -> the next free `cuda:N`)."""
+    instances = expand_workers(dep.workers)
+    threads = max(1, (os.cpu_count() or 1) // len(instances))
+    return [worker_config(dep, w, threads) for w in instances]
+
+
+def worker_config(dep: Deployment, w: WorkerInstance, threads: int, **extra: Any) -> WorkerConfig:
+    """The WorkerConfig of worker `w` of `dep` (`extra` sets fields such as ports)."""
+    engine = {
+        "model": dep.model,
+        "dtype": dep.dtype,
+        "device": w.device,
+        "num_threads": threads,
+        **dep.engine,
+    }
+    t = dep.transfer
+    return WorkerConfig(
+        worker_id=w.worker_id,
+        role=w.role,
+        engine=engine,
+        layerwise=t.layerwise,
+        checksum=t.checksum,
+        transfer_transports=t.transports,
+        transfer_timeout_s=t.timeout_s,
+        transfer_grant_s=t.grant_s,
+        remote_kv_timeout_s=t.remote_kv_timeout_s,
+        transfer_secret=t.secret,
+        cpus=w.cpus,
+        transfer_faults=t.faults.get(w.worker_id, ()),
+        **extra,
+    )
 
 
 class Launcher:
-    def __init__(self, dep: Deployment, router: Router, ready_timeout_s: float = 300.0) -> None:
+    """Starts the workers, then supervises them (`hetero_pd.deploy.supervisor`): a worker
+    that exits is taken out of rotation at once and restarted with backoff."""
+
+    def __init__(self, dep: Deployment, router: Router, ready_timeout_s: float | None = None):
         self.dep = dep
         self.router = router
-        self.ready_timeout_s = ready_timeout_s
+        self.ready_timeout_s = ready_timeout_s or dep.supervisor.ready_timeout_s
         self.procs: dict[str, WorkerProcess] = {}
-        self._watch: asyncio.Task[None] | None = None
+        self.supervisor = Supervisor(self, router, dep.supervisor)
+        router.supervision = self.supervisor.states
 
     async def start(self) -> None:
         resolve_model(self.dep.model)  # fetch once here, not in every worker at the same time
         configs = worker_configs(self.dep)
         try:
             for cfg in configs:
-                await self._spawn(cfg)
+                await self._spawn(replace(cfg, parent_pid=os.getpid()))
             await asyncio.gather(*(self._connect(wp) for wp in self.procs.values()))
         except BaseException:
             await self.stop()
             raise
-        self._watch = asyncio.create_task(self._watch_processes())
+        self.supervisor.watch(list(self.procs))
 
     async def _spawn(self, cfg: WorkerConfig) -> None:
         cmd = [sys.executable, "-m", "hetero_pd.serving.worker", "--config-json", cfg.to_json()]
@@ -112,7 +121,7 @@ class Launcher:
         info = json.loads(line[len(READY_LINE) :])
         wp.address = info["address"]
         wp.pump = asyncio.create_task(self._pump(wp))
-        await self.router.add_worker(wid, wp.address)
+        await self.router.add_worker(wid, wp.address)  # replaces a previous client
         log.info("worker %s (%s) ready at %s, pid %s", wid, wp.config.role, wp.address, wp.proc.pid)
 
     async def _pump(self, wp: WorkerProcess) -> None:
@@ -121,30 +130,54 @@ class Launcher:
         while await wp.proc.stdout.readline():
             pass
 
-    async def _watch_processes(self) -> None:
-        while True:
-            await asyncio.sleep(0.2)
-            for wid, wp in self.procs.items():
-                if wp.proc.returncode is not None:
-                    self.router.mark_dead(wid)
+    # -- what the supervisor uses --------------------------------------------------------
+    def pid(self, worker_id: str) -> int | None:
+        return self.procs[worker_id].proc.pid
+
+    async def wait(self, worker_id: str) -> int:
+        return await self.procs[worker_id].proc.wait()
+
+    async def respawn(self, worker_id: str) -> None:
+        """A fresh process for `worker_id` (same config), connected in place of the old one."""
+        old = self.procs[worker_id]
+        if old.pump is not None:
+            old.pump.cancel()
+        await self._spawn(old.config)
+        wp = self.procs[worker_id]
+        try:
+            await self._connect(wp)
+        except BaseException:
+            await _terminate(wp, 0.0)
+            raise
+
+    async def switch_role(self, worker_id: str, role: str) -> None:
+        """Drains `worker_id` and switches it to `role`; a later restart keeps the new role."""
+        await self.router.switch_role(worker_id, role)
+        wp = self.procs[worker_id]
+        wp.config = replace(wp.config, role=role)
 
     def pids(self) -> dict[str, int]:
         return {wid: wp.proc.pid for wid, wp in self.procs.items()}
 
-    async def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM (workers drain), then SIGKILL whatever is left after `grace_s`."""
-        if self._watch is not None:
-            self._watch.cancel()
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stops supervising, SIGTERMs every worker (they drain), SIGKILLs any left after
+        `grace_s` (default: supervisor.stop_grace_s) and reaps them all: no orphan is left."""
+        await self.supervisor.stop()
+        grace = self.dep.supervisor.stop_grace_s if grace_s is None else grace_s
         for wp in self.procs.values():
             if wp.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     wp.proc.send_signal(signal.SIGTERM)
-        for wp in self.procs.values():
-            try:
-                await asyncio.wait_for(wp.proc.wait(), grace_s)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    wp.proc.kill()
-                await wp.proc.wait()
-            if wp.pump is not None:
-                wp.pump.cancel()
+        await asyncio.gather(*(_terminate(wp, grace) for wp in self.procs.values()))
+
+
+async def _terminate(wp: WorkerProcess, grace_s: float) -> None:
+    """Waits up to `grace_s` for `wp` to exit after its SIGTERM, then kills and reaps it."""
+    try:
+        await asyncio.wait_for(wp.proc.wait(), grace_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            wp.proc.kill()
+        await wp.proc.wait()
+    if wp.pump is not None:
+        wp.pump.cancel()

@@ -50,6 +50,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "abort": {"rid": _STR},
     "check": {},
     "shutdown": {"drain": _BOOL},
+    "switch_role": {"role": _STR},
     # worker -> router
     "ready": {"worker": _STR, "role": _STR, "info": _DICT},
     "heartbeat": {"worker": _STR, "load": _DICT},

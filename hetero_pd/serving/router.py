@@ -72,6 +72,9 @@ class Router:
         self.workers: dict[str, WorkerClient] = {}
         self.chooser = Chooser(cfg.routing)
         self._queues: dict[str, asyncio.Queue[tuple[str, dict[str, Any]]]] = {}
+        self._switching: set[str] = set()
+        #: Supervisor's view of each worker process (pid, restarts, state) for /health.
+        self.supervision: dict[str, dict[str, Any]] = {}
 
     # -- workers -------------------------------------------------------------------------
     async def add_worker(self, worker_id: str, address: str, timeout_s: float = 120.0) -> None:
@@ -96,7 +99,31 @@ class Router:
         self.ctx.term()
 
     def live(self, *roles: str) -> list[WorkerClient]:
-        return [w for w in self.workers.values() if w.alive and w.role in roles]
+        return [
+            w
+            for w in self.workers.values()
+            if w.alive and w.role in roles and w.id not in self._switching
+        ]
+
+    async def switch_role(self, worker_id: str, role: str, timeout_s: float = 300.0) -> None:
+        """Drains `worker_id` (no new requests; in-flight ones finish) and switches it between
+        prefill and decode; it is back in rotation in its new role when this returns."""
+        client = self.workers.get(worker_id)
+        if client is None or not client.alive:
+            raise ValueError(f"no live worker {worker_id!r}")
+        if role not in ("prefill", "decode") or client.role not in ("prefill", "decode"):
+            raise ValueError(f"{worker_id} ({client.role}) cannot switch to {role!r}")
+        if client.role == role:
+            return
+        remaining = [w for w in self.live(client.role) if w.id != worker_id]
+        if not remaining:
+            raise ValueError(f"{worker_id} is the last {client.role} worker")
+        self._switching.add(worker_id)
+        try:
+            await client.switch_role(role, timeout_s)
+        finally:
+            self._switching.discard(worker_id)
+        log.info("worker %s now serves as %s", worker_id, role)
 
     def mark_dead(self, worker_id: str) -> None:
         """The supervisor saw the process exit: take it out of rotation at once."""

@@ -1,4 +1,8 @@
-"""`hetero-pd serve CONFIG`: workers as processes, the router and the REST API in this one."""
+"""`hetero-pd serve CONFIG`: on one box, supervised worker processes plus the router and the
+REST API in this process; on a cluster, one part of it (`--role router | worker`).
+
+Before anything starts the file is validated against this host (devices, ports, model) and
+automatic P/D counts are computed, with their reasoning printed."""
 
 from __future__ import annotations
 
@@ -13,9 +17,14 @@ from dataclasses import replace
 
 from aiohttp import web
 
+from hetero_pd.deploy import k8s
+from hetero_pd.deploy.controller import RoleController, WorkerLoad
+from hetero_pd.deploy.plan import resolve
+from hetero_pd.deploy.validate import validate
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.serving.api import ApiState, create_app
+from hetero_pd.serving.cluster import keep_connected, max_model_len, parse_replicas, run_pod_worker
 from hetero_pd.serving.deploy_config import Deployment, load_deployment
 from hetero_pd.serving.launcher import Launcher
 from hetero_pd.serving.policy import RoutingConfig
@@ -42,20 +51,33 @@ async def serve(
     dep: Deployment,
     on_ready: Callable[[str, Launcher, Router], Awaitable[None] | None] | None = None,
     stop: asyncio.Event | None = None,
+    workers: dict[str, str] | None = None,
 ) -> None:
-    """Runs the deployment until `stop` is set (SIGINT/SIGTERM set it when it is None)."""
+    """Runs the deployment until `stop` is set (SIGINT/SIGTERM set it when it is None).
+
+    Locally the workers are started and supervised here. With `workers` (worker id ->
+    address, a cluster), the router connects to them instead and serves at once; /health
+    answers 503 until a decode worker is up."""
     from transformers import AutoTokenizer
 
     model_dir = resolve_model(dep.model)
     cfg = ModelConfig.from_dir(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     router = Router(router_config(dep))
-    launcher = Launcher(dep, router)
+    launcher = Launcher(dep, router) if workers is None else None
     stop = stop or _signal_event()
     runner: web.AppRunner | None = None
+    tasks: list[asyncio.Task[None]] = []
     try:
-        await launcher.start()
-        max_len = min(int(w.info["max_model_len"]) for w in router.workers.values())
+        if launcher is not None:
+            await launcher.start()
+            max_len = min(int(w.info["max_model_len"]) for w in router.workers.values())
+        else:
+            assert workers is not None
+            tasks += [asyncio.create_task(keep_connected(router, *w)) for w in workers.items()]
+            max_len = max_model_len(dep, cfg)
+        if dep.supervisor.role_switch:
+            tasks.append(asyncio.create_task(_controller(dep, router, launcher).run()))
         state = ApiState(
             router, tokenizer, [dep.model], max_len, cfg.vocab_size, dep.router.api_keys
         )
@@ -67,16 +89,29 @@ async def serve(
         assert server is not None
         port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
         url = f"http://{dep.router.host}:{port}"
-        if on_ready is not None:
+        if on_ready is not None and launcher is not None:
             result = on_ready(url, launcher, router)
             if result is not None:
                 await result
         await stop.wait()
     finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if runner is not None:
             await runner.cleanup()
-        await launcher.stop()
+        if launcher is not None:
+            await launcher.stop()
         await router.close()
+
+
+def _controller(dep: Deployment, router: Router, launcher: Launcher | None) -> RoleController:
+    def loads() -> list[WorkerLoad]:
+        return [WorkerLoad.of(w.id, w.role, w.load) for w in router.live("prefill", "decode")]
+
+    switch = router.switch_role if launcher is None else launcher.switch_role
+    chunk = int(dep.engine.get("max_num_batched_tokens", 1024))
+    return RoleController(loads, switch, dep.supervisor, chunk)
 
 
 def _signal_event() -> asyncio.Event:
@@ -90,13 +125,16 @@ def _signal_event() -> asyncio.Event:
 
 def _banner(url: str, launcher: Launcher, router: Router) -> None:
     model = launcher.dep.model
-    roles = ", ".join(f"{w.id} (pid {launcher.pids()[w.id]})" for w in router.workers.values())
+    pids = launcher.pids()
+    roles = ", ".join(
+        f"{w.id} on {w.info.get('device', '?')} (pid {pids[w.id]})" for w in router.workers.values()
+    )
     print(
         f"hetero-pd is serving {model} at {url}/v1  [workers: {roles}]\n"
         f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
         f'    -d \'{{"model": "{model}", "messages": '
         f'[{{"role": "user", "content": "Name three colors."}}], "max_tokens": 32}}\'\n'
-        "Ctrl-C stops it.",
+        "`hetero-pd status --url URL` shows the workers; Ctrl-C stops it.",
         flush=True,
     )
 
@@ -106,6 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", help="deployment YAML (e.g. configs/local.yaml)")
     p.add_argument("--host", help="override router.host")
     p.add_argument("--port", type=int, help="override router.port (0: any free port)")
+    p.add_argument(
+        "--role",
+        choices=["all", "router", "worker"],
+        default="all",
+        help="all: router + supervised worker processes on this box (default); router / "
+        "worker: one part of a cluster deployment (see `hetero-pd render k8s`)",
+    )
+    p.add_argument("--replicas", help="router role: workers per role, e.g. prefill=2,decode=6")
+    p.add_argument("--worker-id", help="worker role: its id (decode-1) or its pod's name")
+    p.add_argument("--alive-file", default="", help="worker role: touched on each heartbeat")
+    p.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="automatic P/D counts from the capability profile, without timing the model",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     dep = load_deployment(args.config)
@@ -114,7 +167,23 @@ def main(argv: list[str] | None = None) -> int:
         router = replace(router, host=args.host)
     if args.port is not None:
         router = replace(router, port=args.port)
-    asyncio.run(serve(replace(dep, router=router), on_ready=_banner))
+    dep = replace(dep, router=router)
+    if args.role == "worker":
+        if not args.worker_id:
+            p.error("--role worker needs --worker-id")
+        return run_pod_worker(dep, args.worker_id, args.alive_file)
+    if args.role == "router":
+        if not args.replicas:
+            p.error("--role router needs --replicas (render k8s writes it)")
+        addresses = k8s.worker_addresses(dep, parse_replicas(args.replicas))
+        asyncio.run(serve(dep, workers=addresses))
+        return 0
+    dep, plan = resolve(dep, use_calibration=not args.no_calibrate)
+    if plan is not None:
+        print(plan.explain(), flush=True)
+    for warning in validate(dep, "local").warnings:
+        print(f"warning: {warning}", flush=True)
+    asyncio.run(serve(dep, on_ready=_banner))
     return 0
 
 

@@ -17,7 +17,8 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ import zmq
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.block_pool import NoFreeBlocksError
 from hetero_pd.engine.llm_engine import LLMEngine
-from hetero_pd.engine.scheduler import SchedulerOutput
+from hetero_pd.engine.scheduler import Role, SchedulerOutput
 from hetero_pd.serving import messages as M
 from hetero_pd.serving.prefill_push import PushTracker
 from transfer import EngineConfig as TransferConfig
@@ -62,6 +63,15 @@ class WorkerConfig:
     cpus: tuple[int, ...] = field(default_factory=tuple)
     #: Tests and fault drills only: FaultRule fields for this worker's outgoing transfer frames.
     transfer_faults: tuple[dict[str, Any], ...] = ()
+    #: Fixed ports (Kubernetes: derived from kubernetes.base_port); 0 = any free port.
+    port: int = 0
+    transfer_port: int = 0
+    #: The name peers reach this worker by when it binds 0.0.0.0 (its pod's DNS name).
+    advertise_host: str = ""
+    #: Touched on every heartbeat of the main loop (Kubernetes exec probes read its age).
+    alive_file: str = ""
+    #: The launcher's pid: a worker whose launcher is gone stops instead of living on.
+    parent_pid: int = 0
 
     @classmethod
     def from_json(cls, text: str) -> WorkerConfig:
@@ -84,6 +94,7 @@ class Worker:
             faults = FaultPlan(tuple(FaultRule(**rule) for rule in cfg.transfer_faults))
         tcfg = TransferConfig(
             host=cfg.host,
+            port=cfg.transfer_port,
             secret=cfg.transfer_secret.encode(),
             transfer_timeout_s=cfg.transfer_timeout_s,
             grant_s=cfg.transfer_grant_s,
@@ -101,8 +112,13 @@ class Worker:
         self.ctx: Any = zmq.Context()
         self.sock: Any = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.port = self.sock.bind_to_random_port(f"tcp://{cfg.host}")
-        self.address: str = f"tcp://{cfg.host}:{self.port}"
+        if cfg.port:
+            self.sock.bind(f"tcp://{cfg.host}:{cfg.port}")
+            self.port = cfg.port
+        else:
+            self.port = self.sock.bind_to_random_port(f"tcp://{cfg.host}")
+        self.address: str = self._advertised(f"tcp://{cfg.host}:{self.port}")
+        self.switch_to: str | None = None  # a role switch waits until the worker is idle
         self.routers: set[bytes] = set()
         self.owner: dict[str, bytes] = {}  # request id -> router identity
         self.recv: dict[str, TransferHandle] = {}  # decode: reservations awaiting KV
@@ -134,7 +150,7 @@ class Worker:
         e = self.engine
         return {
             "address": self.address,
-            "transfer_address": self.transfer.address,
+            "transfer_address": self._advertised(self.transfer.address),
             "model": str(e.config.model),
             "device": str(e.device),
             "max_model_len": e.max_model_len,
@@ -162,7 +178,25 @@ class Worker:
                 self._heartbeat(now)
             if self.draining and not self._busy():
                 break
+            if self.switch_to is not None and not self._busy() and not self.recv:
+                self._switch_role(self.switch_to)
         self._broadcast(M.encode("bye", worker=self.id))
+
+    def _advertised(self, address: str) -> str:
+        if not self.cfg.advertise_host:
+            return address
+        return f"tcp://{self.cfg.advertise_host}:{address.rsplit(':', 1)[1]}"
+
+    def _switch_role(self, role: str) -> None:
+        """Drained (nothing in flight): now serve as `role`, and say so with a new ready."""
+        engine = self.engine
+        new: Role = "prefill" if role == "prefill" else "decode"
+        engine.config = replace(engine.config, role=new)
+        engine.scheduler.config = replace(engine.scheduler.config, role=new)
+        self.cfg = replace(self.cfg, role=role)
+        self.switch_to = None
+        log.info("%s now serves as %s", self.id, role)
+        self._broadcast(M.encode("ready", worker=self.id, role=role, info=self.info()))
 
     def _busy(self) -> bool:
         return self.engine.has_unfinished_requests() or self.pushes.active or bool(self.fenced)
@@ -237,6 +271,11 @@ class Worker:
         if kind == "check":
             self._send(ident, self._integrity())
             return
+        if kind == "switch_role":
+            if msg["role"] not in ("prefill", "decode") or self.cfg.role == "both":
+                raise ValueError(f"{self.id} ({self.cfg.role}) cannot switch to {msg['role']!r}")
+            self.switch_to = msg["role"]
+            return
         if kind == "shutdown":
             self.draining = True
             if not msg["drain"]:
@@ -244,9 +283,9 @@ class Worker:
             return
         rid = msg["rid"]
         if kind in ("generate", "reserve", "prefill"):
-            if self.draining:
+            if self.draining or self.switch_to is not None:
                 self.owner[rid] = ident
-                self._error(rid, "DRAINING", f"worker {self.id} is shutting down", True)
+                self._error(rid, "DRAINING", f"worker {self.id} is draining", True)
                 self.owner.pop(rid, None)
                 return
             self.owner[rid] = ident
@@ -418,10 +457,15 @@ class Worker:
             "waiting_tokens": sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
             "kv_usage": round(self.engine.kv.usage, 4),
             "free_blocks": self.engine.kv.num_free_blocks,
-            "draining": self.draining,
+            "draining": self.draining or self.switch_to is not None,
             "transfer": self.transfer.metrics(),
         }
         self._broadcast(M.encode("heartbeat", worker=self.id, load=load))
+        if self.cfg.alive_file:
+            Path(self.cfg.alive_file).touch()
+        if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
+            log.error("%s: its launcher (pid %s) is gone; stopping", self.id, self.cfg.parent_pid)
+            self.draining = self.stopped = True
 
     def _integrity(self) -> bytes:
         try:
@@ -433,17 +477,12 @@ class Worker:
         return M.encode("integrity", ok=True, used_blocks=used, message=msg)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`hetero-pd worker --config-json '{...}'`: run one worker in the foreground."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="hetero-pd worker")
-    p.add_argument("--config-json", required=True, help="WorkerConfig as JSON")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = WorkerConfig.from_json(args.config_json)
+def run(cfg: WorkerConfig) -> int:
+    """Runs one worker in this process until SIGTERM/SIGINT (drain) or its launcher exits."""
     if cfg.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cfg.cpus)
+    if cfg.alive_file:
+        Path(cfg.alive_file).parent.mkdir(parents=True, exist_ok=True)
     worker = Worker(cfg)
 
     def on_term(signum: int, frame: Any) -> None:
@@ -457,6 +496,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         worker.close()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`hetero-pd worker --config-json '{...}'`: run one worker in the foreground."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="hetero-pd worker")
+    p.add_argument("--config-json", required=True, help="WorkerConfig as JSON")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return run(WorkerConfig.from_json(args.config_json))
 
 
 if __name__ == "__main__":

@@ -75,6 +75,20 @@ class WorkerClient:
                 await task
         self.sock.close()
 
+    async def switch_role(self, role: str, timeout_s: float) -> None:
+        """Asks the worker to drain and serve as `role`; returns once it says `ready` again."""
+        self._ready.clear()
+        self.send("switch_role", role=role)
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        except TimeoutError:
+            message = f"worker {self.id} did not switch to {role} within {timeout_s}s"
+            raise TimeoutError(message) from None
+        finally:
+            self._ready.set()  # never leave a later start() waiting on this switch
+        if self.role != role:
+            raise RuntimeError(f"worker {self.id} answered as {self.role}, not {role}")
+
     def send(self, msg_type: str, **fields: Any) -> None:
         try:
             self.sock.send(M.encode(msg_type, **fields), zmq.NOBLOCK)

@@ -1,0 +1,145 @@
+"""The sections of a deployment file (schema version 1), one frozen dataclass each.
+
+configs/README.md documents every key; the constraints here are what `validate` enforces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hetero_pd.deploy.fields import opt, required
+from hetero_pd.serving.policy import FAILURE_POLICIES, POLICIES
+
+ROLES = ("prefill", "decode", "both")
+#: The hidden-state codecs of edge/codec.py (hetero_pd may not import edge/).
+EDGE_CODECS = ("float32", "float16", "int8")
+TRANSPORTS = ("local", "cuda_ipc", "shm", "tcp")
+#: Kubernetes extended resource and node selector of each accelerator kind (overridable).
+DEVICE_RESOURCES = {"npu": "huawei.com/Ascend910", "cuda": "nvidia.com/gpu"}
+NODE_SELECTORS = {
+    "npu": {"accelerator": "ascend-910b"},
+    "cuda": {"nvidia.com/gpu.present": "true"},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """`count` workers of one role. A bare accelerator kind (`npu`) gets the next free
+    indices; `devices: [cuda:0, cuda:1]` names them (and sets the count)."""
+
+    role: str = required(choices=ROLES)
+    device: str = "cpu"
+    count: int = opt(1, lo=1, hi=256)
+    cpus: tuple[int, ...] = opt((), lo=0)
+    devices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    host: str = "127.0.0.1"
+    port: int = opt(8000, lo=0, hi=65535, doc="0: any free port (one box only)")
+    policy: str = opt("least_loaded", choices=POLICIES)
+    failure_policy: str = opt("recompute", choices=FAILURE_POLICIES)
+    api_keys: tuple[str, ...] = ()
+    max_inflight: int = opt(256, lo=1)
+    local_prefill_max_tokens: int = opt(32, lo=0)
+    heartbeat_timeout_s: float = opt(5.0, lo=0.1)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferSpec:
+    layerwise: bool = False
+    checksum: bool = True
+    transports: tuple[str, ...] = opt(TRANSPORTS, choices=TRANSPORTS)
+    timeout_s: float = opt(30.0, lo=0.1)
+    secret: str = ""
+    #: Longest a shared-memory write into a decode worker's blocks may take; blocks released
+    #: while one is open are not reused before it ends.
+    grant_s: float = opt(10.0, lo=0.1)
+    #: How long a decode worker waits for a prompt's KV before computing it itself.
+    remote_kv_timeout_s: float = opt(60.0, lo=0.1)
+    #: For tests and fault drills only: worker id (e.g. "prefill-0") -> FaultRule fields
+    #: (kind, msg_type, nth, count, delay_s) injected into that worker's outgoing transfer
+    #: frames (see transfer/faults.py). Never set this in production.
+    faults: dict[str, tuple[dict[str, Any], ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    """The traffic a deployment is sized for (DistServe-style SLOs)."""
+
+    input_len: int = opt(512, lo=1, doc="mean prompt tokens")
+    output_len: int = opt(128, lo=1, doc="mean generated tokens")
+    rate: float = opt(1.0, lo=0.0, doc="requests per second")
+    ttft_ms: float = opt(2000.0, lo=1.0, doc="time-to-first-token target")
+    tpot_ms: float = opt(100.0, lo=0.1, doc="time-per-output-token target")
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """Measured throughput of one worker on a device kind (`hetero-pd plan --measure`)."""
+
+    prefill_tokens_per_s: float = opt(1000.0, lo=0.001)
+    decode_step_ms: float = opt(20.0, lo=0.001, doc="one decode step at batch 1")
+    decode_ms_per_seq: float = opt(1.0, lo=0.0, doc="added per sequence in the batch")
+
+
+@dataclass(frozen=True, slots=True)
+class PDSpec:
+    """Workers from a P:D ratio instead of a list. 0/0 means automatic (`hetero_pd.deploy.
+    ratio`): counts sized from measured throughput and the `workload` section."""
+
+    default_p_rate: int = opt(0, lo=0)
+    default_d_rate: int = opt(0, lo=0)
+    instances: int = opt(0, lo=0, doc="total workers split by the rates; 0 when automatic")
+    max_instances: int = opt(0, lo=0, doc="automatic: cap on the total (0: no cap)")
+    prefill_device: str = "cpu"
+    decode_device: str = "cpu"
+    #: device kind -> Capacity fields
+    capacity: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeSpec:
+    """The edge split: the device runs layers [0, split_layer), the cloud the rest."""
+
+    enabled: bool = True
+    split_layer: int = opt(0, lo=0, doc="0: chosen by the split planner")
+    codec: str = opt("float16", choices=EDGE_CODECS)
+    runtime: str = opt("torch", choices=("torch", "onnx"))
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorSpec:
+    """What the local supervisor does when a worker process dies, and role switching."""
+
+    restart: bool = True
+    max_restarts: int = opt(5, lo=0, doc="per worker within window_s; then it stays down")
+    window_s: float = opt(300.0, lo=1.0)
+    backoff_s: float = opt(0.5, lo=0.0, doc="first restart delay, doubled each time")
+    backoff_max_s: float = opt(30.0, lo=0.0)
+    ready_timeout_s: float = opt(300.0, lo=1.0)
+    stop_grace_s: float = opt(10.0, lo=0.0)
+    role_switch: bool = opt(False, doc="move workers between prefill and decode on load")
+    switch_interval_s: float = opt(10.0, lo=0.1)
+    switch_imbalance: float = opt(4.0, lo=1.0, doc="queue ratio that triggers a switch")
+
+
+@dataclass(frozen=True, slots=True)
+class KubernetesSpec:
+    """How `hetero-pd render k8s` lays the deployment out on a cluster."""
+
+    name: str = "hetero-pd"
+    namespace: str = "default"
+    image: str = "hetero-pd:0.1.0"
+    image_pull_policy: str = opt("IfNotPresent", choices=("IfNotPresent", "Always", "Never"))
+    base_port: int = opt(9000, lo=1024, hi=65000, doc="worker control port; +1 transfer")
+    service_type: str = opt("ClusterIP", choices=("ClusterIP", "NodePort", "LoadBalancer"))
+    model_pvc: str = opt("", doc="PersistentVolumeClaim holding the model cache")
+    worker_cpu: str = "2"
+    worker_memory: str = "8Gi"
+    router_cpu: str = "1"
+    router_memory: str = "2Gi"
+    device_resources: dict[str, str] = field(default_factory=lambda: dict(DEVICE_RESOURCES))
+    node_selectors: dict[str, dict[str, str]] = field(default_factory=lambda: dict(NODE_SELECTORS))

@@ -1,0 +1,118 @@
+"""Supervision of a local deployment's worker processes: restart with backoff.
+
+    worker exits ──> router takes it out of rotation (mark_dead)
+                 ──> wait backoff_s · 2^n (capped at backoff_max_s)
+                 ──> respawn: a new process, READY, router.add_worker() replaces the client
+                 ──> back in rotation
+    more than max_restarts exits within window_s: it stays down (and /health says so)
+
+Each worker has its own task waiting on its process, so nothing polls. The state of every
+worker (pid, restarts, running / restarting / down) is kept in `states` for /health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from hetero_pd.deploy.sections import SupervisorSpec
+
+log = logging.getLogger("hetero_pd.supervisor")
+
+
+@dataclass(slots=True)
+class RestartPolicy:
+    """When (and whether) a worker that exited is restarted."""
+
+    spec: SupervisorSpec
+    history: dict[str, list[float]] = field(default_factory=dict)
+
+    def delay(self, worker_id: str, now: float) -> float | None:
+        """Seconds to wait before restarting `worker_id`, or None to leave it down."""
+        if not self.spec.restart:
+            return None
+        recent = [t for t in self.history.get(worker_id, []) if now - t < self.spec.window_s]
+        self.history[worker_id] = recent
+        if len(recent) >= self.spec.max_restarts:
+            return None
+        return min(self.spec.backoff_s * 2 ** len(recent), self.spec.backoff_max_s)
+
+    def record(self, worker_id: str, now: float) -> None:
+        """Notes a restart of `worker_id` at `now`."""
+        self.history.setdefault(worker_id, []).append(now)
+
+
+class Processes(Protocol):
+    """What the supervisor needs from a launcher."""
+
+    def pid(self, worker_id: str) -> int | None: ...
+
+    async def wait(self, worker_id: str) -> int: ...
+
+    async def respawn(self, worker_id: str) -> None: ...
+
+
+class Router(Protocol):
+    def mark_dead(self, worker_id: str) -> None: ...
+
+
+class Supervisor:
+    """Restarts crashed workers of `procs` per `spec`; `stop()` before stopping them."""
+
+    def __init__(
+        self,
+        procs: Processes,
+        router: Router,
+        spec: SupervisorSpec,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.procs, self.router, self.clock = procs, router, clock
+        self.policy = RestartPolicy(spec)
+        self.states: dict[str, dict[str, Any]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._stopping = False
+
+    def watch(self, worker_ids: list[str]) -> None:
+        """Starts supervising these (running) workers."""
+        for wid in worker_ids:
+            self.states[wid] = {"state": "running", "restarts": 0, "pid": self.procs.pid(wid)}
+            self._tasks[wid] = asyncio.create_task(self._supervise(wid))
+
+    async def _supervise(self, wid: str) -> None:
+        state = self.states[wid]
+        while True:
+            code = await self.procs.wait(wid)
+            if self._stopping:
+                return
+            self.router.mark_dead(wid)
+            delay = self.policy.delay(wid, self.clock())
+            if delay is None:
+                state["state"] = "down"
+                log.error("worker %s exited (code %s); not restarting it", wid, code)
+                return
+            state["state"] = f"restarting (exit code {code})"
+            log.warning("worker %s exited (code %s); restarting in %.1f s", wid, code, delay)
+            await asyncio.sleep(delay)
+            self.policy.record(wid, self.clock())
+            state["restarts"] += 1
+            try:
+                await self.procs.respawn(wid)
+            except (RuntimeError, TimeoutError, OSError) as e:
+                log.error("worker %s failed to restart: %s", wid, e)
+                continue  # its process has exited: the next wait() returns at once
+            state.update(state="running", pid=self.procs.pid(wid))
+            log.info("worker %s is back (pid %s)", wid, state["pid"])
+
+    async def stop(self) -> None:
+        """Stop supervising (the processes are stopped by their launcher afterwards)."""
+        self._stopping = True
+        for task in self._tasks.values():
+            task.cancel()
+        for task in self._tasks.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,221 @@
+"""`hetero-pd validate CONFIG`: everything that can be wrong, found before anything starts.
+
+Loading (`schema`) already checked keys, types, ranges, roles, device syntax and device
+assignment. Here the deployment is checked against its target:
+
+- `local` (one box): the model is a known name or a usable folder; every accelerator a
+  worker names exists on this host; the router's port is free.
+- `k8s` (a cluster): the host's hardware does not matter; ports are fixed and derived
+  (workers use `kubernetes.base_port` and `+1`, which must not clash with the router's);
+  each role runs one device kind (one StatefulSet per role); names are valid DNS labels.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from backends import get_backend, parse_device_spec
+from hetero_pd.deploy.schema import Deployment, load_deployment
+from hetero_pd.deploy.source import Issue, Source
+from hetero_pd.deploy.workers import WorkerInstance, expand_workers, place_workers
+
+TARGETS = ("local", "k8s")
+Warn = Callable[[str, str], None]
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+@dataclass(slots=True)
+class Report:
+    """A valid deployment, the worker processes it runs, and what deserves a look."""
+
+    deployment: Deployment
+    target: str
+    workers: list[WorkerInstance]
+    warnings: list[Issue] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """What will run, one aspect per line, then the warnings."""
+        dep = self.deployment
+        r = dep.router
+        lines = [f"{dep.source}: valid (target {self.target})"]
+        lines.append(f"  model       {dep.model} ({dep.dtype})")
+        url = f"http://{r.host}:{r.port or '<any free port>'}"
+        if self.target == "k8s":
+            url = f"http://{dep.kubernetes.name}-router:{r.port}"
+        lines.append(
+            f"  router      {url}  policy {r.policy}, "
+            f"on prefill failure: {r.failure_policy}, API keys: {len(r.api_keys)}"
+        )
+        if dep.pd is not None and dep.automatic:
+            lines.append("  workers     automatic P/D counts (see `hetero-pd plan`)")
+        for i, w in enumerate(self.workers):
+            head = "  workers     " if i == 0 else "              "
+            device = w.device
+            if self.target == "k8s" and device != "cpu":
+                device = f"{device.split(':')[0]} (one per pod)"
+            lines.append(f"{head}{w.worker_id:<12} {w.role:<8} {device}")
+        t = dep.transfer
+        lines.append(
+            f"  transfer    {', '.join(t.transports)}; checksum {'on' if t.checksum else 'off'}"
+            f"; layer-wise {'on' if t.layerwise else 'off'}; timeout {t.timeout_s:g} s"
+        )
+        s = dep.supervisor
+        restart = (
+            f"restart after {s.backoff_s:g} s (doubling to {s.backoff_max_s:g} s), at most "
+            f"{s.max_restarts} per {s.window_s:g} s"
+            if s.restart
+            else "no restarts"
+        )
+        lines.append(f"  supervisor  {restart}; role switching {'on' if s.role_switch else 'off'}")
+        if dep.edge is not None:
+            e = dep.edge
+            split = e.split_layer or "auto"
+            lines.append(f"  edge        split layer {split}, codec {e.codec}, runtime {e.runtime}")
+        if self.target == "k8s":
+            k = dep.kubernetes
+            lines.append(
+                f"  kubernetes  {k.namespace}/{k.name}, image {k.image}, worker ports "
+                f"{k.base_port} (control) and {k.base_port + 1} (transfer)"
+            )
+        lines += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def validate_file(path: str | Path, target: str = "local", check_ports: bool = True) -> Report:
+    """Loads and validates `path`; ConfigError lists every issue (file, line, key)."""
+    return validate(load_deployment(path), target, check_ports)
+
+
+def validate(dep: Deployment, target: str = "local", check_ports: bool = True) -> Report:
+    """Checks `dep` against `target` ("local" or "k8s"); raises ConfigError on any issue."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    src = Source(dep.source, dict(dep.lines))
+    warnings: list[Issue] = []
+
+    def warn(key: str, message: str) -> None:
+        warnings.append(Issue(src.name, src.line(key), key, message))
+
+    _check_model(dep, target, src, warn)
+    if target == "local":
+        _check_host_devices(dep, src)
+        if check_ports and dep.router.port:
+            _check_port_free(dep.router.host, dep.router.port, src)
+    else:
+        _check_k8s(dep, src, warn)
+    src.raise_if_any()
+    return Report(dep, target, expand_workers(dep.workers), warnings)
+
+
+def _check_model(dep: Deployment, target: str, src: Source, warn: Warn) -> None:
+    from hetero_pd.models.config import ModelConfig
+    from hetero_pd.models.fetch import KNOWN_MODELS, MARKER, check_model_dir, model_dir
+
+    key = dep.model.lower()
+    path = Path(dep.model).expanduser()
+    folder: Path | None = None
+    if key in KNOWN_MODELS and not path.is_dir():
+        if (model_dir(key) / MARKER).is_file():
+            folder = model_dir(key)
+        elif target == "local":
+            warn("model", f"{dep.model} is not fetched yet; serve fetches it first")
+    elif target == "k8s" and path.is_absolute():
+        warn("model", f"{path} is not checked here: it must exist inside the pods")
+    elif not path.is_dir():
+        src.error(
+            "model",
+            f"{dep.model!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor a folder",
+        )
+    else:
+        folder = path
+    if folder is None:
+        return
+    try:
+        check_model_dir(folder)
+        cfg = ModelConfig.from_dir(folder)
+    except ValueError as e:
+        src.error("model", str(e))
+        return
+    if dep.edge is not None and dep.edge.split_layer >= cfg.num_layers:
+        src.error(
+            "edge.split_layer",
+            f"{dep.edge.split_layer}: the model has {cfg.num_layers} layers; the split must "
+            f"leave the cloud at least one (0..{cfg.num_layers - 1}, 0 = automatic)",
+        )
+
+
+def _check_host_devices(dep: Deployment, src: Source) -> None:
+    base = "pd" if dep.pd is not None else "workers"
+    specs = dep.workers
+    if dep.automatic and dep.pd is not None:
+        from hetero_pd.deploy.workers import workers_for_counts
+
+        specs = workers_for_counts(dep.pd, 1, 1)
+    for i, devices in enumerate(place_workers(specs, Source(), base)):
+        key = f"pd.{specs[i].role}_device" if base == "pd" else f"workers[{i}].device"
+        if base == "workers" and specs[i].devices:
+            key = f"workers[{i}].devices"
+        missing = []
+        for device in devices:
+            kind, index = parse_device_spec(device)
+            if kind != "cpu" and (index or 0) >= get_backend(kind).device_count():
+                missing.append(device)
+        if missing:
+            kind = parse_device_spec(missing[0])[0]
+            count = get_backend(kind).device_count()
+            src.error(
+                key,
+                f"{', '.join(missing)}: this host has {count} {kind} device(s)"
+                + (f", numbered 0..{count - 1}" if count else "")
+                + "; for a cluster validate with --target k8s",
+            )
+
+
+def _check_port_free(host: str, port: int, src: Source) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            src.error(
+                "router.port",
+                f"{host}:{port} cannot be bound ({e.strerror}); another process has it: "
+                "choose another port, or 0 for any free one",
+            )
+
+
+def _check_k8s(dep: Deployment, src: Source, warn: Warn) -> None:
+    k = dep.kubernetes
+    for key, value in (("kubernetes.name", k.name), ("kubernetes.namespace", k.namespace)):
+        if not _DNS_LABEL.fullmatch(value) or len(value) > 40:
+            src.error(key, f"{value!r} must be a DNS label: a-z, 0-9 and '-', at most 40 long")
+    if dep.router.port == 0:
+        src.error("router.port", "0 (any free port) only works on one box; give a fixed port")
+    elif dep.router.port in (k.base_port, k.base_port + 1):
+        src.error(
+            "router.port",
+            f"{dep.router.port} clashes with the worker ports derived from kubernetes.base_port "
+            f"({k.base_port} control, {k.base_port + 1} transfer)",
+        )
+    kinds: dict[str, set[str]] = {}
+    for w in dep.workers:
+        for d in w.devices or (w.device,):
+            kinds.setdefault(w.role, set()).add(parse_device_spec(d)[0])
+    for role, found in kinds.items():
+        if len(found) > 1:
+            src.error(
+                "workers",
+                f"on Kubernetes each role runs one device kind (one StatefulSet per role); "
+                f"{role} workers use {', '.join(sorted(found))}",
+            )
+    local_only = sorted(set(dep.transfer.transports) - {"tcp"})
+    if local_only and "tcp" not in dep.transfer.transports:
+        src.error("transfer.transports", "pods on different nodes need 'tcp'; add it")
+    elif local_only:
+        warn("transfer.transports", f"{', '.join(local_only)} only help workers on one host")
+    if dep.router.api_keys or dep.transfer.secret:
+        key = "router.api_keys" if dep.router.api_keys else "transfer.secret"
+        warn(key, "secrets in this file end up in a ConfigMap; use RBAC to guard it")

@@ -1,0 +1,170 @@
+"""Worker placement: which device each worker process owns, and P:D counts from rates.
+
+A worker owns exactly one device. Explicit indices (`cuda:1`, or `devices: [...]`) are
+reserved first; a bare accelerator kind (`npu`) then takes the lowest free indices in file
+order; `cpu` is shared by any number of workers. Two workers on one accelerator index is
+an error, caught here without touching hardware (`backends.parse_device_spec`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from backends import parse_device_spec
+from hetero_pd.deploy.sections import PDSpec, WorkerSpec, WorkloadSpec
+from hetero_pd.deploy.source import Source
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInstance:
+    """One worker process to run: its id, role and the one device it owns."""
+
+    worker_id: str
+    role: str
+    device: str  # "cpu" or "<kind>:<index>"
+    cpus: tuple[int, ...] = ()
+
+
+def _spec_key(base: str, i: int) -> str:
+    return f"workers[{i}]" if base == "workers" else "pd"
+
+
+def place_workers(
+    workers: tuple[WorkerSpec, ...], src: Source, base: str = "workers"
+) -> list[list[str]]:
+    """The device of every worker of every spec; issues are recorded in `src`."""
+    taken: dict[tuple[str, int], str] = {}
+    wanted: list[list[tuple[str, int | None, str]]] = []
+    for i, spec in enumerate(workers):
+        items = []
+        named = [(f"devices[{j}]", d) for j, d in enumerate(spec.devices)] or [
+            ("device", spec.device)
+        ]
+        if base == "pd":
+            named = [(f"{spec.role}_device", spec.device)]
+        for sub, text in named:
+            key = f"{_spec_key(base, i)}.{sub}"
+            try:
+                kind, index = parse_device_spec(text)
+            except (ValueError, TypeError) as e:
+                src.error(key, str(e))
+                continue
+            if kind == "cpu" and index not in (None, 0):
+                src.error(key, f"{text!r}: the host is the single device 'cpu' (no index)")
+                continue
+            if kind != "cpu" and index is not None and spec.count > 1 and not spec.devices:
+                src.error(
+                    key,
+                    f"{spec.count} workers on one device {text}: a worker owns one device; "
+                    f"list them (`devices: [{kind}:0, {kind}:1]`) or write a bare '{kind}'",
+                )
+                continue
+            if kind != "cpu" and index is not None:
+                if (kind, index) in taken:
+                    src.error(
+                        key,
+                        f"{kind}:{index} is already used by {taken[kind, index]}; "
+                        "a worker owns one device",
+                    )
+                    continue
+                taken[kind, index] = key
+            items.append((kind, index, key))
+        wanted.append(items)
+    out = []
+    for spec, items in zip(workers, wanted, strict=True):
+        devices = []
+        for kind, index, _ in items:
+            if kind == "cpu":
+                devices += ["cpu"] * (spec.count if not spec.devices else 1)
+            elif index is not None:
+                devices.append(f"{kind}:{index}")
+            else:
+                for _ in range(spec.count):
+                    free = next(n for n in range(10_000) if (kind, n) not in taken)
+                    taken[kind, free] = "auto"
+                    devices.append(f"{kind}:{free}")
+        out.append(devices)
+    return out
+
+
+def expand_workers(workers: tuple[WorkerSpec, ...]) -> list[WorkerInstance]:
+    """Every worker process of a loaded deployment, in launch order, with its device."""
+    from hetero_pd.deploy.schema import worker_ids
+
+    src = Source("<deployment>")
+    placed = place_workers(workers, src)
+    src.raise_if_any()
+    ids = iter(worker_ids(workers))
+    return [
+        WorkerInstance(next(ids), spec.role, device, spec.cpus)
+        for spec, devices in zip(workers, placed, strict=True)
+        for device in devices
+    ]
+
+
+def pd_counts(p_rate: int, d_rate: int, instances: int) -> tuple[int, int]:
+    """Prefill and decode counts for `instances` workers split p_rate:d_rate (each >= 1)."""
+    p = max(1, min(instances - 1, round(instances * p_rate / (p_rate + d_rate))))
+    return p, instances - p
+
+
+def pd_workers(
+    pd: PDSpec, workload: WorkloadSpec | None, src: Source
+) -> tuple[WorkerSpec, ...] | None:
+    """Workers for fixed rates; () when the rates are 0/0 (automatic); None on an issue."""
+    if (pd.default_p_rate == 0) != (pd.default_d_rate == 0):
+        src.error("pd.default_p_rate", "give both rates > 0, or 0/0 for automatic sizing")
+        return None
+    if pd.default_p_rate == 0:
+        if workload is None:
+            src.error("pd", "automatic sizing (rates 0/0) needs a `workload:` section")
+            return None
+        for role in ("prefill", "decode"):
+            text = getattr(pd, f"{role}_device")
+            if ":" in text and not text.startswith("cpu"):
+                kind = text.split(":")[0]
+                src.error(
+                    f"pd.{role}_device",
+                    f"{text!r}: automatic sizing may run several workers there; write a bare "
+                    f"'{kind}' so each gets its own index",
+                )
+        return ()
+    if pd.instances < 2:
+        src.error("pd.instances", f"{pd.instances}: a P:D ratio needs at least 2 instances")
+        return None
+    p, d = pd_counts(pd.default_p_rate, pd.default_d_rate, pd.instances)
+    return workers_for_counts(pd, p, d)
+
+
+def workers_for_counts(pd: PDSpec, prefill: int, decode: int) -> tuple[WorkerSpec, ...]:
+    """The worker list for `prefill` + `decode` workers on the pd section's devices."""
+    return (
+        WorkerSpec("prefill", pd.prefill_device, prefill),
+        WorkerSpec("decode", pd.decode_device, decode),
+    )
+
+
+def check_faults(raw: Any, ids: list[str], src: Source) -> dict[str, tuple[dict[str, Any], ...]]:
+    """`transfer.faults`: real worker ids mapped to lists of valid FaultRule fields."""
+    from transfer import FaultRule
+
+    if not isinstance(raw, dict):
+        src.error("transfer.faults", "transfer.faults must map worker ids to lists of rules")
+        return {}
+    out = {}
+    for wid, rules in raw.items():
+        key = f"transfer.faults.{wid}"
+        if wid not in ids:
+            src.error(key, f"no such worker; the workers are {', '.join(ids)}")
+            continue
+        if not isinstance(rules, list) or not all(isinstance(r, dict) for r in rules):
+            src.error(key, "must be a list of mappings (FaultRule fields)")
+            continue
+        for rule in rules:
+            try:
+                FaultRule(**rule)
+            except (TypeError, ValueError) as e:
+                src.error(key, str(e))
+        out[str(wid)] = tuple(dict(r) for r in rules)
+    return out

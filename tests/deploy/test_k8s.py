@@ -1,0 +1,142 @@
+"""Rendered Kubernetes manifests: valid against a pinned Kubernetes, wired by service names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from hetero_pd.deploy import k8s
+from hetero_pd.deploy.cli import render_main
+from hetero_pd.deploy.plan import resolve
+from hetero_pd.deploy.schema import load_deployment
+from hetero_pd.deploy.validate import validate_file
+
+from .conftest import CONFIGS
+
+#: The Kubernetes version the manifests are checked against (kubernetes-validate bundles it).
+K8S_VERSION = "1.30.0"
+FILES = sorted(CONFIGS.glob("*.yaml"))
+
+
+def _render(path: Path) -> list[dict[str, Any]]:
+    dep, _ = resolve(validate_file(path, "k8s").deployment, use_calibration=False)
+    return k8s.render(dep)
+
+
+def _by(manifests: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return next(m for m in manifests if m["kind"] == kind and m["metadata"]["name"] == name)
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_manifests_pass_kubernetes_validate(path: Path) -> None:
+    text = k8s.dump(_render(path))
+    docs = list(yaml.safe_load_all(text))
+    assert {d["kind"] for d in docs} == {"ConfigMap", "Deployment", "Service", "StatefulSet"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_an_invalid_manifest_is_caught() -> None:
+    doc = _render(CONFIGS / "local.yaml")[1]
+    doc["spec"]["replicas"] = "one"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_ascend_and_nvidia_workers_request_their_devices() -> None:
+    out = _render(CONFIGS / "ascend-h100.yaml")
+    prefill = _by(out, "StatefulSet", "hetero-pd-prefill")["spec"]
+    decode = _by(out, "StatefulSet", "hetero-pd-decode")["spec"]
+    assert prefill["replicas"] == decode["replicas"] == 2
+    p_pod, d_pod = prefill["template"]["spec"], decode["template"]["spec"]
+    p_res, d_res = p_pod["containers"][0]["resources"], d_pod["containers"][0]["resources"]
+    assert p_res["requests"]["huawei.com/Ascend910"] == p_res["limits"]["huawei.com/Ascend910"] == 1
+    assert d_res["requests"]["nvidia.com/gpu"] == d_res["limits"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in p_res["limits"]
+    assert p_pod["nodeSelector"] == {"accelerator": "ascend-910b"}
+    assert d_pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+
+
+def test_workers_are_found_by_service_names_not_addresses() -> None:
+    path = CONFIGS / "k8s-multinode.yaml"
+    out = _render(path)
+    dep = load_deployment(path)
+    svc = _by(out, "Service", "pd-multinode-decode")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert [p["port"] for p in svc["spec"]["ports"]] == [9100, 9101]
+    sts = _by(out, "StatefulSet", "pd-multinode-decode")
+    assert sts["spec"]["serviceName"] == "pd-multinode-decode"
+    router = _by(out, "Deployment", "pd-multinode-router")["spec"]["template"]["spec"]
+    command = router["containers"][0]["command"]
+    assert command[-2:] == ["--replicas", "prefill=2,decode=6"]
+    assert not any("tcp://" in part for part in command)
+    addresses = k8s.worker_addresses(dep, {"prefill": 2, "decode": 6})
+    assert addresses["decode-5"] == (
+        "tcp://pd-multinode-decode-5.pd-multinode-decode.llm-prod.svc:9100"
+    )
+    assert k8s.worker_id_of_pod(dep, "pd-multinode-decode-5") == "decode-5"
+
+
+def test_config_map_holds_the_file_and_probes_use_health() -> None:
+    path = CONFIGS / "local.yaml"
+    out = _render(path)
+    assert _by(out, "ConfigMap", "hetero-pd-config")["data"]["deployment.yaml"] == path.read_text()
+    router = _by(out, "Deployment", "hetero-pd-router")["spec"]["template"]["spec"]
+    c = router["containers"][0]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["livenessProbe"]["httpGet"]["path"].startswith("/health")
+    worker = _by(out, "StatefulSet", "hetero-pd-decode")["spec"]["template"]["spec"]
+    probe = worker["containers"][0]["livenessProbe"]["exec"]["command"]
+    assert k8s.ALIVE_FILE in probe[-1]
+    assert "nodeSelector" not in worker  # cpu workers go anywhere
+
+
+def test_automatic_counts_are_planned_from_declared_capacity(
+    write_yaml: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_yaml(
+        """
+        version: 1
+        model: smollm2-135m-instruct
+        workload: {input_len: 512, output_len: 128, rate: 4, ttft_ms: 2000, tpot_ms: 100}
+        pd:
+          prefill_device: npu
+          decode_device: cuda
+          capacity:
+            npu: {prefill_tokens_per_s: 1024, decode_step_ms: 20, decode_ms_per_seq: 2}
+            cuda: {prefill_tokens_per_s: 4096, decode_step_ms: 20, decode_ms_per_seq: 2}
+        router: {port: 8000}
+        transfer: {transports: [tcp]}
+        """
+    )
+    out_file = path.with_suffix(".out.yaml")
+    assert render_main(["k8s", str(path), "-o", str(out_file)]) == 0
+    docs = list(yaml.safe_load_all(out_file.read_text()))
+    replicas = {
+        d["metadata"]["name"]: d["spec"]["replicas"] for d in docs if d["kind"] == "StatefulSet"
+    }
+    assert replicas == {"hetero-pd-prefill": 3, "hetero-pd-decode": 2}
+    err = capsys.readouterr().err
+    assert "plan: 3 prefill + 2 decode workers" in err
+    assert "declared in pd.capacity.npu" in err
+
+
+def test_automatic_counts_without_any_speed_is_a_clear_error(
+    write_yaml: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_yaml(
+        """
+        version: 1
+        model: smollm2-135m-instruct
+        workload: {}
+        pd: {prefill_device: npu, decode_device: cuda}
+        transfer: {transports: [tcp]}
+        """
+    )
+    assert render_main(["k8s", str(path)]) == 1
+    assert "put the numbers under pd.capacity.npu" in capsys.readouterr().err

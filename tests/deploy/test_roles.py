@@ -1,0 +1,176 @@
+"""Run-time pieces of a deployment: role switching on a live stack, /health and `status`,
+the cluster roles (pod worker config, the router reconnecting to a replaced pod), and a
+worker that outlives its launcher stopping."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hetero_pd.deploy.status import main as status_main
+from hetero_pd.sampling_params import SamplingParams
+from hetero_pd.serving import messages as M
+from hetero_pd.serving.cluster import parse_replicas, pod_worker_config
+from hetero_pd.serving.deploy_config import load_deployment
+from hetero_pd.serving.testing import deployment, random_prompts, running_stack
+from hetero_pd.serving.worker import READY_LINE, WorkerConfig
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _generate(stack: object, prompt: list[int]) -> list[int]:
+    async def run() -> list[int]:
+        router = stack.router  # type: ignore[attr-defined]
+        rid = f"r{time.monotonic_ns()}"
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        out: list[int] = []
+        async for msg in router.generate(rid, prompt, params):
+            out += msg["token_ids"]
+        return out
+
+    return stack.call(run())  # type: ignore[attr-defined,no-any-return]
+
+
+def test_a_worker_switches_between_prefill_and_decode(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dep = deployment(
+        tiny_llama_dir,
+        workers=[{"role": "prefill", "count": 2}, {"role": "decode"}],
+        router={"local_prefill_max_tokens": 0},
+    )
+    prompts = random_prompts([40, 40, 40], seed=3)
+    with running_stack(dep) as stack:
+        before = [_generate(stack, p) for p in prompts]
+        router = stack.router
+        assert router is not None
+        stack.call(router.switch_role("prefill-1", "decode"), 60)
+        assert router.workers["prefill-1"].role == "decode"
+        assert {w.id for w in router.live("decode")} == {"decode-0", "prefill-1"}
+        assert [_generate(stack, p) for p in prompts] == before  # same greedy answers
+        with pytest.raises(ValueError, match="last prefill worker"):
+            stack.call(router.switch_role("prefill-0", "decode"))
+        stack.call(router.switch_role("prefill-1", "prefill"), 60)
+        assert [_generate(stack, p) for p in prompts] == before
+        assert status_main(["--url", stack.url]) == 0
+        table = capsys.readouterr().out
+        assert "prefill-1  prefill  cpu     up" in table
+        body = _get(f"{stack.url}/health")
+        assert body["workers"]["prefill-1"]["device"] == "cpu"
+        assert body["workers"]["prefill-1"]["state"] == "running"
+        assert _get(f"{stack.url}/health?live=1") == {"status": "alive"}
+        stack.wait_idle()
+
+
+def _get(url: str) -> dict[str, Any]:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return dict(json.loads(r.read()))
+
+
+def test_pod_worker_binds_derived_ports_and_advertises_its_dns_name() -> None:
+    dep = load_deployment(CONFIGS / "ascend-h100.yaml")
+    cfg = pod_worker_config(dep, "hetero-pd-decode-1", "/tmp/alive")
+    assert (cfg.worker_id, cfg.role, cfg.engine["device"]) == ("decode-1", "decode", "cuda:0")
+    assert (cfg.host, cfg.port, cfg.transfer_port) == ("0.0.0.0", 9000, 9001)
+    assert cfg.advertise_host == "hetero-pd-decode-1.hetero-pd-decode.llm.svc"
+    assert cfg.transfer_transports == ("tcp",) and cfg.alive_file == "/tmp/alive"
+    with pytest.raises(ValueError, match="not <role>-<n>"):
+        pod_worker_config(dep, "router-x", "")
+
+
+def test_replicas_argument() -> None:
+    assert parse_replicas("prefill=2,decode=6") == {"prefill": 2, "decode": 6}
+    for bad in ("", "prefill", "gpu=2", "decode=x"):
+        with pytest.raises(ValueError, match="--replicas"):
+            parse_replicas(bad)
+
+
+def test_a_worker_whose_launcher_is_gone_stops(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    alive = tmp_path / "alive"
+    cfg = WorkerConfig(
+        "decode-0",
+        "decode",
+        {"model": str(tiny_llama_dir), "num_threads": 1, "num_kv_blocks": 32},
+        alive_file=str(alive),
+        parent_pid=1,  # not its parent: as if its launcher died and it was re-parented
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetero_pd.serving.worker", "--config-json", cfg.to_json()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0
+    assert READY_LINE in proc.stdout
+    assert "launcher (pid 1) is gone" in proc.stderr
+    assert alive.is_file()
+
+
+def test_switch_role_is_a_control_message() -> None:
+    frame = M.encode("switch_role", role="decode")
+    assert M.decode(frame)["role"] == "decode"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_cluster_router_reconnects_to_a_replaced_worker_pod(tiny_llama_dir: Path) -> None:
+    """The router side of a cluster: it connects by a derived address and, when the worker's
+    pod is replaced (same name and port, new process), greets the new one."""
+    import asyncio
+
+    from hetero_pd.serving.cluster import keep_connected
+    from hetero_pd.serving.router import Router, RouterConfig
+
+    port = _free_port()
+    cfg = WorkerConfig(
+        "decode-0",
+        "decode",
+        {"model": str(tiny_llama_dir), "num_threads": 1, "num_kv_blocks": 32},
+        port=port,
+        transfer_port=_free_port(),
+        advertise_host="127.0.0.1",
+    )
+    cmd = [sys.executable, "-m", "hetero_pd.serving.worker", "--config-json", cfg.to_json()]
+
+    async def until(check: object, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not check():  # type: ignore[operator]
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> tuple[int, int]:
+        router = Router(RouterConfig(heartbeat_timeout_s=0.5))
+        pod = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        task = asyncio.create_task(keep_connected(router, "decode-0", f"tcp://127.0.0.1:{port}"))
+        try:
+            await until(lambda: router.live("decode"))
+            first = router.workers["decode-0"].info["pid"]
+            assert router.workers["decode-0"].info["address"] == f"tcp://127.0.0.1:{port}"
+            pod.kill()
+            pod.wait(10)
+            await until(lambda: not router.live("decode"))
+            pod = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            await until(lambda: router.live("decode"))
+            return first, router.workers["decode-0"].info["pid"]
+        finally:
+            task.cancel()
+            pod.kill()
+            pod.wait(10)
+            await router.close()
+
+    first, second = asyncio.run(scenario())
+    assert first != second
