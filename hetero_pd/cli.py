@@ -67,8 +67,11 @@ def _passthrough(command: str, argv: list[str]) -> int:
         from hetero_pd.bench_pd import main as run
     elif argv[:1] == ["transfer"]:
         from hetero_pd.bench_transfer import main as run
+    elif argv[:1] == ["edge"]:
+        # The one place hetero_pd reaches into edge/: the CLI is the whole product's front.
+        from edge.bench import main as run
     else:
-        print("usage: hetero-pd bench {offline,serve,pd,transfer} [--help | options]")
+        print("usage: hetero-pd bench {offline,serve,pd,transfer,edge} [--help | options]")
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     return run(argv[1:] if command == "bench" else argv)
 
@@ -80,7 +83,7 @@ PASSTHROUGH = {
     "render": "Kubernetes manifests for a deployment: render k8s CONFIG",
     "status": "workers, roles, devices, health and load of a running deployment",
     "worker": "run one worker process (the launcher starts these)",
-    "bench": "benchmarks: bench offline | serve | pd | transfer",
+    "bench": "benchmarks: bench offline | serve | pd | transfer | edge",
 }
 
 

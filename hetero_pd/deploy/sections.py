@@ -9,11 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetero_pd.deploy.fields import opt, required
+from hetero_pd.hidden_codec import CODECS as EDGE_CODECS
 from hetero_pd.serving.policy import FAILURE_POLICIES, POLICIES
 
 ROLES = ("prefill", "decode", "both")
-#: The hidden-state codecs of edge/codec.py (hetero_pd may not import edge/).
-EDGE_CODECS = ("float32", "float16", "int8")
 TRANSPORTS = ("local", "cuda_ipc", "shm", "tcp")
 #: Kubernetes extended resource and node selector of each accelerator kind (overridable).
 DEVICE_RESOURCES = {"npu": "huawei.com/Ascend910", "cuda": "nvidia.com/gpu"}
@@ -105,7 +104,7 @@ class EdgeSpec:
     """The edge split: the device runs layers [0, split_layer), the cloud the rest."""
 
     enabled: bool = True
-    split_layer: int = opt(0, lo=0, doc="0: chosen by the split planner")
+    split_layer: int = opt(4, lo=1, doc="devices run layers [0, k); workers run [k, L)")
     codec: str = opt("float16", choices=EDGE_CODECS)
     runtime: str = opt("torch", choices=("torch", "onnx"))
 

@@ -73,8 +73,10 @@ class Report:
         lines.append(f"  supervisor  {restart}; role switching {'on' if s.role_switch else 'off'}")
         if dep.edge is not None:
             e = dep.edge
-            split = e.split_layer or "auto"
-            lines.append(f"  edge        split layer {split}, codec {e.codec}, runtime {e.runtime}")
+            lines.append(
+                f"  edge        split layer {e.split_layer}, codec {e.codec}, runtime {e.runtime}"
+                + ("" if e.enabled else " (disabled)")
+            )
         if self.target == "k8s":
             k = dep.kubernetes
             lines.append(

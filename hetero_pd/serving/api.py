@@ -1,7 +1,8 @@
 """The OpenAI-compatible REST API (aiohttp) in front of the router.
 
 POST /v1/completions, POST /v1/chat/completions (streaming or not), GET /v1/models,
-GET /health, GET /metrics. Errors use OpenAI's JSON shape and status codes.
+GET /health, GET /metrics, and the edge sessions' WebSocket (GET /v1/edge/session, see
+`hetero_pd.serving.edge_session`). Errors use OpenAI's JSON shape and status codes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 from aiohttp import web
 
 from hetero_pd.serving import openai_protocol as oai
+from hetero_pd.serving.edge_protocol import PATH as EDGE_PATH
+from hetero_pd.serving.edge_session import EdgeSettings, serve_session
 from hetero_pd.serving.router import Router, RouterError
 
 log = logging.getLogger("hetero_pd.api")
@@ -61,6 +64,7 @@ def create_app(state: ApiState) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get(EDGE_PATH, _edge_session)
     return app
 
 
@@ -141,6 +145,12 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
+async def _edge_session(request: web.Request) -> web.StreamResponse:
+    state = _state(request)
+    cfg = EdgeSettings(state.model_names, state.max_model_len, state.api_keys)
+    return await serve_session(request, state.router, cfg)
+
+
 async def _completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, oai.parse_completion_request)
 
@@ -185,6 +195,13 @@ async def _generate(
     req = parse(oai.parse_json_body(await request.read()))
     if req.model not in state.model_names:
         raise oai.model_not_found(req.model)
+    split = state.router.split_info()
+    if split is not None:
+        raise oai.bad_request(
+            f"this deployment's workers run layers [{split[0]}, L) of the model for edge "
+            f"devices: connect with the edge client SDK (edge.EdgeClient) at {EDGE_PATH}",
+            code="edge_only",
+        )
     prompt_ids = _prompt_ids(state, req)
     max_tokens = oai.check_context_length(req, len(prompt_ids), state.max_model_len)
     if req.params.max_tokens is None:

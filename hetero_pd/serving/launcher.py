@@ -52,6 +52,8 @@ def worker_config(dep: Deployment, w: WorkerInstance, threads: int, **extra: Any
         "num_threads": threads,
         **dep.engine,
     }
+    if dep.edge is not None and dep.edge.enabled:
+        engine["start_layer"] = dep.edge.split_layer  # layers [k, L): edge sessions only
     t = dep.transfer
     return WorkerConfig(
         worker_id=w.worker_id,

@@ -45,6 +45,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
         "dest_address": _STR,
         "dest_blocks": _DICT,
     },
+    "hidden": {"rid": _STR, "frame": _DICT},  # split: layer k's input for the newest token
     "kv_ready": {"rid": _STR, "first_token": _INT},
     "kv_failed": {"rid": _STR},
     "abort": {"rid": _STR},
@@ -65,10 +66,20 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
         "cached_tokens": _INT,
     },
     "reserved": {"rid": _STR, "blocks": _DICT, "cached_tokens": _INT},
+    "kv_fallback": {"rid": _STR},  # the KV did not arrive whole: computing the prompt here
     "prefill_done": {"rid": _STR, "first_token": _INT, "transfer": _DICT},
     "error": {"rid": _STR, "code": _STR, "message": _STR, "recoverable": _BOOL},
     "integrity": {"ok": _BOOL, "used_blocks": _INT, "message": _STR},
     "bye": {"worker": _STR},
+}
+
+
+# type -> {field: allowed python types} of fields that may be absent. A split (edge) request
+# carries its prompt as a hidden-state frame (`hetero_pd.hidden_codec`) and no prompt ids.
+OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
+    "generate": {"hidden": _DICT},
+    "reserve": {"hidden": _DICT},
+    "prefill": {"hidden": _DICT},
 }
 
 
@@ -99,6 +110,9 @@ def decode(frame: bytes) -> dict[str, Any]:
         value = msg[name]
         if not isinstance(value, types) or (types is _INT and isinstance(value, bool)):
             raise MessageError(f"{msg['t']}: field {name!r} has type {type(value).__name__}")
+    for name, types in OPTIONAL.get(msg["t"], {}).items():
+        if name in msg and not isinstance(msg[name], types):
+            raise MessageError(f"{msg['t']}: field {name!r} has type {type(msg[name]).__name__}")
     for name in ("prompt_ids", "token_ids"):
         if name in msg and not all(
             isinstance(t, int) and not isinstance(t, bool) for t in msg[name]

@@ -69,7 +69,9 @@ class PushTracker:
         push.first_token = first_token
         if not push.handles:  # not streamed layer by layer: push all layers now
             req = self.engine.scheduler.held[rid]
-            self._push(rid, req.block_ids, req.num_prompt_tokens, None)
+            start = self.engine.config.start_layer  # a split engine has no KV below it
+            layers = (start, self.engine.model_config.num_layers) if start else None
+            self._push(rid, req.block_ids, req.num_prompt_tokens, layers)
         self._check(rid)
 
     def _push(

@@ -9,6 +9,11 @@
       |-- kv_ready ----->| joins the decode batch
       |<-- output ... ---| tokens stream to the client
 
+A split (edge) request carries its prompt as layer k's hidden states (a codec frame) instead
+of token ids; it goes only to workers running layers [k, L), and for every token the decode
+worker samples, the edge session hands the router that token's hidden state
+(`supply_hidden`), which it forwards to the decode worker.
+
 On a prefill failure the deployment's policy decides: `recompute` (D prefills itself),
 `retry` (a fresh reservation and another P), or `fail` (a clear error). A client that goes
 away aborts the request on every worker involved.
@@ -36,6 +41,16 @@ DEAD = "__dead__"
 T = TypeVar("T")
 #: Decode-worker answers to `reserve` that mean "not now": back off and ask again.
 BACKPRESSURE = ("NO_FREE_BLOCKS", "KV_FENCED")
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPrompt:
+    """A prompt from an edge device: layer `layer`'s input for `num_tokens` tokens, as a
+    `hetero_pd.hidden_codec` frame the workers decode."""
+
+    layer: int
+    frame: dict[str, Any]
+    num_tokens: int
 
 
 class RouterError(Exception):
@@ -73,6 +88,7 @@ class Router:
         self.chooser = Chooser(cfg.routing)
         self._queues: dict[str, asyncio.Queue[tuple[str, dict[str, Any]]]] = {}
         self._switching: set[str] = set()
+        self._decoder: dict[str, WorkerClient] = {}  # split request id -> its decode worker
         #: Supervisor's view of each worker process (pid, restarts, state) for /health.
         self.supervision: dict[str, dict[str, Any]] = {}
 
@@ -98,12 +114,26 @@ class Router:
             await client.close()
         self.ctx.term()
 
-    def live(self, *roles: str) -> list[WorkerClient]:
+    def live(self, *roles: str, split_layer: int | None = None) -> list[WorkerClient]:
+        """Live workers in `roles`; with `split_layer`, only those that start at that layer
+        (0: whole-model workers)."""
         return [
             w
             for w in self.workers.values()
-            if w.alive and w.role in roles and w.id not in self._switching
+            if w.alive
+            and w.role in roles
+            and w.id not in self._switching
+            and (split_layer is None or int(w.info.get("start_layer", 0)) == split_layer)
         ]
+
+    def split_info(self) -> tuple[int, str, int] | None:
+        """(split layer, fingerprint, hidden size) of this deployment's split workers, or
+        None when it runs whole-model workers."""
+        for w in self.workers.values():
+            start = int(w.info.get("start_layer", 0))
+            if start:
+                return start, str(w.info.get("fingerprint", "")), int(w.info["hidden_size"])
+        return None
 
     async def switch_role(self, worker_id: str, role: str, timeout_s: float = 300.0) -> None:
         """Drains `worker_id` (no new requests; in-flight ones finish) and switches it between
@@ -158,20 +188,34 @@ class Router:
 
     # -- requests ------------------------------------------------------------------------
     async def generate(
-        self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        split: SplitPrompt | None = None,
     ) -> AsyncGenerator[dict[str, Any], None]:
-        """Yields the decode worker's `output` messages until one carries a finish reason."""
+        """Yields the decode worker's `output` messages until one carries a finish reason.
+
+        With `split`, the prompt is hidden states for workers starting at `split.layer`
+        (`prompt_ids` is empty), and each token needs `supply_hidden` before the next."""
         if len(self._queues) >= self.cfg.max_inflight:
             raise RouterError(429, "the server is at capacity; retry shortly", "overloaded", 1.0)
-        decoders = self.live("decode", "both")
+        layer = split.layer if split is not None else 0
+        decoders = self.live("decode", "both", split_layer=layer)
         if not decoders:
-            raise RouterError(503, "no decode-capable worker is alive", "no_workers", 2.0)
+            what = f"for split layer {layer}" if layer else "running the whole model"
+            raise RouterError(503, f"no decode-capable worker {what} is alive", "no_workers", 2.0)
         queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self._queues[rid] = queue
         involved: list[WorkerClient] = []
         finished = False
         try:
-            decode, early = await self._start(rid, prompt_ids, params, priority, queue, involved)
+            decode, early = await self._start(
+                rid, prompt_ids, params, priority, queue, involved, split
+            )
+            if split is not None:
+                self._decoder[rid] = decode
             while True:
                 if early is not None:
                     wid, msg, early = decode.id, early, None
@@ -181,6 +225,9 @@ class Router:
                     raise RouterError(503, f"decode worker {wid} died mid-request", "worker_died")
                 if msg["t"] == "error" and wid == decode.id:
                     raise _worker_error(msg)
+                if msg["t"] == "kv_fallback" and wid == decode.id:
+                    log.warning("request %s: %s computes the prompt itself", rid, decode.id)
+                    self.metrics.decision("recompute")
                 if msg["t"] == "output" and wid == decode.id:
                     finished = msg["finish_reason"] is not None
                     yield msg
@@ -188,10 +235,18 @@ class Router:
                         return
         finally:
             self._queues.pop(rid, None)
+            self._decoder.pop(rid, None)
             for w in involved:
                 w.inflight.discard(rid)
                 if not finished:
                     w.send("abort", rid=rid)
+
+    def supply_hidden(self, rid: str, frame: dict[str, Any]) -> None:
+        """Forwards an edge device's hidden state for split request `rid`'s newest token."""
+        decode = self._decoder.get(rid)
+        if decode is None:
+            raise RouterError(400, f"no split request {rid} is decoding", "unknown_request")
+        decode.send("hidden", rid=rid, frame=frame)
 
     async def _next(
         self, queue: asyncio.Queue[tuple[str, dict[str, Any]]], timeout_s: float, rid: str
@@ -211,23 +266,32 @@ class Router:
         priority: int,
         queue: asyncio.Queue[tuple[str, dict[str, Any]]],
         involved: list[WorkerClient],
+        split: SplitPrompt | None = None,
     ) -> tuple[WorkerClient, dict[str, Any] | None]:
         """Gets the prompt's KV onto a decode worker; returns that worker and, when it already
         answered (it stopped waiting for the KV and computed the prompt), its first output."""
         wire = M.params_to_wire(params)
-        decode, cached = self.chooser.pick(self.live("decode", "both"), prompt_ids)
-        prefill = self.live("prefill")
+        layer, extra = 0, {}
+        prompt_len = len(prompt_ids)
+        if split is not None:
+            layer, extra, prompt_len = split.layer, {"hidden": split.frame}, split.num_tokens
+        decode, cached = self.chooser.pick(
+            self.live("decode", "both", split_layer=layer), prompt_ids
+        )
+        prefill = self.live("prefill", split_layer=layer)
         self._enlist(decode, rid, involved)
         self.chooser.record(decode, prompt_ids)
-        if decode.role == "both" or self.chooser.prefill_locally(len(prompt_ids), cached, prefill):
+        if decode.role == "both" or self.chooser.prefill_locally(prompt_len, cached, prefill):
             self.metrics.decision("colocated" if decode.role == "both" else "local_prefill")
-            decode.send("generate", rid=rid, prompt_ids=prompt_ids, params=wire, priority=priority)
+            decode.send(
+                "generate", rid=rid, prompt_ids=prompt_ids, params=wire, priority=priority, **extra
+            )
             return decode, None
         self.metrics.decision("disaggregated")
         tried: set[str] = set()
         for attempt in range(self.cfg.max_retries + 1):
-            blocks = await self._reserve(decode, rid, prompt_ids, wire, priority, queue)
-            live = self.live("prefill")
+            blocks = await self._reserve(decode, rid, prompt_ids, wire, priority, queue, extra)
+            live = self.live("prefill", split_layer=layer)
             # Another prefill worker if there is one, else the same one again; never a dead
             # one (nothing would ever answer for it).
             candidates = [w for w in live if w.id not in tried] or live
@@ -245,6 +309,7 @@ class Router:
                 dest_worker=decode.id,
                 dest_address=decode.info["transfer_address"],
                 dest_blocks=blocks,
+                **extra,
             )
             outcome = await self._await_prefill(worker, decode, rid, queue)
             worker.inflight.discard(rid)
@@ -283,11 +348,14 @@ class Router:
         wire: dict[str, Any],
         priority: int,
         queue: asyncio.Queue[tuple[str, dict[str, Any]]],
+        extra: dict[str, Any],
     ) -> dict[str, Any]:
         deadline = time.monotonic() + self.cfg.reserve_timeout_s
         delay = 0.05
         while True:
-            decode.send("reserve", rid=rid, prompt_ids=prompt_ids, params=wire, priority=priority)
+            decode.send(
+                "reserve", rid=rid, prompt_ids=prompt_ids, params=wire, priority=priority, **extra
+            )
             while True:
                 wid, msg = await self._next(queue, max(deadline - time.monotonic(), 0.01), rid)
                 if wid != decode.id:

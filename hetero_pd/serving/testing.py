@@ -46,6 +46,7 @@ def deployment(
     router: dict[str, Any] | None = None,
     transfer: dict[str, Any] | None = None,
     engine: dict[str, Any] | None = None,
+    edge: dict[str, Any] | None = None,
 ) -> Deployment:
     """A deployment on 127.0.0.1 and a free port; 1 prefill + 1 decode worker by default."""
     raw = {
@@ -55,6 +56,8 @@ def deployment(
         "transfer": transfer or {},
         "engine": {**SMALL_ENGINE, **(engine or {})},
     }
+    if edge is not None:
+        raw["edge"] = edge
     return parse_deployment(raw, "<test>")
 
 

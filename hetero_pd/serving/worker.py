@@ -24,10 +24,12 @@ from typing import Any
 import torch
 import zmq
 
+from hetero_pd import hidden_codec
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.block_pool import NoFreeBlocksError
 from hetero_pd.engine.llm_engine import LLMEngine
 from hetero_pd.engine.scheduler import Role, SchedulerOutput
+from hetero_pd.models.fingerprint import split_fingerprint
 from hetero_pd.serving import messages as M
 from hetero_pd.serving.prefill_push import PushTracker
 from transfer import EngineConfig as TransferConfig
@@ -126,8 +128,15 @@ class Worker:
         # `until`; the engine frees or reuses them (the action) only after that.
         self.fenced: dict[str, tuple[float, Callable[[str], None]]] = {}
         self.pushes: PushTracker = PushTracker(self.transfer, self.engine, self._on_push_result)
+        #: > 0: a split (edge) worker running layers [start_layer, L) on hidden states.
+        self.start_layer: int = self.engine.config.start_layer
+        self.fingerprint: str = (
+            split_fingerprint(self.engine.model_path, self.start_layer) if self.start_layer else ""
+        )
         self.linked: set[str] = set()
         self.draining: bool = False
+        #: Reserved prompts whose KV never arrived whole, so this worker computed them.
+        self.kv_fallbacks: int = 0
         self.stopped: bool = False
         self._last_heartbeat: float = 0.0
 
@@ -157,6 +166,9 @@ class Worker:
             "block_size": e.config.block_size,
             "num_blocks": e.kv.pool.num_blocks,
             "pid": os.getpid(),
+            "start_layer": self.start_layer,
+            "hidden_size": e.model_config.hidden_size,
+            "fingerprint": self.fingerprint,
         }
 
     # -- main loop -----------------------------------------------------------------------
@@ -294,9 +306,37 @@ class Worker:
             raise ValueError(f"message type {kind!r} is not for a worker")
         handler(msg)
 
+    def _prompt_hidden(self, msg: dict[str, Any]) -> torch.Tensor | None:
+        """A split request's prompt, [num_tokens, hidden], from its frame (None: token ids)."""
+        frame = msg.get("hidden")
+        if frame is None:
+            if self.start_layer:
+                raise ValueError(
+                    f"worker {self.id} runs layers [{self.start_layer}, L): it takes hidden "
+                    "states from an edge session, not prompt token ids"
+                )
+            return None
+        if not self.start_layer:
+            raise ValueError(f"worker {self.id} runs the whole model: send prompt token ids")
+        return hidden_codec.decode(frame, self.engine.model_config.hidden_size)
+
     def _on_generate(self, msg: dict[str, Any]) -> None:
         params = M.params_from_wire(msg["params"])
+        hidden = self._prompt_hidden(msg)
+        if hidden is not None:
+            self.engine.add_split_request(hidden, params, msg["rid"], msg["priority"])
+            return
         self.engine.add_request(msg["prompt_ids"], params, msg["rid"], msg["priority"])
+
+    def _on_hidden(self, msg: dict[str, Any]) -> None:
+        """An edge device's hidden state for a split request's newest token."""
+        rid = msg["rid"]
+        if rid not in self.engine.scheduler.requests:
+            return  # aborted or finished meanwhile
+        row = hidden_codec.decode(msg["frame"], self.engine.model_config.hidden_size)
+        if row.shape[0] != 1:
+            raise ValueError(f"request {rid}: a hidden message carries one token, not {len(row)}")
+        self.engine.supply_hidden(rid, row)
 
     def _on_reserve(self, msg: dict[str, Any]) -> None:
         rid = msg["rid"]
@@ -309,16 +349,32 @@ class Worker:
             self._error(rid, "KV_FENCED", message, True)
             self.owner.pop(rid, None)
             return
+        hidden = self._prompt_hidden(msg)
         try:
-            block_ids = self.engine.add_remote_request(
-                msg["prompt_ids"], params, rid, msg["priority"]
-            )
+            if hidden is not None:
+                reserved = self.engine.add_split_request(
+                    hidden, params, rid, msg["priority"], remote_kv=True
+                )
+                assert reserved is not None
+                block_ids = reserved
+            else:
+                block_ids = self.engine.add_remote_request(
+                    msg["prompt_ids"], params, rid, msg["priority"]
+                )
         except NoFreeBlocksError as e:
             self._error(rid, "NO_FREE_BLOCKS", str(e), True)
             self.owner.pop(rid, None)
             return
         try:
-            handle = self.transfer.reserve(rid, block_ids, timeout_s=self.cfg.remote_kv_timeout_s)
+            # A split engine has no KV below its start layer: only [start, L) will arrive.
+            layers = (
+                (self.start_layer, self.engine.model_config.num_layers)
+                if hidden is not None
+                else None
+            )
+            handle = self.transfer.reserve(
+                rid, block_ids, timeout_s=self.cfg.remote_kv_timeout_s, layers=layers
+            )
         except TransferError as e:
             self.engine.abort_request(rid)
             self._error(rid, e.code.name, str(e), e.code.recoverable)
@@ -333,6 +389,7 @@ class Worker:
         rid = msg["rid"]
         params = M.params_from_wire(msg["params"])
         dest = RemoteBlocks.from_wire(msg["dest_blocks"])
+        hidden = self._prompt_hidden(msg)
         peer = msg["dest_worker"]
         if peer not in self.linked:
             try:
@@ -342,8 +399,11 @@ class Worker:
                 self.owner.pop(rid, None)
                 return
             self.linked.add(peer)
-        req = self.engine.add_request(msg["prompt_ids"], params, rid, msg["priority"])
-        self.pushes.expect(req.request_id, peer, dest)
+        if hidden is not None:
+            self.engine.add_split_request(hidden, params, rid, msg["priority"])
+        else:
+            self.engine.add_request(msg["prompt_ids"], params, rid, msg["priority"])
+        self.pushes.expect(rid, peer, dest)
 
     def _on_kv_ready(self, msg: dict[str, Any]) -> None:
         rid = msg["rid"]
@@ -352,6 +412,11 @@ class Worker:
             return  # aborted meanwhile
         if handle.state.value != "done":
             # The sender saw an ACK we never gave for this epoch: never trust those blocks.
+            log.warning(
+                "%s: request %s: KV not complete at kv_ready; computing it here", self.id, rid
+            )
+            self.kv_fallbacks += 1
+            self._reply(rid, M.encode("kv_fallback", rid=rid))
             self._release(rid, self.engine.remote_kv_failed)
             return
         self.transfer.release(rid)  # every write was committed: no grant is left open
@@ -430,6 +495,7 @@ class Worker:
             if handle.state.terminal and handle.state.value != "done":
                 # Timed out or cancelled before kv_ready: compute the prompt here.
                 self.recv.pop(rid)
+                self.kv_fallbacks += 1
                 self._release(rid, self.engine.remote_kv_failed)
 
     def _layer_hook(self, out: SchedulerOutput) -> Callable[[int], None]:
@@ -458,6 +524,7 @@ class Worker:
             "kv_usage": round(self.engine.kv.usage, 4),
             "free_blocks": self.engine.kv.num_free_blocks,
             "draining": self.draining or self.switch_to is not None,
+            "kv_fallbacks": self.kv_fallbacks,
             "transfer": self.transfer.metrics(),
         }
         self._broadcast(M.encode("heartbeat", worker=self.id, load=load))

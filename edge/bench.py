@@ -1,0 +1,264 @@
+"""`hetero-pd bench edge`: the edge split against the unsplit stack, on loopback, in one run.
+
+1. The split planner is fed measured numbers: the device's runtime timed end to end
+   (`profile_runtime`), every cloud layer timed (`profile_layers`), the loopback link probed
+   (`measure_link`); it prints its table and predicts TTFT and TPOT for the chosen k.
+2. An unsplit deployment (1 prefill + 1 decode worker, whole model) serves the prompts as
+   token ids over /v1/completions (streamed); then a split one (the same workers running
+   layers [k, L)) serves them to an EdgeClient that runs layers [0, k) in this process.
+   Requests go one at a time: this measures latency, not throughput.
+3. It reports bytes the device put on the wire per prompt and per generated token, TTFT and
+   TPOT of both, and the planner's error against the split measurement. The planner prices
+   layers and the link; the serving path adds its own cost (router, ZMQ hops, the KV
+   hand-off), measured on the unsplit run (measured minus predicted unsplit TTFT/TPOT) and
+   added to the split prediction, which is printed both with and without it.
+
+The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+
+from edge.client import EdgeClient
+from edge.codec import CODECS
+from edge.link_probe import measure_link, serve_link_probe
+from edge.planner import SplitPrediction, format_plan, plan_split
+from edge.profiling import profile_layers, profile_runtime
+from edge.runtime import EdgeRuntime
+from hetero_pd.models.config import ModelConfig
+from hetero_pd.models.fetch import resolve_model
+from hetero_pd.serving.testing import deployment, running_stack
+
+PROG = "hetero-pd bench edge"
+TOPICS = (
+    "the history of lighthouses",
+    "how bread rises",
+    "why the sky is blue",
+    "the rules of chess",
+    "how a bicycle stays upright",
+    "what a compiler does",
+    "the water cycle",
+    "how vaccines train the immune system",
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--split", type=int, default=4, help="split layer k (default 4)")
+    p.add_argument("--codec", default="float16", choices=CODECS)
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--prompt-words", type=int, default=60, help="words per prompt (about)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    args = p.parse_args(argv)
+    if args.num_prompts < 1 or args.max_tokens < 2 or args.prompt_words < 1:
+        p.error("--num-prompts >= 1, --max-tokens >= 2 and --prompt-words >= 1 are required")
+    return args
+
+
+def prompts(n: int, words: int) -> list[str]:
+    out = []
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)]
+        filler = " ".join(f"Consider {topic} step {j}." for j in range(max(1, words // 5)))
+        out.append(f"Explain {topic} in plain words. {filler}")
+    return out
+
+
+def plan(
+    model_dir: Path, args: argparse.Namespace, prompt_len: int, runtime: EdgeRuntime
+) -> tuple[SplitPrediction, SplitPrediction, str, dict[str, Any]]:
+    """(prediction at --split, unsplit prediction, the planner's table, inputs)."""
+    cfg = ModelConfig.from_dir(model_dir)
+    lens = sorted({max(1, prompt_len // 2), prompt_len, prompt_len * 2})
+    edge = profile_runtime(runtime, cfg.num_layers, lens)
+    cloud = profile_layers(model_dir, "cpu", lens)
+    with serve_link_probe() as (host, port):
+        link = measure_link(host, port)
+    result = plan_split(
+        edge,
+        cloud,
+        link,
+        prompt_len=prompt_len,
+        hidden_size=cfg.hidden_size,
+        codec=args.codec,
+        objective="latency",
+        output_tokens=args.max_tokens,
+    )
+    chosen = next(p for p in result.candidates if p.split_layer == args.split)
+    inputs = {"link_rtt_ms": link.rtt_s * 1e3, "link_gbps": link.bandwidth_bps * 8 / 1e9}
+    inputs["recommended_split"] = result.best.split_layer
+    return chosen, result.unsplit, format_plan(result), inputs
+
+
+async def unsplit_run(
+    url: str, model: str, ids: list[list[int]], max_tokens: int
+) -> list[dict[str, float]]:
+    out = []
+    async with aiohttp.ClientSession() as session:
+        for prompt in ids:
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            data = json.dumps(body).encode()
+            start = time.perf_counter()
+            times = []
+            async with session.post(
+                url + "/v1/completions", data=data, headers={"Content-Type": "application/json"}
+            ) as resp:
+                resp.raise_for_status()
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        times.append(time.perf_counter() - start)
+            out.append(_timing(times, len(data)))
+    return out
+
+
+async def split_run(
+    url: str, model: str, model_dir: Path, args: argparse.Namespace, ids: list[list[int]]
+) -> tuple[list[dict[str, float]], list[int]]:
+    runtime = EdgeRuntime(model_dir, args.split)
+    out, token_ids = [], []
+    for prompt in ids:
+        sent: list[int] = []
+        client = EdgeClient(
+            url,
+            model_dir,
+            args.split,
+            model=model,
+            codec=args.codec,
+            runtime=runtime,
+            tap=_counter(sent),
+        )
+        done = await client.complete(prompt, max_tokens=args.max_tokens, ignore_eos=True)
+        timing = _timing(done.token_times_s, sent[0])
+        timing["bytes_per_token"] = statistics.mean(sent[1:]) if len(sent) > 1 else 0.0
+        out.append(timing)
+        token_ids.append(len(done.token_ids))
+    return out, token_ids
+
+
+def _counter(sizes: list[int]) -> Callable[[bytes], None]:
+    def count(message: bytes) -> None:
+        sizes.append(len(message))
+
+    return count
+
+
+def _timing(times: list[float], prompt_bytes: int) -> dict[str, float]:
+    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+    return {"ttft_s": times[0], "tpot_s": tpot, "prompt_bytes": float(prompt_bytes)}
+
+
+def _mean(rows: list[dict[str, float]], key: str) -> float:
+    return statistics.mean(r[key] for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model)
+    cfg = ModelConfig.from_dir(model_dir)
+    if not 1 <= args.split < cfg.num_layers:
+        print(f"{PROG}: --split must be in [1, {cfg.num_layers})", file=sys.stderr)
+        return 2
+    runtime = EdgeRuntime(model_dir, args.split)
+    texts = prompts(args.num_prompts, args.prompt_words)
+    ids = [runtime.tokenize(t) for t in texts]
+    prompt_len = round(statistics.mean(len(i) for i in ids))
+    # A prompt of its own: a measured one must not hit the unsplit workers' prefix cache.
+    warmup = [runtime.tokenize("Warming up: " + prompts(1, args.prompt_words)[0][::-1])]
+    print(
+        f"workload: {len(ids)} prompts of ~{prompt_len} tokens, {args.max_tokens} new tokens "
+        f"each, one at a time; split k={args.split} of {cfg.num_layers} layers, codec "
+        f"{args.codec}; workers 1P1D, {args.threads} thread(s) each; loopback",
+        flush=True,
+    )
+    chosen, unsplit_pred, table, inputs = plan(model_dir, args, prompt_len, runtime)
+    print(table, flush=True)
+    engine = {"num_threads": args.threads, "max_model_len": 2048}
+    router = {"local_prefill_max_tokens": 0}  # every prompt through the KV hand-off
+    with running_stack(deployment(model_dir, router=router, engine=engine)) as stack:
+        asyncio.run(unsplit_run(stack.url, stack.dep.model, warmup, 2))
+        unsplit = asyncio.run(unsplit_run(stack.url, stack.dep.model, ids, args.max_tokens))
+    edge = {"split_layer": args.split, "codec": args.codec}
+    dep = deployment(model_dir, router=router, engine=engine, edge=edge)
+    with running_stack(dep) as stack:
+        asyncio.run(split_run(stack.url, stack.dep.model, model_dir, args, warmup))
+        split, _ = asyncio.run(split_run(stack.url, stack.dep.model, model_dir, args, ids))
+    m = {
+        "unsplit_ttft": _mean(unsplit, "ttft_s"),
+        "unsplit_tpot": _mean(unsplit, "tpot_s"),
+        "split_ttft": _mean(split, "ttft_s"),
+        "split_tpot": _mean(split, "tpot_s"),
+    }
+    # The serving path's own cost, which the planner's layer and link prices leave out.
+    serve_ttft = max(0.0, m["unsplit_ttft"] - unsplit_pred.ttft_s)
+    serve_tpot = max(0.0, m["unsplit_tpot"] - unsplit_pred.tpot_s)
+    pred_ttft, pred_tpot = chosen.ttft_s + serve_ttft, chosen.tpot_s + serve_tpot
+    err_ttft = abs(pred_ttft - m["split_ttft"]) / m["split_ttft"] * 100
+    err_tpot = abs(pred_tpot - m["split_tpot"]) / m["split_tpot"] * 100
+    ms = 1e3
+    print(
+        f"unsplit: TTFT {m['unsplit_ttft'] * ms:.1f} ms, TPOT {m['unsplit_tpot'] * ms:.1f} ms "
+        f"(planner, layers and link only: {unsplit_pred.ttft_s * ms:.1f} / "
+        f"{unsplit_pred.tpot_s * ms:.1f} ms; serving path adds {serve_ttft * ms:.1f} / "
+        f"{serve_tpot * ms:.1f} ms)"
+    )
+    print(
+        f"split k={args.split}: TTFT {m['split_ttft'] * ms:.1f} ms, TPOT "
+        f"{m['split_tpot'] * ms:.1f} ms; planner {pred_ttft * ms:.1f} / {pred_tpot * ms:.1f} ms "
+        f"({chosen.ttft_s * ms:.1f} / {chosen.tpot_s * ms:.1f} ms before the serving path): "
+        f"error {err_ttft:.1f}% / {err_tpot:.1f}%"
+    )
+    bytes_prompt = _mean(split, "prompt_bytes")
+    bytes_token = _mean(split, "bytes_per_token")
+    print(
+        f"device -> cloud: {bytes_prompt:.0f} B per prompt ({bytes_prompt / prompt_len:.0f} B per "
+        f"prompt token), {bytes_token:.0f} B per generated token; the unsplit request body "
+        f"was {_mean(unsplit, 'prompt_bytes'):.0f} B of JSON token ids"
+    )
+    result = {
+        "model": args.model,
+        "split_layer": args.split,
+        "codec": args.codec,
+        "num_prompts": len(ids),
+        "prompt_tokens": prompt_len,
+        "max_tokens": args.max_tokens,
+        "bytes_per_prompt": round(bytes_prompt),
+        "bytes_per_token": round(bytes_token),
+        "split_ttft_ms": round(m["split_ttft"] * ms, 2),
+        "unsplit_ttft_ms": round(m["unsplit_ttft"] * ms, 2),
+        "split_tpot_ms": round(m["split_tpot"] * ms, 2),
+        "unsplit_tpot_ms": round(m["unsplit_tpot"] * ms, 2),
+        "predicted_ttft_ms": round(pred_ttft * ms, 2),
+        "predicted_tpot_ms": round(pred_tpot * ms, 2),
+        "planner_ttft_error_pct": round(err_ttft, 1),
+        "planner_tpot_error_pct": round(err_tpot, 1),
+        "planner_error_pct": round(max(err_ttft, err_tpot), 1),
+        **{k: round(v, 3) if isinstance(v, float) else v for k, v in inputs.items()},
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

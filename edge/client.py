@@ -1,0 +1,208 @@
+"""EdgeClient: stream a completion while the device runs the model's first k layers.
+
+    from edge import EdgeClient
+    client = EdgeClient("http://127.0.0.1:8000", model_dir, split_layer=4)
+    async for text in client.stream("Tell me a story", max_tokens=64):
+        print(text, end="")
+
+The prompt is tokenized and run through layers [0, k) here; only encoded hidden states
+leave the device. For every token the cloud samples, the device runs its layers on that
+token and sends the hidden state back (one WebSocket round trip per token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from edge.codec import encode
+from edge.protocol import PATH, ProtocolError, pack, unpack
+from edge.runtime import EdgeRuntime
+
+#: Text, chat messages (through the model's chat template) or token ids.
+Prompt = str | list[dict[str, str]] | list[int]
+
+
+def _prompt_ids(runtime: Any, prompt: Prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return list(runtime.tokenize(prompt))
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [int(t) for t in prompt]  # type: ignore[arg-type]
+    if prompt and all(isinstance(m, dict) for m in prompt):
+        return list(runtime.tokenize_chat(prompt))
+    raise TypeError("a prompt is a string, a list of chat messages or a list of token ids")
+
+
+class EdgeError(RuntimeError):
+    """The cloud refused or broke the session; `code` says why."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class EdgeMismatchError(EdgeError):
+    """The cloud runs another model or another split layer than this device."""
+
+
+@dataclass(slots=True)
+class EdgeCompletion:
+    """A finished session: the text, the generated token ids and why it stopped."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    #: Seconds from the call (tokenizing and the device's prefill included) to each token.
+    token_times_s: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0] if self.token_times_s else float("nan")
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first (the device's round trip included)."""
+        t = self.token_times_s
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else float("nan")
+
+
+class EdgeClient:
+    def __init__(
+        self,
+        url: str,
+        model_dir: str | Path,
+        split_layer: int,
+        *,
+        model: str = "smollm2-135m-instruct",
+        codec: str = "float16",
+        api_key: str | None = None,
+        timeout_s: float = 60.0,
+        retries: int = 2,
+        runtime: Any | None = None,
+        tap: Callable[[bytes], None] | None = None,
+    ) -> None:
+        """`runtime` (an EdgeRuntime or OnnxEdgeRuntime) defaults to torch on the CPU;
+        `tap`, if given, sees every message this client sends (audits, benchmarks)."""
+        self.url = url.rstrip("/").removesuffix("/v1")
+        self.model = model
+        self.codec = codec
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.runtime = runtime or EdgeRuntime(model_dir, split_layer)
+        self.split_layer = split_layer
+        self.sent_bytes = 0  # payload bytes this client put on the wire (for benchmarks)
+        self.tap = tap
+
+    async def stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        **params: Any,
+    ) -> AsyncIterator[str]:
+        """Yields text deltas; a list of messages goes through the chat template."""
+        async for msg in self._session(
+            prompt, max_tokens=max_tokens, temperature=temperature, **params
+        ):
+            if msg["text"]:
+                yield msg["text"]
+
+    async def complete(self, prompt: Prompt, **params: Any) -> EdgeCompletion:
+        """Runs a session to its end; the text, token ids and finish reason."""
+        done = EdgeCompletion()
+        start = time.perf_counter()
+        async for msg in self._session(prompt, **params):
+            done.token_times_s.extend([time.perf_counter() - start] * len(msg["token_ids"]))
+            done.text += msg["text"]
+            done.token_ids.extend(msg["token_ids"])
+            done.finish_reason = msg["finish_reason"]
+        return done
+
+    async def generate(self, prompt: Prompt, **params: Any) -> str:
+        return (await self.complete(prompt, **params)).text
+
+    async def _session(self, prompt: Prompt, **params: Any) -> AsyncIterator[dict[str, Any]]:
+        """Yields the cloud's token messages; after each unfinished one, this device runs its
+        layers on the sampled token and sends that hidden state back."""
+        rt = self.runtime
+        ids = _prompt_ids(rt, prompt)
+        wire_params = {"max_tokens": 64, "temperature": 0.0, **params}
+        ws, session = await self._connect()
+        try:
+            start = pack(
+                "start",
+                model=self.model,
+                split_layer=self.split_layer,
+                fingerprint=rt.fingerprint(),
+                params=wire_params,
+                prompt=encode(rt.prefill(ids), self.codec),
+            )
+            await self._send(ws, start)
+            while True:
+                msg = await self._receive(ws)
+                if msg["t"] == "error":
+                    cls = EdgeMismatchError if msg["code"] == "fingerprint_mismatch" else EdgeError
+                    raise cls(msg["code"], msg["message"])
+                if msg["t"] != "token":
+                    raise EdgeError("protocol", f"unexpected {msg['t']!r} message from the cloud")
+                yield msg
+                if msg["finish_reason"] is not None:
+                    return
+                for token in msg["token_ids"]:
+                    hidden = rt.step(int(token))
+                    await self._send(ws, pack("hidden", frame=encode(hidden, self.codec)))
+        finally:
+            await ws.close()
+            await session.close()
+
+    async def _connect(self) -> tuple[aiohttp.ClientWebSocketResponse, aiohttp.ClientSession]:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        delay = 0.2
+        for attempt in range(self.retries + 1):
+            session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout_s)
+            )
+            try:
+                ws = await session.ws_connect(
+                    self.url + PATH, headers=headers, max_msg_size=64 * 2**20
+                )
+                return ws, session
+            except aiohttp.WSServerHandshakeError as e:
+                await session.close()
+                if e.status in (401, 403, 404):
+                    raise EdgeError("refused", f"{self.url}{PATH}: HTTP {e.status}") from e
+                if attempt == self.retries:
+                    raise EdgeError("unavailable", f"{self.url}{PATH}: HTTP {e.status}") from e
+            except (aiohttp.ClientError, OSError) as e:
+                await session.close()
+                if attempt == self.retries:
+                    raise EdgeError("unreachable", f"{self.url}: {e}") from e
+            await asyncio.sleep(delay)  # backoff before reconnecting (not a synchronisation)
+            delay *= 2
+        raise AssertionError("unreachable")
+
+    async def _send(self, ws: aiohttp.ClientWebSocketResponse, data: bytes) -> None:
+        self.sent_bytes += len(data)
+        if self.tap is not None:
+            self.tap(data)
+        await ws.send_bytes(data)
+
+    async def _receive(self, ws: aiohttp.ClientWebSocketResponse) -> dict[str, Any]:
+        try:
+            msg = await ws.receive(timeout=self.timeout_s)
+        except TimeoutError:
+            raise EdgeError("timeout", f"no answer from the cloud for {self.timeout_s}s") from None
+        if msg.type != aiohttp.WSMsgType.BINARY:
+            raise EdgeError("closed", f"the cloud closed the session ({msg.type.name})")
+        try:
+            return unpack(msg.data)
+        except ProtocolError as e:
+            raise EdgeError("protocol", str(e)) from e

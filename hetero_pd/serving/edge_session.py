@@ -1,0 +1,182 @@
+"""The cloud end of an edge session (`GET /v1/edge/session`, a WebSocket; protocol in
+`hetero_pd.serving.edge_protocol`).
+
+The device sends the prompt as layer k's input (hidden states, never text or token ids); the
+router runs it through the split workers (prefill layers [k, L) -> KV to decode, or prefill
+on the decode worker for short prompts) and streams each sampled token back. Before the
+decode worker can go on, the device runs its layers on that token and returns the hidden
+state: one WebSocket round trip per generated token.
+
+A session starts only when the device's model name, split layer and split fingerprint match
+the workers'; anything malformed ends it with an `error` message naming the problem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from hetero_pd import hidden_codec
+from hetero_pd.sampling_params import SamplingParams
+from hetero_pd.serving import openai_protocol as oai
+from hetero_pd.serving.edge_protocol import MAX_MESSAGE_BYTES, ProtocolError, pack, unpack
+from hetero_pd.serving.router import Router, RouterError, SplitPrompt
+
+log = logging.getLogger("hetero_pd.edge")
+
+#: Sampling fields a session's `params` may hold (as in /v1/completions).
+PARAMS = frozenset(
+    {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "min_p",
+        "top_k",
+        "seed",
+        "min_tokens",
+        "ignore_eos",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+        "stop",
+        "stop_token_ids",
+    }
+)
+
+
+class SessionError(Exception):
+    """Ends a session with an `error` message."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeSettings:
+    model_names: Collection[str]
+    max_model_len: int
+    api_keys: Collection[str] = ()
+    #: Longest wait for the device's next message (its layers on one token).
+    receive_timeout_s: float = 60.0
+
+
+async def serve_session(
+    request: web.Request, router: Router, cfg: EdgeSettings
+) -> web.StreamResponse:
+    """Runs one edge session to its end; errors go to the device as `error` messages."""
+    oai.check_api_key(request.headers, cfg.api_keys)  # before the upgrade: a plain 401
+    ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES)
+    await ws.prepare(request)
+    try:
+        await _run(ws, router, cfg)
+    except SessionError as e:
+        await _send_error(ws, e.code, e.message)
+    except RouterError as e:
+        await _send_error(ws, e.code, e.message)
+    except oai.APIError as e:
+        await _send_error(ws, e.code or e.type, e.message)
+    finally:
+        await ws.close()
+    return ws
+
+
+async def _run(ws: web.WebSocketResponse, router: Router, cfg: EdgeSettings) -> None:
+    split = router.split_info()
+    if split is None:
+        raise SessionError(
+            "not_split", "this deployment runs whole-model workers; it serves no edge sessions"
+        )
+    layer, fingerprint, hidden_size = split
+    start = await _receive(ws, "start", cfg.receive_timeout_s)
+    if start["model"] not in cfg.model_names:
+        raise SessionError("model_not_found", f"the model {start['model']!r} is not served here")
+    if start["split_layer"] != layer or start["fingerprint"] != fingerprint:
+        raise SessionError(
+            "fingerprint_mismatch",
+            f"the device runs layers [0, {start['split_layer']}) with split fingerprint "
+            f"{start['fingerprint']!r}; this deployment continues at layer {layer} with "
+            f"{fingerprint!r}: the device and the cloud must hold the same model split at the "
+            "same layer",
+        )
+    num_tokens = _decode(start["prompt"], hidden_size, None).shape[0]
+    params = _params(start["params"], start["model"], num_tokens, cfg.max_model_len)
+    rid = f"edge-{uuid.uuid4().hex}"
+    prompt = SplitPrompt(layer, start["prompt"], num_tokens)
+    async with contextlib.aclosing(router.generate(rid, [], params, 0, prompt)) as stream:
+        async for out in stream:
+            token = pack(
+                "token",
+                token_ids=out["token_ids"],
+                text=out["text"],
+                finish_reason=out["finish_reason"],
+            )
+            await ws.send_bytes(token)
+            if out["finish_reason"] is not None:
+                return
+            msg = await _receive(ws, "hidden", cfg.receive_timeout_s)
+            _decode(msg["frame"], hidden_size, 1)
+            router.supply_hidden(rid, msg["frame"])
+
+
+async def _receive(ws: web.WebSocketResponse, kind: str, timeout_s: float) -> dict[str, Any]:
+    try:
+        msg = await ws.receive(timeout=timeout_s)
+    except TimeoutError:
+        raise SessionError(
+            "timeout", f"no {kind} message from the device in {timeout_s}s"
+        ) from None
+    if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
+        raise _Gone
+    if msg.type != WSMsgType.BINARY:
+        raise SessionError("protocol", f"expected a binary {kind} message, got {msg.type.name}")
+    try:
+        parsed = unpack(msg.data)
+    except ProtocolError as e:
+        raise SessionError("protocol", str(e)) from e
+    if parsed["t"] != kind:
+        raise SessionError("protocol", f"expected a {kind} message, got {parsed['t']!r}")
+    return parsed
+
+
+class _Gone(SessionError):
+    """The device closed the session (nothing left to tell it)."""
+
+    def __init__(self) -> None:
+        super().__init__("closed", "the device closed the session")
+
+
+def _decode(frame: dict[str, Any], hidden_size: int, rows: int | None) -> Any:
+    try:
+        hidden = hidden_codec.decode(frame, hidden_size)
+    except hidden_codec.CodecError as e:
+        raise SessionError("bad_hidden_state", str(e)) from e
+    if rows is not None and hidden.shape[0] != rows:
+        raise SessionError(
+            "bad_hidden_state", f"expected the hidden state of {rows} token, got {hidden.shape[0]}"
+        )
+    return hidden
+
+
+def _params(raw: dict[str, Any], model: str, num_tokens: int, max_model_len: int) -> SamplingParams:
+    unknown = sorted(map(str, set(raw) - PARAMS))
+    if unknown:
+        raise SessionError(
+            "bad_request", f"unknown sampling parameter(s) {unknown}; allowed: {sorted(PARAMS)}"
+        )
+    req = oai.parse_completion_request({**raw, "model": model, "prompt": [0]})
+    req.params.max_tokens = oai.check_context_length(req, num_tokens, max_model_len)
+    return req.params
+
+
+async def _send_error(ws: web.WebSocketResponse, code: str, message: str) -> None:
+    if code == "closed" or ws.closed:
+        return
+    log.info("edge session ended: %s: %s", code, message)
+    with contextlib.suppress(ConnectionError, RuntimeError):
+        await ws.send_bytes(pack("error", code=str(code), message=message))

@@ -1,0 +1,171 @@
+"""Edge sessions end to end: an EdgeClient runs layers [0, k) of a tiny model here and talks
+to a real stack (router + split prefill and decode worker processes running [k, L)) over a
+WebSocket. Greedy tokens equal the unsplit engine's, through the KV hand-off and through
+prefill on the decode worker; what the device sends holds no trace of the prompt; a device
+holding another split is refused at session start; whole-model requests get a clear error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from edge import EdgeClient, EdgeError, EdgeMismatchError, EdgeRuntime
+from edge.wire_audit import assert_no_prompt_leak
+from hetero_pd import LLM, SamplingParams
+from hetero_pd.serving.edge_protocol import PATH, pack, unpack
+from hetero_pd.serving.testing import Stack, deployment, running_stack
+
+SPLIT = 2
+KEY = "edge-key"
+PROMPTS = [
+    "Tell me a story about a lighthouse keeper and a storm at sea, please.",  # disaggregated
+    "Hi there",  # prefilled on the decode worker (short)
+    "The account number 4411-2093 belongs to Ada; summarize her last three letters in detail.",
+]
+
+
+@pytest.fixture(scope="module")
+def text_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A tiny random Llama whose vocabulary covers the default model's tokenizer, so the
+    device can tokenize real text."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
+    dest = tmp_path_factory.mktemp("tiny-text-llama")
+    LlamaForCausalLM(config).eval().save_pretrained(dest)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, dest / name)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def stack(text_llama_dir: Path) -> Iterator[Stack]:
+    dep = deployment(
+        text_llama_dir,
+        router={"api_keys": [KEY], "local_prefill_max_tokens": 8},
+        edge={"split_layer": SPLIT, "codec": "float16"},
+    )
+    with running_stack(dep) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(text_llama_dir: Path) -> LLM:
+    return LLM(str(text_llama_dir), num_kv_blocks=256, max_model_len=1024, num_threads=1)
+
+
+def client(stack: Stack, model_dir: Path, split: int = SPLIT, **kw: object) -> EdgeClient:
+    return EdgeClient(
+        stack.url, model_dir, split, model=stack.dep.model, api_key=KEY, timeout_s=30, **kw
+    )
+
+
+def test_greedy_tokens_equal_the_unsplit_engine(
+    stack: Stack, text_llama_dir: Path, reference: LLM
+) -> None:
+    async def run() -> list[list[int]]:
+        # Sessions at once: the decode worker batches them, each waiting on its own device.
+        clients = [client(stack, text_llama_dir) for _ in PROMPTS]
+        done = await asyncio.gather(
+            *(
+                c.complete(p, max_tokens=12, ignore_eos=True)
+                for c, p in zip(clients, PROMPTS, strict=True)
+            )
+        )
+        assert all(d.finish_reason == "length" for d in done)
+        return [d.token_ids for d in done]
+
+    got = asyncio.run(run())
+    runtime = EdgeRuntime(text_llama_dir, SPLIT)
+    ids = [runtime.tokenize(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in reference.generate(ids, params)]
+    assert got == want
+    assert stack.metric("hetero_pd_policy_decisions_total", decision="disaggregated") >= 2
+    assert stack.metric("hetero_pd_policy_decisions_total", decision="local_prefill") >= 1
+    # The KV of layers [k, L) arrived whole: no decode worker fell back to computing it.
+    assert stack.metric("hetero_pd_policy_decisions_total", decision="recompute") == 0
+    assert stack.router.workers["decode-0"].load["kv_fallbacks"] == 0
+    for name, report in stack.wait_idle().items():
+        assert report["ok"] and report["used_blocks"] == 0, (name, report)
+
+
+def test_nothing_the_device_sends_reveals_the_prompt(stack: Stack, text_llama_dir: Path) -> None:
+    sent: list[bytes] = []
+    edge = client(stack, text_llama_dir, tap=sent.append)
+    prompt = PROMPTS[2]
+    done = asyncio.run(edge.complete(prompt, max_tokens=6, ignore_eos=True))
+    assert len(done.token_ids) == 6 and len(sent) == 6  # start + one hidden per new token
+    kinds = [unpack(m)["t"] for m in sent]
+    assert kinds == ["start"] + ["hidden"] * 5
+    ids = EdgeRuntime(text_llama_dir, SPLIT).tokenize(prompt)
+    assert_no_prompt_leak(b"".join(sent), prompt, ids)
+    start = msgpack.unpackb(sent[0])
+    assert set(start) == {"v", "t", "model", "split_layer", "fingerprint", "params", "prompt"}
+    assert start["prompt"]["shape"] == [len(ids), 64]
+
+
+def test_a_device_with_another_split_is_refused(stack: Stack, text_llama_dir: Path) -> None:
+    with pytest.raises(EdgeMismatchError, match="continues at layer 2"):
+        asyncio.run(client(stack, text_llama_dir, split=1).generate("Hello", max_tokens=2))
+
+
+def test_bad_sessions_end_with_a_clear_error(stack: Stack, text_llama_dir: Path) -> None:
+    with pytest.raises(EdgeError, match="unknown sampling parameter"):
+        asyncio.run(client(stack, text_llama_dir).generate("Hello", max_tokens=2, nonsense=1))
+    with pytest.raises(EdgeError, match="refused"):
+        edge = EdgeClient(stack.url, text_llama_dir, SPLIT, model=stack.dep.model, api_key="no")
+        asyncio.run(edge.generate("Hello", max_tokens=2))
+
+    async def raw(message: bytes) -> dict[str, object]:
+        import aiohttp
+
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with (
+            aiohttp.ClientSession() as s,
+            s.ws_connect(stack.url + PATH, headers=headers) as ws,
+        ):
+            await ws.send_bytes(message)
+            reply = await ws.receive(timeout=30)
+            return unpack(reply.data)
+
+    assert asyncio.run(raw(b"\xc1 not msgpack"))["code"] == "protocol"
+    bad_frame = pack(
+        "start", model=stack.dep.model, split_layer=SPLIT, fingerprint="x", params={}, prompt={}
+    )
+    assert asyncio.run(raw(bad_frame))["code"] == "fingerprint_mismatch"
+    for name, report in stack.wait_idle().items():
+        assert report["ok"] and report["used_blocks"] == 0, (name, report)
+
+
+def test_whole_model_requests_are_refused_clearly(stack: Stack) -> None:
+    body = json.dumps({"model": stack.dep.model, "prompt": "Hi", "max_tokens": 2}).encode()
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    req = urllib.request.Request(stack.url + "/v1/completions", data=body, headers=headers)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400
+    assert json.loads(e.value.read())["error"]["code"] == "edge_only"
