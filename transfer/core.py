@@ -256,10 +256,13 @@ class Core:
             if inbound:
                 identity, parts = frames[0].bytes, frames[1:]
                 self.dispatch(parts, identity=identity)
+                del parts
             else:
                 link = self.links.get(sock)
                 if link is not None:
                     self.dispatch(frames, link=link)
+            # drop the payload now, not at the next receive: ZMQ then reuses one buffer
+            del frames
 
     def dispatch(
         self, parts: list[zmq.Frame], identity: bytes | None = None, link: Link | None = None

@@ -31,9 +31,18 @@ class Chunk:
     hi: int
 
 
-def blocks_per_chunk(block_bytes: int, chunk_bytes: int) -> int:
-    """How many blocks fit one chunk (at least one)."""
-    return max(1, chunk_bytes // max(block_bytes, 1))
+def blocks_per_chunk(block_bytes: int, chunk_bytes: int, nblocks: int | None = None) -> int:
+    """How many blocks go in one chunk: at most ``chunk_bytes`` worth (at least one block).
+
+    With ``nblocks``, the blocks are spread evenly over the fewest chunks that fit, so a
+    transfer's frames have (nearly) one size instead of full chunks plus a small tail: the
+    receiver's allocator then reuses the same buffers frame after frame.
+    """
+    cap = max(1, chunk_bytes // max(block_bytes, 1))
+    if nblocks is None or nblocks < 1:
+        return cap
+    nchunks = -(-nblocks // cap)
+    return -(-nblocks // nchunks)
 
 
 def plan(tensors: range, nblocks: int, bpc: int) -> list[Chunk]:
@@ -51,9 +60,12 @@ def is_run(ids: torch.Tensor) -> bool:
     return n <= 1 or (int(ids[-1]) - int(ids[0]) == n - 1 and bool((ids.diff() == 1).all()))
 
 
-def gather(tensor: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Blocks ``ids`` of ``tensor`` as one contiguous tensor (a view when they are a run)."""
-    if is_run(ids):
+def gather(tensor: torch.Tensor, ids: torch.Tensor, run: bool | None = None) -> torch.Tensor:
+    """Blocks ``ids`` of ``tensor`` as one contiguous tensor (a view when they are a run).
+
+    ``run`` is :func:`is_run` of ``ids`` (or of ids they are a slice of) when already known.
+    """
+    if is_run(ids) if run is None else run:
         first = int(ids[0])
         return tensor[first : first + ids.numel()]
     return tensor.index_select(0, ids.to(tensor.device))
@@ -77,18 +89,19 @@ def scatter(
     lo: int,
     src_block_size: int,
     num_tokens: int,
+    dst_run: bool | None = None,
 ) -> None:
     """Write source blocks ``src[lo:lo+len(chunk)]`` (``chunk``) into ``dst``.
 
-    ``dst_ids`` lists the destination blocks of the whole transfer. Converts dtype, device
-    and block size once, here.
+    ``dst_ids`` lists the destination blocks of the whole transfer (``dst_run``: their
+    :func:`is_run`, when already known). Converts dtype, device and block size once, here.
     """
     data = chunk.to(device=dst.device, dtype=dst.dtype)
     n = chunk.shape[0]
     dst_block_size = int(dst.shape[1])
     if dst_block_size == src_block_size:
         idx = dst_ids[lo : lo + n]
-        if is_run(idx):
+        if is_run(idx) if dst_run is None else dst_run:
             first = int(idx[0])
             dst[first : first + n].copy_(data)
         else:

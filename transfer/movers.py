@@ -55,6 +55,8 @@ class OutTransfer:
     retry_at: float = 0.0
     grant_until: float = 0.0
     dst_tensors: list[torch.Tensor] | None = None
+    #: ``layout.is_run(src_ids)``, computed once per transfer.
+    src_run: bool | None = None
     trackers: deque[tuple[zmq.MessageTracker, int]] = field(default_factory=deque)
     closing: tuple[TransferState, TransferError | None, str] | None = None
     last_error: TransferError | None = None
@@ -72,11 +74,13 @@ def pump_stream(core: Core, ot: OutTransfer) -> bool:
     session = ot.session
     assert session is not None
     safe_views = core.injector is None
+    if ot.src_run is None:
+        ot.src_run = layout.is_run(ot.src_ids)
     moved = 0
     while ot.queue and moved < PUMP_BYTES and ot.inflight < WINDOW_BYTES:
         seq = ot.queue[0]
         c = ot.chunks[seq]
-        data = layout.gather(ot.region.tensors[c.ti], ot.src_ids[c.lo : c.hi])
+        data = layout.gather(ot.region.tensors[c.ti], ot.src_ids[c.lo : c.hi], ot.src_run)
         if not safe_views and data.device.type == "cpu":
             data = data.clone()
         host = to_host(data)

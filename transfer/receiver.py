@@ -50,6 +50,8 @@ class InTransfer:
     mode: str
     fingerprint: tuple[str, int]
     good: bytearray
+    #: ``layout.is_run(dst_ids)``: chunks land with one slice copy each.
+    dst_run: bool
     bad_checksum: set[int] = field(default_factory=set)
     last_seen: float = field(default_factory=time.monotonic)
     started: float = field(default_factory=time.monotonic)
@@ -204,6 +206,7 @@ class Receiver:
             mode,
             (h["rid"], h["ep"]),
             bytearray(nf),
+            bool(dst_np.size <= 1 or (np.diff(dst_np) == 1).all()),
         )
 
     # ---- data and end -------------------------------------------------------------------
@@ -242,7 +245,9 @@ class Receiver:
                 self._drop(it)
                 self._reply_error(session, xid, err)
                 return
-            layout.scatter(it.region.tensors[ti], it.dst_ids, chunk, lo, it.src_shape[0], it.ntok)
+            layout.scatter(
+                it.region.tensors[ti], it.dst_ids, chunk, lo, it.src_shape[0], it.ntok, it.dst_run
+            )
         it.good[s] = 1
         it.bad_checksum.discard(s)
         it.nbytes += len(payload)

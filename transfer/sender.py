@@ -105,7 +105,9 @@ class Sender:
         n = ot.src_ids.numel()
         tensors = ot.region.tensor_range(ot.layers)
         ot.bpc = (
-            n if direct else layout.blocks_per_chunk(ot.region.block_bytes, core.config.chunk_bytes)
+            n
+            if direct
+            else layout.blocks_per_chunk(ot.region.block_bytes, core.config.chunk_bytes, n)
         )
         ot.chunks = layout.plan(tensors, n, ot.bpc)
         ot.queue = deque(range(len(ot.chunks)))

@@ -124,6 +124,17 @@ def test_layout_plan_covers_every_block_once() -> None:
     assert [c.seq for c in chunks] == list(range(6))
 
 
+def test_blocks_per_chunk_spreads_blocks_evenly_within_the_cap() -> None:
+    assert layout.blocks_per_chunk(100, 1000) == 10  # no count: the cap
+    assert layout.blocks_per_chunk(100, 1000, 7) == 7  # one chunk holds everything
+    assert layout.blocks_per_chunk(100, 1000, 11) == 6  # 6 + 5, not 10 + 1
+    assert layout.blocks_per_chunk(12288, 4 << 20, 512) == 256  # 2 x 256, not 341 + 171
+    assert layout.blocks_per_chunk(10_000, 10, 3) == 1  # a block larger than the cap
+    for n in range(1, 60):
+        bpc = layout.blocks_per_chunk(100, 1000, n)
+        assert bpc <= 10 and -(-n // bpc) == -(-n // 10)  # as few chunks as before
+
+
 def test_datadist_adapter_is_optional() -> None:
     from transfer.transports import datadist
 
