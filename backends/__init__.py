@@ -11,6 +11,7 @@ from backends.base import (
     BackendUnavailableError,
     CapabilityProfile,
     DeviceInfo,
+    LinearKernel,
     clear_profile_cache,
 )
 from backends.registry import (
@@ -30,6 +31,7 @@ __all__ = [
     "BackendUnavailableError",
     "CapabilityProfile",
     "DeviceInfo",
+    "LinearKernel",
     "available_backends",
     "backend_for",
     "clear_profile_cache",

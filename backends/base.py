@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import torch
 
 from backends import probe
+
+# x -> F.linear(x, weight, bias), with the weight held inside in the device's preferred layout.
+LinearKernel = Callable[[torch.Tensor], torch.Tensor]
 
 
 class BackendUnavailableError(RuntimeError):
@@ -181,6 +185,15 @@ class Backend(ABC):
                     f"use backend_for({str(tensor.device)!r})"
                 )
         dst.copy_(src, non_blocking=non_blocking)
+
+    def linear_kernel(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel | None:
+        """A faster equivalent of `F.linear(x, weight, bias)` for inference, or None when plain
+        `F.linear` is already the best this backend has (the default).
+
+        The kernel keeps its own copy of the weight (e.g. pre-packed for the GEMM library),
+        so later changes to `weight` do not reach it.
+        """
+        return None
 
     def profile_threads(self) -> int:
         """Host threads used by this backend's kernels (0 for accelerators)."""

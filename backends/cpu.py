@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from backends import probe
-from backends.base import Backend
+from backends.base import Backend, LinearKernel
 
 # Module-level so tests can point them at fixture files.
 MEMINFO_PATH = Path("/proc/meminfo")
@@ -143,6 +143,23 @@ class CpuBackend(Backend):
     def pinned_empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An ordinary host tensor (nothing to pin for)."""
         return torch.empty(tuple(shape), dtype=dtype, device="cpu")
+
+    def linear_kernel(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel | None:
+        """float32: oneDNN's linear on a weight reordered once into its blocked layout.
+
+        Measured on the 2-core AMD development machine at 32 rows: 1.6x faster than
+        `F.linear` (MKL) over SmolLM2's layers and 2.5x on its LM head, because MKL does
+        not use its fast kernels on AMD CPUs. None for other dtypes or without oneDNN.
+        """
+        if weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+            return None
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        b = None if bias is None else bias.detach()
+
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+        return linear
 
     def profile_threads(self) -> int:
         """torch's intra-op thread count."""

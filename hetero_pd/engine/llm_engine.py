@@ -52,10 +52,12 @@ class LLMEngine:
         self.model_config = cfg = ModelConfig.from_dir(self.model_path)
         self.max_model_len = self._max_model_len(cfg)
         self.device = parse_device(config.device)
-        backend_for(self.device).require_available()
+        backend = backend_for(self.device)
+        backend.require_available()
         dtype = config.torch_dtype
         self.tokenizer = load_tokenizer(str(self.model_path))
         model = load_model(self.model_path, cfg, dtype, self.device, self.max_model_len)
+        model.use_linear_kernels(backend.linear_kernel)
         num_blocks = config.num_kv_blocks or self._blocks_for_budget(cfg, dtype)
         if not 0 <= config.start_layer < cfg.num_layers:
             raise ValueError(

@@ -8,11 +8,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends import LinearKernel
 from hetero_pd.models.attention import AttentionMetadata, paged_attention
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.rotary import apply_rope, rope_table
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+# (weight, bias) -> a faster x -> F.linear(x, weight, bias), or None: Backend.linear_kernel
+LinearKernelFactory = Callable[[torch.Tensor, torch.Tensor | None], LinearKernel | None]
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can hand its matmul to a device kernel (`use_kernel`)."""
+
+    kernel: LinearKernel | None = None
+
+    def use_kernel(self, make: LinearKernelFactory, keep_weight: bool) -> None:
+        """Routes forward through `make(weight, bias)` unless that is None. Without
+        `keep_weight` the dense weight is dropped (the kernel holds its own copy)."""
+        kernel = make(self.weight, self.bias)
+        if kernel is None:
+            return
+        self.kernel = kernel
+        if not keep_weight:
+            self.register_parameter("weight", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -37,8 +61,8 @@ class Attention(nn.Module):
         )
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.split = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim**-0.5
 
     def forward(
@@ -60,8 +84,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -102,12 +126,24 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
         self.cos_sin = torch.empty(0)  # set by init_rope() once the model is on its device
 
     def init_rope(self, device: torch.device) -> None:
         self.cos_sin = rope_table(self.cfg, self.max_positions).to(device)
+
+    def use_linear_kernels(self, make: LinearKernelFactory) -> None:
+        """Runs every linear layer through `make`'s kernels (e.g. `backend.linear_kernel`).
+
+        Call once the weights are loaded, cast and on their device. The dense weights of
+        the kernels' layers are freed, except the LM head's when it is tied to the
+        embedding; this model's state_dict then no longer holds them.
+        """
+        for name, module in self.named_modules():
+            if isinstance(module, Linear):
+                tied = name == "lm_head" and self.cfg.tie_word_embeddings
+                module.use_kernel(make, keep_weight=tied)
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:

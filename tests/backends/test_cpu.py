@@ -124,3 +124,25 @@ def test_copy_refuses_to_broadcast_convert_or_cross_kinds(backend: CpuBackend) -
         backend.copy(torch.empty(2, 3, dtype=torch.float16), src)
     with pytest.raises(ValueError, match="cannot copy a tensor on meta"):
         backend.copy(torch.empty(2, 3, device="meta"), src)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_kernel_equals_f_linear(backend: CpuBackend, rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 24, generator=gen)
+    bias = torch.randn(48, generator=gen) if with_bias else None
+    kernel = backend.linear_kernel(weight, bias)
+    if not torch.backends.mkldnn.is_available():
+        assert kernel is None
+        return
+    assert kernel is not None
+    x = torch.randn(rows, 24, generator=gen)
+    expected = torch.nn.functional.linear(x, weight, bias)
+    weight.zero_()  # the kernel holds its own copy
+    with torch.inference_mode():
+        torch.testing.assert_close(kernel(x), expected, rtol=0, atol=1e-5)
+
+
+def test_no_linear_kernel_for_bfloat16(backend: CpuBackend) -> None:
+    assert backend.linear_kernel(torch.zeros(4, 4, dtype=torch.bfloat16), None) is None

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from backends import get_backend
 from hetero_pd.engine.kv_cache_manager import KVCacheManager
 from hetero_pd.engine.model_runner import ModelRunner, StepInputs
 from hetero_pd.engine.request import Request
@@ -107,10 +108,22 @@ def test_one_layer_at_a_time_equals_full(model: CausalLM) -> None:
     torch.testing.assert_close(h, h_full, rtol=0, atol=1e-6)
 
 
-def test_full_stack_logits_equal_transformers(model: CausalLM, tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("kernels", [False, True])
+def test_full_stack_logits_equal_transformers(
+    model_fixture: str, kernels: bool, request: pytest.FixtureRequest
+) -> None:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    path = request.getfixturevalue(model_fixture)
+    model = load_model(path, ModelConfig.from_dir(path), torch.float32, CPU, 64)
+    if kernels:  # as the engine runs it: the backend's linear kernels, dense weights freed
+        model.use_linear_kernels(get_backend("cpu").linear_kernel)
+        if torch.backends.mkldnn.is_available():
+            assert model.layers[0].mlp.down_proj.weight is None
+            tied = model.cfg.tie_word_embeddings
+            assert (model.lm_head.weight is model.embed_tokens.weight) == tied
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     runner, seq = new_runner(model), Sequence()
     with torch.inference_mode():
         ours = model.compute_logits(run_layers(model, seq.prefill(runner), runner.kv_caches, None))
