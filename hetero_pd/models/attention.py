@@ -90,12 +90,16 @@ def _decode(
     """One query token per sequence against its cached context."""
     assert meta.decode_slots is not None
     nd, num_kv_heads, head_dim = q.shape[0], k_flat.shape[1], k_flat.shape[2]
-    # Query heads sharing a KV head become that head's "query rows": [nd, kv_heads, group, dim]
-    qd = q.view(nd, num_kv_heads, -1, head_dim)
     # index_select on the flat cache is far cheaper than advanced indexing by block table.
     kd = k_flat.index_select(0, meta.decode_slots).view(nd, -1, num_kv_heads, head_dim)
     vd = v_flat.index_select(0, meta.decode_slots).view(nd, -1, num_kv_heads, head_dim)
+    # q: [nd, heads, 1, dim]; kd, vd: [nd, kv_heads, max_context, dim] (strided views)
     od = F.scaled_dot_product_attention(
-        qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=meta.decode_mask, scale=scale
+        q.unsqueeze(2),
+        kd.transpose(1, 2),
+        vd.transpose(1, 2),
+        attn_mask=meta.decode_mask,
+        scale=scale,
+        enable_gqa=True,
     )
     return od.reshape(nd, -1, head_dim)
