@@ -11,7 +11,7 @@ from torch import nn
 from backends import LinearKernel
 from hetero_pd.models.attention import AttentionMetadata, paged_attention
 from hetero_pd.models.config import ModelConfig
-from hetero_pd.models.rotary import apply_rope, rope_table
+from hetero_pd.models.rotary import apply_rope_swapped, rope_table, signed_sin
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # (weight, bias) -> a faster x -> F.linear(x, weight, bias), or None: Backend.linear_kernel
@@ -69,14 +69,17 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        sin_signed: torch.Tensor,
         kv: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q_size, kv_size, _ = self.split
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        # Rotary on q and k together: qk [num_tokens, heads + kv_heads, head_dim]
+        qk = qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, dim)
+        q, k = apply_rope_swapped(qk, cos, sin_signed).split([heads, kv_heads], dim=1)
+        v = qkv[:, q_size + kv_size :].view(-1, kv_heads, dim)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         return self.o_proj(o.view(-1, self.num_heads * self.head_dim))
 
@@ -89,7 +92,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -104,12 +107,15 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        sin_signed: torch.Tensor,
         kv: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """cos, sin_signed: [num_tokens, 1, head_dim], see rotary.apply_rope_swapped."""
+        # Residual adds in place into the sublayers' fresh outputs (never into x, which may
+        # be the caller's hidden states).
+        x = self.self_attn(self.input_layernorm(x), cos, sin_signed, kv, meta).add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class CausalLM(nn.Module):
@@ -174,9 +180,9 @@ class CausalLM(nn.Module):
                 raise ValueError(f"hidden_states are required when starting at layer {start_layer}")
             h = hidden_states
         cs = self.cos_sin[positions].to(h.dtype)
-        cos, sin = cs[:, 0:1, :], cs[:, 1:2, :]
+        cos, sin_signed = cs[:, 0:1, :], signed_sin(cs[:, 1:2, :])
         for i in range(start_layer, end):
-            h = self.layers[i](h, cos, sin, kv_caches[i], meta)
+            h = self.layers[i](h, cos, sin_signed, kv_caches[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
         return h

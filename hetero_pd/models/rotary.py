@@ -52,3 +52,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated, for `apply_rope_swapped`."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope_swapped(
+    x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+) -> torch.Tensor:
+    """`apply_rope` bit for bit, in fewer ops: swapping x's halves times `signed_sin(sin)`
+    is rotate_half(x) * sin. x: [num_tokens, heads, head_dim] (any strides)."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    return out.add_(torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin_signed))
