@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import torch
 
 from edge.codec import encode
-from edge.protocol import PATH, ProtocolError, pack, unpack
+from edge.protocol import MODES, PATH, ProtocolError, pack, unpack
 from edge.runtime import EdgeRuntime
 
 #: Text, chat messages (through the model's chat template) or token ids.
@@ -86,9 +87,20 @@ class EdgeClient:
         retries: int = 2,
         runtime: Any | None = None,
         tap: Callable[[bytes], None] | None = None,
+        mode: str = "split",
     ) -> None:
         """`runtime` (an EdgeRuntime or OnnxEdgeRuntime) defaults to torch on the CPU;
-        `tap`, if given, sees every message this client sends (audits, benchmarks)."""
+        `tap`, if given, sees every message this client sends (audits, benchmarks).
+
+        `mode="split"` (default): the cloud runs layers [k, L) and this device runs its layers
+        on every generated token. `mode="prompt_only"`: this device runs its layers on the
+        prompt only and sends their KV with it; the cloud (whole-model workers) decodes
+        alone. That KV is a linear map of the prompt's normalized embeddings at layer 0, so
+        whoever runs the cloud can recover the prompt from it: prompt_only keeps raw text out
+        of transit logs and request bodies, not away from the cloud operator."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
         self.url = url.rstrip("/").removesuffix("/v1")
         self.model = model
         self.codec = codec
@@ -137,13 +149,20 @@ class EdgeClient:
         wire_params = {"max_tokens": 64, "temperature": 0.0, **params}
         ws, session = await self._connect()
         try:
+            extra: dict[str, Any] = {}
+            prompt_frame = encode(rt.prefill(ids), self.codec)
+            if self.mode == "prompt_only":
+                kv = torch.stack([rt.past_k, rt.past_v], dim=1)  # [k, 2, n, kv_heads, head_dim]
+                flat = kv.reshape(-1, kv.shape[-2] * kv.shape[-1])
+                extra = {"mode": "prompt_only", "prompt_kv": encode(flat, self.codec)}
             start = pack(
                 "start",
                 model=self.model,
                 split_layer=self.split_layer,
                 fingerprint=rt.fingerprint(),
                 params=wire_params,
-                prompt=encode(rt.prefill(ids), self.codec),
+                prompt=prompt_frame,
+                **extra,
             )
             await self._send(ws, start)
             while True:
@@ -156,9 +175,11 @@ class EdgeClient:
                 yield msg
                 if msg["finish_reason"] is not None:
                     return
+                if self.mode == "prompt_only":
+                    continue  # the cloud decodes alone
                 for token in msg["token_ids"]:
-                    hidden = rt.step(int(token))
-                    await self._send(ws, pack("hidden", frame=encode(hidden, self.codec)))
+                    row = rt.step(int(token))
+                    await self._send(ws, pack("hidden", frame=encode(row, self.codec)))
         finally:
             await ws.close()
             await session.close()

@@ -1,62 +1,14 @@
-"""The edge session protocol: msgpack messages over one WebSocket (`/v1/edge/session`).
+"""The edge session protocol, under the edge package's name: it lives in
+`hetero_pd.serving.edge_protocol`, which the router serves."""
 
-    edge                                        cloud (router -> split worker)
-      |-- start {model, split_layer, fingerprint, params, prompt: frame} -->|
-      |<-- token {token_ids, text, finish_reason} ---------------------------| layers [k, L)
-      |-- hidden {frame} (layers [0, k) of that token) --------------------->|
-      |<-- token ... (until finish_reason) ----------------------------------|
-      |<-- error {code, message} (at any time; the session ends) ------------|
+from hetero_pd.serving.edge_protocol import (
+    MAX_MESSAGE_BYTES,
+    MODES,
+    PATH,
+    VERSION,
+    ProtocolError,
+    pack,
+    unpack,
+)
 
-A frame is `edge.codec.encode(...)`; neither the prompt's text nor its token ids are sent.
-"""
-
-from __future__ import annotations
-
-from typing import Any
-
-import msgpack
-
-VERSION = 1
-MAX_MESSAGE_BYTES = 64 * 2**20
-PATH = "/v1/edge/session"
-
-_SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "start": {
-        "model": str,
-        "split_layer": int,
-        "fingerprint": str,
-        "params": dict,
-        "prompt": dict,
-    },
-    "hidden": {"frame": dict},
-    "token": {"token_ids": list, "text": str, "finish_reason": (str, type(None))},
-    "error": {"code": str, "message": str},
-}
-
-
-class ProtocolError(ValueError):
-    """A message that is not valid in the edge session protocol."""
-
-
-def pack(msg_type: str, **fields: Any) -> bytes:
-    return msgpack.packb({"v": VERSION, "t": msg_type, **fields}, use_bin_type=True)
-
-
-def unpack(data: bytes) -> dict[str, Any]:
-    """Parses and validates one message; raises ProtocolError naming what is wrong."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    try:
-        msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise ProtocolError(f"not a msgpack message: {e}") from e
-    if not isinstance(msg, dict) or msg.get("v") != VERSION:
-        raise ProtocolError(f"expected a version {VERSION} message map")
-    schema = _SCHEMAS.get(msg.get("t"))  # type: ignore[arg-type]
-    if schema is None:
-        raise ProtocolError(f"unknown message type {msg.get('t')!r}")
-    for name, types in schema.items():
-        value = msg.get(name)
-        if name not in msg or not isinstance(value, types) or isinstance(value, bool):
-            raise ProtocolError(f"{msg['t']}: field {name!r} missing or of the wrong type")
-    return msg
+__all__ = ["MAX_MESSAGE_BYTES", "MODES", "PATH", "VERSION", "ProtocolError", "pack", "unpack"]

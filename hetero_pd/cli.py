@@ -59,6 +59,8 @@ def _passthrough(command: str, argv: list[str]) -> int:
         from hetero_pd.deploy.status import main as run
     elif command == "worker":
         from hetero_pd.serving.worker import main as run
+    elif command == "edge":
+        from edge.cli import main as run  # the CLI fronts the whole product, edge/ included
     elif argv[:1] == ["offline"]:
         from hetero_pd.bench_offline import main as run
     elif argv[:1] == ["serve"]:
@@ -83,6 +85,7 @@ PASSTHROUGH = {
     "render": "Kubernetes manifests for a deployment: render k8s CONFIG",
     "status": "workers, roles, devices, health and load of a running deployment",
     "worker": "run one worker process (the launcher starts these)",
+    "edge": "the device side: edge generate (a session from the shell) | edge plan (pick k)",
     "bench": "benchmarks: bench offline | serve | pd | transfer | edge",
 }
 

@@ -57,8 +57,8 @@ class KVCacheManager:
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Blocks holding a prefix of the prompt; the last prompt token is always recomputed
         so that the request has logits to sample from."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or req.prompt_hidden is not None:
+            return []  # an edge prompt's token ids are placeholders
         bs = self.block_size
         max_blocks = (req.num_prompt_tokens - 1) // bs
         hits: list[int] = []
@@ -99,7 +99,7 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Publishes every block that is full and computed, once."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.prompt_hidden is not None:
             return
         num_full = req.num_computed_tokens // self.block_size
         self._hash_cached(req, num_full, publish=True)

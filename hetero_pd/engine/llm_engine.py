@@ -186,6 +186,50 @@ class LLMEngine:
         )
         return block_ids
 
+    def add_edge_prompt_request(
+        self,
+        prompt_hidden: torch.Tensor,
+        early_kv: torch.Tensor,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        remote_kv: bool = False,
+    ) -> list[int] | None:
+        """A whole-model engine takes a prompt a device ran through layers [0, k): the hidden
+        states entering layer k, [num_tokens, hidden], and those layers' KV,
+        [k, 2, num_tokens, kv_heads, head_dim]. The engine runs layers [k, L) on the prompt
+        and then decodes alone, from token ids ("prompt only" edge mode). With `remote_kv`,
+        reserves blocks for KV another worker computes (returns them)."""
+        if self.config.start_layer:
+            raise ValueError("a split engine takes add_split_request, not edge prompts")
+        cfg = self.model_config
+        if prompt_hidden.dim() != 2 or prompt_hidden.shape[1] != cfg.hidden_size:
+            raise ValueError(
+                f"prompt hidden states must be [num_tokens, {cfg.hidden_size}], "
+                f"got {tuple(prompt_hidden.shape)}"
+            )
+        n = prompt_hidden.shape[0]
+        if n == 0:
+            raise ValueError(f"request {request_id}: the prompt is empty")
+        k = early_kv.shape[0] if early_kv.dim() == 5 else 0
+        want = (k, 2, n, cfg.num_kv_heads, cfg.head_dim)
+        if not 1 <= k < cfg.num_layers or tuple(early_kv.shape) != want:
+            raise ValueError(
+                f"the prompt's early-layer KV must be [k, 2, {n}, {cfg.num_kv_heads}, "
+                f"{cfg.head_dim}] with 1 <= k < {cfg.num_layers}, got {tuple(early_kv.shape)}"
+            )
+        req = self._new_request([0] * n, params, request_id, priority)
+        req.prompt_hidden, req.early_kv = prompt_hidden, early_kv
+        block_ids = self.scheduler.add_remote(req) if remote_kv else None
+        if not remote_kv:
+            self.scheduler.add_request(req)
+        self._states[req.request_id] = _OutputState(
+            None,
+            IncrementalDetokenizer(self.tokenizer, [], params.skip_special_tokens),
+            StopChecker.from_params(params),
+        )
+        return block_ids
+
     def supply_hidden(self, request_id: str, hidden_row: torch.Tensor) -> None:
         """The device's hidden state for the request's newest token, [1, hidden]."""
         self._require_split()

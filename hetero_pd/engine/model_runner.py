@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from hetero_pd.engine.sampler import Sampler
-from hetero_pd.engine.scheduler import SchedulerOutput
+from hetero_pd.engine.scheduler import ScheduledChunk, SchedulerOutput
 from hetero_pd.engine.stop import suppressed_token_ids
 from hetero_pd.models.attention import AttentionMetadata, PrefillSpan
 from hetero_pd.models.config import ModelConfig
@@ -129,15 +129,57 @@ class ModelRunner:
         self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None
     ) -> dict[str, int]:
         """Runs one step; returns the sampled token per request id that samples."""
+        if not self.start_layer and any(_edge_prompt_layer(c) for c in out.chunks):
+            return self._execute_edge_prompts(out, on_layer_done)
+        return self._run(out, on_layer_done, self.start_layer)
+
+    def _execute_edge_prompts(
+        self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None
+    ) -> dict[str, int]:
+        """A step with edge prompts (they enter at layer k with layers [0, k) of their KV
+        given): one forward pass for the other chunks, one per k for those. Layer callbacks
+        run once every pass is done, so a layer-wise push never sends a layer too early."""
+        groups: dict[int, list[ScheduledChunk]] = {}
+        for chunk in out.chunks:
+            groups.setdefault(_edge_prompt_layer(chunk), []).append(chunk)
+        sampled: dict[str, int] = {}
+        for k, chunks in sorted(groups.items()):
+            if k:
+                self._write_early_kv(chunks, k)
+            sampled.update(self._run(SchedulerOutput(chunks=chunks), None, k))
+        if on_layer_done is not None:
+            for layer in range(self.cfg.num_layers):
+                on_layer_done(layer)
+        return sampled
+
+    def _write_early_kv(self, chunks: list[ScheduledChunk], k: int) -> None:
+        """Stores the device's KV of layers [0, k) at the scheduled prompt positions."""
+        bs = self.block_size
+        for chunk in chunks:
+            req = chunk.request
+            assert req.early_kv is not None
+            start = req.num_computed_tokens
+            pos = torch.arange(start, start + chunk.num_tokens)
+            table = torch.tensor(req.block_ids, dtype=torch.long)
+            slots = (table[pos // bs] * bs + pos % bs).to(self.device)
+            kv = req.early_kv[:, :, start : start + chunk.num_tokens]
+            for layer in range(k):
+                for j, cache in enumerate(self.kv_caches[layer]):
+                    flat = cache.view(-1, *cache.shape[2:])
+                    flat[slots] = kv[layer, j].to(self.device, cache.dtype)
+
+    def _run(
+        self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None, start: int
+    ) -> dict[str, int]:
         inputs = self.prepare(out)
-        hidden_in = self._hidden_inputs(out) if self.start_layer else None
+        hidden_in = self._hidden_inputs(out) if start else None
         hidden = self.model(
             inputs.positions,
             inputs.meta,
             self.kv_caches,
             input_ids=None if hidden_in is not None else inputs.input_ids,
             hidden_states=hidden_in,
-            start_layer=self.start_layer,
+            start_layer=start,
             on_layer_done=on_layer_done,
         )
         if not inputs.sample_rows:
@@ -165,3 +207,11 @@ class ModelRunner:
             pieces.extend(req.hidden_rows[max(start, n_prompt) - n_prompt : end - n_prompt])
         dtype = self.kv_caches[0][0].dtype
         return torch.cat(pieces).to(self.device, dtype)
+
+
+def _edge_prompt_layer(chunk: ScheduledChunk) -> int:
+    """k for a chunk of an edge prompt (the layer it enters at), else 0."""
+    req = chunk.request
+    if req.early_kv is None or req.num_computed_tokens >= req.num_prompt_tokens:
+        return 0
+    return int(req.early_kv.shape[0])

@@ -72,6 +72,10 @@ class Request:
     # device, not a token id; the prompt's token ids are placeholders the engine never sees.
     prompt_hidden: torch.Tensor | None = None  # [num_prompt_tokens, hidden]
     hidden_rows: list[torch.Tensor] = field(default_factory=list)  # one [1, hidden] per output
+    # An edge prompt in a whole-model engine ("prompt only" edge mode): the device ran layers
+    # [0, k) on the prompt and sent their KV, [k, 2, num_prompt_tokens, kv_heads, head_dim],
+    # with `prompt_hidden` entering layer k; outputs then run every layer from token ids.
+    early_kv: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -91,6 +95,10 @@ class Request:
         for the device's hidden state of its newest token."""
         if self.prompt_hidden is None:
             return len(self.all_token_ids)
+        if self.early_kv is not None:
+            # A chunk never spans the prompt's end: the prompt enters at layer k, outputs at 0.
+            n = len(self.prompt_hidden)
+            return n if self.num_computed_tokens < n else len(self.all_token_ids)
         return min(len(self.all_token_ids), len(self.prompt_hidden) + len(self.hidden_rows))
 
     @property

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -34,6 +35,8 @@ class ApiState:
     max_model_len: int
     vocab_size: int
     api_keys: tuple[str, ...] = ()
+    #: The model folder (edge sessions in prompt_only mode check the device's split with it).
+    model_dir: Path | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -147,7 +150,7 @@ async def _metrics(request: web.Request) -> web.Response:
 
 async def _edge_session(request: web.Request) -> web.StreamResponse:
     state = _state(request)
-    cfg = EdgeSettings(state.model_names, state.max_model_len, state.api_keys)
+    cfg = EdgeSettings(state.model_names, state.max_model_len, state.api_keys, state.model_dir)
     return await serve_session(request, state.router, cfg)
 
 

@@ -1,11 +1,17 @@
 """The edge session protocol: msgpack messages over one WebSocket (`/v1/edge/session`).
 
+Default ("split") mode:
+
     edge                                        cloud (router -> split workers)
       |-- start {model, split_layer, fingerprint, params, prompt: frame} -->| P: layers [k, L)
       |<-- token {token_ids, text, finish_reason} ---------------------------| D: layers [k, L)
       |-- hidden {frame} (layers [0, k) of that token) --------------------->|
       |<-- token ... (until finish_reason) ----------------------------------|
       |<-- error {code, message} (at any time; the session ends) ------------|
+
+"prompt_only" mode: `start` also carries `prompt_kv`, the KV of the device's layers [0, k)
+for the prompt; whole-model workers run [k, L) on the prompt and then decode alone, so the
+device sends nothing after `start` (and the cloud holds early-layer KV of the prompt).
 
 A frame is `hetero_pd.hidden_codec.encode(...)`: neither the prompt's text nor its token ids
 are ever sent. Every message is validated here before use.
@@ -33,6 +39,11 @@ _SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "token": {"token_ids": list, "text": str, "finish_reason": (str, type(None))},
     "error": {"code": str, "message": str},
 }
+# Fields a message may carry. `mode`: "split" (default: the cloud runs layers [k, L) for every
+# token, the device sends each token's hidden state) or "prompt_only" (the device sends the
+# KV of its layers [0, k) for the prompt as `prompt_kv`, and the cloud decodes alone).
+_OPTIONAL: dict[str, dict[str, type]] = {"start": {"mode": str, "prompt_kv": dict}}
+MODES = ("split", "prompt_only")
 
 
 class ProtocolError(ValueError):
@@ -62,11 +73,21 @@ def unpack(data: bytes) -> dict[str, Any]:
         value = msg.get(name)
         if name not in msg or not isinstance(value, types) or isinstance(value, bool):
             raise ProtocolError(f"{msg['t']}: field {name!r} is missing or has the wrong type")
-    extra = sorted(map(str, set(msg) - set(schema) - {"v", "t"}))
+    optional = _OPTIONAL.get(msg["t"], {})
+    for name, typ in optional.items():
+        if name in msg and not isinstance(msg[name], typ):
+            raise ProtocolError(f"{msg['t']}: field {name!r} has the wrong type")
+    extra = sorted(map(str, set(msg) - set(schema) - set(optional) - {"v", "t"}))
     if extra:
         raise ProtocolError(f"{msg['t']}: unexpected field(s) {extra}")
     if msg["t"] == "token" and not all(
         isinstance(t, int) and not isinstance(t, bool) for t in msg["token_ids"]
     ):
         raise ProtocolError("token: token_ids must be a list of integers")
+    if msg["t"] == "start":
+        mode = msg.setdefault("mode", "split")
+        if mode not in MODES:
+            raise ProtocolError(f"start: mode {mode!r} is not one of {MODES}")
+        if (mode == "prompt_only") != ("prompt_kv" in msg):
+            raise ProtocolError("start: prompt_kv is sent in prompt_only mode, and only then")
     return msg

@@ -14,15 +14,19 @@ the workers'; anything malformed ends it with an `error` message naming the prob
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import WSMsgType, web
 
 from hetero_pd import hidden_codec
+from hetero_pd.models.config import ModelConfig
+from hetero_pd.models.fingerprint import split_fingerprint
 from hetero_pd.sampling_params import SamplingParams
 from hetero_pd.serving import openai_protocol as oai
 from hetero_pd.serving.edge_protocol import MAX_MESSAGE_BYTES, ProtocolError, pack, unpack
@@ -62,6 +66,8 @@ class EdgeSettings:
     model_names: Collection[str]
     max_model_len: int
     api_keys: Collection[str] = ()
+    #: The model folder, for prompt_only sessions (whole-model workers report no split).
+    model_dir: Path | None = None
     #: Longest wait for the device's next message (its layers on one token).
     receive_timeout_s: float = 60.0
 
@@ -87,15 +93,20 @@ async def serve_session(
 
 
 async def _run(ws: web.WebSocketResponse, router: Router, cfg: EdgeSettings) -> None:
-    split = router.split_info()
-    if split is None:
-        raise SessionError(
-            "not_split", "this deployment runs whole-model workers; it serves no edge sessions"
-        )
-    layer, fingerprint, hidden_size = split
     start = await _receive(ws, "start", cfg.receive_timeout_s)
     if start["model"] not in cfg.model_names:
         raise SessionError("model_not_found", f"the model {start['model']!r} is not served here")
+    split = router.split_info()
+    if start["mode"] == "prompt_only":
+        await _run_prompt_only(ws, router, cfg, start, split is not None)
+        return
+    if split is None:
+        raise SessionError(
+            "mode_unavailable",
+            "this deployment runs whole-model workers: start the session in prompt_only mode, "
+            "or deploy split workers (an edge: section)",
+        )
+    layer, fingerprint, hidden_size = split
     if start["split_layer"] != layer or start["fingerprint"] != fingerprint:
         raise SessionError(
             "fingerprint_mismatch",
@@ -122,6 +133,53 @@ async def _run(ws: web.WebSocketResponse, router: Router, cfg: EdgeSettings) -> 
             msg = await _receive(ws, "hidden", cfg.receive_timeout_s)
             _decode(msg["frame"], hidden_size, 1)
             router.supply_hidden(rid, msg["frame"])
+
+
+async def _run_prompt_only(
+    ws: web.WebSocketResponse,
+    router: Router,
+    cfg: EdgeSettings,
+    start: dict[str, Any],
+    split_deployment: bool,
+) -> None:
+    """The device sent its layers' KV with the prompt; whole-model workers decode alone."""
+    if split_deployment or cfg.model_dir is None:
+        raise SessionError(
+            "mode_unavailable",
+            "prompt_only sessions need whole-model workers; this deployment runs split workers",
+        )
+    mc = ModelConfig.from_dir(cfg.model_dir)
+    k = start["split_layer"]
+    if not 1 <= k < mc.num_layers:
+        raise SessionError("bad_request", f"split_layer {k} is not in [1, {mc.num_layers})")
+    fingerprint = _fingerprint(cfg.model_dir, k)
+    if start["fingerprint"] != fingerprint:
+        raise SessionError(
+            "fingerprint_mismatch",
+            f"the device's split fingerprint {start['fingerprint']!r} is not this model's "
+            f"{fingerprint!r} at layer {k}: the device and the cloud hold different models",
+        )
+    n = _decode(start["prompt"], mc.hidden_size, None).shape[0]
+    _decode(start["prompt_kv"], mc.num_kv_heads * mc.head_dim, 2 * k * n)
+    params = _params(start["params"], start["model"], n, cfg.max_model_len)
+    prompt = SplitPrompt(k, start["prompt"], n, early_kv=start["prompt_kv"])
+    rid = f"edge-{uuid.uuid4().hex}"
+    async with contextlib.aclosing(router.generate(rid, [], params, 0, prompt)) as stream:
+        async for out in stream:
+            token = pack(
+                "token",
+                token_ids=out["token_ids"],
+                text=out["text"],
+                finish_reason=out["finish_reason"],
+            )
+            await ws.send_bytes(token)
+            if out["finish_reason"] is not None:
+                return
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(model_dir: Path, split_layer: int) -> str:
+    return split_fingerprint(model_dir, split_layer)
 
 
 async def _receive(ws: web.WebSocketResponse, kind: str, timeout_s: float) -> dict[str, Any]:
@@ -158,7 +216,7 @@ def _decode(frame: dict[str, Any], hidden_size: int, rows: int | None) -> Any:
         raise SessionError("bad_hidden_state", str(e)) from e
     if rows is not None and hidden.shape[0] != rows:
         raise SessionError(
-            "bad_hidden_state", f"expected the hidden state of {rows} token, got {hidden.shape[0]}"
+            "bad_hidden_state", f"expected {rows} rows of hidden state or KV, got {hidden.shape[0]}"
         )
     return hidden
 

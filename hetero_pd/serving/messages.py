@@ -75,11 +75,13 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
 
 
 # type -> {field: allowed python types} of fields that may be absent. A split (edge) request
-# carries its prompt as a hidden-state frame (`hetero_pd.hidden_codec`) and no prompt ids.
+# carries its prompt as a hidden-state frame (`hetero_pd.hidden_codec`) and no prompt ids;
+# in "prompt only" mode also the KV of the device's layers [0, early_layers) as a frame of
+# [early_layers * 2 * num_tokens, kv_heads * head_dim] rows (layer, K/V, position).
 OPTIONAL: dict[str, dict[str, tuple[type, ...]]] = {
-    "generate": {"hidden": _DICT},
-    "reserve": {"hidden": _DICT},
-    "prefill": {"hidden": _DICT},
+    "generate": {"hidden": _DICT, "early_kv": _DICT, "early_layers": _INT},
+    "reserve": {"hidden": _DICT, "early_kv": _DICT, "early_layers": _INT},
+    "prefill": {"hidden": _DICT, "early_kv": _DICT, "early_layers": _INT},
 }
 
 
@@ -111,7 +113,9 @@ def decode(frame: bytes) -> dict[str, Any]:
         if not isinstance(value, types) or (types is _INT and isinstance(value, bool)):
             raise MessageError(f"{msg['t']}: field {name!r} has type {type(value).__name__}")
     for name, types in OPTIONAL.get(msg["t"], {}).items():
-        if name in msg and not isinstance(msg[name], types):
+        if name in msg and (
+            not isinstance(msg[name], types) or (types is _INT and isinstance(msg[name], bool))
+        ):
             raise MessageError(f"{msg['t']}: field {name!r} has type {type(msg[name]).__name__}")
     for name in ("prompt_ids", "token_ids"):
         if name in msg and not all(

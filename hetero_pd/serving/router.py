@@ -46,11 +46,25 @@ BACKPRESSURE = ("NO_FREE_BLOCKS", "KV_FENCED")
 @dataclass(frozen=True, slots=True)
 class SplitPrompt:
     """A prompt from an edge device: layer `layer`'s input for `num_tokens` tokens, as a
-    `hetero_pd.hidden_codec` frame the workers decode."""
+    `hetero_pd.hidden_codec` frame the workers decode. With `early_kv` (the KV of the
+    device's layers [0, layer), "prompt only" mode) it goes to whole-model workers, which
+    then decode alone; without, to split workers starting at `layer`."""
 
     layer: int
     frame: dict[str, Any]
     num_tokens: int
+    early_kv: dict[str, Any] | None = None
+
+    @property
+    def worker_layer(self) -> int:
+        """The start layer of the workers that serve it."""
+        return 0 if self.early_kv is not None else self.layer
+
+    def fields(self) -> dict[str, Any]:
+        """The fields it adds to generate/reserve/prefill messages."""
+        if self.early_kv is None:
+            return {"hidden": self.frame}
+        return {"hidden": self.frame, "early_kv": self.early_kv, "early_layers": self.layer}
 
 
 class RouterError(Exception):
@@ -201,7 +215,7 @@ class Router:
         (`prompt_ids` is empty), and each token needs `supply_hidden` before the next."""
         if len(self._queues) >= self.cfg.max_inflight:
             raise RouterError(429, "the server is at capacity; retry shortly", "overloaded", 1.0)
-        layer = split.layer if split is not None else 0
+        layer = split.worker_layer if split is not None else 0
         decoders = self.live("decode", "both", split_layer=layer)
         if not decoders:
             what = f"for split layer {layer}" if layer else "running the whole model"
@@ -214,7 +228,7 @@ class Router:
             decode, early = await self._start(
                 rid, prompt_ids, params, priority, queue, involved, split
             )
-            if split is not None:
+            if split is not None and split.early_kv is None:
                 self._decoder[rid] = decode
             while True:
                 if early is not None:
@@ -274,7 +288,7 @@ class Router:
         layer, extra = 0, {}
         prompt_len = len(prompt_ids)
         if split is not None:
-            layer, extra, prompt_len = split.layer, {"hidden": split.frame}, split.num_tokens
+            layer, extra, prompt_len = split.worker_layer, split.fields(), split.num_tokens
         decode, cached = self.chooser.pick(
             self.live("decode", "both", split_layer=layer), prompt_ids
         )

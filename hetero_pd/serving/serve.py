@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from pathlib import Path
 
 from aiohttp import web
 
@@ -79,7 +80,13 @@ async def serve(
         if dep.supervisor.role_switch:
             tasks.append(asyncio.create_task(_controller(dep, router, launcher).run()))
         state = ApiState(
-            router, tokenizer, [dep.model], max_len, cfg.vocab_size, dep.router.api_keys
+            router,
+            tokenizer,
+            [dep.model],
+            max_len,
+            cfg.vocab_size,
+            dep.router.api_keys,
+            model_dir=Path(model_dir),
         )
         runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
         await runner.setup()

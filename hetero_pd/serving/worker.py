@@ -306,8 +306,12 @@ class Worker:
             raise ValueError(f"message type {kind!r} is not for a worker")
         handler(msg)
 
-    def _prompt_hidden(self, msg: dict[str, Any]) -> torch.Tensor | None:
-        """A split request's prompt, [num_tokens, hidden], from its frame (None: token ids)."""
+    def _prompt_hidden(
+        self, msg: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """An edge prompt from its frames: (hidden states [num_tokens, hidden], and for a
+        whole-model worker the device's early-layer KV [k, 2, num_tokens, kv_heads,
+        head_dim]); None for a prompt of token ids."""
         frame = msg.get("hidden")
         if frame is None:
             if self.start_layer:
@@ -316,15 +320,42 @@ class Worker:
                     "states from an edge session, not prompt token ids"
                 )
             return None
-        if not self.start_layer:
-            raise ValueError(f"worker {self.id} runs the whole model: send prompt token ids")
-        return hidden_codec.decode(frame, self.engine.model_config.hidden_size)
+        cfg = self.engine.model_config
+        hidden = hidden_codec.decode(frame, cfg.hidden_size)
+        kv_frame, k = msg.get("early_kv"), msg.get("early_layers", 0)
+        if self.start_layer:
+            if kv_frame is not None:
+                raise ValueError(f"worker {self.id} runs layers [{self.start_layer}, L): no KV")
+            return hidden, None
+        if kv_frame is None or not 1 <= k < cfg.num_layers:
+            raise ValueError(
+                f"worker {self.id} runs the whole model: an edge prompt needs the KV of the "
+                f"device's layers (early_kv, early_layers in [1, {cfg.num_layers}))"
+            )
+        flat = hidden_codec.decode(kv_frame, cfg.num_kv_heads * cfg.head_dim)
+        n = hidden.shape[0]
+        if flat.shape[0] != 2 * k * n:
+            raise ValueError(f"early_kv holds {flat.shape[0]} rows, not 2 x {k} x {n}")
+        return hidden, flat.view(k, 2, n, cfg.num_kv_heads, cfg.head_dim)
+
+    def _add_edge_prompt(
+        self,
+        edge: tuple[torch.Tensor, torch.Tensor | None],
+        msg: dict[str, Any],
+        params: Any,
+        remote_kv: bool = False,
+    ) -> list[int] | None:
+        hidden, early = edge
+        rid, priority = msg["rid"], msg["priority"]
+        if early is None:
+            return self.engine.add_split_request(hidden, params, rid, priority, remote_kv)
+        return self.engine.add_edge_prompt_request(hidden, early, params, rid, priority, remote_kv)
 
     def _on_generate(self, msg: dict[str, Any]) -> None:
         params = M.params_from_wire(msg["params"])
-        hidden = self._prompt_hidden(msg)
-        if hidden is not None:
-            self.engine.add_split_request(hidden, params, msg["rid"], msg["priority"])
+        edge = self._prompt_hidden(msg)
+        if edge is not None:
+            self._add_edge_prompt(edge, msg, params)
             return
         self.engine.add_request(msg["prompt_ids"], params, msg["rid"], msg["priority"])
 
@@ -349,12 +380,10 @@ class Worker:
             self._error(rid, "KV_FENCED", message, True)
             self.owner.pop(rid, None)
             return
-        hidden = self._prompt_hidden(msg)
+        edge = self._prompt_hidden(msg)
         try:
-            if hidden is not None:
-                reserved = self.engine.add_split_request(
-                    hidden, params, rid, msg["priority"], remote_kv=True
-                )
+            if edge is not None:
+                reserved = self._add_edge_prompt(edge, msg, params, remote_kv=True)
                 assert reserved is not None
                 block_ids = reserved
             else:
@@ -369,7 +398,7 @@ class Worker:
             # A split engine has no KV below its start layer: only [start, L) will arrive.
             layers = (
                 (self.start_layer, self.engine.model_config.num_layers)
-                if hidden is not None
+                if self.start_layer
                 else None
             )
             handle = self.transfer.reserve(
@@ -389,7 +418,7 @@ class Worker:
         rid = msg["rid"]
         params = M.params_from_wire(msg["params"])
         dest = RemoteBlocks.from_wire(msg["dest_blocks"])
-        hidden = self._prompt_hidden(msg)
+        edge = self._prompt_hidden(msg)
         peer = msg["dest_worker"]
         if peer not in self.linked:
             try:
@@ -399,8 +428,8 @@ class Worker:
                 self.owner.pop(rid, None)
                 return
             self.linked.add(peer)
-        if hidden is not None:
-            self.engine.add_split_request(hidden, params, rid, msg["priority"])
+        if edge is not None:
+            self._add_edge_prompt(edge, msg, params)
         else:
             self.engine.add_request(msg["prompt_ids"], params, rid, msg["priority"])
         self.pushes.expect(rid, peer, dest)

@@ -26,6 +26,7 @@ from hetero_pd.serving.testing import Stack, deployment, running_stack
 
 SPLIT = 2
 KEY = "edge-key"
+DECISIONS = "hetero_pd_policy_decisions_total"
 PROMPTS = [
     "Tell me a story about a lighthouse keeper and a storm at sea, please.",  # disaggregated
     "Hi there",  # prefilled on the decode worker (short)
@@ -104,10 +105,10 @@ def test_greedy_tokens_equal_the_unsplit_engine(
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in reference.generate(ids, params)]
     assert got == want
-    assert stack.metric("hetero_pd_policy_decisions_total", decision="disaggregated") >= 2
-    assert stack.metric("hetero_pd_policy_decisions_total", decision="local_prefill") >= 1
+    assert stack.metric(DECISIONS, decision="disaggregated") >= 2
+    assert stack.metric(DECISIONS, decision="local_prefill") >= 1
     # The KV of layers [k, L) arrived whole: no decode worker fell back to computing it.
-    assert stack.metric("hetero_pd_policy_decisions_total", decision="recompute") == 0
+    assert stack.metric(DECISIONS, decision="recompute") == 0
     assert stack.router.workers["decode-0"].load["kv_fallbacks"] == 0
     for name, report in stack.wait_idle().items():
         assert report["ok"] and report["used_blocks"] == 0, (name, report)
@@ -169,3 +170,50 @@ def test_whole_model_requests_are_refused_clearly(stack: Stack) -> None:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 400
     assert json.loads(e.value.read())["error"]["code"] == "edge_only"
+
+
+@pytest.fixture(scope="module")
+def whole_stack(text_llama_dir: Path) -> Iterator[Stack]:
+    dep = deployment(text_llama_dir, router={"api_keys": [KEY], "local_prefill_max_tokens": 8})
+    with running_stack(dep) as s:
+        yield s
+
+
+def test_prompt_only_sessions_decode_in_the_cloud_like_the_unsplit_engine(
+    whole_stack: Stack, text_llama_dir: Path, reference: LLM
+) -> None:
+    sent: list[bytes] = []
+
+    async def run() -> list[list[int]]:
+        clients = [
+            client(whole_stack, text_llama_dir, split=k, mode="prompt_only", tap=sent.append)
+            for k in (1, 2, 1)
+        ]
+        done = await asyncio.gather(
+            *(
+                c.complete(p, max_tokens=12, ignore_eos=True)
+                for c, p in zip(clients, PROMPTS, strict=True)
+            )
+        )
+        return [d.token_ids for d in done]
+
+    got = asyncio.run(run())
+    runtime = EdgeRuntime(text_llama_dir, SPLIT)
+    ids = [runtime.tokenize(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert got == [o.outputs[0].token_ids for o in reference.generate(ids, params)]
+    assert [unpack(m)["t"] for m in sent] == ["start"] * 3  # nothing after the prompt
+    assert whole_stack.metric(DECISIONS, decision="disaggregated") >= 2
+    assert whole_stack.metric(DECISIONS, decision="recompute") == 0
+    for name, report in whole_stack.wait_idle().items():
+        assert report["ok"] and report["used_blocks"] == 0, (name, report)
+
+
+def test_each_deployment_refuses_the_other_mode(
+    stack: Stack, whole_stack: Stack, text_llama_dir: Path
+) -> None:
+    with pytest.raises(EdgeError, match="mode_unavailable"):
+        asyncio.run(client(whole_stack, text_llama_dir).generate("Hello", max_tokens=2))
+    with pytest.raises(EdgeError, match="mode_unavailable"):
+        edge = client(stack, text_llama_dir, mode="prompt_only")
+        asyncio.run(edge.generate("Hello", max_tokens=2))
