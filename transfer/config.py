@@ -53,6 +53,11 @@ class EngineConfig:
     #: Longest a direct (shared-memory) write grant stays valid.
     grant_s: float = 10.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    #: Stream (TCP) chunks travel on a plain TCP data channel read straight into the
+    #: destination blocks (False: as ZMQ frames on the link, one more copy on the receiver).
+    data_channel: bool = True
+    #: Port of the data listener (0: any free port); advertised to peers when linking.
+    data_port: int = 0
     #: Target payload bytes per data frame over TCP.
     chunk_bytes: int = 4 << 20
     #: Largest frame accepted from the network; larger ones are rejected and counted.

@@ -22,12 +22,14 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
 
 from transfer import wire
 from transfer.config import EngineConfig, Role
+from transfer.datachan import DataChannel
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
 from transfer.handle import TransferHandle, TransferState
@@ -37,11 +39,24 @@ from transfer.pulls import serve_pull
 from transfer.region import KVRegion
 from transfer.session import Link, Session
 
+if TYPE_CHECKING:
+    from transfer.movers import OutTransfer
+
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 Part = bytes | memoryview
 #: Engines of this process by id, for the in-process ("local") transport.
 LOCAL_ENGINES: weakref.WeakValueDictionary[str, Core] = weakref.WeakValueDictionary()
+
+
+@dataclass(slots=True, frozen=True)
+class Route:
+    """Where a frame goes: the session's ZMQ link, or its data channel (``via_data``)."""
+
+    session: Session
+    via_data: bool = False
+    #: The transfer whose source blocks the frame views (data channel accounting).
+    owner: OutTransfer | None = None
 
 
 def host_id() -> str:
@@ -87,6 +102,9 @@ class Core:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.poller.register(self._wake_r, zmq.POLLIN)
+        self.datachan = DataChannel(self) if config.data_channel else None
+        #: Where peers reach our data channel (advertised in the handshake; "" if off).
+        self.data_address = self.datachan.address if self.datachan is not None else ""
         self.commands: deque[Callable[[], None]] = deque()
         self.completed: deque[TransferHandle] = deque()
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
@@ -113,7 +131,9 @@ class Core:
             os.write(self._wake_w, b"x")
         except BlockingIOError:
             pass  # the pipe is full of wake-ups already
-        except OSError as exc:  # closed concurrently
+        except OSError as exc:  # the loop ended and closed the pipe meanwhile
+            if fn not in self.commands:
+                return  # it ran ``fn`` before ending (e.g. the close command itself)
             raise TransferError(StatusCode.ENGINE_CLOSED, f"engine {self.engine_id}") from exc
 
     def call_wait(self, fn: Callable[[], T], timeout: float) -> T:
@@ -164,25 +184,33 @@ class Core:
         header: bytes,
         payload: Part | None = None,
         track: bool = False,
+        via_data: bool = False,
+        owner: OutTransfer | None = None,
     ) -> zmq.MessageTracker | bool:
-        """Send one frame to ``session`` through fault injection; False if it could not go."""
+        """Send one frame to ``session`` through fault injection; False if it could not go.
+
+        ``via_data``: ``header`` is a data-channel header (:mod:`transfer.dataframe`) and the
+        frame goes on the session's data channel; ``owner`` is the transfer whose source
+        blocks ``payload`` views (held until the kernel took it).
+        """
         parts: list[Part] = [header] if payload is None else [header, payload]
+        route = Route(session, via_data, owner)
         if self.injector is None:
-            return self._send_raw(session, parts, track)
+            return self._send_raw(route, parts, track)
         # With faults on, the sender never hands out views of its source blocks, so frames
         # can be delayed or duplicated safely; trackers are not needed.
-        for out in self.injector.apply(msg_type, parts, session):
+        for out in self.injector.apply(msg_type, parts, Route(session, via_data)):
             self.metrics.faults_injected_total = self.injector.fired
             if out.disconnect_first:
-                self.linker.drop(out.target, "fault: disconnect")
+                self.linker.drop(out.target.session, "fault: disconnect")
             if out.delay_s > 0:
                 self.at(out.delay_s, functools.partial(self._send_raw_none, out.target, out.parts))
             else:
                 self._send_raw(out.target, out.parts, False)
         return True
 
-    def _send_raw_none(self, session: Session, parts: list[Part]) -> None:
-        self._send_raw(session, parts, False)
+    def _send_raw_none(self, route: Route, parts: list[Part]) -> None:
+        self._send_raw(route, parts, False)
 
     def flush_faults(self) -> None:
         """Send frames the reorder fault held back when nothing came after them."""
@@ -190,11 +218,14 @@ class Core:
             for out in self.injector.flush():
                 self._send_raw(out.target, out.parts, False)
 
-    def _send_raw(
-        self, session: Session, parts: list[Part], track: bool
-    ) -> zmq.MessageTracker | bool:
+    def _send_raw(self, route: Route, parts: list[Part], track: bool) -> zmq.MessageTracker | bool:
+        session = route.session
         if not session.alive:
             return False
+        if route.via_data:
+            if self.datachan is None or not session.data_address:
+                return False
+            return self.datachan.send(session, parts, route.owner)
         try:
             if session.identity is not None:
                 self.router.send_multipart([session.identity, *parts], zmq.NOBLOCK, copy=False)
@@ -224,7 +255,7 @@ class Core:
         if self._timers:
             wait = min(wait, self._timers[0][0] - time.monotonic())
         timeout_ms = max(0, math.ceil(wait * 1e3))
-        for sock, _ in self.poller.poll(timeout_ms):
+        for sock, events in self.poller.poll(timeout_ms):
             if sock == self._wake_r:
                 while True:
                     try:
@@ -234,6 +265,14 @@ class Core:
                         break
             elif sock is self.router:
                 self._drain(self.router, inbound=True)
+            elif isinstance(sock, int):
+                if self.datachan is not None and self.datachan.owns(sock):
+                    try:
+                        self.datachan.on_event(sock, events)
+                    except Exception:  # never let one connection kill the I/O thread
+                        log.exception("engine %s: data channel event failed", self.engine_id)
+                        self.metrics.reject("internal_error")
+                        self.datachan.close_fd(sock)
             else:
                 self._drain(sock, inbound=False)
         while self.commands:
@@ -243,6 +282,8 @@ class Core:
             heapq.heappop(self._timers)[2]()
         self.sender.pump()
         self.receiver.tick(time.monotonic())
+        if self.datachan is not None:
+            self.datachan.tick(time.monotonic())
         self.flush_faults()
 
     def _drain(self, sock: zmq.Socket[bytes], inbound: bool) -> None:
@@ -345,6 +386,8 @@ class Core:
         for session in list(self.out_sessions.values()) + list(self.in_sessions.values()):
             if session.alive:
                 self.send(session, "bye", wire.encode("bye", session.token))
+        if self.datachan is not None:
+            self.datachan.shutdown()
         for sock in list(self.links):
             sock.close(0)
         self.links.clear()

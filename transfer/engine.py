@@ -53,6 +53,11 @@ class TransferEngine:
         """ZMQ endpoint peers pass to :meth:`link` (``tcp://host:port``)."""
         return self._core.address
 
+    @property
+    def data_address(self) -> str:
+        """``host:port`` of the data channel listener ("" when ``data_channel`` is off)."""
+        return self._core.data_address
+
     # ---- links --------------------------------------------------------------------------
     def link(self, peer_id: str, address: str, timeout: float | None = None) -> None:
         """Connect and authenticate to ``peer_id`` listening at ``address``.

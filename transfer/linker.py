@@ -64,6 +64,7 @@ class Linker:
             pid=core.pid,
             nonce=link.nonce,
             regions=self.my_regions(),
+            da=core.data_address,
         )
         sock.send(hello, zmq.NOBLOCK)
         core.at(core.config.link_timeout_s, lambda: self._expire(link))
@@ -161,6 +162,7 @@ class Linker:
             self.parse_regions(hello["regions"]),
             h["token"],
             link=link,
+            data_address=hello["da"],
         )
         link.session = session
         old = core.out_sessions.get(session.peer_id)
@@ -190,6 +192,7 @@ class Linker:
             nonce=nonce_s,
             proof=proof,
             regions=self.my_regions(),
+            da=core.data_address,
         )
         self._router_send(identity, reply)
 
@@ -225,6 +228,7 @@ class Linker:
             regions,
             token,
             identity=identity,
+            data_address=hello["da"],
         )
         old = core.in_sessions.get(session.peer_id)
         if old is not None:
@@ -253,6 +257,8 @@ class Linker:
         if session.link is not None:
             self._close_link(session.link)
         session.mapped.clear()
+        if core.datachan is not None:
+            core.datachan.close_session(session)
         core.sender.on_session_lost(session, reason)
 
     def my_regions(self) -> list[dict[str, Any]]:

@@ -63,6 +63,8 @@ class Metrics:
     links_total: int = 0
     link_failures_total: int = 0
     auth_failures_total: int = 0
+    #: Data connections that presented a live session's token.
+    data_links_total: int = 0
     faults_injected_total: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -89,6 +91,7 @@ class Metrics:
                 "links_total": self.links_total,
                 "link_failures_total": self.link_failures_total,
                 "auth_failures_total": self.auth_failures_total,
+                "data_links_total": self.data_links_total,
                 "faults_injected_total": self.faults_injected_total,
                 "latency_bucket_bounds": list(LATENCY_BUCKETS),
                 **gauges,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import zmq
 
-from transfer import checksum, layout, wire
+from transfer import checksum, dataframe, layout, wire
 from transfer.devices import to_host
 from transfer.errors import TransferError
 from transfer.handle import RemoteBlocks, TransferHandle, TransferState
@@ -58,15 +58,23 @@ class OutTransfer:
     #: ``layout.is_run(src_ids)``, computed once per transfer.
     src_run: bool | None = None
     trackers: deque[tuple[zmq.MessageTracker, int]] = field(default_factory=deque)
+    #: Stream chunks go on the session's data channel (:mod:`transfer.datachan`).
+    via_data: bool = False
+    #: Our number for this transfer on the data channel (named by its BEGIN).
+    stream: int = 0
+    #: The msgpack BEGIN of the current attempt (resent in band before resent chunks).
+    begin: bytes = b""
+    #: Bytes of frames viewing our source blocks still queued on the data channel.
+    queued: int = 0
     closing: tuple[TransferState, TransferError | None, str] | None = None
     last_error: TransferError | None = None
 
     @property
     def inflight(self) -> int:
-        """Bytes handed to ZMQ zero-copy and not yet released by it."""
+        """Bytes handed out zero-copy (ZMQ or the data channel) and not yet released."""
         while self.trackers and self.trackers[0][0].done:
             self.trackers.popleft()
-        return sum(n for _, n in self.trackers)
+        return sum(n for _, n in self.trackers) + self.queued
 
 
 def pump_stream(core: Core, ot: OutTransfer) -> bool:
@@ -86,17 +94,22 @@ def pump_stream(core: Core, ot: OutTransfer) -> bool:
         host = to_host(data)
         buf = layout.as_bytes(host)
         digest = checksum.digest(ot.algo, buf) if ot.algo else None
-        header = wire.encode(
-            "data",
-            session.token,
-            x=ot.handle.transfer_id,
-            s=seq,
-            ti=c.ti,
-            lo=c.lo,
-            hi=c.hi,
-            d=digest,
-        )
-        sent = core.send(session, "data", header, buf, track=safe_views)
+        if ot.via_data:
+            header = dataframe.data(ot.stream, seq, c.ti, c.lo, c.hi, len(buf), digest)
+            owner = ot if safe_views else None
+            sent = core.send(session, "data", header, buf, via_data=True, owner=owner)
+        else:
+            header = wire.encode(
+                "data",
+                session.token,
+                x=ot.handle.transfer_id,
+                s=seq,
+                ti=c.ti,
+                lo=c.lo,
+                hi=c.hi,
+                d=digest,
+            )
+            sent = core.send(session, "data", header, buf, track=safe_views)
         if sent is False:
             return False  # not connected (yet): the attempt timer decides
         if isinstance(sent, zmq.MessageTracker):

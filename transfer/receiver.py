@@ -253,6 +253,24 @@ class Receiver:
         it.nbytes += len(payload)
         tm.bytes_received_total += len(payload)
 
+    def landed(self, it: InTransfer, s: int, data: memoryview, digest: int | None) -> None:
+        """Chunk ``s`` was read straight into its destination blocks: verify it there."""
+        tm = self.core.metrics.of("tcp")
+        if it.algo is not None and (digest is None or checksum.digest(it.algo, data) != digest):
+            tm.checksum_failures_total += 1
+            it.good[s] = 0  # the blocks hold these bytes now, whatever came before
+            it.bad_checksum.add(s)
+            return
+        it.good[s] = 1
+        it.bad_checksum.discard(s)
+        it.nbytes += len(data)
+        tm.bytes_received_total += len(data)
+
+    def reject_stale(self, it: InTransfer, err: TransferError) -> None:
+        """The reservation behind ``it`` is gone: forget the transfer, tell the sender."""
+        self._drop(it)
+        self._reply_error(it.session, it.xid, err)
+
     def on_end(self, session: Session, h: dict[str, Any]) -> None:
         """All chunks sent: verify completeness (and direct-write digests), then commit."""
         xid = h["x"]

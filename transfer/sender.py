@@ -13,12 +13,13 @@ lease, and until ZMQ released every zero-copy frame that still points into them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from transfer import checksum, layout, movers, transports, wire
+from transfer import checksum, dataframe, layout, movers, transports, wire
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import TransferHandle, TransferState
 from transfer.movers import WINDOW_BYTES, OutTransfer
@@ -44,6 +45,7 @@ class Sender:
         self.active: dict[str, OutTransfer] = {}
         self.addresses: dict[str, str] = {}
         self._next_check = 0.0
+        self._streams = itertools.count(1)
 
     # ---- starting -----------------------------------------------------------------------
     def start(self, ot: OutTransfer) -> None:
@@ -131,9 +133,24 @@ class Sender:
             ck=ot.algo,
             mode=ot.transport,
         )
-        core.send(session, "begin", header)
+        ot.via_data = (
+            ot.transport == "tcp" and core.datachan is not None and bool(session.data_address)
+        )
+        if ot.via_data:
+            ot.stream = ot.stream or next(self._streams)
+            ot.begin = header
+            self._send_in_band(ot, "begin", header)
+        else:
+            core.send(session, "begin", header)
         ot.phase = "grant" if direct else "send"
         ot.attempt_until = now + core.config.ack_timeout_s + ot.handle.nbytes / MIN_RATE
+
+    def _send_in_band(self, ot: OutTransfer, msg_type: str, header: bytes) -> None:
+        """BEGIN / END on the data channel, in order with the chunks they frame."""
+        if ot.session is None:
+            return  # the session went away; the attempt timer decides
+        frame = dataframe.message(ot.stream, header)
+        self.core.send(ot.session, msg_type, frame, header, via_data=True)
 
     def _algo(self, ot: OutTransfer, direct: bool) -> str | None:
         cfg = self.core.config
@@ -189,7 +206,10 @@ class Sender:
         header = wire.encode(
             "end", ot.session.token, x=ot.handle.transfer_id, nf=len(ot.chunks), ds=digests
         )
-        self.core.send(ot.session, "end", header)
+        if ot.via_data:
+            self._send_in_band(ot, "end", header)
+        else:
+            self.core.send(ot.session, "end", header)
         ot.phase = "ack"
         ot.attempt_until = time.monotonic() + self.core.config.ack_timeout_s
 
@@ -232,6 +252,8 @@ class Sender:
             if not self._count_retry(ot, err):
                 return
             ot.queue = deque(s for s in wire.int_list(bad, "bad", len(ot.chunks)))
+            if ot.via_data:  # the data connection may be new: name the stream again
+                self._send_in_band(ot, "begin", ot.begin)
             ot.phase = "send"
             ot.attempt_until = time.monotonic() + self.core.config.ack_timeout_s
             return
@@ -331,6 +353,8 @@ class Sender:
             tm.transfers_failed_total += 1
         ot.closing, ot.phase = (state, err, released), "closing"
         ot.queue.clear()
+        if ot.queued and self.core.datachan is not None:
+            self.core.datachan.cancel(ot)
         if (
             ot.inflight
             and ot.session is not None

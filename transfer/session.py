@@ -43,6 +43,10 @@ class Session:
     alive: bool = True
     #: Destination tensors of the peer's regions opened by a direct transport (shm, local).
     mapped: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    #: ``host:port`` of the peer's data listener ("" when it has none).
+    data_address: str = ""
+    #: Our data connection to the peer (:class:`transfer.datachan.DataOut`), opened lazily.
+    data_out: Any = None
 
     @property
     def outbound(self) -> bool:

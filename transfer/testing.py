@@ -81,7 +81,7 @@ def _serve(
     fill(reg, region.get("seed", 1))
     engine.register_region(reg)
     handles: dict[str, TransferHandle] = {}
-    conn.send_bytes(msgpack.packb({"address": engine.address}))
+    conn.send_bytes(msgpack.packb({"address": engine.address, "data_address": engine.data_address}))
     try:
         while True:
             cmd = msgpack.unpackb(conn.recv_bytes())
@@ -163,7 +163,10 @@ class PeerProcess:
         )
         self.process.start()
         child.close()
-        self.address: str = self._recv(start_timeout)["address"]
+        hello = self._recv(start_timeout)
+        self.address: str = hello["address"]
+        #: ``host:port`` of the child's data channel ("" when it has none).
+        self.data_address: str = hello["data_address"]
 
     def _recv(self, timeout: float) -> Any:
         if not self._conn.poll(timeout):

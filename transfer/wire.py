@@ -36,6 +36,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
         "pid": _INT,
         "nonce": _BIN,
         "regions": _LIST,
+        "da": _STR,
     },
     "challenge": {
         "eid": _STR,
@@ -45,6 +46,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
         "nonce": _BIN,
         "proof": _BIN,
         "regions": _LIST,
+        "da": _STR,
     },
     "auth": {"proof": _BIN},
     "welcome": {"token": _BIN},

@@ -6,12 +6,13 @@ name          when                                         data path
 ``local``     peer engine in this process                  device copy src -> dst blocks
 ``cuda_ipc``  same host, CUDA on both sides (UNTESTED)     device copy into IPC-opened memory
 ``shm``       same host, receiver region in /dev/shm       one CPU copy into mapped dst blocks
-``tcp``       anything else (or when forced)               chunks over ZMQ, receiver scatters
+``tcp``       anything else (or when forced)               chunks on the TCP data channel
 ============  ===========================================  ==================================
 
 ``local``, ``cuda_ipc`` and ``shm`` are *direct*: the sender writes destination blocks
-itself inside a window the receiver granted. ``tcp`` is a *stream*. Control messages (begin,
-grant, end, ack) always go over the engines' ZMQ link.
+itself inside a window the receiver granted. ``tcp`` is a *stream*: chunks, with their begin
+and end, on the session's data channel (:mod:`transfer.datachan`; ZMQ frames when it is off).
+Grants, ACKs and errors always go over the engines' ZMQ link.
 """
 
 from __future__ import annotations

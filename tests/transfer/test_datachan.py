@@ -1,0 +1,109 @@
+"""The TCP data channel: chunks land in the destination blocks; strangers are refused."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+import pytest
+
+from transfer import RemoteBlocks, TransferEngine, TransferState, dataframe
+from transfer.testing import PeerProcess, blocks_digest
+
+SRC = [2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+RUN = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]  # contiguous: received straight into blocks
+SCATTERED = [40, 31, 42, 33, 44, 35, 46, 37, 48, 39]  # through the staging buffer
+
+
+def _rejected(peer: PeerProcess, reason: str) -> int:
+    return int(peer.call("counts")["metrics"]["frames_rejected"].get(reason, 0))
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize("dst", [RUN, SCATTERED], ids=["contiguous", "scattered"])
+def test_push_goes_over_the_data_channel(
+    receiver: PeerProcess, make_engine: Callable[..., TransferEngine], dst: list[int]
+) -> None:
+    eng = make_engine()
+    eng.link(receiver.engine_id, receiver.address)
+    before = receiver.call("counts")["metrics"]
+    blocks = RemoteBlocks.from_wire(receiver.call("reserve", rid=f"dc-{dst[1]}", ids=dst))
+    h = eng.push_blocks(receiver.engine_id, SRC, blocks, transport="tcp")
+    assert h.wait(10) is TransferState.DONE, h.error
+    assert receiver.call("digest", ids=dst) == blocks_digest(eng.region(), SRC)
+    after = receiver.call("counts")["metrics"]
+    assert after["data_links_total"] == before["data_links_total"] + 1
+    received = after["transports"]["tcp"]["bytes_received_total"]
+    assert received - before["transports"].get("tcp", {}).get("bytes_received_total", 0) == h.nbytes
+    receiver.call("release", rid=f"dc-{dst[1]}")
+    assert eng.held_blocks() == {}
+
+
+@pytest.mark.parametrize(
+    ("kind", "msg_type"), [("corrupt", "data"), ("drop", "end"), ("disconnect", "data")]
+)
+def test_zmq_data_path_still_works_when_switched_off(
+    receiver: PeerProcess, make_engine: Callable[..., TransferEngine], kind: str, msg_type: str
+) -> None:
+    eng = make_engine(data_channel=False, faults=[{"kind": kind, "msg_type": msg_type, "nth": 2}])
+    assert eng.data_address == ""
+    eng.link(receiver.engine_id, receiver.address)
+    links = receiver.call("counts")["metrics"]["data_links_total"]
+    rid = f"zmq-{kind}-{msg_type}"
+    blocks = RemoteBlocks.from_wire(receiver.call("reserve", rid=rid, ids=RUN))
+    h = eng.push_blocks(receiver.engine_id, SRC, blocks, transport="tcp")
+    assert h.wait(10) is TransferState.DONE, h.error
+    assert receiver.call("digest", ids=RUN) == blocks_digest(eng.region(), SRC)
+    assert receiver.call("counts")["metrics"]["data_links_total"] == links
+    receiver.call("release", rid=rid)
+
+
+def _connect(peer: PeerProcess) -> socket.socket:
+    host, _, port = peer.data_address.rpartition(":")
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def test_unknown_token_is_refused_and_counted(receiver: PeerProcess) -> None:
+    before = _rejected(receiver, "data_unauthenticated")
+    with _connect(receiver) as sock:
+        sock.sendall(b"".join(dataframe.preface(b"\x01" * 16)))
+        assert _closed_by_peer(sock)
+    assert _rejected(receiver, "data_unauthenticated") == before + 1
+
+
+def test_data_before_preface_is_refused(receiver: PeerProcess) -> None:
+    before = _rejected(receiver, "data_unauthenticated")
+    with _connect(receiver) as sock:
+        sock.sendall(dataframe.data(1, 0, 0, 0, 1, 1024, None) + b"\x00" * 1024)
+        assert _closed_by_peer(sock)
+    assert _rejected(receiver, "data_unauthenticated") == before + 1
+
+
+def test_garbage_and_oversized_headers_close_the_connection(receiver: PeerProcess) -> None:
+    before = receiver.call("counts")["metrics"]["frames_rejected_total"]
+    with _connect(receiver) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\n" * 4)
+        assert _closed_by_peer(sock)
+    with _connect(receiver) as sock:
+        sock.sendall(dataframe.HEADER.pack(dataframe.MAGIC, 1, 3, 0, 1, 0, 0, 0, 1, 1 << 40, 0))
+        assert _closed_by_peer(sock)
+    assert receiver.call("counts")["metrics"]["frames_rejected_total"] >= before + 2
+
+
+def test_header_round_trip_and_bounds() -> None:
+    raw = dataframe.data(7, 3, 2, 10, 12, 4096, 0xDEADBEEF)
+    h = dataframe.unpack(raw, 1 << 20)
+    assert (h.kind, h.stream, h.seq, h.ti, h.lo, h.hi) == (dataframe.DATA, 7, 3, 2, 10, 12)
+    assert (h.length, h.digest) == (4096, 0xDEADBEEF)
+    assert dataframe.unpack(dataframe.data(1, 0, 0, 0, 1, 8, None), 64).digest is None
+    with pytest.raises(Exception, match="oversized"):
+        dataframe.unpack(raw, 1024)
+    with pytest.raises(Exception, match="malformed"):
+        dataframe.unpack(b"XXXX" + raw[4:], 1 << 20)
