@@ -32,13 +32,15 @@ import aiohttp
 import torch
 
 from edge.client import EdgeClient
-from edge.codec import CODECS
+from edge.codec import CODECS, decode, encode
 from edge.link_probe import measure_link, serve_link_probe
 from edge.planner import SplitPrediction, format_plan, plan_split
 from edge.profiling import profile_layers, profile_runtime
 from edge.runtime import EdgeRuntime
+from hetero_pd.models.attention import AttentionMetadata, PrefillSpan
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
+from hetero_pd.models.loader import load_model
 from hetero_pd.serving.testing import deployment, running_stack
 
 PROG = "hetero-pd bench edge"
@@ -156,6 +158,30 @@ async def split_run(
     return out, token_ids
 
 
+@torch.inference_mode()
+def codec_agreement(model_dir: Path, split: int, codec: str, prompts: list[list[int]]) -> float:
+    """Teacher-forced greedy agreement: at every prompt position, the next token the model
+    picks from layer `split`'s input sent through `codec` equals the one it picks unsplit."""
+    cfg = ModelConfig.from_dir(model_dir)
+    longest = max(len(p) for p in prompts)
+    model = load_model(model_dir, cfg, torch.float32, torch.device("cpu"), longest + 1)
+    shape = (longest, 1, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+    same = total = 0
+    for ids in prompts:
+        n = len(ids)
+        pos = torch.arange(n)
+        meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillSpan(0, n)])
+        h = model(pos, meta, caches, input_ids=torch.tensor(ids), end_layer=split)
+        picks = []
+        for hidden in (h, decode(encode(h, codec))):
+            out = model(pos, meta, caches, hidden_states=hidden, start_layer=split)
+            picks.append(model.compute_logits(out).argmax(dim=-1))
+        same += int((picks[0] == picks[1]).sum())
+        total += n
+    return same / total
+
+
 def _counter(sizes: list[int]) -> Callable[[bytes], None]:
     def count(message: bytes) -> None:
         sizes.append(len(message))
@@ -204,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     with running_stack(dep) as stack:
         asyncio.run(split_run(stack.url, stack.dep.model, model_dir, args, warmup))
         split, _ = asyncio.run(split_run(stack.url, stack.dep.model, model_dir, args, ids))
+    agreement = codec_agreement(model_dir, args.split, args.codec, ids)
     m = {
         "unsplit_ttft": _mean(unsplit, "ttft_s"),
         "unsplit_tpot": _mean(unsplit, "tpot_s"),
@@ -236,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         f"prompt token), {bytes_token:.0f} B per generated token; the unsplit request body "
         f"was {_mean(unsplit, 'prompt_bytes'):.0f} B of JSON token ids"
     )
+    print(
+        f"codec {args.codec}: greedy next-token agreement with the unsplit model over "
+        f"{sum(len(i) for i in ids)} prompt positions (teacher-forced): {agreement * 100:.2f}%"
+    )
     result = {
         "model": args.model,
         "split_layer": args.split,
@@ -254,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "planner_ttft_error_pct": round(err_ttft, 1),
         "planner_tpot_error_pct": round(err_tpot, 1),
         "planner_error_pct": round(max(err_ttft, err_tpot), 1),
+        "codec_token_agreement_pct": round(agreement * 100, 2),
         **{k: round(v, 3) if isinstance(v, float) else v for k, v in inputs.items()},
     }
     print(json.dumps(result))
