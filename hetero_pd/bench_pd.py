@@ -5,8 +5,9 @@ arrivals), all in one run on this machine.
 Each mode runs the workload twice: its short requests alone, then short and long mixed.
 `tpot_p99_ratio_<mode>` = TPOT p99 of the short requests with long prompts interfering,
 divided by their TPOT p99 alone. Workers are pinned to cores (sched_setaffinity); the
-router and this load generator share the machine with them. The last stdout line is one
-JSON object.
+router and this load generator (one process) are pinned to the first core by default, the
+prefill worker's in pd mode, the same in every mode. The last stdout line is one JSON
+object.
 """
 
 from __future__ import annotations
@@ -111,10 +112,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
     p.add_argument("--modes", default="pd,colocated,single")
     p.add_argument("--cpus", default="", help="two core ids to pin workers to (default: 0,1)")
+    p.add_argument(
+        "--router-cpus",
+        default="",
+        help="cores for this process (router, API, load generator); default: the first of "
+        "--cpus (the prefill worker's in pd mode), so it never runs on the decode core",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-json", help="write every run's full metrics here")
     args = p.parse_args(argv)
     cpus = [int(c) for c in args.cpus.split(",") if c] or sorted(os.sched_getaffinity(0))[:2]
+    router_cpus = [int(c) for c in args.router_cpus.split(",") if c] or cpus[:1]
+    # Workers set their own affinity after they start; the router and client stay here.
+    os.sched_setaffinity(0, router_cpus)
     model_dir = resolve_model(args.model)
     source = ds.TokenizerText(model_dir)
     spec = ds.MixedSpec(
@@ -129,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     slo = SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
     modes = _modes(cpus)
     out: dict[str, Any] = {
-        "pinning": {name: [list(w.cpus) for w in ws] for name, ws in modes.items()},
+        "pinning": {
+            **{name: [list(w.cpus) for w in ws] for name, ws in modes.items()},
+            "router_and_client": router_cpus,
+        },
         "workload": vars(args),
     }
     for name in args.modes.split(","):
@@ -140,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
             engine={"max_num_batched_tokens": 256, "kv_cache_gb": 0.5},
             source=name,
         )
-        print(f"== {name}: workers pinned to {out['pinning'][name]}", file=sys.stderr)
+        print(
+            f"== {name}: workers pinned to {out['pinning'][name]}, router and load generator "
+            f"to {router_cpus}",
+            file=sys.stderr,
+        )
         res = asyncio.run(_run_mode(args, dep, short, mixed, slo))
         out[name] = res
         alone, mix = res["alone"]["short_tpot_p99_ms"], res["mixed"]["short_tpot_p99_ms"]
