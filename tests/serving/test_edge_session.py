@@ -18,7 +18,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from edge import EdgeClient, EdgeError, EdgeMismatchError, EdgeRuntime
+from edge import EdgeClient, EdgeError, EdgeMismatchError, EdgeRuntime, encode
 from edge.wire_audit import assert_no_prompt_leak
 from hetero_pd import LLM, SamplingParams
 from hetero_pd.serving.edge_protocol import PATH, pack, unpack
@@ -217,3 +217,35 @@ def test_each_deployment_refuses_the_other_mode(
     with pytest.raises(EdgeError, match="mode_unavailable"):
         edge = client(stack, text_llama_dir, mode="prompt_only")
         asyncio.run(edge.generate("Hello", max_tokens=2))
+
+
+def test_a_device_that_goes_away_mid_session_frees_every_block(
+    stack: Stack, text_llama_dir: Path
+) -> None:
+    import aiohttp
+
+    runtime = EdgeRuntime(text_llama_dir, SPLIT)
+    ids = runtime.tokenize(PROMPTS[0])
+    start = pack(
+        "start",
+        model=stack.dep.model,
+        split_layer=SPLIT,
+        fingerprint=runtime.fingerprint(),
+        params={"max_tokens": 50, "ignore_eos": True},
+        prompt=encode(runtime.prefill(ids), "float16"),
+    )
+
+    async def leave_after_first_token() -> dict[str, object]:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with (
+            aiohttp.ClientSession() as s,
+            s.ws_connect(stack.url + PATH, headers=headers) as ws,
+        ):
+            await ws.send_bytes(start)
+            first = unpack((await ws.receive(timeout=30)).data)
+        return first  # the socket is closed without sending the token's hidden state
+
+    first = asyncio.run(leave_after_first_token())
+    assert first["t"] == "token" and first["finish_reason"] is None
+    for name, report in stack.wait_idle().items():
+        assert report["ok"] and report["used_blocks"] == 0, (name, report)
