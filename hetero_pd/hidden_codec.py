@@ -102,26 +102,19 @@ def encode(
     return frame
 
 
+def frame_rows(frame: Mapping[str, Any], hidden_size: int | None = None) -> int:
+    """How many tokens a frame holds, once its fields, shape and data size are checked (its
+    values are not: `decode` checks those). For a relay that forwards frames unread."""
+    return _header(frame, hidden_size)[1]
+
+
 def decode(frame: Mapping[str, Any], hidden_size: int | None = None) -> torch.Tensor:
     """Decodes a frame from the network into float32 [num_tokens, hidden] on the CPU.
 
     With `hidden_size`, the frame must carry exactly that many features per token.
     """
-    if not isinstance(frame, Mapping):
-        raise CodecError(f"a hidden-state frame must be a map, got {type(frame).__name__}")
-    keys = set(frame)
-    if keys != _FIELDS:
-        missing, extra = sorted(_FIELDS - keys), sorted(map(str, keys - _FIELDS))
-        raise CodecError(f"hidden-state frame fields wrong: missing {missing}, unexpected {extra}")
-    if frame["version"] != VERSION or isinstance(frame["version"], bool):
-        raise CodecError(f"hidden-state frame version {frame['version']!r}; expected {VERSION}")
-    codec = frame["dtype"]
-    if not isinstance(codec, str) or codec not in _DATA_DTYPES:
-        raise CodecError(f"hidden-state frame dtype {codec!r}; expected one of {CODECS}")
-    rows, cols = _check_shape(frame["shape"], hidden_size)
-    dtype = _DATA_DTYPES[codec]
-    data = _bytes(frame, "data", rows * cols * np.dtype(dtype).itemsize)
-    values = np.frombuffer(data, dtype).astype(np.float32).reshape(rows, cols)
+    codec, rows, cols, data = _header(frame, hidden_size)
+    values = np.frombuffer(data, _DATA_DTYPES[codec]).astype(np.float32).reshape(rows, cols)
     if codec != "int8":
         for field in ("scale", "outlier_index", "outlier_value"):
             _bytes(frame, field, 0)
@@ -190,6 +183,26 @@ def measure(hidden: torch.Tensor, codec: str, outliers: int = DEFAULT_OUTLIERS) 
 def _check_codec(codec: str) -> None:
     if codec not in _DATA_DTYPES:
         raise CodecError(f"unknown hidden-state codec {codec!r}; choose one of {CODECS}")
+
+
+def _header(
+    frame: Mapping[str, Any], hidden_size: int | None
+) -> tuple[str, int, int, bytes | bytearray | memoryview]:
+    """(codec, rows, cols, data) of a frame whose fields, shape and data size are right."""
+    if not isinstance(frame, Mapping):
+        raise CodecError(f"a hidden-state frame must be a map, got {type(frame).__name__}")
+    keys = set(frame)
+    if keys != _FIELDS:
+        missing, extra = sorted(_FIELDS - keys), sorted(map(str, keys - _FIELDS))
+        raise CodecError(f"hidden-state frame fields wrong: missing {missing}, unexpected {extra}")
+    if frame["version"] != VERSION or isinstance(frame["version"], bool):
+        raise CodecError(f"hidden-state frame version {frame['version']!r}; expected {VERSION}")
+    codec = frame["dtype"]
+    if not isinstance(codec, str) or codec not in _DATA_DTYPES:
+        raise CodecError(f"hidden-state frame dtype {codec!r}; expected one of {CODECS}")
+    rows, cols = _check_shape(frame["shape"], hidden_size)
+    data = _bytes(frame, "data", rows * cols * np.dtype(_DATA_DTYPES[codec]).itemsize)
+    return codec, rows, cols, data
 
 
 def _check_shape(shape: Any, hidden_size: int | None) -> tuple[int, int]:

@@ -61,6 +61,18 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
 
 
 @pytest.fixture(scope="session")
+def text_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A tiny random Llama whose vocabulary covers the default model's tokenizer, so real
+    text can be tokenized for it (edge devices tokenize themselves)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**TINY, "vocab_size": 49152}, tie_word_embeddings=True)
+    return _save_tiny(
+        config, LlamaForCausalLM, tmp_path_factory.mktemp("tiny-text-llama"), tokenizer_dir, 3
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -163,28 +163,7 @@ class LLMEngine:
         `start_layer - 1`, [num_tokens, hidden]. With `remote_kv`, reserves blocks for KV
         another worker computes (returns them), else queues the prompt for prefill here."""
         self._require_split()
-        hidden = self.model_config.hidden_size
-        if prompt_hidden.dim() != 2 or prompt_hidden.shape[1] != hidden:
-            raise ValueError(
-                f"prompt hidden states must be [num_tokens, {hidden}], "
-                f"got {tuple(prompt_hidden.shape)}"
-            )
-        if prompt_hidden.shape[0] == 0:
-            raise ValueError(f"request {request_id}: the prompt is empty")
-        placeholders = [0] * prompt_hidden.shape[0]  # the engine never sees the prompt's ids
-        req = self._new_request(placeholders, params, request_id, priority)
-        req.prompt_hidden = prompt_hidden
-        block_ids = None
-        if remote_kv:
-            block_ids = self.scheduler.add_remote(req)
-        else:
-            self.scheduler.add_request(req)
-        self._states[req.request_id] = _OutputState(
-            None,
-            IncrementalDetokenizer(self.tokenizer, [], params.skip_special_tokens),
-            StopChecker.from_params(params),
-        )
-        return block_ids
+        return self._add_hidden_prompt(prompt_hidden, None, params, request_id, priority, remote_kv)
 
     def add_edge_prompt_request(
         self,
@@ -202,6 +181,21 @@ class LLMEngine:
         reserves blocks for KV another worker computes (returns them)."""
         if self.config.start_layer:
             raise ValueError("a split engine takes add_split_request, not edge prompts")
+        return self._add_hidden_prompt(
+            prompt_hidden, early_kv, params, request_id, priority, remote_kv
+        )
+
+    def _add_hidden_prompt(
+        self,
+        prompt_hidden: torch.Tensor,
+        early_kv: torch.Tensor | None,
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        remote_kv: bool,
+    ) -> list[int] | None:
+        """Queues (or, with `remote_kv`, reserves blocks for) a prompt given as hidden
+        states; its token ids are placeholders the engine never reads."""
         cfg = self.model_config
         if prompt_hidden.dim() != 2 or prompt_hidden.shape[1] != cfg.hidden_size:
             raise ValueError(
@@ -211,17 +205,21 @@ class LLMEngine:
         n = prompt_hidden.shape[0]
         if n == 0:
             raise ValueError(f"request {request_id}: the prompt is empty")
-        k = early_kv.shape[0] if early_kv.dim() == 5 else 0
-        want = (k, 2, n, cfg.num_kv_heads, cfg.head_dim)
-        if not 1 <= k < cfg.num_layers or tuple(early_kv.shape) != want:
-            raise ValueError(
-                f"the prompt's early-layer KV must be [k, 2, {n}, {cfg.num_kv_heads}, "
-                f"{cfg.head_dim}] with 1 <= k < {cfg.num_layers}, got {tuple(early_kv.shape)}"
-            )
+        if early_kv is not None:
+            k = early_kv.shape[0] if early_kv.dim() == 5 else 0
+            want = (k, 2, n, cfg.num_kv_heads, cfg.head_dim)
+            if not 1 <= k < cfg.num_layers or tuple(early_kv.shape) != want:
+                raise ValueError(
+                    f"the prompt's early-layer KV must be [k, 2, {n}, {cfg.num_kv_heads}, "
+                    f"{cfg.head_dim}] with 1 <= k < {cfg.num_layers}, "
+                    f"got {tuple(early_kv.shape)}"
+                )
         req = self._new_request([0] * n, params, request_id, priority)
         req.prompt_hidden, req.early_kv = prompt_hidden, early_kv
-        block_ids = self.scheduler.add_remote(req) if remote_kv else None
-        if not remote_kv:
+        block_ids = None
+        if remote_kv:
+            block_ids = self.scheduler.add_remote(req)
+        else:
             self.scheduler.add_request(req)
         self._states[req.request_id] = _OutputState(
             None,

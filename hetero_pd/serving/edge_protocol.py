@@ -23,6 +23,8 @@ from typing import Any
 
 import msgpack
 
+from hetero_pd.serving.messages import unpack_bounded
+
 VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 2**20
 PATH = "/v1/edge/session"
@@ -58,12 +60,7 @@ def pack(msg_type: str, **fields: Any) -> bytes:
 
 def unpack(data: bytes) -> dict[str, Any]:
     """Parses and validates one message; raises ProtocolError naming what is wrong."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    try:
-        msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise ProtocolError(f"not a msgpack message: {e}") from e
+    msg = unpack_bounded(data, MAX_MESSAGE_BYTES, "message", ProtocolError)
     if not isinstance(msg, dict) or msg.get("v") != VERSION:
         raise ProtocolError(f"expected a version {VERSION} message map")
     schema = _SCHEMAS.get(msg.get("t"))  # type: ignore[arg-type]

@@ -115,24 +115,9 @@ async def _run(ws: web.WebSocketResponse, router: Router, cfg: EdgeSettings) -> 
             f"{fingerprint!r}: the device and the cloud must hold the same model split at the "
             "same layer",
         )
-    num_tokens = _decode(start["prompt"], hidden_size, None).shape[0]
-    params = _params(start["params"], start["model"], num_tokens, cfg.max_model_len)
-    rid = f"edge-{uuid.uuid4().hex}"
+    num_tokens = _rows(start["prompt"], hidden_size, None)
     prompt = SplitPrompt(layer, start["prompt"], num_tokens)
-    async with contextlib.aclosing(router.generate(rid, [], params, 0, prompt)) as stream:
-        async for out in stream:
-            token = pack(
-                "token",
-                token_ids=out["token_ids"],
-                text=out["text"],
-                finish_reason=out["finish_reason"],
-            )
-            await ws.send_bytes(token)
-            if out["finish_reason"] is not None:
-                return
-            msg = await _receive(ws, "hidden", cfg.receive_timeout_s)
-            _decode(msg["frame"], hidden_size, 1)
-            router.supply_hidden(rid, msg["frame"])
+    await _stream(ws, router, cfg, start, prompt, hidden_size)
 
 
 async def _run_prompt_only(
@@ -148,7 +133,7 @@ async def _run_prompt_only(
             "mode_unavailable",
             "prompt_only sessions need whole-model workers; this deployment runs split workers",
         )
-    mc = ModelConfig.from_dir(cfg.model_dir)
+    mc = _model_config(cfg.model_dir)
     k = start["split_layer"]
     if not 1 <= k < mc.num_layers:
         raise SessionError("bad_request", f"split_layer {k} is not in [1, {mc.num_layers})")
@@ -159,10 +144,23 @@ async def _run_prompt_only(
             f"the device's split fingerprint {start['fingerprint']!r} is not this model's "
             f"{fingerprint!r} at layer {k}: the device and the cloud hold different models",
         )
-    n = _decode(start["prompt"], mc.hidden_size, None).shape[0]
-    _decode(start["prompt_kv"], mc.num_kv_heads * mc.head_dim, 2 * k * n)
-    params = _params(start["params"], start["model"], n, cfg.max_model_len)
+    n = _rows(start["prompt"], mc.hidden_size, None)
+    _rows(start["prompt_kv"], mc.num_kv_heads * mc.head_dim, 2 * k * n)
     prompt = SplitPrompt(k, start["prompt"], n, early_kv=start["prompt_kv"])
+    await _stream(ws, router, cfg, start, prompt, mc.hidden_size)
+
+
+async def _stream(
+    ws: web.WebSocketResponse,
+    router: Router,
+    cfg: EdgeSettings,
+    start: dict[str, Any],
+    prompt: SplitPrompt,
+    hidden_size: int,
+) -> None:
+    """Streams the tokens to the device; in split mode, relays each token's hidden state
+    (checked for shape and size here, decoded only by the worker)."""
+    params = _params(start["params"], start["model"], prompt.num_tokens, cfg.max_model_len)
     rid = f"edge-{uuid.uuid4().hex}"
     async with contextlib.aclosing(router.generate(rid, [], params, 0, prompt)) as stream:
         async for out in stream:
@@ -175,6 +173,16 @@ async def _run_prompt_only(
             await ws.send_bytes(token)
             if out["finish_reason"] is not None:
                 return
+            if prompt.early_kv is not None:
+                continue  # prompt_only: the cloud decodes alone
+            msg = await _receive(ws, "hidden", cfg.receive_timeout_s)
+            _rows(msg["frame"], hidden_size, 1)
+            router.supply_hidden(rid, msg["frame"])
+
+
+@functools.lru_cache(maxsize=8)
+def _model_config(model_dir: Path) -> ModelConfig:
+    return ModelConfig.from_dir(model_dir)
 
 
 @functools.lru_cache(maxsize=64)
@@ -209,16 +217,17 @@ class _Gone(SessionError):
         super().__init__("closed", "the device closed the session")
 
 
-def _decode(frame: dict[str, Any], hidden_size: int, rows: int | None) -> Any:
+def _rows(frame: dict[str, Any], width: int, rows: int | None) -> int:
+    """The rows of a frame the router relays unread (the worker decodes and checks values)."""
     try:
-        hidden = hidden_codec.decode(frame, hidden_size)
+        got = hidden_codec.frame_rows(frame, width)
     except hidden_codec.CodecError as e:
         raise SessionError("bad_hidden_state", str(e)) from e
-    if rows is not None and hidden.shape[0] != rows:
+    if rows is not None and got != rows:
         raise SessionError(
-            "bad_hidden_state", f"expected {rows} rows of hidden state or KV, got {hidden.shape[0]}"
+            "bad_hidden_state", f"expected {rows} rows of hidden state or KV, got {got}"
         )
-    return hidden
+    return got
 
 
 def _params(raw: dict[str, Any], model: str, num_tokens: int, max_model_len: int) -> SamplingParams:

@@ -91,14 +91,19 @@ def encode(msg_type: str, **fields: Any) -> bytes:
     return msgpack.packb({"v": VERSION, "t": msg_type, **fields}, use_bin_type=True)
 
 
+def unpack_bounded(data: bytes, limit: int, what: str, error: type[ValueError]) -> Any:
+    """msgpack from the network, at most `limit` bytes (never pickle); raises `error`."""
+    if len(data) > limit:
+        raise error(f"{what} of {len(data)} bytes exceeds {limit}")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise error(f"not a msgpack {what}: {e}") from e
+
+
 def decode(frame: bytes) -> dict[str, Any]:
     """Parses and validates one frame; raises MessageError naming what is wrong."""
-    if len(frame) > MAX_FRAME_BYTES:
-        raise MessageError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
-    try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise MessageError(f"not a msgpack frame: {e}") from e
+    msg = unpack_bounded(frame, MAX_FRAME_BYTES, "frame", MessageError)
     if not isinstance(msg, dict):
         raise MessageError("a message must be a map")
     if msg.get("v") != VERSION:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -32,34 +31,6 @@ PROMPTS = [
     "Hi there",  # prefilled on the decode worker (short)
     "The account number 4411-2093 belongs to Ada; summarize her last three letters in detail.",
 ]
-
-
-@pytest.fixture(scope="module")
-def text_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
-    """A tiny random Llama whose vocabulary covers the default model's tokenizer, so the
-    device can tokenize real text."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-    )
-    dest = tmp_path_factory.mktemp("tiny-text-llama")
-    LlamaForCausalLM(config).eval().save_pretrained(dest)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, dest / name)
-    return dest
 
 
 @pytest.fixture(scope="module")
