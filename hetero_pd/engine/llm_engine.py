@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from hetero_pd.engine.kv_cache_manager import KVCacheManager
 from hetero_pd.engine.model_runner import KVAllocator, ModelRunner
 from hetero_pd.engine.request import Request, RequestStatus
 from hetero_pd.engine.sampler import advance_generator
-from hetero_pd.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from hetero_pd.engine.scheduler import Role, Scheduler, SchedulerConfig, SchedulerOutput
 from hetero_pd.engine.stop import StopChecker
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
@@ -27,7 +28,36 @@ from hetero_pd.outputs import CompletionOutput, RequestOutput
 from hetero_pd.sampling_params import SamplingParams
 
 MAX_DEFAULT_MODEL_LEN = 4096
+#: Steps in a row in which every request failed: then the engine itself is broken.
+MAX_FAILED_STEPS = 3
 LayerHookFactory = Callable[[SchedulerOutput], Callable[[int], None] | None]
+log = logging.getLogger("hetero_pd.engine")
+
+
+class EngineFault(RuntimeError):
+    """The engine itself failed (not one request): its process should be restarted."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailure:
+    """A request the engine ended because running it raised; the batch went on."""
+
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What is queued and running on an engine, and how full its KV cache is."""
+
+    waiting: int
+    running: int
+    remote: int  # decode: reservations waiting for KV from another worker
+    held: int  # prefill: finished prompts whose KV is being handed off
+    waiting_tokens: int  # prompt tokens not computed yet, over waiting requests
+    kv_usage: float
+    free_blocks: int
+    used_blocks: int
 
 
 @dataclass(slots=True)
@@ -87,6 +117,8 @@ class LLMEngine:
         self._states: dict[str, _OutputState] = {}
         self._prompts: dict[str, str] = {}
         self._ids = itertools.count()
+        self._failures: list[RequestFailure] = []
+        self._failed_steps = 0
 
     def _max_model_len(self, cfg: ModelConfig) -> int:
         limit = cfg.max_position_embeddings
@@ -278,6 +310,7 @@ class LLMEngine:
         priority: int,
     ) -> Request:
         params = params or SamplingParams()
+        self._check_params(params)
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self._check_token_ids(self.tokenize(prompt))
@@ -304,12 +337,59 @@ class LLMEngine:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         return list(prompt)
 
+    def _check_params(self, params: SamplingParams) -> None:
+        """Token ids in sampling parameters index the logits: they must be in the vocabulary."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids or [] if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self._states.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the engine still holds the request (queued, running, remote or held)."""
+        return request_id in self.scheduler.requests
+
+    def is_held(self, request_id: str) -> bool:
+        """Prefill role: whether the request's prompt is done and its KV held for hand-off."""
+        return request_id in self.scheduler.held
+
+    def held_blocks(self, request_id: str) -> tuple[list[int], int]:
+        """Prefill role: (block ids, prompt tokens) of a held request's KV."""
+        req = self.scheduler.held[request_id]
+        return list(req.block_ids), req.num_prompt_tokens
+
+    def load(self) -> EngineLoad:
+        s = self.scheduler
+        return EngineLoad(
+            waiting=len(s.waiting),
+            running=len(s.running),
+            remote=len(s.remote),
+            held=len(s.held),
+            waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+            kv_usage=round(self.kv.usage, 4),
+            free_blocks=self.kv.num_free_blocks,
+            used_blocks=self.kv.pool.counts()[2],
+        )
+
+    def switch_role(self, role: Role) -> None:
+        """Serve as `role` from now on; only an idle engine (nothing queued or held) may."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"an engine switches between prefill and decode, not {role!r}")
+        if self.has_unfinished_requests() or self.scheduler.held:
+            raise RuntimeError("the engine must be idle to switch roles")
+        self.config = replace(self.config, role=role)
+        self.scheduler.config = replace(self.scheduler.config, role=role)
+
+    def pop_failures(self) -> list[RequestFailure]:
+        """Requests ended because running them raised, since the last call."""
+        failures, self._failures = self._failures, []
+        return failures
 
     # -- one step ------------------------------------------------------------------------
     def step(self, layer_hook: LayerHookFactory | None = None) -> list[RequestOutput]:
@@ -320,11 +400,62 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out:
             return []
+        try:
+            outputs = self._run(out, layer_hook)
+        except Exception as e:  # find out whether one request caused it
+            log.warning(
+                "a step of %d requests failed (%r); running them one by one", len(out.chunks), e
+            )
+            outputs = self._run_each(out, layer_hook, e)
+        self._failed_steps = 0
+        return outputs
+
+    def _run(
+        self, out: SchedulerOutput, layer_hook: LayerHookFactory | None
+    ) -> list[RequestOutput]:
         on_layer_done = layer_hook(out) if layer_hook is not None else None
         sampled = self.runner.execute(out, on_layer_done)
         self.scheduler.update(out, sampled)
         reqs = {c.request.request_id: c.request for c in out.chunks}
-        return [self._make_output(reqs[rid], token) for rid, token in sampled.items()]
+        outputs = []
+        for rid, token in sampled.items():
+            try:
+                outputs.append(self._make_output(reqs[rid], token))
+            except Exception as e:  # this request's output only
+                self._fail(reqs[rid], e)
+        return outputs
+
+    def _run_each(
+        self, out: SchedulerOutput, layer_hook: LayerHookFactory | None, first: Exception
+    ) -> list[RequestOutput]:
+        """Reruns a failed step one request at a time (nothing of it was recorded, and
+        recomputing the same positions rewrites the same KV): the requests that fail alone
+        end with an error, the rest go on. When every request fails, again and again, the
+        fault is the engine's, not a request's."""
+        outputs: list[RequestOutput] = []
+        failed = 0
+        for chunk in out.chunks:
+            try:
+                outputs += self._run(SchedulerOutput([chunk]), layer_hook)
+            except Exception as e:  # this request only
+                self._fail(chunk.request, e)
+                failed += 1
+        if failed == len(out.chunks):
+            self._failed_steps += 1
+            if len(out.chunks) > 1 or self._failed_steps >= MAX_FAILED_STEPS:
+                raise EngineFault(
+                    f"every request of {self._failed_steps} step(s) failed"
+                ) from first
+        return outputs
+
+    def _fail(self, req: Request, error: Exception) -> None:
+        log.warning("request %s failed: %r", req.request_id, error)
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self._states.pop(req.request_id, None)
+        message = (
+            f"the engine could not run request {req.request_id}: {type(error).__name__}: {error}"
+        )
+        self._failures.append(RequestFailure(req.request_id, message))
 
     def _make_output(self, req: Request, token: int) -> RequestOutput:
         state = self._states[req.request_id]

@@ -33,6 +33,11 @@ class StopChecker:
     The result does not depend on how the text was split into deltas: the match reported is
     the one that ends first (then, among those, starts first), as if text came one character
     at a time.
+
+    Each stop string runs a KMP automaton over the text, fed only the characters added since
+    the last call (a text that does not extend the previous one is fed from its start), so a
+    request's whole output costs O(output length x number of stop strings), whatever the
+    stop strings' lengths.
     """
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
@@ -40,6 +45,9 @@ class StopChecker:
             raise ValueError(f"stop strings must be non-empty, got {list(stop)!r}")
         self.stop = list(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
+        self._automata = [_Automaton(s) for s in self.stop]
+        self._text = ""  # what the automata have consumed
+        self._matches: list[tuple[int, int, str]] = []  # (end, start, stop) in self._text
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> StopChecker:
@@ -53,25 +61,17 @@ class StopChecker:
     def check(self, text: str, new_text_len: int) -> StopMatch | None:
         """Look for a stop string that ends within the last ``new_text_len`` characters.
 
-        Only the tail that can hold a new match is searched (``new_text_len`` plus the stop
-        string's length minus one characters), so a call costs O(delta), not O(text).
         Returns where to truncate ``text`` (before the stop string, or after it when
         ``include_stop_str_in_output``), or ``None``.
         """
-        if new_text_len <= 0:
+        if new_text_len <= 0 or not self.stop:
             return None
-        best: tuple[int, int, str] | None = None  # (end, start, stop string)
-        for stop_str in self.stop:
-            search_from = max(0, len(text) - new_text_len - len(stop_str) + 1)
-            start = text.find(stop_str, search_from)
-            if start < 0:
-                continue
-            candidate = (start + len(stop_str), start, stop_str)
-            if best is None or candidate[:2] < best[:2]:
-                best = candidate
-        if best is None:
+        self._consume(text)
+        first_end = len(text) - new_text_len
+        found = [m for m in self._matches if m[0] > first_end]
+        if not found:
             return None
-        end, start, stop_str = best
+        end, start, stop_str = min(found)
         return StopMatch(stop_str, end if self.include_stop_str_in_output else start)
 
     def streamable_text_len(self, text: str) -> int:
@@ -82,15 +82,57 @@ class StopChecker:
         ``include_stop_str_in_output`` is set, since the text is kept either way. For a text
         that only grows and has no match, the result never decreases.
         """
-        if self.include_stop_str_in_output:
+        if self.include_stop_str_in_output or not self.stop:
             return len(text)
-        held = 0
-        for stop_str in self.stop:
-            for size in range(min(len(stop_str) - 1, len(text)), held, -1):
-                if text.endswith(stop_str[:size]):
-                    held = size
-                    break
-        return len(text) - held
+        self._consume(text)
+        return len(text) - max(a.state for a in self._automata)
+
+    def _consume(self, text: str) -> None:
+        if not text.startswith(self._text):
+            for automaton in self._automata:
+                automaton.state = 0
+            self._text, self._matches = "", []
+        start = len(self._text)
+        for automaton in self._automata:
+            for end in automaton.feed(text, start):
+                self._matches.append((end, end - len(automaton.stop), automaton.stop))
+        self._text = text
+
+
+class _Automaton:
+    """KMP matcher of one stop string; `state` is the length of the longest proper prefix
+    of the stop string that the text consumed so far ends with."""
+
+    __slots__ = ("fail", "state", "stop")
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.state = 0
+        # fail[i]: the longest proper prefix of stop[: i + 1] that is also its suffix.
+        self.fail = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self.fail[i] = k
+
+    def feed(self, text: str, start: int) -> list[int]:
+        """Consumes ``text[start:]``; returns where the matches in it end."""
+        stop, fail, state, n = self.stop, self.fail, self.state, len(self.stop)
+        ends = []
+        for i in range(start, len(text)):
+            c = text[i]
+            while state and stop[state] != c:
+                state = fail[state - 1]
+            if stop[state] == c:
+                state += 1
+            if state == n:
+                ends.append(i + 1)
+                state = fail[n - 1]
+        self.state = state
+        return ends
 
 
 def suppressed_token_ids(

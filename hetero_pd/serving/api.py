@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,27 @@ class ApiState:
     api_keys: tuple[str, ...] = ()
     #: The model folder (edge sessions in prompt_only mode check the device's split with it).
     model_dir: Path | None = None
+    #: A streaming client that has not taken a chunk for this long is cut off (its request
+    #: aborted, its slot freed).
+    write_timeout_s: float = 30.0
+    #: Kernel send buffer of a streaming response: what a client that stops reading can
+    #: leave queued before the write timeout starts counting.
+    stream_sndbuf_bytes: int = 64 * 1024
     created: int = field(default_factory=lambda: int(time.time()))
+    #: Parsing, chat templates and tokenization run here, off the event loop, one at a time
+    #: (a tokenizer object is not safe to share between threads).
+    tokenize_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="hetero-pd-tokenize")
+    )
+    #: Characters a prompt may have before it cannot fit in max_model_len tokens whatever
+    #: the text (set from the tokenizer's longest token); 0 = not known.
+    max_prompt_chars: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.max_prompt_chars:
+            vocab: dict[str, int] = getattr(self.tokenizer, "get_vocab", dict)()
+            longest = max((len(t) for t in vocab), default=0)
+            self.max_prompt_chars = self.max_model_len * longest if longest else 0
 
 
 @dataclass(slots=True)
@@ -163,7 +185,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 
 def _prompt_ids(state: ApiState, req: oai.GenerateRequest) -> list[int]:
-    ids = _tokenize(state.tokenizer, req)
+    ids = _tokenize(state, req)
     # Also for text: a tokenizer may know more tokens than the model has embeddings.
     bad = [t for t in ids if not 0 <= t < state.vocab_size]
     if bad:
@@ -176,18 +198,50 @@ def _prompt_ids(state: ApiState, req: oai.GenerateRequest) -> list[int]:
     return ids
 
 
-def _tokenize(tok: Any, req: oai.GenerateRequest) -> list[int]:
+def _tokenize(state: ApiState, req: oai.GenerateRequest) -> list[int]:
+    tok = state.tokenizer
     if req.kind == "chat":
         if not getattr(tok, "chat_template", None):
             raise oai.bad_request(
                 "this model has no chat template; use /v1/completions", "messages"
             )
+        assert req.messages is not None
+        _check_chars(state, sum(len(m["content"]) for m in req.messages), "messages")
         text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
         return list(tok.encode(text, add_special_tokens=False))
     if req.prompt_token_ids is not None:
         return list(req.prompt_token_ids)
     assert req.prompt is not None
+    _check_chars(state, len(req.prompt), "prompt")
     return list(tok.encode(req.prompt))
+
+
+def _check_chars(state: ApiState, chars: int, param: str) -> None:
+    """A text longer than this cannot fit, whatever it tokenizes to: refuse it before
+    spending seconds of tokenizer time on it."""
+    if state.max_prompt_chars and chars > state.max_prompt_chars:
+        raise oai.bad_request(
+            f"This model's maximum context length is {state.max_model_len} tokens; the "
+            f"{param} has {chars} characters, more than any {state.max_model_len} tokens "
+            f"can hold ({state.max_prompt_chars})",
+            param,
+            "context_length_exceeded",
+        )
+
+
+def _prepare(
+    state: ApiState, body: bytes, parse: Callable[[Any], oai.GenerateRequest]
+) -> tuple[oai.GenerateRequest, list[int]]:
+    """Parses, validates and tokenizes a request (on the tokenizer thread)."""
+    req = parse(oai.parse_json_body(body))
+    if req.model not in state.model_names:
+        raise oai.model_not_found(req.model)
+    oai.check_sampling_limits(req.params, state.vocab_size)
+    prompt_ids = _prompt_ids(state, req)
+    max_tokens = oai.check_context_length(req, len(prompt_ids), state.max_model_len)
+    if req.params.max_tokens is None:
+        req.params.max_tokens = max_tokens
+    return req, prompt_ids
 
 
 async def _generate(
@@ -195,9 +249,7 @@ async def _generate(
 ) -> web.StreamResponse:
     state = _state(request)
     oai.check_api_key(request.headers, state.api_keys)
-    req = parse(oai.parse_json_body(await request.read()))
-    if req.model not in state.model_names:
-        raise oai.model_not_found(req.model)
+    body = await request.read()
     split = state.router.split_info()
     if split is not None:
         raise oai.bad_request(
@@ -205,10 +257,8 @@ async def _generate(
             f"devices: connect with the edge client SDK (edge.EdgeClient) at {EDGE_PATH}",
             code="edge_only",
         )
-    prompt_ids = _prompt_ids(state, req)
-    max_tokens = oai.check_context_length(req, len(prompt_ids), state.max_model_len)
-    if req.params.max_tokens is None:
-        req.params.max_tokens = max_tokens
+    loop = asyncio.get_running_loop()
+    req, prompt_ids = await loop.run_in_executor(state.tokenize_pool, _prepare, state, body, parse)
     # aclosing: however the handler ends (a client disconnect cancels it wherever it is
     # awaiting), the router's generator is closed now, so its abort reaches the workers.
     async with contextlib.aclosing(
@@ -268,13 +318,13 @@ async def _stream(
     chat = req.kind == "chat"
     completion_tokens = 0
     outcome = "abort"
-    resp: web.StreamResponse | None = None
+    resp: _Stream | None = None
     try:
         async for msg in stream:
             if resp is None:
                 # Headers go out with the first token, so an early failure can still be a
                 # proper HTTP error status.
-                resp = await _open_stream(request)
+                resp = await _Stream.open(request, state)
                 if chat:
                     await resp.write(oai.sse(oai.chat_chunk(req, "", role="assistant")))
             timing.token()
@@ -296,24 +346,29 @@ async def _stream(
                 await resp.write(oai.sse(last))
                 outcome = finish if finish in ("stop", "length") else "abort"
         if resp is None:
-            resp = await _open_stream(request)
+            resp = await _Stream.open(request, state)
         if req.include_usage:
             await resp.write(oai.sse(oai.usage_chunk(req, prompt_tokens, completion_tokens)))
         await resp.write(oai.sse_done())
-        await resp.write_eof()
-        return resp
+        await resp.response.write_eof()
+        return resp.response
     except RouterError as e:
         outcome = _outcome(e)
         if resp is None:
             raise
         await resp.write(oai.sse(_api_error(e).to_json()))
         await resp.write(oai.sse_done())
-        return resp
-    except ConnectionResetError:
-        # The client went away while we wrote: an abort, not a server error (aiohttp would
-        # log a traceback for a raised one); the router's generator is closed by the caller.
+        return resp.response
+    except (ConnectionResetError, _SlowReader) as e:
+        # The client went away, or stopped reading: an abort, not a server error (aiohttp
+        # would log a traceback for a raised one); the router's generator is closed by the
+        # caller, which aborts the request on the workers.
+        if isinstance(e, _SlowReader):
+            log.warning("request %s: %s", req.request_id, e)
+            if request.transport is not None:
+                request.transport.abort()
         outcome = "abort"
-        return resp if resp is not None else web.StreamResponse()
+        return resp.response if resp is not None else web.StreamResponse()
     except asyncio.CancelledError:
         outcome = "abort"
         raise
@@ -321,9 +376,35 @@ async def _stream(
         _observe(state, timing, prompt_tokens, completion_tokens, outcome)
 
 
-async def _open_stream(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
-    await resp.prepare(request)
-    return resp
+class _SlowReader(Exception):
+    """A streaming client did not take a chunk within the write timeout."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    """An SSE response whose writes give up on a client that stops reading."""
+
+    response: web.StreamResponse
+    timeout_s: float
+
+    @classmethod
+    async def open(cls, request: web.Request, state: ApiState) -> _Stream:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        transport = request.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is not None and state.stream_sndbuf_bytes:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, state.stream_sndbuf_bytes)
+        return cls(resp, state.write_timeout_s)
+
+    async def write(self, data: bytes) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.response.write(data)
+        except TimeoutError:
+            raise _SlowReader(
+                f"the client took no data for {self.timeout_s}s; the request is aborted"
+            ) from None

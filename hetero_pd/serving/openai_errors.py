@@ -76,12 +76,49 @@ def server_error(message: str, status: int = 500) -> APIError:
     return APIError(status, message, "server_error", None, None)
 
 
+#: Deepest nesting of arrays and objects accepted in a request body.
+MAX_JSON_DEPTH = 32
+
+
 def parse_json_body(raw: bytes) -> Any:
-    """Decode a request body, answering 400 when it is not JSON."""
+    """Decode a request body, answering 400 when it is not JSON, nests deeper than
+    MAX_JSON_DEPTH, or holds a string that is not valid Unicode (a lone surrogate such as
+    ``"\\ud800"``, which JSON escapes can spell but no tokenizer or encoder accepts)."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad_request(f"The request body is not valid JSON: {e}") from e
+    except RecursionError:
+        raise bad_request(f"The request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    _check_json(body)
+    return body
+
+
+def _check_json(body: Any) -> None:
+    stack: list[tuple[Any, int, str]] = [(body, 0, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                where = f" at {path}" if path else ""
+                raise bad_request(
+                    f"The request body holds a string that is not valid Unicode{where} "
+                    "(a lone surrogate escape such as \\ud800)",
+                    path.split(".", 1)[0].split("[", 1)[0] or None,
+                ) from None
+            continue
+        if not isinstance(value, (list, dict)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise bad_request(f"The request body nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, depth + 1, path))
+                stack.append((item, depth + 1, f"{path}.{key}" if path else str(key)))
+        else:
+            stack.extend((item, depth + 1, f"{path}[{i}]") for i, item in enumerate(value))
 
 
 def check_api_key(headers: Mapping[str, str], keys: Collection[str]) -> None:

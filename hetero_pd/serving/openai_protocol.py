@@ -28,6 +28,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
+
 from hetero_pd.sampling_params import SamplingParams
 from hetero_pd.serving.openai_errors import (
     APIError,
@@ -61,6 +63,7 @@ from hetero_pd.serving.openai_responses import (
     usage,
     usage_chunk,
 )
+from hetero_pd.serving.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, WireParams
 
 __all__ = [
     "APIError",
@@ -70,6 +73,7 @@ __all__ = [
     "chat_response",
     "check_api_key",
     "check_context_length",
+    "check_sampling_limits",
     "completion_chunk",
     "completion_response",
     "model_not_found",
@@ -192,6 +196,23 @@ def check_context_length(req: GenerateRequest, num_prompt_tokens: int, max_model
     return room if asked is None else asked
 
 
+def check_sampling_limits(params: SamplingParams, vocab_size: int) -> None:
+    """400 for sampling values the workers could not take: token ids outside the model's
+    vocabulary, numbers beyond the control protocol's ranges (e.g. ``top_k: 2**70``)."""
+    bad = [t for t in params.stop_token_ids or [] if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(
+            f"'stop_token_ids' {[show(t) for t in bad[:5]]} are outside the model's "
+            f"vocabulary [0, {vocab_size})",
+            "stop_token_ids",
+        )
+    try:
+        msgspec.convert(msgspec.structs.asdict(WireParams.of(params)), WireParams)
+    except msgspec.ValidationError as e:
+        name = str(e).rsplit("$.", 1)[-1].split("[", 1)[0].split(".", 1)[0].rstrip("`")
+        raise bad_request(f"a sampling parameter is out of range: {e}", name or None) from None
+
+
 def _request(
     kind: RequestKind, b: dict[str, Any], max_tokens: int | None, **inputs: Any
 ) -> GenerateRequest:
@@ -244,6 +265,11 @@ def _sampling_params(b: dict[str, Any], max_tokens: int | None) -> SamplingParam
     stop = b.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         raise bad_request(f"'stop' must be a string or a list of strings, got {show(stop)}", "stop")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' holds {len(stops)} strings, at most {MAX_STOP_STRINGS}", "stop")
+    if any(isinstance(x, str) and len(x) > MAX_STOP_CHARS for x in stops):
+        raise bad_request(f"'stop' strings must be at most {MAX_STOP_CHARS} characters", "stop")
     kwargs["stop"] = stop
     ids = b.get("stop_token_ids")
     if ids is not None and not isinstance(ids, list):

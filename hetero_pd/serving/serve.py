@@ -87,6 +87,7 @@ async def serve(
             cfg.vocab_size,
             dep.router.api_keys,
             model_dir=Path(model_dir),
+            write_timeout_s=dep.router.write_timeout_s,
         )
         runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
         await runner.setup()

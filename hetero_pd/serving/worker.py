@@ -182,6 +182,10 @@ class Worker:
             if self.engine.has_unfinished_requests():
                 for out in self.engine.step(self._layer_hook):
                     self._on_output(out)
+                for failure in self.engine.pop_failures():
+                    self.pushes.cancel(failure.request_id)
+                    self._error(failure.request_id, "BAD_REQUEST", failure.message, False)
+                    self.owner.pop(failure.request_id, None)
             self.transfer.progress()
             self._expire_reservations()
             self._unfence()

@@ -1,0 +1,403 @@
+"""The control protocol between the router and its workers: every message a declared type.
+
+    router --(Hello | Generate | Reserve | Prefill | Hidden | KvReady | KvFailed | Abort
+              | Check | Shutdown | SwitchRole)--> worker
+    worker --(Ready | Heartbeat | Output | Reserved | KvFallback | PrefillDone | Error
+              | Integrity | Bye)--> router
+
+A frame is one msgpack map `{"v": 2, "t": <tag>, ...fields}`, decoded by `Codec` into
+exactly one of these `msgspec.Struct`s: unknown fields, wrong types, out-of-range numbers,
+over-long strings and lists are refused with a `MessageError` naming the field, before any
+object is built from it, so a frame can never grow the receiver's memory past a bound of
+its own size (no `Any`, no free-form maps). Never pickle.
+
+Errors travel as an `ErrorCode` (a wire number; recoverable or not), with the transfer
+engine's `StatusCode` number beside it when a KV transfer failed.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from hetero_pd.sampling_params import SamplingParams
+
+VERSION: Literal[2] = 2
+#: Largest control frame; a prompt's hidden states (edge) are the big ones.
+MAX_FRAME_BYTES = 64 * 2**20
+MAX_TOKENS = 1 << 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+
+Rid = Annotated[str, Meta(min_length=1, max_length=256)]
+Name = Annotated[str, Meta(max_length=256)]
+Text = Annotated[str, Meta(max_length=16 * 2**20)]
+Message = Annotated[str, Meta(max_length=16384)]
+TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
+TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_TOKENS)]
+Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Blob = Annotated[bytes, Meta(max_length=MAX_FRAME_BYTES)]
+Role = Literal["prefill", "decode", "both"]
+
+
+class MessageError(ValueError):
+    """A frame that is not a valid control message."""
+
+
+class ErrorCode(enum.IntEnum):
+    """Why a worker refused or ended a request; the value is the wire number."""
+
+    BAD_REQUEST = 1  # the request itself is invalid: fails the same anywhere
+    NO_FREE_BLOCKS = 2  # decode cannot hold the prompt now: back off and ask again
+    KV_FENCED = 3  # the previous attempt's blocks are still fenced: ask again shortly
+    DRAINING = 4  # the worker is stopping or switching roles
+    TRANSFER_FAILED = 5  # a KV transfer failed (`transfer_status` says how)
+    REQUEST_FAILED = 6  # the engine could not run this request (the batch went on)
+    UNKNOWN_REQUEST = 7  # no such request on the worker
+    OVERLOADED = 8  # the worker's outbound queue to this router is full
+    INTERNAL = 9  # a bug; the message names where
+
+    @property
+    def recoverable(self) -> bool:
+        """Whether asking again (or elsewhere) may succeed."""
+        return self in _RECOVERABLE
+
+
+_RECOVERABLE = frozenset(
+    {ErrorCode.NO_FREE_BLOCKS, ErrorCode.KV_FENCED, ErrorCode.DRAINING, ErrorCode.OVERLOADED}
+)
+
+
+class _Struct(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """A nested value of a message."""
+
+
+class _Msg(_Struct, tag_field="t", frozen=True, kw_only=True):
+    """A top-level message: a versioned, tagged map."""
+
+    v: Literal[2] = VERSION
+
+
+# -- values carried inside messages ----------------------------------------------------------
+class WireParams(_Struct, kw_only=True, frozen=True):
+    """`SamplingParams` on the wire, bounded; `to_params()` validates every value again."""
+
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: Annotated[int, Meta(ge=-1, lt=2**31)] = 0
+    min_p: float = 0.0
+    seed: int | None = None  # msgpack integers fit [-2**63, 2**64) already
+    stop: Annotated[
+        list[Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]],
+        Meta(max_length=MAX_STOP_STRINGS),
+    ] = []
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_STRINGS)] = []
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> WireParams:
+        stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+        fields = {f: getattr(params, f) for f in cls.__struct_fields__}
+        return cls(**{**fields, "stop": stop, "stop_token_ids": list(params.stop_token_ids or [])})
+
+    def to_params(self) -> SamplingParams:
+        """Raises ValueError naming the field when a value is not a valid sampling value."""
+        return SamplingParams(**msgspec.structs.asdict(self))
+
+
+class HiddenFrame(_Struct, kw_only=True, frozen=True):
+    """A `hetero_pd.hidden_codec` frame: hidden states (or early-layer KV) of some tokens."""
+
+    version: int
+    dtype: Name
+    shape: Annotated[list[Count], Meta(min_length=2, max_length=2)]
+    scale: Blob
+    data: Blob
+    outliers: Count
+    outlier_index: Blob
+    outlier_value: Blob
+
+    def as_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+    @classmethod
+    def of(cls, frame: dict[str, Any]) -> HiddenFrame:
+        return msgspec.convert(frame, cls)
+
+
+class EdgePrompt(_Struct, kw_only=True, frozen=True):
+    """A prompt from an edge device: layer `layer`'s input as hidden states; in
+    "prompt only" mode also the KV of the device's layers [0, layer) (`early_kv`)."""
+
+    hidden: HiddenFrame
+    early_kv: HiddenFrame | None = None
+    layer: Annotated[int, Meta(ge=0, lt=4096)] = 0
+
+
+class Blocks(_Struct, kw_only=True, frozen=True):
+    """Reserved destination blocks (`transfer.RemoteBlocks` on the wire)."""
+
+    rid: Rid
+    ep: Count
+    ids: Annotated[list[Annotated[int, Meta(ge=0, lt=2**31)]], Meta(max_length=MAX_TOKENS)]
+    reg: Name
+
+
+class WorkerInfo(_Struct, kw_only=True, frozen=True):
+    """What a worker is (sent in Ready); all empty until it has answered."""
+
+    address: Name = ""
+    transfer_address: Name = ""
+    model: Annotated[str, Meta(max_length=4096)] = ""
+    device: Name = ""
+    max_model_len: Count = 0
+    block_size: Count = 0
+    num_blocks: Count = 0
+    pid: Count = 0
+    start_layer: Count = 0
+    hidden_size: Count = 0
+    vocab_size: Count = 0
+    fingerprint: Name = ""
+
+
+class TransportCounters(_Struct, kw_only=True, frozen=True):
+    """One transport's counters of a worker's transfer engine (see transfer/README.md)."""
+
+    bytes_sent_total: Count = 0
+    bytes_received_total: Count = 0
+    transfers_started_total: Count = 0
+    transfers_done_total: Count = 0
+    transfers_failed_total: Count = 0
+    transfers_timed_out_total: Count = 0
+    transfers_received_total: Count = 0
+    retries_total: Count = 0
+    checksum_failures_total: Count = 0
+    lease_expiries_total: Count = 0
+    duplicates_total: Count = 0
+    stale_epoch_rejections_total: Count = 0
+
+    @classmethod
+    def of(cls, counters: dict[str, Any]) -> TransportCounters:
+        return cls(**{name: int(counters.get(name, 0)) for name in cls.__struct_fields__})
+
+
+class WorkerLoad(_Struct, kw_only=True, frozen=True):
+    """A worker's load, as its heartbeat reports it (the router's one view of it)."""
+
+    waiting: Count = 0
+    running: Count = 0
+    remote: Count = 0  # decode: reservations waiting for KV
+    held: Count = 0  # prefill: finished prompts whose KV is being handed off
+    waiting_tokens: Count = 0
+    kv_usage: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    free_blocks: Count = 0
+    draining: bool = False
+    kv_fallbacks: Count = 0
+    #: Control frames refused (failed authentication or not a valid message).
+    frames_rejected: Count = 0
+    #: The transfer engine's I/O thread is alive.
+    transfer_healthy: bool = True
+    #: The transfer engine's counters by transport (local, shm, tcp, ...).
+    transfer: Annotated[dict[Name, TransportCounters], Meta(max_length=16)] = {}
+
+
+class TransferStats(_Struct, kw_only=True, frozen=True):
+    bytes: Count = 0
+    seconds: Annotated[float, Meta(ge=0.0)] = 0.0
+    pushes: Count = 0
+
+
+# -- router -> worker ------------------------------------------------------------------------
+class Hello(_Msg, tag="hello", kw_only=True, frozen=True):
+    pass
+
+
+class Generate(_Msg, tag="generate", kw_only=True, frozen=True):
+    rid: Rid
+    prompt_ids: TokenIds
+    params: WireParams
+    priority: Annotated[int, Meta(ge=-(2**31), lt=2**31)] = 0
+    edge: EdgePrompt | None = None
+
+
+class Reserve(_Msg, tag="reserve", kw_only=True, frozen=True):
+    rid: Rid
+    prompt_ids: TokenIds
+    params: WireParams
+    priority: Annotated[int, Meta(ge=-(2**31), lt=2**31)] = 0
+    edge: EdgePrompt | None = None
+
+
+class Prefill(_Msg, tag="prefill", kw_only=True, frozen=True):
+    rid: Rid
+    prompt_ids: TokenIds
+    params: WireParams
+    priority: Annotated[int, Meta(ge=-(2**31), lt=2**31)] = 0
+    edge: EdgePrompt | None = None
+    dest_worker: Name
+    dest_address: Name
+    dest_blocks: Blocks
+
+
+class Hidden(_Msg, tag="hidden", kw_only=True, frozen=True):
+    """Split (edge) decoding: layer k's input for the request's newest token."""
+
+    rid: Rid
+    frame: HiddenFrame
+
+
+class KvReady(_Msg, tag="kv_ready", kw_only=True, frozen=True):
+    rid: Rid
+    first_token: TokenId
+
+
+class KvFailed(_Msg, tag="kv_failed", kw_only=True, frozen=True):
+    rid: Rid
+
+
+class Abort(_Msg, tag="abort", kw_only=True, frozen=True):
+    rid: Rid
+
+
+class Check(_Msg, tag="check", kw_only=True, frozen=True):
+    pass
+
+
+class Shutdown(_Msg, tag="shutdown", kw_only=True, frozen=True):
+    drain: bool = True
+
+
+class SwitchRole(_Msg, tag="switch_role", kw_only=True, frozen=True):
+    role: Literal["prefill", "decode"]
+
+
+# -- worker -> router ------------------------------------------------------------------------
+class Ready(_Msg, tag="ready", kw_only=True, frozen=True):
+    worker: Name
+    role: Role
+    info: WorkerInfo
+
+
+class Heartbeat(_Msg, tag="heartbeat", kw_only=True, frozen=True):
+    worker: Name
+    load: WorkerLoad
+
+
+class Output(_Msg, tag="output", kw_only=True, frozen=True):
+    """New tokens of a request. `seq` counts a request's outputs from 0: a gap means a
+    frame was lost, and the router fails the request instead of answering short."""
+
+    rid: Rid
+    seq: Count
+    text: Text
+    token_ids: TokenIds
+    finish_reason: Name | None = None
+    stop_reason: Annotated[str, Meta(max_length=MAX_STOP_CHARS)] | int | None = None
+    prompt_tokens: Count = 0
+    completion_tokens: Count = 0
+    cached_tokens: Count = 0
+
+
+class Reserved(_Msg, tag="reserved", kw_only=True, frozen=True):
+    rid: Rid
+    blocks: Blocks
+    cached_tokens: Count = 0
+
+
+class KvFallback(_Msg, tag="kv_fallback", kw_only=True, frozen=True):
+    """The reserved KV did not arrive whole: the decode worker computes the prompt."""
+
+    rid: Rid
+
+
+class PrefillDone(_Msg, tag="prefill_done", kw_only=True, frozen=True):
+    rid: Rid
+    first_token: TokenId
+    transfer: TransferStats
+
+
+class Error(_Msg, tag="error", kw_only=True, frozen=True):
+    rid: Annotated[str, Meta(max_length=256)]
+    code: ErrorCode
+    message: Message
+    #: `transfer.StatusCode.number` when `code` is TRANSFER_FAILED.
+    transfer_status: Count | None = None
+
+    @property
+    def recoverable(self) -> bool:
+        if self.code is ErrorCode.TRANSFER_FAILED and self.transfer_status is not None:
+            from transfer import StatusCode
+
+            return StatusCode.from_number(self.transfer_status).recoverable
+        return self.code.recoverable
+
+
+class Integrity(_Msg, tag="integrity", kw_only=True, frozen=True):
+    ok: bool
+    used_blocks: int
+    message: Message
+
+
+class Bye(_Msg, tag="bye", kw_only=True, frozen=True):
+    worker: Name
+
+
+ToWorker = (
+    Hello
+    | Generate
+    | Reserve
+    | Prefill
+    | Hidden
+    | KvReady
+    | KvFailed
+    | Abort
+    | Check
+    | Shutdown
+    | SwitchRole
+)
+ToRouter = (
+    Ready | Heartbeat | Output | Reserved | KvFallback | PrefillDone | Error | Integrity | Bye
+)
+#: Messages that start a request on a worker.
+RequestStart = Generate | Reserve | Prefill
+
+
+class Codec:
+    """Encodes messages; decodes frames of one direction with all the bounds above."""
+
+    def __init__(self, accepts: Any, max_bytes: int = MAX_FRAME_BYTES) -> None:
+        self._decoder = msgspec.msgpack.Decoder(accepts)
+        self._encoder = msgspec.msgpack.Encoder()
+        self.max_bytes = max_bytes
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        return self._encoder.encode(msg)
+
+    def decode(self, frame: bytes | memoryview) -> Any:
+        """One message from one frame; raises MessageError naming what is wrong."""
+        if len(frame) > self.max_bytes:
+            raise MessageError(f"frame of {len(frame)} bytes exceeds {self.max_bytes}")
+        try:
+            return self._decoder.decode(frame)
+        except msgspec.ValidationError as e:
+            raise MessageError(f"invalid message: {e}") from None
+        except msgspec.DecodeError as e:
+            raise MessageError(f"not a msgpack message: {e}") from None
+
+
+def worker_codec() -> Codec:
+    """The worker's codec: decodes what routers send."""
+    return Codec(ToWorker)
+
+
+def router_codec() -> Codec:
+    """The router's codec: decodes what workers send."""
+    return Codec(ToRouter)

@@ -1,0 +1,167 @@
+"""A hostile or careless client can fail its own request, never a worker or the router:
+token ids outside the vocabulary, integers past every range, lone surrogates, deeply nested
+JSON, floods of stop strings, prompts of megabytes, and streaming clients that stop
+reading."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import statistics
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from hetero_pd.serving.testing import Stack, deployment, running_stack, wait_gone
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir: Path) -> Iterator[Stack]:
+    dep = deployment(tiny_llama_dir, router={"write_timeout_s": 1.0})
+    with running_stack(dep) as s:
+        yield s
+
+
+def post(stack: Stack, path: str, body: bytes | dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(
+        f"{stack.url}{path}", data=data, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def completion(stack: Stack, **fields: Any) -> dict[str, Any]:
+    return {"model": stack.dep.model, "prompt": [1, 2, 3], "max_tokens": 4, **fields}
+
+
+def assert_400(stack: Stack, body: bytes | dict[str, Any], param: str | None) -> str:
+    status, answer = post(stack, "/v1/completions", body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param, answer
+    return str(answer["error"]["message"])
+
+
+def test_stop_ids_outside_the_vocabulary_never_reach_a_worker(stack: Stack) -> None:
+    """Each of these once killed the decode worker (the sampler indexed the logits out of
+    range); more of them than the supervisor's restart budget left it down for good."""
+    pids = dict(stack.launcher.pids()) if stack.launcher else {}
+    budget = stack.dep.supervisor.max_restarts
+    for _ in range(budget + 3):
+        message = assert_400(
+            stack, completion(stack, stop_token_ids=[1_000_000], min_tokens=1), "stop_token_ids"
+        )
+        assert "vocabulary" in message
+    assert_400(stack, completion(stack, stop_token_ids=[2**64]), "stop_token_ids")
+    assert_400(stack, completion(stack, top_k=2**70), "top_k")
+    assert_400(stack, completion(stack, seed=2**64), "seed")
+    assert stack.launcher is not None and stack.launcher.pids() == pids
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    r = client.completions.create(model=stack.dep.model, prompt=[1, 2, 3], max_tokens=4)
+    assert r.usage is not None and r.usage.completion_tokens == 4
+
+
+def test_lone_surrogates_are_400s(stack: Stack) -> None:
+    prompt = b'{"model": "%s", "prompt": "caf\\ud800", "max_tokens": 2}' % stack.dep.model.encode()
+    assert "Unicode" in assert_400(stack, prompt, "prompt")
+    stop = json.dumps(completion(stack)).replace(
+        '"max_tokens"', '"stop": ["\\udfff"], "max_tokens"'
+    )
+    assert_400(stack, stop.encode(), "stop")
+    chat = (
+        b'{"model": "%s", "messages": [{"role": "user", "content": "\\udc00hi"}]}'
+        % stack.dep.model.encode()
+    )
+    status, answer = post(stack, "/v1/chat/completions", chat)
+    assert status == 400 and answer["error"]["param"] == "messages", answer
+
+
+def test_deeply_nested_json_is_a_400(stack: Stack) -> None:
+    depth = 200_000
+    body = b'{"model": "m", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
+    assert "nests deeper" in assert_400(stack, body, None)
+
+
+def test_stop_string_floods_are_refused(stack: Stack) -> None:
+    flood = completion(stack, stop=["x" * 16384] * 1000)
+    assert "at most" in assert_400(stack, flood, "stop")
+    assert "characters" in assert_400(stack, completion(stack, stop=["y" * 5000]), "stop")
+
+
+def test_the_router_loop_answers_while_megabyte_prompts_arrive(stack: Stack) -> None:
+    """Tokenizing 1.8 MB on the event loop once stalled every stream and heartbeat for a
+    second; now it happens on a tokenizer thread, and a prompt that cannot fit is refused
+    from its length in characters before any tokenizer time is spent."""
+    huge = completion(stack, prompt="hello world " * 150_000)
+
+    async def run() -> tuple[list[float], list[int]]:
+        loop = asyncio.get_running_loop()
+        posts = [loop.run_in_executor(None, post, stack, "/v1/completions", huge) for _ in range(4)]
+        latencies = []
+        while not all(p.done() for p in posts) or len(latencies) < 10:
+            t0 = time.perf_counter()
+            await loop.run_in_executor(None, _get, f"{stack.url}/health?live=1")
+            latencies.append(time.perf_counter() - t0)
+        return latencies, [(await p)[0] for p in posts]
+
+    latencies, statuses = asyncio.run(run())
+    assert statuses == [400] * 4
+    assert statistics.median(latencies) < 0.1, latencies
+    assert max(latencies) < 0.5, latencies
+
+
+def test_a_streaming_client_that_stops_reading_loses_its_slot(stack: Stack) -> None:
+    """A client that stops reading a stream is cut off once its writes stall: the request
+    is aborted (not generated to its end into socket buffers) and its slot freed."""
+    router = stack.router
+    assert router is not None
+    ended = {o: stack.metric("hetero_pd_requests_total", outcome=o) for o in ("abort", "length")}
+    body = json.dumps(
+        completion(stack, stream=True, max_tokens=1000, ignore_eos=True, temperature=0)
+    ).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    host, port = stack.url.removeprefix("http://").rsplit(":", 1)
+    sock.connect((host, int(port)))
+    try:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + b"Content-Length: %d\r\n\r\n" % len(body)
+            + body
+        )
+        sock.recv(1024)  # the headers and first chunks arrive; then it reads nothing more
+        deadline = time.monotonic() + 60
+        while stack.call(_inflight(router)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert stack.call(_inflight(router)) == 0, "the stalled stream still holds its slot"
+    finally:
+        sock.close()
+    assert stack.metric("hetero_pd_requests_total", outcome="abort") == ended["abort"] + 1
+    assert stack.metric("hetero_pd_requests_total", outcome="length") == ended["length"]
+    stack.wait_idle()
+
+
+async def _inflight(router: Any) -> int:
+    return len(router._queues)
+
+
+def _get(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return int(resp.status)
+
+
+def test_workers_survive_everything_above(stack: Stack) -> None:
+    assert stack.launcher is not None
+    pids = list(stack.launcher.pids().values())
+    assert wait_gone(pids, 0.0) == pids  # all still running
+    stack.wait_idle()
