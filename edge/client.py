@@ -23,8 +23,17 @@ import aiohttp
 import torch
 
 from edge.codec import encode
-from edge.protocol import MODES, PATH, ProtocolError, pack, unpack
 from edge.runtime import EdgeRuntime
+from hetero_pd.serving.edge_protocol import (
+    MODES,
+    PATH,
+    EdgeParams,
+    ErrorMsg,
+    ProtocolError,
+    Token,
+    pack,
+    unpack,
+)
 
 #: Text, chat messages (through the model's chat template) or token ids.
 Prompt = str | list[dict[str, str]] | list[int]
@@ -124,29 +133,35 @@ class EdgeClient:
         async for msg in self._session(
             prompt, max_tokens=max_tokens, temperature=temperature, **params
         ):
-            if msg["text"]:
-                yield msg["text"]
+            if msg.text:
+                yield msg.text
 
     async def complete(self, prompt: Prompt, **params: Any) -> EdgeCompletion:
         """Runs a session to its end; the text, token ids and finish reason."""
         done = EdgeCompletion()
         start = time.perf_counter()
         async for msg in self._session(prompt, **params):
-            done.token_times_s.extend([time.perf_counter() - start] * len(msg["token_ids"]))
-            done.text += msg["text"]
-            done.token_ids.extend(msg["token_ids"])
-            done.finish_reason = msg["finish_reason"]
+            done.token_times_s.extend([time.perf_counter() - start] * len(msg.token_ids))
+            done.text += msg.text
+            done.token_ids.extend(msg.token_ids)
+            done.finish_reason = msg.finish_reason
         return done
 
     async def generate(self, prompt: Prompt, **params: Any) -> str:
         return (await self.complete(prompt, **params)).text
 
-    async def _session(self, prompt: Prompt, **params: Any) -> AsyncIterator[dict[str, Any]]:
+    async def _session(self, prompt: Prompt, **params: Any) -> AsyncIterator[Token]:
         """Yields the cloud's token messages; after each unfinished one, this device runs its
         layers on the sampled token and sends that hidden state back."""
         rt = self.runtime
         ids = _prompt_ids(rt, prompt)
         wire_params = {"max_tokens": 64, "temperature": 0.0, **params}
+        unknown = sorted(set(wire_params) - set(EdgeParams.__struct_fields__))
+        if unknown:
+            allowed = sorted(EdgeParams.__struct_fields__)
+            raise EdgeError(
+                "bad_request", f"unknown sampling parameter(s) {unknown}; allowed: {allowed}"
+            )
         ws, session = await self._connect()
         try:
             extra: dict[str, Any] = {}
@@ -155,29 +170,33 @@ class EdgeClient:
                 kv = torch.stack([rt.past_k, rt.past_v], dim=1)  # [k, 2, n, kv_heads, head_dim]
                 flat = kv.reshape(-1, kv.shape[-2] * kv.shape[-1])
                 extra = {"mode": "prompt_only", "prompt_kv": encode(flat, self.codec)}
-            start = pack(
-                "start",
-                model=self.model,
-                split_layer=self.split_layer,
-                fingerprint=rt.fingerprint(),
-                params=wire_params,
-                prompt=prompt_frame,
-                **extra,
-            )
+            try:
+                start = pack(
+                    "start",
+                    model=self.model,
+                    split_layer=self.split_layer,
+                    fingerprint=rt.fingerprint(),
+                    params=wire_params,
+                    prompt=prompt_frame,
+                    **extra,
+                )
+            except ProtocolError as e:
+                raise EdgeError("bad_request", str(e)) from e
             await self._send(ws, start)
             while True:
                 msg = await self._receive(ws)
-                if msg["t"] == "error":
-                    cls = EdgeMismatchError if msg["code"] == "fingerprint_mismatch" else EdgeError
-                    raise cls(msg["code"], msg["message"])
-                if msg["t"] != "token":
-                    raise EdgeError("protocol", f"unexpected {msg['t']!r} message from the cloud")
+                if isinstance(msg, ErrorMsg):
+                    cls = EdgeMismatchError if msg.code == "fingerprint_mismatch" else EdgeError
+                    raise cls(msg.code, msg.message)
+                if not isinstance(msg, Token):
+                    name = type(msg).__struct_config__.tag
+                    raise EdgeError("protocol", f"unexpected {name!r} message from the cloud")
                 yield msg
-                if msg["finish_reason"] is not None:
+                if msg.finish_reason is not None:
                     return
                 if self.mode == "prompt_only":
                     continue  # the cloud decodes alone
-                for token in msg["token_ids"]:
+                for token in msg.token_ids:
                     row = rt.step(int(token))
                     await self._send(ws, pack("hidden", frame=encode(row, self.codec)))
         finally:
@@ -216,7 +235,7 @@ class EdgeClient:
             self.tap(data)
         await ws.send_bytes(data)
 
-    async def _receive(self, ws: aiohttp.ClientWebSocketResponse) -> dict[str, Any]:
+    async def _receive(self, ws: aiohttp.ClientWebSocketResponse) -> Any:
         try:
             msg = await ws.receive(timeout=self.timeout_s)
         except TimeoutError:

@@ -26,8 +26,9 @@ import aiohttp
 from hetero_pd.bench import datasets as ds
 from hetero_pd.bench.metrics import SLO, compute_metrics, latency_stats
 from hetero_pd.bench.runner import RunConfig, run_benchmark
+from hetero_pd.deploy.schema import Deployment
+from hetero_pd.deploy.sections import RouterSpec, WorkerSpec
 from hetero_pd.models.fetch import resolve_model
-from hetero_pd.serving.deploy_config import Deployment, RouterSpec, WorkerSpec
 from hetero_pd.serving.serve import serve
 
 

@@ -20,9 +20,9 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from hetero_pd.deploy.sections import SupervisorSpec
+from hetero_pd.serving import protocol as P
 
 log = logging.getLogger("hetero_pd.controller")
 COOLDOWN_INTERVALS = 3
@@ -40,16 +40,9 @@ class WorkerLoad:
     running: int = 0
 
     @classmethod
-    def of(cls, worker_id: str, role: str, load: dict[str, Any]) -> WorkerLoad:
-        """From a worker's heartbeat `load` mapping."""
-        return cls(
-            worker_id,
-            role,
-            int(load.get("waiting_tokens", 0)),
-            int(load.get("waiting", 0)),
-            int(load.get("remote", 0)),
-            int(load.get("running", 0)),
-        )
+    def of(cls, worker_id: str, role: str, load: P.WorkerLoad) -> WorkerLoad:
+        """From a worker's heartbeat load."""
+        return cls(worker_id, role, load.waiting_tokens, load.waiting, load.remote, load.running)
 
 
 @dataclass(frozen=True, slots=True)

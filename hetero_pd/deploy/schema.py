@@ -1,6 +1,6 @@
 """A deployment described in YAML (schema version 1), loaded into typed, frozen objects.
 
-This is the one schema: `hetero_pd.serving.deploy_config` re-exports it. Loading checks
+This is the one schema of a deployment file. Loading checks
 everything that needs no hardware and no model (keys, types, ranges, roles, device syntax,
 device assignment, ports); `hetero_pd.deploy.validate` adds the checks against a host.
 

@@ -122,6 +122,9 @@ class SupervisorSpec:
     backoff_max_s: float = opt(30.0, lo=0.0)
     ready_timeout_s: float = opt(300.0, lo=1.0)
     stop_grace_s: float = opt(10.0, lo=0.0)
+    hang_timeout_s: float = opt(
+        20.0, lo=0.5, doc="a live process silent this long (stopped, deadlocked) is restarted"
+    )
     role_switch: bool = opt(False, doc="move workers between prefill and decode on load")
     switch_interval_s: float = opt(10.0, lo=0.1)
     switch_imbalance: float = opt(4.0, lo=1.0, doc="queue ratio that triggers a switch")

@@ -5,6 +5,9 @@
                  ──> respawn: a new process, READY, router.add_worker() replaces the client
                  ──> back in rotation
     more than max_restarts exits within window_s: it stays down (and /health says so)
+    worker alive but silent (no heartbeat for hang_timeout_s: SIGSTOPped, deadlocked)
+                 ──> SIGKILL, then the same restart path
+
 
 Each worker has its own task waiting on its process, so nothing polls. The state of every
 worker (pid, restarts, running / restarting / down) is kept in `states` for /health.
@@ -15,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,6 +65,8 @@ class Processes(Protocol):
 class Router(Protocol):
     def mark_dead(self, worker_id: str) -> None: ...
 
+    def silent_for(self, worker_id: str) -> float | None: ...
+
 
 class Supervisor:
     """Restarts crashed workers of `procs` per `spec`; `stop()` before stopping them."""
@@ -82,6 +89,23 @@ class Supervisor:
         for wid in worker_ids:
             self.states[wid] = {"state": "running", "restarts": 0, "pid": self.procs.pid(wid)}
             self._tasks[wid] = asyncio.create_task(self._supervise(wid))
+        self._tasks["<hangs>"] = asyncio.create_task(self._watch_hangs())
+
+    async def _watch_hangs(self) -> None:
+        """Kills a running worker that stopped talking (it then restarts as if it crashed):
+        a stopped or deadlocked process would otherwise hold its slot forever."""
+        limit = self.policy.spec.hang_timeout_s
+        while True:
+            await asyncio.sleep(limit / 4)
+            for wid, state in self.states.items():
+                silent = self.router.silent_for(wid)
+                pid = self.procs.pid(wid)
+                if state["state"] != "running" or silent is None or silent < limit or not pid:
+                    continue
+                log.error("worker %s (pid %s) silent for %.1f s; killing it", wid, pid, silent)
+                state["state"] = "hung"
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
     async def _supervise(self, wid: str) -> None:
         state = self.states[wid]

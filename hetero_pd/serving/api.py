@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from hetero_pd.serving import openai_protocol as oai
@@ -139,32 +140,45 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    """Readiness: 200 while a decode-capable worker is live, else 503; both list every
-    worker (role, device, pid, liveness, load, supervisor state). `?live=1` is liveness:
-    200 whenever this process answers (Kubernetes must not restart a router that is only
-    waiting for its workers)."""
-    router = _state(request).router
+    """Readiness: 200 while a decode-capable worker is live, else 503; with the API key
+    (when keys are set) the answer also lists every worker (role, device, pid, liveness,
+    load, supervisor state). `?live=1` is liveness: 200 whenever this process answers
+    (Kubernetes must not restart a router that is only waiting for its workers)."""
+    state = _state(request)
+    router = state.router
     if request.query.get("live"):
         return web.json_response({"status": "alive"})
-    workers = {
-        w.id: {
-            "role": w.role,
-            "device": w.info.get("device"),
-            "pid": w.info.get("pid"),
-            "alive": w.alive,
-            "load": {k: v for k, v in w.load.items() if k != "transfer"},
-            **router.supervision.get(w.id, {}),
-        }
-        for w in router.workers.values()
-    }
     ok = bool(router.live("decode", "both"))
-    return web.json_response(
-        {"status": "ok" if ok else "unavailable", "workers": workers}, status=200 if ok else 503
-    )
+    body: dict[str, Any] = {"status": "ok" if ok else "unavailable"}
+    if _authorized(request, state):
+        body["workers"] = {
+            w.id: {
+                "role": w.role,
+                "device": w.info.device,
+                "pid": w.info.pid,
+                "alive": w.alive,
+                "load": {
+                    k: v for k, v in msgspec.structs.asdict(w.load).items() if k != "transfer"
+                },
+                **router.supervision.get(w.id, {}),
+            }
+            for w in router.workers.values()
+        }
+    return web.json_response(body, status=200 if ok else 503)
+
+
+def _authorized(request: web.Request, state: ApiState) -> bool:
+    try:
+        oai.check_api_key(request.headers, state.api_keys)
+    except oai.APIError:
+        return False
+    return True
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    router = _state(request).router
+    state = _state(request)
+    oai.check_api_key(request.headers, state.api_keys)
+    router = state.router
     router.refresh_metrics()
     body, content_type = router.metrics.render()
     return web.Response(body=body, headers={"Content-Type": content_type})
@@ -172,7 +186,9 @@ async def _metrics(request: web.Request) -> web.Response:
 
 async def _edge_session(request: web.Request) -> web.StreamResponse:
     state = _state(request)
-    cfg = EdgeSettings(state.model_names, state.max_model_len, state.api_keys, state.model_dir)
+    cfg = EdgeSettings(
+        state.model_names, state.max_model_len, state.vocab_size, state.api_keys, state.model_dir
+    )
     return await serve_session(request, state.router, cfg)
 
 
@@ -293,10 +309,10 @@ async def _collect(
     try:
         async for msg in stream:
             timing.token()
-            parts.append(msg["text"])
-            completion_tokens = msg["completion_tokens"]
-            if msg["finish_reason"] is not None:
-                finish = msg["finish_reason"]
+            parts.append(msg.text)
+            completion_tokens = msg.completion_tokens
+            if msg.finish_reason is not None:
+                finish = msg.finish_reason
         outcome = finish if finish in ("stop", "length") else "abort"
     except RouterError as e:
         outcome = _outcome(e)
@@ -328,13 +344,11 @@ async def _stream(
                 if chat:
                     await resp.write(oai.sse(oai.chat_chunk(req, "", role="assistant")))
             timing.token()
-            completion_tokens = msg["completion_tokens"]
-            finish = msg["finish_reason"]
-            if msg["text"] or finish is None:
+            completion_tokens = msg.completion_tokens
+            finish = msg.finish_reason
+            if msg.text or finish is None:
                 chunk = (
-                    oai.chat_chunk(req, msg["text"])
-                    if chat
-                    else oai.completion_chunk(req, msg["text"])
+                    oai.chat_chunk(req, msg.text) if chat else oai.completion_chunk(req, msg.text)
                 )
                 await resp.write(oai.sse(chunk))
             if finish is not None:

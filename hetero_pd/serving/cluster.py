@@ -17,12 +17,12 @@ import time
 
 from backends import parse_device_spec
 from hetero_pd.deploy import k8s
+from hetero_pd.deploy.schema import Deployment
 from hetero_pd.deploy.workers import WorkerInstance
 from hetero_pd.models.config import ModelConfig
-from hetero_pd.serving.deploy_config import Deployment
 from hetero_pd.serving.launcher import worker_config
 from hetero_pd.serving.router import Router
-from hetero_pd.serving.worker import WorkerConfig
+from hetero_pd.serving.worker_config import WorkerConfig
 
 log = logging.getLogger("hetero_pd.cluster")
 

@@ -13,38 +13,32 @@ Default ("split") mode:
 for the prompt; whole-model workers run [k, L) on the prompt and then decode alone, so the
 device sends nothing after `start` (and the cloud holds early-layer KV of the prompt).
 
-A frame is `hetero_pd.hidden_codec.encode(...)`: neither the prompt's text nor its token ids
-are ever sent. Every message is validated here before use.
+A frame is `hetero_pd.hidden_codec.encode(...)` (`protocol.HiddenFrame`): neither the
+prompt's text nor its token ids are ever sent. Every message is one declared type, decoded
+with the same bounds as the control protocol (`hetero_pd.serving.protocol`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-import msgpack
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
 
-from hetero_pd.serving.messages import unpack_bounded
+from hetero_pd.serving.protocol import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    HiddenFrame,
+    Message,
+    Name,
+    Text,
+    TokenId,
+    TokenIds,
+)
 
-VERSION = 1
+VERSION: Literal[1] = 1
 MAX_MESSAGE_BYTES = 64 * 2**20
 PATH = "/v1/edge/session"
-
-_SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "start": {
-        "model": str,
-        "split_layer": int,
-        "fingerprint": str,
-        "params": dict,
-        "prompt": dict,
-    },
-    "hidden": {"frame": dict},
-    "token": {"token_ids": list, "text": str, "finish_reason": (str, type(None))},
-    "error": {"code": str, "message": str},
-}
-# Fields a message may carry. `mode`: "split" (default: the cloud runs layers [k, L) for every
-# token, the device sends each token's hidden state) or "prompt_only" (the device sends the
-# KV of its layers [0, k) for the prompt as `prompt_kv`, and the cloud decodes alone).
-_OPTIONAL: dict[str, dict[str, type]] = {"start": {"mode": str, "prompt_kv": dict}}
 MODES = ("split", "prompt_only")
 
 
@@ -52,39 +46,105 @@ class ProtocolError(ValueError):
     """A message that is not valid in the edge session protocol."""
 
 
+class EdgeParams(
+    msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True, omit_defaults=True
+):
+    """The sampling fields a session may set (as in /v1/completions); unset ones default."""
+
+    max_tokens: Annotated[int, Meta(ge=1, lt=2**31)] | UnsetType = UNSET
+    temperature: float | UnsetType = UNSET
+    top_p: float | UnsetType = UNSET
+    min_p: float | UnsetType = UNSET
+    top_k: Annotated[int, Meta(ge=-1, lt=2**31)] | UnsetType = UNSET
+    seed: int | UnsetType = UNSET
+    min_tokens: Annotated[int, Meta(ge=0, lt=2**31)] | UnsetType = UNSET
+    ignore_eos: bool | UnsetType = UNSET
+    skip_special_tokens: bool | UnsetType = UNSET
+    include_stop_str_in_output: bool | UnsetType = UNSET
+    stop: (
+        Annotated[
+            list[Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]],
+            Meta(max_length=MAX_STOP_STRINGS),
+        ]
+        | UnsetType
+    ) = UNSET
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_STRINGS)] | UnsetType = UNSET
+
+    def given(self) -> dict[str, Any]:
+        """The fields the device set."""
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not UNSET}
+
+
+class _EdgeMsg(
+    msgspec.Struct,
+    tag_field="t",
+    forbid_unknown_fields=True,
+    frozen=True,
+    kw_only=True,
+    omit_defaults=True,
+):
+    v: Literal[1]
+
+
+class Start(_EdgeMsg, tag="start", frozen=True, kw_only=True):
+    model: Annotated[str, Meta(max_length=4096)]
+    split_layer: Annotated[int, Meta(ge=0, lt=4096)]
+    fingerprint: Name
+    params: EdgeParams
+    prompt: HiddenFrame
+    mode: Literal["split", "prompt_only"] = "split"
+    prompt_kv: HiddenFrame | None = None
+
+    def __post_init__(self) -> None:
+        if (self.mode == "prompt_only") != (self.prompt_kv is not None):
+            raise ValueError("prompt_kv is sent in prompt_only mode, and only then")
+
+
+class HiddenMsg(_EdgeMsg, tag="hidden", frozen=True, kw_only=True):
+    frame: HiddenFrame
+
+
+class Token(_EdgeMsg, tag="token", frozen=True, kw_only=True):
+    token_ids: TokenIds
+    text: Text
+    finish_reason: Name | None = None
+
+
+class ErrorMsg(_EdgeMsg, tag="error", frozen=True, kw_only=True):
+    code: Name
+    message: Message
+
+
+EdgeMessage = Start | HiddenMsg | Token | ErrorMsg
+_TYPES: dict[str, type[msgspec.Struct]] = {
+    "start": Start,
+    "hidden": HiddenMsg,
+    "token": Token,
+    "error": ErrorMsg,
+}
+_decoder = msgspec.msgpack.Decoder(EdgeMessage)
+_encoder = msgspec.msgpack.Encoder()
+
+
 def pack(msg_type: str, **fields: Any) -> bytes:
-    if msg_type not in _SCHEMAS:
+    """One message of `msg_type`; nested values may be plain dicts (frames, params)."""
+    cls = _TYPES.get(msg_type)
+    if cls is None:
         raise ProtocolError(f"unknown message type {msg_type!r}")
-    return msgpack.packb({"v": VERSION, "t": msg_type, **fields}, use_bin_type=True)
+    try:
+        msg = msgspec.convert({"v": VERSION, **fields}, cls)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"{msg_type}: {e}") from None
+    return _encoder.encode(msg)
 
 
-def unpack(data: bytes) -> dict[str, Any]:
+def unpack(data: bytes) -> EdgeMessage:
     """Parses and validates one message; raises ProtocolError naming what is wrong."""
-    msg = unpack_bounded(data, MAX_MESSAGE_BYTES, "message", ProtocolError)
-    if not isinstance(msg, dict) or msg.get("v") != VERSION:
-        raise ProtocolError(f"expected a version {VERSION} message map")
-    schema = _SCHEMAS.get(msg.get("t"))  # type: ignore[arg-type]
-    if schema is None:
-        raise ProtocolError(f"unknown message type {msg.get('t')!r}")
-    for name, types in schema.items():
-        value = msg.get(name)
-        if name not in msg or not isinstance(value, types) or isinstance(value, bool):
-            raise ProtocolError(f"{msg['t']}: field {name!r} is missing or has the wrong type")
-    optional = _OPTIONAL.get(msg["t"], {})
-    for name, typ in optional.items():
-        if name in msg and not isinstance(msg[name], typ):
-            raise ProtocolError(f"{msg['t']}: field {name!r} has the wrong type")
-    extra = sorted(map(str, set(msg) - set(schema) - set(optional) - {"v", "t"}))
-    if extra:
-        raise ProtocolError(f"{msg['t']}: unexpected field(s) {extra}")
-    if msg["t"] == "token" and not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in msg["token_ids"]
-    ):
-        raise ProtocolError("token: token_ids must be a list of integers")
-    if msg["t"] == "start":
-        mode = msg.setdefault("mode", "split")
-        if mode not in MODES:
-            raise ProtocolError(f"start: mode {mode!r} is not one of {MODES}")
-        if (mode == "prompt_only") != ("prompt_kv" in msg):
-            raise ProtocolError("start: prompt_kv is sent in prompt_only mode, and only then")
-    return msg
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return _decoder.decode(data)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"invalid message: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"not a msgpack message: {e}") from None

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from aiohttp import WSMsgType, web
 
@@ -28,29 +28,13 @@ from hetero_pd import hidden_codec
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fingerprint import split_fingerprint
 from hetero_pd.sampling_params import SamplingParams
+from hetero_pd.serving import edge_protocol as E
 from hetero_pd.serving import openai_protocol as oai
-from hetero_pd.serving.edge_protocol import MAX_MESSAGE_BYTES, ProtocolError, pack, unpack
-from hetero_pd.serving.router import Router, RouterError, SplitPrompt
+from hetero_pd.serving import protocol as P
+from hetero_pd.serving.router import EdgeRequest, Router, RouterError
 
 log = logging.getLogger("hetero_pd.edge")
-
-#: Sampling fields a session's `params` may hold (as in /v1/completions).
-PARAMS = frozenset(
-    {
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "min_p",
-        "top_k",
-        "seed",
-        "min_tokens",
-        "ignore_eos",
-        "skip_special_tokens",
-        "include_stop_str_in_output",
-        "stop",
-        "stop_token_ids",
-    }
-)
+M = TypeVar("M", E.Start, E.HiddenMsg)
 
 
 class SessionError(Exception):
@@ -65,6 +49,7 @@ class SessionError(Exception):
 class EdgeSettings:
     model_names: Collection[str]
     max_model_len: int
+    vocab_size: int
     api_keys: Collection[str] = ()
     #: The model folder, for prompt_only sessions (whole-model workers report no split).
     model_dir: Path | None = None
@@ -77,7 +62,7 @@ async def serve_session(
 ) -> web.StreamResponse:
     """Runs one edge session to its end; errors go to the device as `error` messages."""
     oai.check_api_key(request.headers, cfg.api_keys)  # before the upgrade: a plain 401
-    ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES)
+    ws = web.WebSocketResponse(max_msg_size=E.MAX_MESSAGE_BYTES)
     await ws.prepare(request)
     try:
         await _run(ws, router, cfg)
@@ -93,11 +78,11 @@ async def serve_session(
 
 
 async def _run(ws: web.WebSocketResponse, router: Router, cfg: EdgeSettings) -> None:
-    start = await _receive(ws, "start", cfg.receive_timeout_s)
-    if start["model"] not in cfg.model_names:
-        raise SessionError("model_not_found", f"the model {start['model']!r} is not served here")
+    start = await _receive(ws, E.Start, cfg.receive_timeout_s)
+    if start.model not in cfg.model_names:
+        raise SessionError("model_not_found", f"the model {start.model!r} is not served here")
     split = router.split_info()
-    if start["mode"] == "prompt_only":
+    if start.mode == "prompt_only":
         await _run_prompt_only(ws, router, cfg, start, split is not None)
         return
     if split is None:
@@ -107,16 +92,16 @@ async def _run(ws: web.WebSocketResponse, router: Router, cfg: EdgeSettings) -> 
             "or deploy split workers (an edge: section)",
         )
     layer, fingerprint, hidden_size = split
-    if start["split_layer"] != layer or start["fingerprint"] != fingerprint:
+    if start.split_layer != layer or start.fingerprint != fingerprint:
         raise SessionError(
             "fingerprint_mismatch",
-            f"the device runs layers [0, {start['split_layer']}) with split fingerprint "
-            f"{start['fingerprint']!r}; this deployment continues at layer {layer} with "
+            f"the device runs layers [0, {start.split_layer}) with split fingerprint "
+            f"{start.fingerprint!r}; this deployment continues at layer {layer} with "
             f"{fingerprint!r}: the device and the cloud must hold the same model split at the "
             "same layer",
         )
-    num_tokens = _rows(start["prompt"], hidden_size, None)
-    prompt = SplitPrompt(layer, start["prompt"], num_tokens)
+    num_tokens = _rows(start.prompt, hidden_size, None)
+    prompt = EdgeRequest(P.EdgePrompt(hidden=start.prompt, layer=layer), num_tokens)
     await _stream(ws, router, cfg, start, prompt, hidden_size)
 
 
@@ -124,7 +109,7 @@ async def _run_prompt_only(
     ws: web.WebSocketResponse,
     router: Router,
     cfg: EdgeSettings,
-    start: dict[str, Any],
+    start: E.Start,
     split_deployment: bool,
 ) -> None:
     """The device sent its layers' KV with the prompt; whole-model workers decode alone."""
@@ -134,50 +119,48 @@ async def _run_prompt_only(
             "prompt_only sessions need whole-model workers; this deployment runs split workers",
         )
     mc = _model_config(cfg.model_dir)
-    k = start["split_layer"]
+    k = start.split_layer
     if not 1 <= k < mc.num_layers:
         raise SessionError("bad_request", f"split_layer {k} is not in [1, {mc.num_layers})")
     fingerprint = _fingerprint(cfg.model_dir, k)
-    if start["fingerprint"] != fingerprint:
+    if start.fingerprint != fingerprint:
         raise SessionError(
             "fingerprint_mismatch",
-            f"the device's split fingerprint {start['fingerprint']!r} is not this model's "
+            f"the device's split fingerprint {start.fingerprint!r} is not this model's "
             f"{fingerprint!r} at layer {k}: the device and the cloud hold different models",
         )
-    n = _rows(start["prompt"], mc.hidden_size, None)
-    _rows(start["prompt_kv"], mc.num_kv_heads * mc.head_dim, 2 * k * n)
-    prompt = SplitPrompt(k, start["prompt"], n, early_kv=start["prompt_kv"])
-    await _stream(ws, router, cfg, start, prompt, mc.hidden_size)
+    assert start.prompt_kv is not None  # prompt_only mode carries it (checked on decode)
+    n = _rows(start.prompt, mc.hidden_size, None)
+    _rows(start.prompt_kv, mc.num_kv_heads * mc.head_dim, 2 * k * n)
+    edge = P.EdgePrompt(hidden=start.prompt, early_kv=start.prompt_kv, layer=k)
+    await _stream(ws, router, cfg, start, EdgeRequest(edge, n), mc.hidden_size)
 
 
 async def _stream(
     ws: web.WebSocketResponse,
     router: Router,
     cfg: EdgeSettings,
-    start: dict[str, Any],
-    prompt: SplitPrompt,
+    start: E.Start,
+    prompt: EdgeRequest,
     hidden_size: int,
 ) -> None:
     """Streams the tokens to the device; in split mode, relays each token's hidden state
     (checked for shape and size here, decoded only by the worker)."""
-    params = _params(start["params"], start["model"], prompt.num_tokens, cfg.max_model_len)
+    params = _params(start, prompt.num_tokens, cfg)
     rid = f"edge-{uuid.uuid4().hex}"
     async with contextlib.aclosing(router.generate(rid, [], params, 0, prompt)) as stream:
         async for out in stream:
-            token = pack(
-                "token",
-                token_ids=out["token_ids"],
-                text=out["text"],
-                finish_reason=out["finish_reason"],
+            token = E.pack(
+                "token", token_ids=out.token_ids, text=out.text, finish_reason=out.finish_reason
             )
             await ws.send_bytes(token)
-            if out["finish_reason"] is not None:
+            if out.finish_reason is not None:
                 return
-            if prompt.early_kv is not None:
+            if prompt.prompt.early_kv is not None:
                 continue  # prompt_only: the cloud decodes alone
-            msg = await _receive(ws, "hidden", cfg.receive_timeout_s)
-            _rows(msg["frame"], hidden_size, 1)
-            router.supply_hidden(rid, msg["frame"])
+            msg = await _receive(ws, E.HiddenMsg, cfg.receive_timeout_s)
+            _rows(msg.frame, hidden_size, 1)
+            router.supply_hidden(rid, msg.frame)
 
 
 @functools.lru_cache(maxsize=8)
@@ -190,23 +173,25 @@ def _fingerprint(model_dir: Path, split_layer: int) -> str:
     return split_fingerprint(model_dir, split_layer)
 
 
-async def _receive(ws: web.WebSocketResponse, kind: str, timeout_s: float) -> dict[str, Any]:
+async def _receive(ws: web.WebSocketResponse, kind: type[M], timeout_s: float) -> M:
+    name = kind.__struct_config__.tag
     try:
         msg = await ws.receive(timeout=timeout_s)
     except TimeoutError:
         raise SessionError(
-            "timeout", f"no {kind} message from the device in {timeout_s}s"
+            "timeout", f"no {name} message from the device in {timeout_s}s"
         ) from None
     if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
         raise _Gone
     if msg.type != WSMsgType.BINARY:
-        raise SessionError("protocol", f"expected a binary {kind} message, got {msg.type.name}")
+        raise SessionError("protocol", f"expected a binary {name} message, got {msg.type.name}")
     try:
-        parsed = unpack(msg.data)
-    except ProtocolError as e:
+        parsed = E.unpack(msg.data)
+    except E.ProtocolError as e:
         raise SessionError("protocol", str(e)) from e
-    if parsed["t"] != kind:
-        raise SessionError("protocol", f"expected a {kind} message, got {parsed['t']!r}")
+    if not isinstance(parsed, kind):
+        got = type(parsed).__struct_config__.tag
+        raise SessionError("protocol", f"expected a {name} message, got {got!r}")
     return parsed
 
 
@@ -217,10 +202,10 @@ class _Gone(SessionError):
         super().__init__("closed", "the device closed the session")
 
 
-def _rows(frame: dict[str, Any], width: int, rows: int | None) -> int:
+def _rows(frame: P.HiddenFrame, width: int, rows: int | None) -> int:
     """The rows of a frame the router relays unread (the worker decodes and checks values)."""
     try:
-        got = hidden_codec.frame_rows(frame, width)
+        got = hidden_codec.frame_rows(frame.as_dict(), width)
     except hidden_codec.CodecError as e:
         raise SessionError("bad_hidden_state", str(e)) from e
     if rows is not None and got != rows:
@@ -230,14 +215,13 @@ def _rows(frame: dict[str, Any], width: int, rows: int | None) -> int:
     return got
 
 
-def _params(raw: dict[str, Any], model: str, num_tokens: int, max_model_len: int) -> SamplingParams:
-    unknown = sorted(map(str, set(raw) - PARAMS))
-    if unknown:
-        raise SessionError(
-            "bad_request", f"unknown sampling parameter(s) {unknown}; allowed: {sorted(PARAMS)}"
-        )
-    req = oai.parse_completion_request({**raw, "model": model, "prompt": [0]})
-    req.params.max_tokens = oai.check_context_length(req, num_tokens, max_model_len)
+def _params(start: E.Start, num_tokens: int, cfg: EdgeSettings) -> SamplingParams:
+    """The session's sampling parameters, validated as /v1/completions validates them."""
+    req = oai.parse_completion_request(
+        {**start.params.given(), "model": start.model, "prompt": [0]}
+    )
+    oai.check_sampling_limits(req.params, cfg.vocab_size)
+    req.params.max_tokens = oai.check_context_length(req, num_tokens, cfg.max_model_len)
     return req.params
 
 
@@ -246,4 +230,4 @@ async def _send_error(ws: web.WebSocketResponse, code: str, message: str) -> Non
         return
     log.info("edge session ended: %s: %s", code, message)
     with contextlib.suppress(ConnectionError, RuntimeError):
-        await ws.send_bytes(pack("error", code=str(code), message=message))
+        await ws.send_bytes(E.pack("error", code=str(code), message=message[:16384]))

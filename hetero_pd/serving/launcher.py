@@ -3,6 +3,9 @@
 Each worker prints one READY line with the addresses it bound (ports chosen by the OS), so
 no port is configured by hand. A worker that exits is taken out of rotation at once and
 restarted with backoff; stopping SIGTERMs, then SIGKILLs, and reaps every worker.
+
+A worker gets its config as JSON on stdin and the deployment secret in its environment
+(`HETERO_PD_SECRET`): nothing secret is ever on a command line.
 """
 
 from __future__ import annotations
@@ -17,12 +20,17 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hetero_pd import secrets
+from hetero_pd.config import EngineConfig
+from hetero_pd.deploy.schema import Deployment
 from hetero_pd.deploy.supervisor import Supervisor
 from hetero_pd.deploy.workers import WorkerInstance, expand_workers
 from hetero_pd.models.fetch import resolve_model
-from hetero_pd.serving.deploy_config import Deployment
 from hetero_pd.serving.router import Router
-from hetero_pd.serving.worker import READY_LINE, WorkerConfig
+from hetero_pd.serving.worker import READY_LINE
+from hetero_pd.serving.worker_config import WorkerConfig
+from transfer import EngineConfig as TransferConfig
+from transfer import FaultPlan, FaultRule
 
 log = logging.getLogger("hetero_pd.launcher")
 
@@ -43,8 +51,16 @@ def worker_configs(dep: Deployment) -> list[WorkerConfig]:
     return [worker_config(dep, w, threads) for w in instances]
 
 
-def worker_config(dep: Deployment, w: WorkerInstance, threads: int, **extra: Any) -> WorkerConfig:
-    """The WorkerConfig of worker `w` of `dep` (`extra` sets fields such as ports)."""
+def worker_config(
+    dep: Deployment,
+    w: WorkerInstance,
+    threads: int,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    transfer_port: int = 0,
+    **extra: Any,
+) -> WorkerConfig:
+    """The WorkerConfig of worker `w` of `dep` (`extra` sets fields such as alive_file)."""
     engine = {
         "model": dep.model,
         "dtype": dep.dtype,
@@ -55,19 +71,26 @@ def worker_config(dep: Deployment, w: WorkerInstance, threads: int, **extra: Any
     if dep.edge is not None and dep.edge.enabled:
         engine["start_layer"] = dep.edge.split_layer  # layers [k, L): edge sessions only
     t = dep.transfer
+    rules = t.faults.get(w.worker_id, ())
+    transfer = TransferConfig(
+        host=host,
+        port=transfer_port,
+        transfer_timeout_s=t.timeout_s,
+        grant_s=t.grant_s,
+        transports=t.transports,
+        checksum_stream=t.checksum,
+        faults=FaultPlan(tuple(FaultRule(**rule) for rule in rules)) if rules else None,
+    )
     return WorkerConfig(
         worker_id=w.worker_id,
-        role=w.role,
-        engine=engine,
+        role=w.role,  # type: ignore[arg-type]
+        engine=EngineConfig.from_kwargs(**engine),
+        transfer=transfer,
+        host=host,
+        port=port,
         layerwise=t.layerwise,
-        checksum=t.checksum,
-        transfer_transports=t.transports,
-        transfer_timeout_s=t.timeout_s,
-        transfer_grant_s=t.grant_s,
         remote_kv_timeout_s=t.remote_kv_timeout_s,
-        transfer_secret=t.secret,
         cpus=w.cpus,
-        transfer_faults=t.faults.get(w.worker_id, ()),
         **extra,
     )
 
@@ -76,9 +99,16 @@ class Launcher:
     """Starts the workers, then supervises them (`hetero_pd.deploy.supervisor`): a worker
     that exits is taken out of rotation at once and restarted with backoff."""
 
-    def __init__(self, dep: Deployment, router: Router, ready_timeout_s: float | None = None):
+    def __init__(
+        self,
+        dep: Deployment,
+        router: Router,
+        secret: bytes,
+        ready_timeout_s: float | None = None,
+    ):
         self.dep = dep
         self.router = router
+        self.secret = secret
         self.ready_timeout_s = ready_timeout_s or dep.supervisor.ready_timeout_s
         self.procs: dict[str, WorkerProcess] = {}
         self.supervisor = Supervisor(self, router, dep.supervisor)
@@ -97,10 +127,18 @@ class Launcher:
         self.supervisor.watch(list(self.procs))
 
     async def _spawn(self, cfg: WorkerConfig) -> None:
-        cmd = [sys.executable, "-m", "hetero_pd.serving.worker", "--config-json", cfg.to_json()]
+        cmd = [sys.executable, "-m", "hetero_pd.serving.worker"]
+        env = {**os.environ, secrets.ENV: self.secret.decode()}
         proc = await asyncio.create_subprocess_exec(
-            *cmd, stdout=asyncio.subprocess.PIPE, start_new_session=True
+            *cmd,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            env=env,
         )
+        assert proc.stdin is not None
+        proc.stdin.write(cfg.to_json())
+        proc.stdin.close()
         self.procs[cfg.worker_id] = WorkerProcess(cfg, proc)
 
     async def _connect(self, wp: WorkerProcess) -> None:
@@ -120,8 +158,7 @@ class Launcher:
                     return line
 
         line = await asyncio.wait_for(ready_line(), self.ready_timeout_s)
-        info = json.loads(line[len(READY_LINE) :])
-        wp.address = info["address"]
+        wp.address = json.loads(line[len(READY_LINE) :])["info"]["address"]
         wp.pump = asyncio.create_task(self._pump(wp))
         await self.router.add_worker(wid, wp.address)  # replaces a previous client
         log.info("worker %s (%s) ready at %s, pid %s", wid, wp.config.role, wp.address, wp.proc.pid)
@@ -156,7 +193,7 @@ class Launcher:
         """Drains `worker_id` and switches it to `role`; a later restart keeps the new role."""
         await self.router.switch_role(worker_id, role)
         wp = self.procs[worker_id]
-        wp.config = replace(wp.config, role=role)
+        wp.config = replace(wp.config, role=role)  # type: ignore[arg-type]
 
     def pids(self) -> dict[str, int]:
         return {wid: wp.proc.pid for wid, wp in self.procs.items()}

@@ -93,5 +93,5 @@ class Chooser:
             return True
         if prompt_len - cached_tokens <= self.cfg.local_prefill_max_tokens:
             return True
-        queued = min(float(w.load.get("waiting_tokens", 0)) for w in prefill)
+        queued = min(w.load.waiting_tokens for w in prefill)
         return queued > self.cfg.prefill_queue_limit_tokens

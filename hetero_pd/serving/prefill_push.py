@@ -68,10 +68,10 @@ class PushTracker:
         push = self._pushes[rid]
         push.first_token = first_token
         if not push.handles:  # not streamed layer by layer: push all layers now
-            req = self.engine.scheduler.held[rid]
+            block_ids, num_tokens = self.engine.held_blocks(rid)
             start = self.engine.config.start_layer  # a split engine has no KV below it
             layers = (start, self.engine.model_config.num_layers) if start else None
-            self._push(rid, req.block_ids, req.num_prompt_tokens, layers)
+            self._push(rid, block_ids, num_tokens, layers)
         self._check(rid)
 
     def _push(
@@ -115,7 +115,7 @@ class PushTracker:
         for h in push.handles:
             if not h.state.terminal:
                 h.cancel()
-        if rid in self.engine.scheduler.held:
+        if self.engine.is_held(rid):
             self.engine.release_held(rid)
         else:
             self.engine.abort_request(rid)

@@ -83,6 +83,11 @@ class ServingMetrics:
         self.running = gauge("worker_running", "Requests running on a worker.", *labels)
         self.kv_usage = gauge("worker_kv_usage", "Fraction of KV blocks in use (0..1).", *labels)
         self.up = gauge("worker_up", "1 when the worker is alive and serving, else 0.", *labels)
+        self.rejected = gauge(
+            "worker_control_frames_rejected",
+            "Control frames a worker refused so far: failed authentication or not a message.",
+            *labels,
+        )
         self._roles: dict[str, str] = {}
 
         self.transfer_bytes = counter("kv_transfer_bytes", "KV bytes moved.", "transport")
@@ -130,7 +135,14 @@ class ServingMetrics:
         self.requests.labels(outcome).inc()
 
     def set_worker(
-        self, worker: str, role: str, queue_depth: int, running: int, kv_usage: float, up: bool
+        self,
+        worker: str,
+        role: str,
+        queue_depth: int,
+        running: int,
+        kv_usage: float,
+        up: bool,
+        rejected: int = 0,
     ) -> None:
         """Publish a worker's latest load report (replaces its series if its role changed)."""
         old_role = self._roles.get(worker)
@@ -141,13 +153,14 @@ class ServingMetrics:
         self.running.labels(worker, role).set(running)
         self.kv_usage.labels(worker, role).set(min(max(kv_usage, 0.0), 1.0))
         self.up.labels(worker, role).set(1 if up else 0)
+        self.rejected.labels(worker, role).set(rejected)
 
     def remove_worker(self, worker: str) -> None:
         """Drop a worker's series (it left the deployment); unknown workers are ignored."""
         role = self._roles.pop(worker, None)
         if role is None:
             return
-        for g in (self.queue_depth, self.running, self.kv_usage, self.up):
+        for g in (self.queue_depth, self.running, self.kv_usage, self.up, self.rejected):
             g.remove(worker, role)
 
     def observe_transfer(self, transport: str, nbytes: int, seconds: float) -> None:

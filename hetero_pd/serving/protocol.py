@@ -205,6 +205,8 @@ class WorkerLoad(_Struct, kw_only=True, frozen=True):
     frames_rejected: Count = 0
     #: The transfer engine's I/O thread is alive.
     transfer_healthy: bool = True
+    #: Faults the transfer engine injected into its frames (tests and drills only).
+    transfer_faults_injected: Count = 0
     #: The transfer engine's counters by transport (local, shm, tcp, ...).
     transfer: Annotated[dict[Name, TransportCounters], Meta(max_length=16)] = {}
 

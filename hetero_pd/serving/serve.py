@@ -18,15 +18,17 @@ from pathlib import Path
 
 from aiohttp import web
 
+from hetero_pd import secrets
 from hetero_pd.deploy import k8s
 from hetero_pd.deploy.controller import RoleController, WorkerLoad
 from hetero_pd.deploy.plan import resolve
+from hetero_pd.deploy.schema import Deployment, load_deployment
 from hetero_pd.deploy.validate import validate
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.serving.api import ApiState, create_app
 from hetero_pd.serving.cluster import keep_connected, max_model_len, parse_replicas, run_pod_worker
-from hetero_pd.serving.deploy_config import Deployment, load_deployment
+from hetero_pd.serving.control_auth import CurveKeys
 from hetero_pd.serving.launcher import Launcher
 from hetero_pd.serving.policy import RoutingConfig
 from hetero_pd.serving.router import Router, RouterConfig
@@ -64,15 +66,16 @@ async def serve(
     model_dir = resolve_model(dep.model)
     cfg = ModelConfig.from_dir(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    router = Router(router_config(dep))
-    launcher = Launcher(dep, router) if workers is None else None
+    secret = deployment_secret(dep, generate=workers is None)
+    router = Router(router_config(dep), CurveKeys.from_secret(secret))
+    launcher = Launcher(dep, router, secret) if workers is None else None
     stop = stop or _signal_event()
     runner: web.AppRunner | None = None
     tasks: list[asyncio.Task[None]] = []
     try:
         if launcher is not None:
             await launcher.start()
-            max_len = min(int(w.info["max_model_len"]) for w in router.workers.values())
+            max_len = min(w.info.max_model_len for w in router.workers.values())
         else:
             assert workers is not None
             tasks += [asyncio.create_task(keep_connected(router, *w)) for w in workers.items()]
@@ -113,6 +116,19 @@ async def serve(
         await router.close()
 
 
+def deployment_secret(dep: Deployment, generate: bool) -> bytes:
+    """The deployment secret: `HETERO_PD_SECRET`, else the file's `transfer.secret`, else
+    (one box only, `generate`) a fresh random one for this run."""
+    secret = secrets.from_env(required=False)
+    if not secret and dep.transfer.secret:
+        secret = secrets.check(dep.transfer.secret.encode())
+    if not secret and generate:
+        secret = secrets.generate().encode()
+    if not secret:
+        secret = secrets.from_env()  # raises, saying where the secret comes from
+    return secret
+
+
 def _controller(dep: Deployment, router: Router, launcher: Launcher | None) -> RoleController:
     def loads() -> list[WorkerLoad]:
         return [WorkerLoad.of(w.id, w.role, w.load) for w in router.live("prefill", "decode")]
@@ -135,7 +151,7 @@ def _banner(url: str, launcher: Launcher, router: Router) -> None:
     model = launcher.dep.model
     pids = launcher.pids()
     roles = ", ".join(
-        f"{w.id} on {w.info.get('device', '?')} (pid {pids[w.id]})" for w in router.workers.values()
+        f"{w.id} on {w.info.device} (pid {pids[w.id]})" for w in router.workers.values()
     )
     print(
         f"hetero-pd is serving {model} at {url}/v1  [workers: {roles}]\n"

@@ -24,7 +24,9 @@ from collections.abc import Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hetero_pd.serving.deploy_config import Deployment, parse_deployment
+import msgspec
+
+from hetero_pd.deploy.schema import Deployment, parse_deployment
 from hetero_pd.serving.launcher import Launcher
 from hetero_pd.serving.router import Router
 from hetero_pd.serving.serve import serve
@@ -47,6 +49,7 @@ def deployment(
     transfer: dict[str, Any] | None = None,
     engine: dict[str, Any] | None = None,
     edge: dict[str, Any] | None = None,
+    supervisor: dict[str, Any] | None = None,
 ) -> Deployment:
     """A deployment on 127.0.0.1 and a free port; 1 prefill + 1 decode worker by default."""
     raw = {
@@ -58,6 +61,8 @@ def deployment(
     }
     if edge is not None:
         raw["edge"] = edge
+    if supervisor is not None:
+        raw["supervisor"] = supervisor
     return parse_deployment(raw, "<test>")
 
 
@@ -135,7 +140,7 @@ class Stack:
         """`check_integrity()` of every worker still in the deployment."""
         assert self.router is not None
         workers = [w for w in self.router.workers.values() if not w.gone]
-        return {w.id: self.call(w.check_integrity()) for w in workers}
+        return {w.id: msgspec.structs.asdict(self.call(w.check_integrity())) for w in workers}
 
     def wait_idle(self, timeout_s: float = 20.0) -> dict[str, dict[str, Any]]:
         """Polls every live worker until its block pool is consistent, idle and empty."""
@@ -149,7 +154,10 @@ class Stack:
             time.sleep(0.05)
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
+        keys = self.dep.router.api_keys
+        headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+        req = urllib.request.Request(f"{self.url}/metrics", headers=headers)
+        with urllib.request.urlopen(req, timeout=10) as resp:
             return str(resp.read().decode())
 
     def metric(self, name: str, **labels: str) -> float:

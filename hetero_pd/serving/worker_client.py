@@ -1,4 +1,5 @@
-"""The router's handle on one worker: a ZMQ DEALER socket, heartbeats, load and liveness."""
+"""The router's handle on one worker: an authenticated DEALER socket, heartbeats, load and
+liveness."""
 
 from __future__ import annotations
 
@@ -7,14 +8,28 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
-from hetero_pd.serving import messages as M
+from hetero_pd.serving import protocol as P
+from hetero_pd.serving.control_auth import CurveKeys, secure_client
 
 log = logging.getLogger("hetero_pd.router")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerGone:
+    """Put in a request's queue when a worker it involves dies (not a wire message)."""
+
+    worker: str
+
+
+class WorkerUnreachable(Exception):
+    """A worker's control socket takes no more frames: it is not reading."""
 
 
 class WorkerClient:
@@ -22,14 +37,15 @@ class WorkerClient:
 
     A worker is alive while heartbeats keep coming within `heartbeat_timeout_s`; once it
     misses them (or says bye) it is marked dead, `on_dead(client)` runs and it stays out of
-    rotation until it answers a new hello."""
+    rotation until it is heard from again (a new hello is sent while it is silent)."""
 
     def __init__(
         self,
         worker_id: str,
         address: str,
         ctx: zmq.asyncio.Context,
-        on_message: Callable[[WorkerClient, dict[str, Any]], None],
+        keys: CurveKeys,
+        on_message: Callable[[WorkerClient, Any], None],
         on_dead: Callable[[WorkerClient], None],
         heartbeat_timeout_s: float = 3.0,
     ) -> None:
@@ -39,18 +55,22 @@ class WorkerClient:
         self.on_dead = on_dead
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.sock: Any = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        secure_client(self.sock, keys)
+        self.sock.setsockopt(zmq.SNDHWM, 100_000)
         self.sock.connect(address)
+        self.codec = P.router_codec()
+        self.encoder = msgspec.msgpack.Encoder()
         self.role = "unknown"
-        self.info: dict[str, Any] = {}
-        self.load: dict[str, Any] = {}
+        self.info = P.WorkerInfo()
+        self.load = P.WorkerLoad()
         self.last_seen = 0.0
         self.alive = False
         self.dead_at = 0.0
         self.gone = False  # its process exited or it said bye: back only after a new hello
+        self.invalid_frames = 0
         self.inflight: set[str] = set()
         self._ready = asyncio.Event()
-        self._integrity: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._integrity: asyncio.Queue[P.Integrity] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self, timeout_s: float = 60.0) -> None:
@@ -59,7 +79,7 @@ class WorkerClient:
             asyncio.create_task(self._reader()),
             asyncio.create_task(self._watchdog()),
         ]
-        self.send("hello")
+        self.send(P.Hello())
         try:
             await asyncio.wait_for(self._ready.wait(), timeout_s)
         except TimeoutError:
@@ -78,7 +98,7 @@ class WorkerClient:
     async def switch_role(self, role: str, timeout_s: float) -> None:
         """Asks the worker to drain and serve as `role`; returns once it says `ready` again."""
         self._ready.clear()
-        self.send("switch_role", role=role)
+        self.send(P.SwitchRole(role=role))  # type: ignore[arg-type]
         try:
             await asyncio.wait_for(self._ready.wait(), timeout_s)
         except TimeoutError:
@@ -89,50 +109,58 @@ class WorkerClient:
         if self.role != role:
             raise RuntimeError(f"worker {self.id} answered as {self.role}, not {role}")
 
-    def send(self, msg_type: str, **fields: Any) -> None:
+    def send(self, msg: msgspec.Struct) -> None:
+        """Raises WorkerUnreachable when the worker's pipe is full (it is not reading)."""
         try:
-            self.sock.send(M.encode(msg_type, **fields), zmq.NOBLOCK)
+            self.sock.send(self.encoder.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("worker %s: send queue full, %s dropped", self.id, msg_type)
+            raise WorkerUnreachable(f"worker {self.id} is not reading its control socket") from None
 
-    async def check_integrity(self, timeout_s: float = 10.0) -> dict[str, Any]:
+    def try_send(self, msg: msgspec.Struct) -> None:
+        """`send` for messages whose loss only delays cleanup (aborts): logged, not raised."""
+        try:
+            self.send(msg)
+        except WorkerUnreachable as e:
+            log.warning("%s; %s dropped", e, type(msg).__name__)
+
+    async def check_integrity(self, timeout_s: float = 10.0) -> P.Integrity:
         """Asks the worker to verify its block pool (tests and /health?deep use it)."""
-        self.send("check")
+        self.send(P.Check())
         return await asyncio.wait_for(self._integrity.get(), timeout_s)
+
+    @property
+    def start_layer(self) -> int:
+        return self.info.start_layer
 
     @property
     def load_score(self) -> float:
         """Work queued on the worker, in tokens, plus what the router has in flight there."""
-        load = self.load
-        return (
-            float(load.get("waiting_tokens", 0))
-            + 16.0 * float(load.get("running", 0))
-            + 64.0 * len(self.inflight)
-        )
+        return self.load.waiting_tokens + 16.0 * self.load.running + 64.0 * len(self.inflight)
 
     async def _reader(self) -> None:
         while True:
-            frame = await self.sock.recv()
+            frame = await self.sock.recv(copy=False)
             try:
-                msg = M.decode(frame)
-            except M.MessageError as e:
+                msg = self.codec.decode(frame.buffer)
+            except P.MessageError as e:
+                self.invalid_frames += 1
                 log.warning("worker %s: bad frame: %s", self.id, e)
                 continue
             self.last_seen = time.monotonic()
-            kind = msg["t"]
-            if kind == "heartbeat":
-                self.load = msg["load"]
-                self.alive = not msg["load"].get("draining", False) and not self.gone
-            elif kind == "ready":
-                self.role, self.info = msg["role"], msg["info"]
-                self.alive, self.gone = True, False
-                self._ready.set()
-            elif kind == "integrity":
-                self._integrity.put_nowait(msg)
-            elif kind == "bye":
-                self.mark_gone("said bye")
-            else:
-                self.on_message(self, msg)
+            match msg:
+                case P.Heartbeat(load=load):
+                    self.load = load
+                    self.alive = not load.draining and not self.gone
+                case P.Ready(role=role, info=info):
+                    self.role, self.info = role, info
+                    self.alive, self.gone = True, False
+                    self._ready.set()
+                case P.Integrity():
+                    self._integrity.put_nowait(msg)
+                case P.Bye():
+                    self.mark_gone("said bye")
+                case _:
+                    self.on_message(self, msg)
 
     async def _watchdog(self) -> None:
         while True:
@@ -143,12 +171,16 @@ class WorkerClient:
             elif self._came_back(silent):
                 log.info("worker %s is back", self.id)
                 self.alive = True
+            elif not self.alive and self._ready.is_set() and silent > self.heartbeat_timeout_s:
+                # Marked down: greet it again now and then; a restarted process at the same
+                # address answers with Ready and is back in rotation.
+                with contextlib.suppress(WorkerUnreachable):
+                    self.send(P.Hello())
 
     def _came_back(self, silent: float) -> bool:
         # Only a message heard after it was marked dead brings it back.
         recent = silent < self.heartbeat_timeout_s and self.last_seen > self.dead_at
-        draining = bool(self.load.get("draining", False))
-        usable = self._ready.is_set() and not self.gone and not draining
+        usable = self._ready.is_set() and not self.gone and not self.load.draining
         return not self.alive and usable and recent
 
     def mark_gone(self, why: str) -> None:

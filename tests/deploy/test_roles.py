@@ -5,6 +5,7 @@ worker that outlives its launcher stopping."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -13,13 +14,17 @@ from typing import Any
 
 import pytest
 
+from hetero_pd import secrets
+from hetero_pd.config import EngineConfig
+from hetero_pd.deploy.schema import load_deployment
 from hetero_pd.deploy.status import main as status_main
 from hetero_pd.sampling_params import SamplingParams
-from hetero_pd.serving import messages as M
+from hetero_pd.serving import protocol as P
 from hetero_pd.serving.cluster import parse_replicas, pod_worker_config
-from hetero_pd.serving.deploy_config import load_deployment
 from hetero_pd.serving.testing import deployment, random_prompts, running_stack
-from hetero_pd.serving.worker import READY_LINE, WorkerConfig
+from hetero_pd.serving.worker import READY_LINE
+from hetero_pd.serving.worker_config import WorkerConfig
+from transfer import EngineConfig as TransferConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -31,7 +36,7 @@ def _generate(stack: object, prompt: list[int]) -> list[int]:
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         out: list[int] = []
         async for msg in router.generate(rid, prompt, params):
-            out += msg["token_ids"]
+            out += msg.token_ids
         return out
 
     return stack.call(run())  # type: ignore[attr-defined,no-any-return]
@@ -78,10 +83,10 @@ def _get(url: str) -> dict[str, Any]:
 def test_pod_worker_binds_derived_ports_and_advertises_its_dns_name() -> None:
     dep = load_deployment(CONFIGS / "ascend-h100.yaml")
     cfg = pod_worker_config(dep, "hetero-pd-decode-1", "/tmp/alive")
-    assert (cfg.worker_id, cfg.role, cfg.engine["device"]) == ("decode-1", "decode", "cuda:0")
-    assert (cfg.host, cfg.port, cfg.transfer_port) == ("0.0.0.0", 9000, 9001)
+    assert (cfg.worker_id, cfg.role, cfg.engine.device) == ("decode-1", "decode", "cuda:0")
+    assert (cfg.host, cfg.port, cfg.transfer.port) == ("0.0.0.0", 9000, 9001)
     assert cfg.advertise_host == "hetero-pd-decode-1.hetero-pd-decode.llm.svc"
-    assert cfg.transfer_transports == ("tcp",) and cfg.alive_file == "/tmp/alive"
+    assert cfg.transfer.transports == ("tcp",) and cfg.alive_file == "/tmp/alive"
     with pytest.raises(ValueError, match="not <role>-<n>"):
         pod_worker_config(dep, "router-x", "")
 
@@ -93,30 +98,46 @@ def test_replicas_argument() -> None:
             parse_replicas(bad)
 
 
+SECRET = secrets.generate()
+WORKER = [sys.executable, "-m", "hetero_pd.serving.worker"]
+
+
+def small_engine(model: Path) -> EngineConfig:
+    return EngineConfig(model=str(model), num_threads=1, num_kv_blocks=32)
+
+
+def spawn_worker(cfg: WorkerConfig, **kwargs: Any) -> subprocess.Popen[bytes]:
+    """A worker process as the launcher starts one: config on stdin, secret in its env."""
+    env = {**os.environ, secrets.ENV: SECRET}
+    proc = subprocess.Popen(WORKER, stdin=subprocess.PIPE, env=env, **kwargs)
+    assert proc.stdin is not None
+    proc.stdin.write(cfg.to_json())
+    proc.stdin.close()
+    return proc
+
+
 def test_a_worker_whose_launcher_is_gone_stops(tiny_llama_dir: Path, tmp_path: Path) -> None:
     alive = tmp_path / "alive"
     cfg = WorkerConfig(
         "decode-0",
         "decode",
-        {"model": str(tiny_llama_dir), "num_threads": 1, "num_kv_blocks": 32},
+        small_engine(tiny_llama_dir),
         alive_file=str(alive),
         parent_pid=1,  # not its parent: as if its launcher died and it was re-parented
     )
+    env = {**os.environ, secrets.ENV: SECRET}
     proc = subprocess.run(
-        [sys.executable, "-m", "hetero_pd.serving.worker", "--config-json", cfg.to_json()],
-        capture_output=True,
-        text=True,
-        timeout=60,
+        WORKER, input=cfg.to_json(), capture_output=True, timeout=60, env=env, check=False
     )
     assert proc.returncode == 0
-    assert READY_LINE in proc.stdout
-    assert "launcher (pid 1) is gone" in proc.stderr
+    assert READY_LINE in proc.stdout.decode()
+    assert "launcher (pid 1) is gone" in proc.stderr.decode()
     assert alive.is_file()
 
 
 def test_switch_role_is_a_control_message() -> None:
-    frame = M.encode("switch_role", role="decode")
-    assert M.decode(frame)["role"] == "decode"
+    codec = P.worker_codec()
+    assert codec.decode(codec.encode(P.SwitchRole(role="decode"))) == P.SwitchRole(role="decode")
 
 
 def _free_port() -> int:
@@ -133,18 +154,19 @@ def test_cluster_router_reconnects_to_a_replaced_worker_pod(tiny_llama_dir: Path
     import asyncio
 
     from hetero_pd.serving.cluster import keep_connected
+    from hetero_pd.serving.control_auth import CurveKeys
     from hetero_pd.serving.router import Router, RouterConfig
 
     port = _free_port()
     cfg = WorkerConfig(
         "decode-0",
         "decode",
-        {"model": str(tiny_llama_dir), "num_threads": 1, "num_kv_blocks": 32},
+        small_engine(tiny_llama_dir),
+        TransferConfig(port=_free_port()),
         port=port,
-        transfer_port=_free_port(),
         advertise_host="127.0.0.1",
     )
-    cmd = [sys.executable, "-m", "hetero_pd.serving.worker", "--config-json", cfg.to_json()]
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
 
     async def until(check: object, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -153,19 +175,21 @@ def test_cluster_router_reconnects_to_a_replaced_worker_pod(tiny_llama_dir: Path
             await asyncio.sleep(0.05)
 
     async def scenario() -> tuple[int, int]:
-        router = Router(RouterConfig(heartbeat_timeout_s=0.5))
-        pod = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        router = Router(
+            RouterConfig(heartbeat_timeout_s=0.5), CurveKeys.from_secret(SECRET.encode())
+        )
+        pod = spawn_worker(cfg, **quiet)
         task = asyncio.create_task(keep_connected(router, "decode-0", f"tcp://127.0.0.1:{port}"))
         try:
             await until(lambda: router.live("decode"))
-            first = router.workers["decode-0"].info["pid"]
-            assert router.workers["decode-0"].info["address"] == f"tcp://127.0.0.1:{port}"
+            first = router.workers["decode-0"].info.pid
+            assert router.workers["decode-0"].info.address == f"tcp://127.0.0.1:{port}"
             pod.kill()
             pod.wait(10)
             await until(lambda: not router.live("decode"))
-            pod = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            pod = spawn_worker(cfg, **quiet)
             await until(lambda: router.live("decode"))
-            return first, router.workers["decode-0"].info["pid"]
+            return first, router.workers["decode-0"].info.pid
         finally:
             task.cancel()
             pod.kill()

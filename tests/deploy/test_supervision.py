@@ -1,16 +1,23 @@
 """Restart policy, the supervisor's restart loop (with fake processes), role-switch decisions
-and the status table — without starting a model."""
+and the status table; and a real stopped worker process, killed and replaced."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
 
+import openai
 import pytest
 
 from hetero_pd.deploy.controller import RoleController, WorkerLoad, decide
 from hetero_pd.deploy.sections import SupervisorSpec
 from hetero_pd.deploy.status import format_status
 from hetero_pd.deploy.supervisor import RestartPolicy, Supervisor
+from hetero_pd.serving.testing import deployment, running_stack
 
 
 def test_backoff_doubles_up_to_the_cap_and_gives_up_after_max_restarts() -> None:
@@ -64,6 +71,9 @@ class FakeRouter:
 
     def mark_dead(self, worker_id: str) -> None:
         self.dead.append(worker_id)
+
+    def silent_for(self, worker_id: str) -> float | None:
+        return None
 
 
 def test_supervisor_takes_a_crashed_worker_out_and_restarts_it() -> None:
@@ -190,3 +200,43 @@ def test_status_table() -> None:
     ]
     assert lines[2].split() == ["decode-0", "decode", "cpu", "up", "7", "0", "1", "2", "25.0%"]
     assert lines[3].split()[:4] == ["prefill-0", "prefill", "npu:0", "restarting"]
+
+
+def test_a_stopped_worker_is_killed_restarted_and_routed_around(tiny_llama_dir: Path) -> None:
+    """SIGSTOP the prefill worker: the router takes it out of rotation (prompts are then
+    prefilled on the decode worker), the supervisor sees a live process that stopped
+    talking, kills it and starts a new one, which rejoins."""
+    dep = deployment(
+        tiny_llama_dir,
+        router={"heartbeat_timeout_s": 1.0, "local_prefill_max_tokens": 0},
+        supervisor={"hang_timeout_s": 3.0, "backoff_s": 0.1},
+    )
+    with running_stack(dep) as stack:
+        assert stack.router is not None and stack.launcher is not None
+        client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+
+        def complete() -> str:
+            r = client.completions.create(
+                model=dep.model, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0
+            )
+            return r.choices[0].text
+
+        answer = complete()
+        old = stack.launcher.pid("prefill-0")
+        assert old is not None
+        os.kill(old, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            while stack.router.workers["prefill-0"].alive:
+                assert time.monotonic() < deadline, "the stopped worker stayed in rotation"
+                time.sleep(0.05)
+            assert complete() == answer  # prefilled on the decode worker meanwhile
+            while stack.launcher.pid("prefill-0") == old or not stack.router.live("prefill"):
+                assert time.monotonic() < deadline, "the stopped worker was never replaced"
+                time.sleep(0.1)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(old, signal.SIGKILL)
+        assert stack.router.supervision["prefill-0"]["restarts"] == 1
+        assert complete() == answer
+        stack.wait_idle()

@@ -13,14 +13,16 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
+import torch
 
 from edge import EdgeClient, EdgeError, EdgeMismatchError, EdgeRuntime, encode
 from edge.wire_audit import assert_no_prompt_leak
 from hetero_pd import LLM, SamplingParams
-from hetero_pd.serving.edge_protocol import PATH, pack, unpack
+from hetero_pd.serving.edge_protocol import PATH, Token, pack, unpack
 from hetero_pd.serving.testing import Stack, deployment, running_stack
 
 SPLIT = 2
@@ -80,7 +82,7 @@ def test_greedy_tokens_equal_the_unsplit_engine(
     assert stack.metric(DECISIONS, decision="local_prefill") >= 1
     # The KV of layers [k, L) arrived whole: no decode worker fell back to computing it.
     assert stack.metric(DECISIONS, decision="recompute") == 0
-    assert stack.router.workers["decode-0"].load["kv_fallbacks"] == 0
+    assert stack.router.workers["decode-0"].load.kv_fallbacks == 0
     for name, report in stack.wait_idle().items():
         assert report["ok"] and report["used_blocks"] == 0, (name, report)
 
@@ -91,7 +93,7 @@ def test_nothing_the_device_sends_reveals_the_prompt(stack: Stack, text_llama_di
     prompt = PROMPTS[2]
     done = asyncio.run(edge.complete(prompt, max_tokens=6, ignore_eos=True))
     assert len(done.token_ids) == 6 and len(sent) == 6  # start + one hidden per new token
-    kinds = [unpack(m)["t"] for m in sent]
+    kinds = [msgpack.unpackb(m)["t"] for m in sent]
     assert kinds == ["start"] + ["hidden"] * 5
     ids = EdgeRuntime(text_llama_dir, SPLIT).tokenize(prompt)
     assert_no_prompt_leak(b"".join(sent), prompt, ids)
@@ -112,7 +114,7 @@ def test_bad_sessions_end_with_a_clear_error(stack: Stack, text_llama_dir: Path)
         edge = EdgeClient(stack.url, text_llama_dir, SPLIT, model=stack.dep.model, api_key="no")
         asyncio.run(edge.generate("Hello", max_tokens=2))
 
-    async def raw(message: bytes) -> dict[str, object]:
+    async def raw(message: bytes) -> Any:
         import aiohttp
 
         headers = {"Authorization": f"Bearer {KEY}"}
@@ -124,11 +126,12 @@ def test_bad_sessions_end_with_a_clear_error(stack: Stack, text_llama_dir: Path)
             reply = await ws.receive(timeout=30)
             return unpack(reply.data)
 
-    assert asyncio.run(raw(b"\xc1 not msgpack"))["code"] == "protocol"
-    bad_frame = pack(
-        "start", model=stack.dep.model, split_layer=SPLIT, fingerprint="x", params={}, prompt={}
-    )
-    assert asyncio.run(raw(bad_frame))["code"] == "fingerprint_mismatch"
+    assert asyncio.run(raw(b"\xc1 not msgpack")).code == "protocol"
+    start = {"model": stack.dep.model, "split_layer": SPLIT, "fingerprint": "x", "params": {}}
+    empty_frame = msgpack.packb({"v": 1, "t": "start", **start, "prompt": {}})
+    assert asyncio.run(raw(empty_frame)).code == "protocol"
+    frame = encode(torch.zeros(3, 64), "float16")
+    assert asyncio.run(raw(pack("start", **start, prompt=frame))).code == "fingerprint_mismatch"
     for name, report in stack.wait_idle().items():
         assert report["ok"] and report["used_blocks"] == 0, (name, report)
 
@@ -173,7 +176,7 @@ def test_prompt_only_sessions_decode_in_the_cloud_like_the_unsplit_engine(
     ids = [runtime.tokenize(p) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert got == [o.outputs[0].token_ids for o in reference.generate(ids, params)]
-    assert [unpack(m)["t"] for m in sent] == ["start"] * 3  # nothing after the prompt
+    assert [msgpack.unpackb(m)["t"] for m in sent] == ["start"] * 3  # nothing after the prompt
     assert whole_stack.metric(DECISIONS, decision="disaggregated") >= 2
     assert whole_stack.metric(DECISIONS, decision="recompute") == 0
     for name, report in whole_stack.wait_idle().items():
@@ -206,7 +209,7 @@ def test_a_device_that_goes_away_mid_session_frees_every_block(
         prompt=encode(runtime.prefill(ids), "float16"),
     )
 
-    async def leave_after_first_token() -> dict[str, object]:
+    async def leave_after_first_token() -> Any:
         headers = {"Authorization": f"Bearer {KEY}"}
         async with (
             aiohttp.ClientSession() as s,
@@ -217,6 +220,27 @@ def test_a_device_that_goes_away_mid_session_frees_every_block(
         return first  # the socket is closed without sending the token's hidden state
 
     first = asyncio.run(leave_after_first_token())
-    assert first["t"] == "token" and first["finish_reason"] is None
+    assert isinstance(first, Token) and first.finish_reason is None
     for name, report in stack.wait_idle().items():
         assert report["ok"] and report["used_blocks"] == 0, (name, report)
+
+
+def test_metrics_and_worker_detail_need_the_api_key(stack: Stack) -> None:
+    def get(path: str, key: str | None) -> tuple[int, bytes]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        req = urllib.request.Request(stack.url + path, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    assert get("/metrics", None)[0] == 401
+    assert get("/metrics", "wrong")[0] == 401
+    status, body = get("/metrics", KEY)
+    assert status == 200 and b"hetero_pd_worker_up" in body
+    status, body = get("/health", None)
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    status, body = get("/health", KEY)
+    assert status == 200 and set(json.loads(body)["workers"]) == {"prefill-0", "decode-0"}
+    assert get("/health?live=1", None) == (200, b'{"status": "alive"}')

@@ -3,13 +3,15 @@ exactly the worker it names (through the worker's JSON config)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
-from hetero_pd.serving.deploy_config import ConfigError, parse_deployment
+from hetero_pd.deploy.schema import ConfigError, parse_deployment
 from hetero_pd.serving.launcher import worker_configs
-from hetero_pd.serving.worker import WorkerConfig
+from hetero_pd.serving.worker_config import WorkerConfig
+from transfer import FaultRule
 
 
 def raw(faults: Any) -> dict[str, Any]:
@@ -25,9 +27,12 @@ def test_faults_reach_only_the_named_worker() -> None:
     dep = parse_deployment(raw({"prefill-1": [rule]}))
     configs = {c.worker_id: WorkerConfig.from_json(c.to_json()) for c in worker_configs(dep)}
     assert set(configs) == {"prefill-0", "prefill-1", "decode-0"}
-    assert configs["prefill-1"].transfer_faults == (rule,)
-    assert configs["prefill-0"].transfer_faults == () == configs["decode-0"].transfer_faults
-    assert {c.transfer_grant_s for c in configs.values()} == {2.0}
+    faults = configs["prefill-1"].transfer.faults
+    assert faults is not None and [dataclasses.asdict(r) for r in faults.rules] == [
+        {**dataclasses.asdict(FaultRule("drop", "*")), **rule}
+    ]
+    assert configs["prefill-0"].transfer.faults is None is configs["decode-0"].transfer.faults
+    assert {c.transfer.grant_s for c in configs.values()} == {2.0}
     assert {c.remote_kv_timeout_s for c in configs.values()} == {5.0}
 
 

@@ -152,7 +152,7 @@ def test_a_streaming_client_that_stops_reading_loses_its_slot(stack: Stack) -> N
 
 
 async def _inflight(router: Any) -> int:
-    return len(router._queues)
+    return len(router.queues)
 
 
 def _get(url: str) -> int:

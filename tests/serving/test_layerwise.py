@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import openai
 
 from hetero_pd import SamplingParams
@@ -46,7 +47,7 @@ def test_layerwise_streaming_equals_engine(tiny_llama_dir: Path, tiny_reference:
         # Layer by layer: one push per layer (3) for every disaggregated prompt.
         pushes = 3 * (len(lengths) - 1)
         sent = wait_counter(stack, "prefill-0", "shm", "transfers_done_total", pushes)
-        assert sent["transports"]["shm"]["transfers_failed_total"] == 0
+        assert sent["shm"]["transfers_failed_total"] == 0
 
 
 def wait_counter(
@@ -56,8 +57,9 @@ def wait_counter(
     assert stack.router is not None
     deadline = time.monotonic() + timeout_s
     while True:
-        metrics = dict(stack.router.workers[worker].load.get("transfer", {}))
-        got = metrics.get("transports", {}).get(transport, {}).get(name, 0)
+        load = stack.router.workers[worker].load
+        metrics = {t: msgspec.structs.asdict(c) for t, c in load.transfer.items()}
+        got = metrics.get(transport, {}).get(name, 0)
         if got >= value:
             assert got == value, f"{worker}: {name} = {got}, expected {value}"
             return metrics

@@ -230,6 +230,9 @@ def test_api_key_is_required(stack: Stack) -> None:
 def test_models_health_metrics(stack: Stack, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [model(stack)]
     with urllib.request.urlopen(f"{stack.url}/health", timeout=10) as resp:
+        assert json.loads(resp.read()) == {"status": "ok"}  # no detail without the key
+    req = urllib.request.Request(f"{stack.url}/health", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
         health = json.loads(resp.read())
     assert health["status"] == "ok"
     assert {w: (v["role"], v["alive"]) for w, v in health["workers"].items()} == {

@@ -1,0 +1,275 @@
+"""How a request's prompt gets onto its decode worker, and what a failure does.
+
+    router            decode D                 prefill P
+      |-- Reserve ------>| reserve blocks
+      |<-- Reserved -----| (block ids + epoch)
+      |-- Prefill (dest = D's blocks) ---------->| prefill, push KV (layer-wise optional)
+      |                  |<======= KV blocks ====| checksum, ACK
+      |<-- PrefillDone (first token) ------------| frees its blocks after the ACK
+      |-- KvReady ------>| joins the decode batch
+      |<-- Output ... ---| tokens stream to the client
+
+Short prompts (or a deployment of `both` workers) skip all that: D computes the prompt
+itself (conditional disaggregation). On a prefill failure the deployment's policy decides:
+`recompute` (D prefills itself), `retry` (a fresh reservation and another P), or `fail`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from hetero_pd.sampling_params import SamplingParams
+from hetero_pd.serving import protocol as P
+from hetero_pd.serving.errors import RouterError, worker_error
+from hetero_pd.serving.policy import Chooser
+from hetero_pd.serving.prom import ServingMetrics
+from hetero_pd.serving.worker_client import WorkerClient, WorkerGone, WorkerUnreachable
+from transfer import StatusCode
+
+log = logging.getLogger("hetero_pd.router")
+T = TypeVar("T")
+#: Decode-worker answers to `Reserve` that mean "not now": back off and ask again.
+BACKPRESSURE = (P.ErrorCode.NO_FREE_BLOCKS, P.ErrorCode.KV_FENCED)
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeRequest:
+    """A prompt from an edge device (`prompt`) of `num_tokens` tokens. With early KV
+    ("prompt only" mode) it goes to whole-model workers, which then decode alone; without,
+    to split workers starting at `prompt.layer`."""
+
+    prompt: P.EdgePrompt
+    num_tokens: int
+
+    @property
+    def worker_layer(self) -> int:
+        """The start layer of the workers that serve it."""
+        return 0 if self.prompt.early_kv is not None else self.prompt.layer
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffPolicy:
+    """What a hand-off needs from its router: settings, choices, metrics, live workers."""
+
+    max_retries: int
+    failure_policy: str
+    reserve_timeout_s: float
+    prefill_timeout_s: float
+    chooser: Chooser
+    metrics: ServingMetrics
+    live: Callable[..., list[WorkerClient]]
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """The prefill worker computed the prompt and its KV landed on the decode worker."""
+
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillFailed:
+    """The prefill (or its KV transfer) failed; `reason` labels the metric."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeAnswered:
+    """The decode worker stopped waiting for the KV, computed the prompt and answered."""
+
+    output: P.Output
+
+
+Outcome = FirstToken | PrefillFailed | DecodeAnswered
+
+
+class Handoff:
+    """One request's way to its decode worker; `involved` lists every worker it touched."""
+
+    def __init__(
+        self,
+        policy: HandoffPolicy,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        queue: asyncio.Queue[tuple[str, Any]],
+        edge: EdgeRequest | None,
+    ) -> None:
+        self.cfg, self.chooser, self.metrics, self.live = (
+            policy,
+            policy.chooser,
+            policy.metrics,
+            policy.live,
+        )
+        self.rid, self.prompt_ids, self.priority, self.queue = rid, prompt_ids, priority, queue
+        self.params = P.WireParams.of(params)
+        self.edge = edge.prompt if edge is not None else None
+        self.layer = edge.worker_layer if edge is not None else 0
+        self.prompt_len = edge.num_tokens if edge is not None else len(prompt_ids)
+        self.involved: list[WorkerClient] = []
+
+    async def start(self) -> tuple[WorkerClient, P.Output | None]:
+        """Gets the prompt's KV onto a decode worker; returns that worker and, when it
+        already answered (it stopped waiting for the KV and computed the prompt), its
+        first output."""
+        rid, chooser = self.rid, self.chooser
+        decode, cached = chooser.pick(
+            self.live("decode", "both", split_layer=self.layer), self.prompt_ids
+        )
+        self._enlist(decode)
+        chooser.record(decode, self.prompt_ids)
+        prefill = self.live("prefill", split_layer=self.layer)
+        if decode.role == "both" or chooser.prefill_locally(self.prompt_len, cached, prefill):
+            self.metrics.decision("colocated" if decode.role == "both" else "local_prefill")
+            self._send(decode, P.Generate(**self._fields()))
+            return decode, None
+        self.metrics.decision("disaggregated")
+        tried: set[str] = set()
+        for attempt in range(self.cfg.max_retries + 1):
+            blocks = await self._reserve(decode)
+            live = self.live("prefill", split_layer=self.layer)
+            # Another prefill worker if there is one, else the same one again; never a dead
+            # one (nothing would ever answer for it).
+            candidates = [w for w in live if w.id not in tried] or live
+            if not candidates:
+                break
+            worker, _ = chooser.pick(candidates, self.prompt_ids)
+            tried.add(worker.id)
+            self._enlist(worker)
+            self._send(
+                worker,
+                P.Prefill(
+                    **self._fields(),
+                    dest_worker=decode.id,
+                    dest_address=decode.info.transfer_address,
+                    dest_blocks=blocks,
+                ),
+            )
+            outcome = await self._await_prefill(worker, decode)
+            worker.inflight.discard(rid)
+            if isinstance(outcome, FirstToken):
+                self._send(decode, P.KvReady(rid=rid, first_token=outcome.token))
+                return decode, None
+            worker.try_send(P.Abort(rid=rid))  # e.g. after a timeout: stop computing
+            if isinstance(outcome, DecodeAnswered):
+                log.warning("request %s: %s gave up waiting for the KV", rid, decode.id)
+                self.metrics.decision("recompute")
+                return decode, outcome.output
+            log.warning("request %s: prefill on %s failed: %s", rid, worker.id, outcome.message)
+            self.metrics.transfer_failure(outcome.reason)
+            policy = self.cfg.failure_policy
+            if policy == "fail":
+                self.metrics.decision("fail")
+                message = f"prefill failed ({outcome.reason}: {outcome.message})"
+                raise RouterError(503, message, "prefill_failed")
+            if policy == "recompute" or attempt == self.cfg.max_retries:
+                break
+            self.metrics.decision("retry")
+            decode.try_send(P.Abort(rid=rid))  # a fresh reservation: a new epoch for the retry
+        self.metrics.decision("recompute")
+        self._send(decode, P.KvFailed(rid=rid))
+        return decode, None
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "rid": self.rid,
+            "prompt_ids": self.prompt_ids,
+            "params": self.params,
+            "priority": self.priority,
+            "edge": self.edge,
+        }
+
+    def _enlist(self, worker: WorkerClient) -> None:
+        worker.inflight.add(self.rid)
+        if worker not in self.involved:
+            self.involved.append(worker)
+
+    def _send(self, worker: WorkerClient, msg: Any) -> None:
+        try:
+            worker.send(msg)
+        except WorkerUnreachable as e:
+            raise RouterError(503, str(e), "worker_unreachable", 2.0) from None
+
+    async def _reserve(self, decode: WorkerClient) -> P.Blocks:
+        deadline = time.monotonic() + self.cfg.reserve_timeout_s
+        delay = 0.05
+        while True:
+            self._send(decode, P.Reserve(**self._fields()))
+            while True:
+                left = max(deadline - time.monotonic(), 0.01)
+                wid, msg = await next_message(self.queue, left, self.rid)
+                if wid != decode.id:
+                    continue
+                if isinstance(msg, WorkerGone):
+                    raise RouterError(503, f"decode worker {wid} died", "worker_died")
+                if isinstance(msg, P.Reserved):
+                    return msg.blocks
+                if isinstance(msg, P.Error):
+                    break
+            if msg.code not in BACKPRESSURE:
+                raise worker_error(msg)
+            if time.monotonic() + delay > deadline:
+                raise RouterError(429, "no KV cache room on the decode workers", "overloaded", 1.0)
+            await asyncio.sleep(delay)  # back-pressure: decode is full, wait for room
+            delay = min(delay * 2, 1.0)
+
+    async def _await_prefill(self, prefill: WorkerClient, decode: WorkerClient) -> Outcome:
+        deadline = time.monotonic() + self.cfg.prefill_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                wid, msg = await get_within(self.queue, left)
+            except TimeoutError:
+                return PrefillFailed("TIMEOUT", "no prefill result")
+            if wid == decode.id:
+                match msg:
+                    case WorkerGone():
+                        raise RouterError(503, f"decode worker {wid} died", "worker_died")
+                    case P.Error():
+                        raise worker_error(msg)
+                    case P.Output():
+                        return DecodeAnswered(msg)
+                continue
+            if wid != prefill.id:
+                continue
+            match msg:
+                case WorkerGone():
+                    return PrefillFailed("WORKER_DIED", f"prefill worker {wid} died")
+                case P.Error():
+                    if msg.code in (P.ErrorCode.BAD_REQUEST, P.ErrorCode.REQUEST_FAILED):
+                        raise worker_error(msg)  # the request itself: no other worker helps
+                    reason = msg.code.name
+                    if msg.transfer_status is not None:
+                        reason = StatusCode.from_number(msg.transfer_status).name
+                    return PrefillFailed(reason, msg.message)
+                case P.PrefillDone(first_token=token, transfer=stats):
+                    self.metrics.observe_transfer("kv", stats.bytes, stats.seconds)
+                    return FirstToken(token)
+
+
+async def next_message(
+    queue: asyncio.Queue[tuple[str, Any]], timeout_s: float, rid: str
+) -> tuple[str, Any]:
+    try:
+        return await get_within(queue, timeout_s)
+    except TimeoutError:
+        raise RouterError(504, f"request {rid}: no progress for {timeout_s}s", "timeout") from None
+
+
+async def get_within(queue: asyncio.Queue[T], timeout_s: float) -> T:
+    """`queue.get()` with a deadline (TimeoutError). Not `asyncio.wait_for`: before Python
+    3.12 it returns the item and swallows a cancellation that lands as the item arrives,
+    so a client disconnect during a fast token stream could go unnoticed and the request
+    would run to the end."""
+    async with asyncio.timeout(timeout_s):
+        return await queue.get()

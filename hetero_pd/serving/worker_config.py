@@ -1,0 +1,42 @@
+"""A worker's configuration: its engine's and its transfer engine's configs as they are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import msgspec
+
+from hetero_pd.config import EngineConfig
+from hetero_pd.engine.scheduler import Role
+from transfer import EngineConfig as TransferConfig
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """One worker: its engine's and its transfer engine's configs as they are, plus where
+    it listens. Serialised without the transfer secret (that comes from the environment)."""
+
+    worker_id: str
+    role: Role
+    engine: EngineConfig
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    host: str = "127.0.0.1"
+    #: Fixed control port (Kubernetes: derived from kubernetes.base_port); 0 = any free port.
+    port: int = 0
+    #: The name peers reach this worker by when it binds 0.0.0.0 (its pod's DNS name).
+    advertise_host: str = ""
+    heartbeat_s: float = 0.5
+    layerwise: bool = False  # push each layer's KV as soon as it is computed
+    remote_kv_timeout_s: float = 60.0
+    cpus: tuple[int, ...] = ()
+    #: Touched on every heartbeat of the main loop (Kubernetes exec probes read its age).
+    alive_file: str = ""
+    #: The launcher's pid: a worker whose launcher is gone stops instead of living on.
+    parent_pid: int = 0
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(replace(self, transfer=replace(self.transfer, secret=b"")))
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> WorkerConfig:
+        return msgspec.json.decode(data, type=cls)

@@ -1,0 +1,390 @@
+"""Every request on a worker, each one object with an explicit state: `RequestBook`.
+
+    generate ──> RUNNING ─────────────────────────────────────────> (finished: gone)
+    reserve  ──> RESERVED ──kv_ready, KV whole──> LANDED ──────────> (finished: gone)
+                    │ kv_failed, KV not whole, reservation expired
+                    └──> FALLBACK (computes the prompt here) ───────> (finished: gone)
+    prefill  ──> PREFILLING ──prompt done, KV pushed and ACKed──> (prefill_done: gone)
+    any      ──abort / router lost──> released; while a direct writer may still write into
+                                      its blocks: FENCED ──fence over──> (gone)
+
+The book owns the transitions and the replies they cause; the worker's loop only feeds it
+messages, engine outputs and the clock. It needs no socket and no model: the engine and
+the transfer engine are its collaborators, and replies go out through `send`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+
+from hetero_pd import hidden_codec
+from hetero_pd.engine.block_pool import NoFreeBlocksError
+from hetero_pd.engine.llm_engine import LLMEngine, RequestFailure
+from hetero_pd.outputs import RequestOutput
+from hetero_pd.serving import protocol as P
+from hetero_pd.serving.prefill_push import PushTracker
+from transfer import RemoteBlocks, TransferEngine, TransferError, TransferHandle, TransferState
+
+log = logging.getLogger("hetero_pd.worker")
+Send = Callable[[bytes, Any], None]
+
+
+class Phase(enum.Enum):
+    RUNNING = "running"
+    RESERVED = "reserved"
+    LANDED = "landed"
+    FALLBACK = "fallback"
+    PREFILLING = "prefilling"
+    FENCED = "fenced"
+
+
+@dataclass(slots=True)
+class WorkerRequest:
+    rid: str
+    owner: bytes  # the router it answers to
+    phase: Phase
+    seq: int = 0  # the next Output's sequence number
+    handle: TransferHandle | None = None  # RESERVED: the reservation awaiting KV
+    fence_until: float = 0.0  # FENCED: when no direct writer can touch its blocks
+    then: Callable[[str], None] | None = None  # FENCED: the engine action after the fence
+
+
+class RequestError(Exception):
+    """Refuses a request start with an error code."""
+
+    def __init__(self, code: P.ErrorCode, message: str, transfer_status: int | None = None):
+        super().__init__(message)
+        self.code, self.message, self.transfer_status = code, message, transfer_status
+
+    @classmethod
+    def of_transfer(cls, e: TransferError) -> RequestError:
+        return cls(P.ErrorCode.TRANSFER_FAILED, str(e), e.code.number)
+
+
+class RequestBook:
+    def __init__(
+        self,
+        worker_id: str,
+        engine: LLMEngine,
+        transfer: TransferEngine,
+        send: Send,
+        remote_kv_timeout_s: float,
+        layerwise: bool = False,
+    ) -> None:
+        self.id = worker_id
+        self.engine = engine
+        self.transfer = transfer
+        self.send = send
+        self.remote_kv_timeout_s = remote_kv_timeout_s
+        self.layerwise = layerwise
+        self.pushes = PushTracker(transfer, engine, self._on_push_result)
+        self.requests: dict[str, WorkerRequest] = {}
+        self.linked: dict[str, str] = {}  # peer worker id -> transfer address linked
+        #: Reserved prompts whose KV never arrived whole, so this worker computed them.
+        self.kv_fallbacks = 0
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.engine.has_unfinished_requests() or self.pushes.active or bool(self.requests)
+
+    def count(self, phase: Phase) -> int:
+        return sum(r.phase is phase for r in self.requests.values())
+
+    # -- starting requests ---------------------------------------------------------------
+    def start(self, owner: bytes, msg: P.Generate | P.Reserve | P.Prefill) -> None:
+        """A new request from router `owner`; a refusal is answered with an Error."""
+        old = self.requests.get(msg.rid)
+        try:
+            if old is not None and old.phase is Phase.FENCED:
+                wait = old.fence_until - time.monotonic()
+                raise RequestError(
+                    P.ErrorCode.KV_FENCED,
+                    f"request {msg.rid}: its previous blocks are fenced for {wait:.2f}s",
+                )
+            if old is not None:
+                raise RequestError(P.ErrorCode.BAD_REQUEST, f"request {msg.rid} is running")
+            self._check_role(msg)
+            params = msg.params.to_params()
+            if isinstance(msg, P.Reserve):
+                self._reserve(owner, msg, params)
+            elif isinstance(msg, P.Prefill):
+                self._prefill(owner, msg, params)
+            else:
+                self._add(msg, params)
+                self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.RUNNING)
+        except RequestError as e:
+            self.send(
+                owner,
+                P.Error(
+                    rid=msg.rid, code=e.code, message=e.message, transfer_status=e.transfer_status
+                ),
+            )
+        except (ValueError, TypeError, KeyError) as e:
+            self.send(owner, P.Error(rid=msg.rid, code=P.ErrorCode.BAD_REQUEST, message=str(e)))
+
+    def _check_role(self, msg: P.Generate | P.Reserve | P.Prefill) -> None:
+        """A prefill worker takes only Prefill; the others take only Generate and Reserve
+        (their engines would hold or hand off KV nobody asked for)."""
+        role = self.engine.config.role
+        if (role == "prefill") != isinstance(msg, P.Prefill):
+            kind = type(msg).__name__
+            raise RequestError(
+                P.ErrorCode.BAD_REQUEST, f"worker {self.id} ({role}) takes no {kind}"
+            )
+
+    def _add(
+        self, msg: P.Generate | P.Reserve | P.Prefill, params: Any, remote_kv: bool = False
+    ) -> list[int] | None:
+        edge = self._edge_prompt(msg.edge)
+        if edge is None:
+            if remote_kv:
+                return self.engine.add_remote_request(
+                    list(msg.prompt_ids), params, msg.rid, msg.priority
+                )
+            self.engine.add_request(list(msg.prompt_ids), params, msg.rid, msg.priority)
+            return None
+        hidden, early = edge
+        if early is None:
+            return self.engine.add_split_request(hidden, params, msg.rid, msg.priority, remote_kv)
+        return self.engine.add_edge_prompt_request(
+            hidden, early, params, msg.rid, msg.priority, remote_kv
+        )
+
+    def _reserve(self, owner: bytes, msg: P.Reserve, params: Any) -> None:
+        try:
+            block_ids = self._add(msg, params, remote_kv=True)
+        except NoFreeBlocksError as e:
+            raise RequestError(P.ErrorCode.NO_FREE_BLOCKS, str(e)) from None
+        assert block_ids is not None
+        start = self.engine.config.start_layer
+        # A split engine has no KV below its start layer: only [start, L) will arrive.
+        layers = (start, self.engine.model_config.num_layers) if start else None
+        try:
+            handle = self.transfer.reserve(
+                msg.rid, block_ids, timeout_s=self.remote_kv_timeout_s, layers=layers
+            )
+        except TransferError as e:
+            self.engine.abort_request(msg.rid)
+            raise RequestError.of_transfer(e) from None
+        self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.RESERVED, handle=handle)
+        assert handle.blocks is not None
+        blocks = P.Blocks(**handle.blocks.to_wire())  # type: ignore[arg-type]
+        self.send(owner, P.Reserved(rid=msg.rid, blocks=blocks))
+
+    def _prefill(self, owner: bytes, msg: P.Prefill, params: Any) -> None:
+        peer, address = msg.dest_worker, msg.dest_address
+        check_endpoint(address)
+        if self.linked.get(peer) != address:  # a new peer, or one restarted elsewhere
+            try:
+                self.transfer.link(peer, address)
+            except TransferError as e:
+                raise RequestError.of_transfer(e) from None
+            self.linked[peer] = address
+        dest = RemoteBlocks.from_wire(msgspec.structs.asdict(msg.dest_blocks))
+        self._add(msg, params)
+        self.pushes.expect(msg.rid, peer, dest)
+        self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.PREFILLING)
+
+    def _edge_prompt(
+        self, edge: P.EdgePrompt | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """An edge prompt's hidden states [num_tokens, hidden] and, for a whole-model
+        worker, the device's early-layer KV [k, 2, num_tokens, kv_heads, head_dim]."""
+        start = self.engine.config.start_layer
+        if edge is None:
+            if start:
+                raise ValueError(
+                    f"worker {self.id} runs layers [{start}, L): it takes hidden states from "
+                    "an edge session, not prompt token ids"
+                )
+            return None
+        cfg = self.engine.model_config
+        hidden = hidden_codec.decode(edge.hidden.as_dict(), cfg.hidden_size)
+        if start:
+            if edge.early_kv is not None:
+                raise ValueError(f"worker {self.id} runs layers [{start}, L): no early KV")
+            return hidden, None
+        k = edge.layer
+        if edge.early_kv is None or not 1 <= k < cfg.num_layers:
+            raise ValueError(
+                f"worker {self.id} runs the whole model: an edge prompt needs the KV of the "
+                f"device's layers (early_kv, layer in [1, {cfg.num_layers}))"
+            )
+        flat = hidden_codec.decode(edge.early_kv.as_dict(), cfg.num_kv_heads * cfg.head_dim)
+        n = hidden.shape[0]
+        if flat.shape[0] != 2 * k * n:
+            raise ValueError(f"early_kv holds {flat.shape[0]} rows, not 2 x {k} x {n}")
+        return hidden, flat.view(k, 2, n, cfg.num_kv_heads, cfg.head_dim)
+
+    # -- messages about running requests -------------------------------------------------
+    def _owned(self, owner: bytes, rid: str) -> WorkerRequest | None:
+        """The request, if router `owner` started it (another router cannot touch it)."""
+        req = self.requests.get(rid)
+        return req if req is not None and req.owner == owner else None
+
+    def kv_ready(self, owner: bytes, msg: P.KvReady) -> None:
+        req = self._owned(owner, msg.rid)
+        if req is None or req.phase is not Phase.RESERVED:
+            return  # aborted meanwhile
+        assert req.handle is not None
+        if req.handle.state is not TransferState.DONE:
+            # The sender saw an ACK we never gave for this epoch: never trust those blocks.
+            log.warning("%s: request %s: KV not whole at kv_ready; computing it", self.id, req.rid)
+            self.send(req.owner, P.KvFallback(rid=req.rid))
+            self._fall_back(req)
+            return
+        self.transfer.release(req.rid)  # every write was committed: no grant is left open
+        req.phase, req.handle = Phase.LANDED, None
+        self.on_output(self.engine.remote_kv_ready(req.rid, msg.first_token))
+
+    def kv_failed(self, owner: bytes, msg: P.KvFailed) -> None:
+        req = self._owned(owner, msg.rid)
+        if req is not None and req.phase is Phase.RESERVED:
+            self._fall_back(req)
+
+    def hidden(self, owner: bytes, msg: P.Hidden) -> None:
+        """An edge device's hidden state for a split request's newest token."""
+        req = self._owned(owner, msg.rid)
+        if req is None or not self.engine.has_request(msg.rid):
+            return  # aborted or finished meanwhile
+        try:
+            row = hidden_codec.decode(msg.frame.as_dict(), self.engine.model_config.hidden_size)
+            if row.shape[0] != 1:
+                raise ValueError(f"a hidden message carries one token, not {row.shape[0]}")
+            self.engine.supply_hidden(msg.rid, row)
+        except ValueError as e:
+            self._end(req, P.ErrorCode.BAD_REQUEST, f"request {msg.rid}: {e}")
+
+    def abort(self, owner: bytes, rid: str) -> None:
+        req = self._owned(owner, rid)
+        if req is not None:
+            self._drop(req, self.engine.abort_request)
+
+    def drop_owner(self, owner: bytes) -> None:
+        """Router `owner` is gone: its requests end here."""
+        for req in [r for r in self.requests.values() if r.owner == owner]:
+            if req.phase is not Phase.FENCED:
+                self._drop(req, self.engine.abort_request)
+
+    # -- engine and transfer events ------------------------------------------------------
+    def on_output(self, out: RequestOutput) -> None:
+        req = self.requests.get(out.request_id)
+        if req is None:
+            return
+        if req.phase is Phase.PREFILLING:
+            if out.finished:
+                self.pushes.prefill_finished(req.rid, out.outputs[0].token_ids[0])
+            return
+        c = out.outputs[0]
+        self.send(
+            req.owner,
+            P.Output(
+                rid=req.rid,
+                seq=req.seq,
+                text=c.delta_text,
+                token_ids=c.delta_token_ids,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                prompt_tokens=len(out.prompt_token_ids),
+                completion_tokens=len(c.token_ids),
+                cached_tokens=out.num_cached_tokens,
+            ),
+        )
+        req.seq += 1
+        if out.finished:
+            del self.requests[req.rid]
+
+    def on_failure(self, failure: RequestFailure) -> None:
+        req = self.requests.get(failure.request_id)
+        if req is not None:
+            self._end(req, P.ErrorCode.REQUEST_FAILED, failure.message)
+
+    def _on_push_result(
+        self, rid: str, first_token: int, error: TransferError | None, stats: dict[str, Any]
+    ) -> None:
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return
+        if error is None:
+            self.send(
+                req.owner,
+                P.PrefillDone(rid=rid, first_token=first_token, transfer=P.TransferStats(**stats)),
+            )
+        else:
+            e = RequestError.of_transfer(error)
+            self.send(
+                req.owner,
+                P.Error(rid=rid, code=e.code, message=e.message, transfer_status=e.transfer_status),
+            )
+
+    def tick(self) -> None:
+        """Reservations that timed out fall back to computing here; fences that ended free
+        their blocks."""
+        now = time.monotonic()
+        for req in list(self.requests.values()):
+            if req.phase is Phase.RESERVED:
+                assert req.handle is not None
+                if req.handle.state.terminal and req.handle.state is not TransferState.DONE:
+                    self._fall_back(req)
+            elif req.phase is Phase.FENCED and req.fence_until <= now:
+                del self.requests[req.rid]
+                assert req.then is not None
+                req.then(req.rid)
+
+    # -- transitions ---------------------------------------------------------------------
+    def _fall_back(self, req: WorkerRequest) -> None:
+        """RESERVED -> FALLBACK: the KV will not come; the engine computes the prompt."""
+        self.kv_fallbacks += 1
+        req.phase, req.handle = Phase.FALLBACK, None
+        wait = self.transfer.release(req.rid)
+        if wait > 0:
+            # A direct writer may still write into the blocks: compute only after the fence.
+            req.phase, req.fence_until = Phase.FENCED, time.monotonic() + wait
+            req.then = self._recompute(req)
+        else:
+            self.engine.remote_kv_failed(req.rid)
+
+    def _recompute(self, req: WorkerRequest) -> Callable[[str], None]:
+        def then(rid: str) -> None:
+            self.engine.remote_kv_failed(rid)
+            req.phase, req.then = Phase.FALLBACK, None
+            self.requests[rid] = req
+
+        return then
+
+    def _drop(self, req: WorkerRequest, then: Callable[[str], None]) -> None:
+        """Ends `req`: its pushes stop, its reservation is released, and `then(rid)` frees
+        its blocks in the engine once no direct writer can write there any more."""
+        self.pushes.cancel(req.rid)
+        if req.phase is Phase.FENCED:
+            req.then = then  # the fence still holds; then free instead of recomputing
+            return
+        wait = self.transfer.release(req.rid) if req.phase is Phase.RESERVED else 0.0
+        if wait > 0:
+            req.phase, req.fence_until, req.then = Phase.FENCED, time.monotonic() + wait, then
+        else:
+            del self.requests[req.rid]
+            then(req.rid)
+
+    def _end(self, req: WorkerRequest, code: P.ErrorCode, message: str) -> None:
+        self.send(req.owner, P.Error(rid=req.rid, code=code, message=message))
+        self._drop(req, self.engine.abort_request)
+
+
+def check_endpoint(address: str) -> None:
+    """A peer's transfer address must be `tcp://HOST:PORT`; anything else is refused here,
+    before the transfer engine tries to connect to it."""
+    host, sep, port = address.removeprefix("tcp://").rpartition(":")
+    if not address.startswith("tcp://") or not sep or not host or not port.isdigit():
+        raise ValueError(f"dest_address {address!r} is not tcp://HOST:PORT")
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"dest_address {address!r}: port out of range")

@@ -1,0 +1,196 @@
+"""The worker's per-request state machine (`RequestBook`), without sockets or a model: a
+recording stand-in for the engine and one for the transfer engine drive every transition."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from hetero_pd import SamplingParams
+from hetero_pd.engine.block_pool import NoFreeBlocksError
+from hetero_pd.engine.llm_engine import RequestFailure
+from hetero_pd.outputs import CompletionOutput, RequestOutput
+from hetero_pd.serving import protocol as P
+from hetero_pd.serving.worker_requests import Phase, RequestBook
+from transfer import RemoteBlocks, TransferState
+
+A, B = b"router-a", b"router-b"
+PARAMS = P.WireParams.of(SamplingParams(max_tokens=4))
+
+
+@dataclass
+class Handle:
+    state: TransferState = TransferState.IN_FLIGHT
+    blocks: RemoteBlocks = field(default_factory=lambda: RemoteBlocks("r", 7, (1, 2)))
+
+
+class RecordingEngine:
+    """Stands in for LLMEngine: records what the book asks of it."""
+
+    class config:  # mirrors engine.config
+        start_layer = 0
+        role = "decode"
+
+    class model_config:
+        num_layers = 2
+        hidden_size = 8
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.full = False
+        self.live: set[str] = set()
+
+    def add_request(self, ids: list[int], params: Any, rid: str, priority: int) -> None:
+        self.calls.append(("add", rid))
+        self.live.add(rid)
+
+    def add_remote_request(self, ids: list[int], params: Any, rid: str, priority: int) -> list[int]:
+        if self.full:
+            raise NoFreeBlocksError(f"request {rid}: no room")
+        self.calls.append(("reserve", rid))
+        self.live.add(rid)
+        return [1, 2]
+
+    def remote_kv_ready(self, rid: str, first: int) -> RequestOutput:
+        self.calls.append(("kv_ready", rid))
+        return output(rid, [first], finished=False)
+
+    def remote_kv_failed(self, rid: str) -> None:
+        self.calls.append(("recompute", rid))
+
+    def abort_request(self, rid: str) -> None:
+        self.calls.append(("abort", rid))
+        self.live.discard(rid)
+
+    def has_request(self, rid: str) -> bool:
+        return rid in self.live
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.live)
+
+    def is_held(self, rid: str) -> bool:
+        return False
+
+
+class RecordingTransfer:
+    """Stands in for TransferEngine; `fence_s` is what release() reports as still open."""
+
+    def __init__(self) -> None:
+        self.handles: dict[str, Handle] = {}
+        self.fence_s = 0.0
+        self.released: list[str] = []
+
+    def reserve(self, rid: str, block_ids: list[int], **kw: Any) -> Handle:
+        self.handles[rid] = Handle(blocks=RemoteBlocks(rid, 7, tuple(block_ids)))
+        return self.handles[rid]
+
+    def release(self, rid: str) -> float:
+        self.released.append(rid)
+        return self.fence_s
+
+
+def output(rid: str, tokens: list[int], finished: bool) -> RequestOutput:
+    c = CompletionOutput(0, "x", tokens, "length" if finished else None, None, "x", tokens)
+    return RequestOutput(rid, None, [1, 2], [c], finished, 0)
+
+
+@pytest.fixture
+def book() -> tuple[RequestBook, RecordingEngine, RecordingTransfer, list[tuple[bytes, Any]]]:
+    engine, transfer, sent = RecordingEngine(), RecordingTransfer(), []
+    b = RequestBook("decode-0", engine, transfer, lambda o, m: sent.append((o, m)), 5.0)  # type: ignore[arg-type]
+    return b, engine, transfer, sent
+
+
+def reserve(rid: str) -> P.Reserve:
+    return P.Reserve(rid=rid, prompt_ids=[1, 2, 3], params=PARAMS)
+
+
+def test_reserved_then_landed_then_finished(book: Any) -> None:
+    b, _, transfer, sent = book
+    b.start(A, reserve("r"))
+    assert isinstance(sent[-1][1], P.Reserved) and b.requests["r"].phase is Phase.RESERVED
+    transfer.handles["r"].state = TransferState.DONE
+    b.kv_ready(A, P.KvReady(rid="r", first_token=9))
+    assert b.requests["r"].phase is Phase.LANDED
+    assert sent[-1][1].seq == 0 and sent[-1][1].token_ids == [9]
+    b.on_output(output("r", [9, 10], finished=True))
+    assert sent[-1][1].seq == 1 and "r" not in b.requests
+
+
+def test_kv_not_whole_at_kv_ready_falls_back(book: Any) -> None:
+    b, engine, _, sent = book
+    b.start(A, reserve("r"))
+    b.kv_ready(A, P.KvReady(rid="r", first_token=9))  # the handle never reached DONE
+    assert isinstance(sent[-1][1], P.KvFallback)
+    assert b.requests["r"].phase is Phase.FALLBACK and ("recompute", "r") in engine.calls
+    assert b.kv_fallbacks == 1
+
+
+def test_a_fenced_request_waits_out_its_fence(book: Any) -> None:
+    b, engine, transfer, sent = book
+    b.start(A, reserve("r"))
+    transfer.fence_s = 0.2  # a direct writer may still write into the blocks
+    b.abort(A, "r")
+    assert b.requests["r"].phase is Phase.FENCED and ("abort", "r") not in engine.calls
+    b.start(A, reserve("r"))  # the router retries at once
+    assert sent[-1][1].code is P.ErrorCode.KV_FENCED and sent[-1][1].recoverable
+    deadline = time.monotonic() + 5
+    while "r" in b.requests:
+        assert time.monotonic() < deadline
+        b.tick()
+    assert ("abort", "r") in engine.calls
+
+
+def test_only_the_owner_touches_a_request(book: Any) -> None:
+    b, engine, transfer, _ = book
+    b.start(A, reserve("r"))
+    transfer.handles["r"].state = TransferState.DONE
+    b.abort(B, "r")
+    b.kv_ready(B, P.KvReady(rid="r", first_token=1))
+    assert b.requests["r"].phase is Phase.RESERVED
+    b.start(B, reserve("s"))
+    b.drop_owner(A)
+    assert set(b.requests) == {"s"} and ("abort", "r") in engine.calls
+
+
+def test_refusals_carry_their_code(book: Any) -> None:
+    b, engine, _, sent = book
+    engine.full = True
+    b.start(A, reserve("r"))
+    assert sent[-1][1].code is P.ErrorCode.NO_FREE_BLOCKS and sent[-1][1].recoverable
+    engine.full = False
+    b.start(A, P.Generate(rid="g", prompt_ids=[1], params=PARAMS))
+    b.start(A, P.Generate(rid="g", prompt_ids=[1], params=PARAMS))
+    assert sent[-1][1].code is P.ErrorCode.BAD_REQUEST and "is running" in sent[-1][1].message
+    b.on_failure(RequestFailure("g", "the engine could not run request g: boom"))
+    assert sent[-1][1].code is P.ErrorCode.REQUEST_FAILED and "g" not in b.requests
+    assert ("abort", "g") in engine.calls
+
+
+def test_each_role_takes_only_its_messages(book: Any) -> None:
+    """A Generate on a prefill worker once left its prompt's blocks held for a hand-off
+    nobody would ask for (found by tests/serving/test_fuzz.py)."""
+    b, engine, _, sent = book
+    blocks = P.Blocks(rid="p", ep=1, ids=[1], reg="kv")
+    b.start(
+        A,
+        P.Prefill(
+            rid="p",
+            prompt_ids=[1],
+            params=PARAMS,
+            dest_worker="d",
+            dest_address="tcp://127.0.0.1:9",
+            dest_blocks=blocks,
+        ),
+    )
+    assert "takes no Prefill" in sent[-1][1].message
+    engine.config.role = "prefill"
+    try:
+        b.start(A, P.Generate(rid="g", prompt_ids=[1], params=PARAMS))
+        assert "takes no Generate" in sent[-1][1].message
+        assert engine.calls == [] and b.requests == {}
+    finally:
+        engine.config.role = "decode"
