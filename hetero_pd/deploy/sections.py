@@ -43,6 +43,9 @@ class RouterSpec:
     api_keys: tuple[str, ...] = ()
     max_inflight: int = opt(256, lo=1)
     local_prefill_max_tokens: int = opt(32, lo=0)
+    elastic_prefill: bool = opt(
+        True, doc="prefill on the decode worker when prefill is busier (see configs/README.md)"
+    )
     heartbeat_timeout_s: float = opt(5.0, lo=0.1)
     #: A streaming client that takes no data for this long is cut off and its request ended.
     write_timeout_s: float = opt(30.0, lo=0.1)

@@ -115,6 +115,7 @@ class Handoff:
         self.layer = edge.worker_layer if edge is not None else 0
         self.prompt_len = edge.num_tokens if edge is not None else len(prompt_ids)
         self.involved: list[WorkerClient] = []
+        self._charged: dict[str, tuple[WorkerClient, int]] = {}  # backlog this prompt adds
 
     async def start(self) -> tuple[WorkerClient, P.Output | None]:
         """Gets the prompt's KV onto a decode worker; returns that worker and, when it
@@ -127,9 +128,13 @@ class Handoff:
         self._enlist(decode)
         chooser.record(decode, self.prompt_ids)
         prefill = self.live("prefill", split_layer=self.layer)
-        if decode.role == "both" or chooser.prefill_locally(self.prompt_len, cached, prefill):
+        uncached = self.prompt_len - cached
+        if decode.role == "both" or chooser.prefill_locally(
+            self.prompt_len, cached, prefill, decode
+        ):
             self.metrics.decision("colocated" if decode.role == "both" else "local_prefill")
             self._send(decode, P.Generate(**self._fields()))
+            self._charge(decode, uncached)
             return decode, None
         self.metrics.decision("disaggregated")
         tried: set[str] = set()
@@ -144,6 +149,7 @@ class Handoff:
             worker, _ = chooser.pick(candidates, self.prompt_ids)
             tried.add(worker.id)
             self._enlist(worker)
+            self._charge(worker, self.prompt_len)
             self._send(
                 worker,
                 P.Prefill(
@@ -153,7 +159,10 @@ class Handoff:
                     dest_blocks=blocks,
                 ),
             )
-            outcome = await self._await_prefill(worker, decode)
+            try:
+                outcome = await self._await_prefill(worker, decode)
+            finally:
+                self._settle(worker)
             worker.inflight.discard(rid)
             if isinstance(outcome, FirstToken):
                 self._send(decode, P.KvReady(rid=rid, first_token=outcome.token))
@@ -176,7 +185,23 @@ class Handoff:
             decode.try_send(P.Abort(rid=rid))  # a fresh reservation: a new epoch for the retry
         self.metrics.decision("recompute")
         self._send(decode, P.KvFailed(rid=rid))
+        self._charge(decode, uncached)
         return decode, None
+
+    def prompt_done(self) -> None:
+        """The decode worker answered (or the request ended): no prompt work is left."""
+        for worker, _ in list(self._charged.values()):
+            self._settle(worker)
+
+    def _charge(self, worker: WorkerClient, tokens: int) -> None:
+        self._settle(worker)
+        worker.pending_tokens += tokens
+        self._charged[worker.id] = (worker, tokens)
+
+    def _settle(self, worker: WorkerClient) -> None:
+        charged = self._charged.pop(worker.id, None)
+        if charged is not None:
+            worker.pending_tokens -= charged[1]
 
     def _fields(self) -> dict[str, Any]:
         return {

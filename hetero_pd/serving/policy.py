@@ -20,10 +20,16 @@ FAILURE_POLICIES = ("recompute", "retry", "fail")
 class RoutingConfig:
     policy: Policy = "least_loaded"
     # Conditional disaggregation: prefill on the decode worker itself when the prompt part
-    # not already cached there is at most this long, or when every prefill worker has more
-    # than `prefill_queue_limit_tokens` queued.
+    # not already cached there is at most this long, ...
     local_prefill_max_tokens: int = 32
+    # ... or (elastic) when the prefill workers' backlog is longer than the decode worker's
+    # whole job, or the decode worker's batch is empty while the prefill workers are busy
+    # (it would only wait for the KV); without it, only when every prefill worker has more
+    # than `prefill_queue_limit_tokens` queued.
+    elastic_prefill: bool = True
     prefill_queue_limit_tokens: int = 8192
+    #: A decode worker with more of its KV cache in use than this takes no prompt itself.
+    elastic_kv_limit: float = 0.85
     block_size: int = 16
 
     def __post_init__(self) -> None:
@@ -86,12 +92,29 @@ class Chooser:
             self._owner.popitem(last=False)
 
     def prefill_locally(
-        self, prompt_len: int, cached_tokens: int, prefill: list[WorkerClient]
+        self,
+        prompt_len: int,
+        cached_tokens: int,
+        prefill: list[WorkerClient],
+        decode: WorkerClient,
     ) -> bool:
-        """Conditional disaggregation (after NVIDIA Dynamo)."""
+        """Conditional disaggregation (after NVIDIA Dynamo), by prompt, queue and load.
+
+        Backlogs are prompt tokens not yet computed: what the router sent and has not seen
+        done, or what the worker's last heartbeat reported queued, whichever is larger."""
         if not prefill:
             return True
-        if prompt_len - cached_tokens <= self.cfg.local_prefill_max_tokens:
+        uncached = prompt_len - cached_tokens
+        if uncached <= self.cfg.local_prefill_max_tokens:
             return True
-        queued = min(w.load.waiting_tokens for w in prefill)
-        return queued > self.cfg.prefill_queue_limit_tokens
+        prefill_backlog = min(w.backlog_tokens for w in prefill)
+        if not self.cfg.elastic_prefill:
+            return prefill_backlog > self.cfg.prefill_queue_limit_tokens
+        load = decode.load
+        if load.kv_usage >= self.cfg.elastic_kv_limit:
+            return False
+        decode_backlog = decode.backlog_tokens
+        empty_batch = load.running == 0 and decode_backlog == 0
+        if empty_batch and prefill_backlog > 0:
+            return True  # decode would idle until the KV came: it computes the prompt now
+        return prefill_backlog >= decode_backlog + uncached

@@ -222,6 +222,7 @@ class Router:
                         log.warning("request %s: %s computes the prompt itself", rid, wid)
                         self.metrics.decision("recompute")
                     case P.Output():
+                        flow.prompt_done()
                         if msg.seq != expected:
                             raise RouterError(
                                 502,
@@ -235,6 +236,7 @@ class Router:
                         if finished:
                             return
         finally:
+            flow.prompt_done()
             self.queues.pop(rid, None)
             self._decoder.pop(rid, None)
             for w in flow.involved:

@@ -42,6 +42,7 @@ def router_config(dep: Deployment) -> RouterConfig:
         routing=RoutingConfig(
             policy=r.policy,  # type: ignore[arg-type]
             local_prefill_max_tokens=r.local_prefill_max_tokens,
+            elastic_prefill=r.elastic_prefill,
             block_size=int(dep.engine.get("block_size", 16)),
         ),
         failure_policy=r.failure_policy,  # type: ignore[arg-type]

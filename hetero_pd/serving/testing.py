@@ -55,7 +55,9 @@ def deployment(
     raw = {
         "model": str(model),
         "workers": workers or [{"role": "prefill"}, {"role": "decode"}],
-        "router": {"host": "127.0.0.1", "port": 0, **(router or {})},
+        # Exact flows by default (a test that counts decisions needs them); tests of elastic
+        # prefill turn it on.
+        "router": {"host": "127.0.0.1", "port": 0, "elastic_prefill": False, **(router or {})},
         "transfer": transfer or {},
         "engine": {**SMALL_ENGINE, **(engine or {})},
     }

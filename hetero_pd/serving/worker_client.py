@@ -69,6 +69,8 @@ class WorkerClient:
         self.gone = False  # its process exited or it said bye: back only after a new hello
         self.invalid_frames = 0
         self.inflight: set[str] = set()
+        #: Prompt tokens the router sent here to compute and has not seen done yet.
+        self.pending_tokens = 0
         self._ready = asyncio.Event()
         self._integrity: asyncio.Queue[P.Integrity] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
@@ -131,6 +133,11 @@ class WorkerClient:
     @property
     def start_layer(self) -> int:
         return self.info.start_layer
+
+    @property
+    def backlog_tokens(self) -> int:
+        """Prompt tokens queued here: the router's count or the last heartbeat's, the larger."""
+        return max(self.pending_tokens, self.load.waiting_tokens)
 
     @property
     def load_score(self) -> float:

@@ -1,0 +1,115 @@
+"""Routing policies (round robin, least loaded, prefix aware) and conditional
+disaggregation with elastic prefill, on workers described by their load only; then elastic
+prefill on a real stack."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import openai
+
+from hetero_pd.serving import protocol as P
+from hetero_pd.serving.policy import Chooser, RoutingConfig
+from hetero_pd.serving.testing import deployment, random_prompts, running_stack
+
+DECISIONS = "hetero_pd_policy_decisions_total"
+
+
+def worker(wid: str, backlog: int = 0, running: int = 0, kv: float = 0.0) -> Any:
+    """A worker as the chooser sees it: an id, a load report and the router's counts."""
+    load = P.WorkerLoad(running=running, waiting_tokens=backlog, kv_usage=kv)
+    return SimpleNamespace(
+        id=wid,
+        load=load,
+        inflight=set(),
+        backlog_tokens=backlog,
+        load_score=backlog + 16.0 * running,
+    )
+
+
+def test_round_robin_takes_turns_per_candidate_set() -> None:
+    chooser = Chooser(RoutingConfig(policy="round_robin"))
+    p = [worker("p0"), worker("p1")]
+    d = [worker("d0")]
+    picks = []
+    for _ in range(4):
+        picks.append(chooser.pick(d)[0].id)  # the decode pick must not advance prefill's turn
+        picks.append(chooser.pick(p)[0].id)
+    assert picks == ["d0", "p0", "d0", "p1", "d0", "p0", "d0", "p1"]
+
+
+def test_least_loaded_takes_the_smallest_backlog() -> None:
+    chooser = Chooser(RoutingConfig(policy="least_loaded"))
+    assert chooser.pick([worker("a", 500), worker("b", 20), worker("c", 90)])[0].id == "b"
+
+
+def test_prefix_aware_prefers_the_worker_holding_the_prefix_unless_much_busier() -> None:
+    chooser = Chooser(RoutingConfig(policy="prefix_aware", block_size=4))
+    a, b = worker("a", 100), worker("b", 0)
+    prompt = list(range(20))
+    chooser.record(a, prompt)
+    assert chooser.pick([a, b], [*prompt, 99]) == (a, 20)
+    assert chooser.pick([a, b], [7] * 20)[0] is b  # no prefix held: least loaded
+    busy = worker("a", 5000)
+    assert chooser.pick([busy, b], prompt)[0] is b  # the holder is far busier
+
+
+def test_conditional_disaggregation() -> None:
+    elastic = Chooser(RoutingConfig(local_prefill_max_tokens=32))
+    fixed = Chooser(RoutingConfig(local_prefill_max_tokens=32, elastic_prefill=False))
+    idle_p, busy_p = [worker("p", 0)], [worker("p", 3000)]
+    idle_d, busy_d, full_d = worker("d"), worker("d", 400, running=8), worker("d", kv=0.9)
+    for chooser in (elastic, fixed):
+        assert chooser.prefill_locally(500, 0, [], idle_d)  # no prefill worker
+        assert chooser.prefill_locally(500, 480, idle_p, busy_d)  # uncached part is short
+        assert not chooser.prefill_locally(500, 0, idle_p, idle_d)  # prefill is free
+    # Elastic: an idle decode worker takes a prompt while prefill is busy...
+    assert elastic.prefill_locally(500, 0, [worker("p", 100)], idle_d)
+    assert not fixed.prefill_locally(500, 0, [worker("p", 100)], idle_d)
+    # ...a busy one only when prefill's backlog outgrows its whole job, and never when full.
+    assert not elastic.prefill_locally(500, 0, [worker("p", 600)], busy_d)
+    assert elastic.prefill_locally(500, 0, busy_p, busy_d)
+    assert not elastic.prefill_locally(500, 0, busy_p, full_d)
+    assert fixed.prefill_locally(500, 0, [worker("p", 9000)], busy_d)  # the old queue limit
+
+
+def test_elastic_prefill_uses_an_idle_decode_worker(
+    tiny_llama_dir: Path, tiny_reference: Any
+) -> None:
+    """Eight long prompts at once on 1P1D: with elastic prefill the decode worker computes
+    some prompts itself while the prefill worker works through its queue; every answer
+    equals the engine's."""
+    from hetero_pd import SamplingParams
+
+    dep = deployment(tiny_llama_dir, router={"elastic_prefill": True})
+    prompts = random_prompts([300] * 8, seed=5)
+    expected = tiny_reference.texts(
+        prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    )
+    with running_stack(dep) as stack:
+
+        async def run() -> list[str]:
+            client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="x", max_retries=0)
+            async with client:
+
+                async def one(prompt: list[int]) -> str:
+                    r = await client.completions.create(
+                        model=dep.model,
+                        prompt=prompt,
+                        max_tokens=6,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    return r.choices[0].text
+
+                return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+        assert asyncio.run(asyncio.wait_for(run(), 120)) == expected
+        local = stack.metric(DECISIONS, decision="local_prefill")
+        disaggregated = stack.metric(DECISIONS, decision="disaggregated")
+        assert local >= 1 and disaggregated >= 1 and local + disaggregated == 8
+        assert all(w.pending_tokens == 0 for w in stack.router.workers.values())
+        stack.wait_idle()
