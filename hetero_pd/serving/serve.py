@@ -93,7 +93,13 @@ async def serve(
             model_dir=Path(model_dir),
             write_timeout_s=dep.router.write_timeout_s,
         )
-        runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
+        # On stop, requests in flight get stop_grace_s to finish; then they are cut.
+        runner = web.AppRunner(
+            create_app(state),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=dep.supervisor.stop_grace_s,
+        )
         await runner.setup()
         site = web.TCPSite(runner, dep.router.host, dep.router.port)
         await site.start()

@@ -130,7 +130,7 @@ class Worker:
                 self._heartbeat(now)
             if self.draining and not self.book.busy:
                 break
-            if self.switch_to is not None and not self.book.busy:
+            if self.switch_to is not None and not self.book.busy and not self.book.fencing:
                 self._switch_role(self.switch_to)
         self.control.broadcast(P.Bye(worker=self.id))
         self.control.flush()
@@ -248,7 +248,8 @@ class Worker:
         except AssertionError as e:
             return P.Integrity(ok=False, used_blocks=-1, message=str(e))
         used = self.engine.load().used_blocks
-        return P.Integrity(ok=True, used_blocks=used, message="busy" if self.book.busy else "idle")
+        busy = self.book.busy or self.book.fencing
+        return P.Integrity(ok=True, used_blocks=used, message="busy" if busy else "idle")
 
     def close(self) -> None:
         self.transfer.close()

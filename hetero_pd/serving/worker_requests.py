@@ -94,7 +94,17 @@ class RequestBook:
     # -- state ---------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        return self.engine.has_unfinished_requests() or self.pushes.active or bool(self.requests)
+        """Work is left: the engine's, a push, or a request not merely waiting out a fence."""
+        return (
+            self.engine.has_unfinished_requests()
+            or self.pushes.active
+            or any(r.phase is not Phase.FENCED for r in self.requests.values())
+        )
+
+    @property
+    def fencing(self) -> bool:
+        """Blocks are fenced: they may not be reused yet (a stopping worker need not wait)."""
+        return any(r.phase is Phase.FENCED for r in self.requests.values())
 
     def count(self, phase: Phase) -> int:
         return sum(r.phase is phase for r in self.requests.values())
