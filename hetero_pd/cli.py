@@ -6,7 +6,10 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from hetero_pd import __version__
 from hetero_pd.models.fetch import DEFAULT_MODEL, KNOWN_MODELS
+
+VERSION = f"hetero-pd {__version__}"
 
 
 def _cmd_fetch_model(args: argparse.Namespace) -> int:
@@ -79,7 +82,7 @@ def _passthrough(command: str, argv: list[str]) -> int:
 
 
 PASSTHROUGH = {
-    "serve": "run a deployment (router + workers) in the foreground: serve CONFIG",
+    "serve": "serve a model or a deployment (router + workers): serve MODEL | CONFIG",
     "validate": "check deployment files before anything starts: validate CONFIG",
     "plan": "P/D worker counts for a deployment's workload, with the reasoning: plan CONFIG",
     "render": "Kubernetes manifests for a deployment: render k8s CONFIG",
@@ -95,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hetero-pd",
         description="Prefill/decode disaggregated LLM serving on heterogeneous hardware.",
     )
+    parser.add_argument("--version", action="version", version=VERSION)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("fetch-model", help="download and convert a known model once")
@@ -126,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--version" in argv[: argv.index("--") if "--" in argv else len(argv)]:
+        print(VERSION)  # on every command, whichever parser it has
+        return 0
     if argv and argv[0] in PASSTHROUGH:
         command, rest = argv[0], argv[1:]
         return _guarded(lambda: _passthrough(command, rest))

@@ -16,3 +16,9 @@ def num_threads() -> int | None:
     """$HETERO_PD_NUM_THREADS: torch intra-op threads for CPU engines (unset: torch's default)."""
     env = os.environ.get("HETERO_PD_NUM_THREADS")
     return int(env) if env else None
+
+
+def api_keys() -> tuple[str, ...]:
+    """$HETERO_PD_API_KEY: Bearer keys the API accepts, comma-separated (unset: none)."""
+    env = os.environ.get("HETERO_PD_API_KEY", "")
+    return tuple(k.strip() for k in env.split(",") if k.strip())

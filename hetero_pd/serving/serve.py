@@ -1,8 +1,10 @@
-"""`hetero-pd serve CONFIG`: on one box, supervised worker processes plus the router and the
-REST API in this process; on a cluster, one part of it (`--role router | worker`).
+"""`hetero-pd serve CONFIG | MODEL`: on one box, supervised worker processes plus the router
+and the REST API in this process; on a cluster, one part of it (`--role router | worker`).
 
-Before anything starts the file is validated against this host (devices, ports, model) and
-automatic P/D counts are computed, with their reasoning printed."""
+MODEL (a model folder, a known name or a Hugging Face repo id) gets a 1P1D deployment built
+in memory from vLLM's flag names (`hetero_pd.serving.model_deployment`). Before anything
+starts the deployment is validated against this host (devices, ports, model) and automatic
+P/D counts are computed, with their reasoning printed."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from hetero_pd import secrets
+from hetero_pd import envs, secrets
 from hetero_pd.deploy import k8s
 from hetero_pd.deploy.controller import RoleController, WorkerLoad
 from hetero_pd.deploy.plan import resolve
@@ -30,6 +32,12 @@ from hetero_pd.serving.api import ApiState, create_app
 from hetero_pd.serving.cluster import keep_connected, max_model_len, parse_replicas, run_pod_worker
 from hetero_pd.serving.control_auth import CurveKeys
 from hetero_pd.serving.launcher import Launcher
+from hetero_pd.serving.model_deployment import (
+    add_model_arguments,
+    deployment_for_model,
+    is_deployment_file,
+    model_flags_given,
+)
 from hetero_pd.serving.policy import RoutingConfig
 from hetero_pd.serving.router import Router, RouterConfig
 
@@ -56,8 +64,11 @@ async def serve(
     on_ready: Callable[[str, Launcher, Router], Awaitable[None] | None] | None = None,
     stop: asyncio.Event | None = None,
     workers: dict[str, str] | None = None,
+    model_names: list[str] | None = None,
 ) -> None:
     """Runs the deployment until `stop` is set (SIGINT/SIGTERM set it when it is None).
+
+    Clients name the model with any of `model_names` (default: the deployment's `model`).
 
     Locally the workers are started and supervised here. With `workers` (worker id ->
     address, a cluster), the router connects to them instead and serves at once; /health
@@ -86,7 +97,7 @@ async def serve(
         state = ApiState(
             router,
             tokenizer,
-            [dep.model],
+            list(model_names or [dep.model]),
             max_len,
             cfg.vocab_size,
             dep.router.api_keys,
@@ -154,26 +165,36 @@ def _signal_event() -> asyncio.Event:
     return event
 
 
-def _banner(url: str, launcher: Launcher, router: Router) -> None:
-    model = launcher.dep.model
-    pids = launcher.pids()
-    roles = ", ".join(
-        f"{w.id} on {w.info.device} (pid {pids[w.id]})" for w in router.workers.values()
-    )
-    print(
-        f"hetero-pd is serving {model} at {url}/v1  [workers: {roles}]\n"
-        f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-        f'    -d \'{{"model": "{model}", "messages": '
-        f'[{{"role": "user", "content": "Name three colors."}}], "max_tokens": 32}}\'\n'
-        "`hetero-pd status --url URL` shows the workers; Ctrl-C stops it.",
-        flush=True,
-    )
+def _banner(name: str) -> Callable[[str, Launcher, Router], None]:
+    def show(url: str, launcher: Launcher, router: Router) -> None:
+        pids = launcher.pids()
+        roles = ", ".join(
+            f"{w.id} on {w.info.device} (pid {pids[w.id]})" for w in router.workers.values()
+        )
+        auth = " -H 'Authorization: Bearer $KEY'" if launcher.dep.router.api_keys else ""
+        print(
+            f"hetero-pd is serving {launcher.dep.model} as {name!r} at {url}/v1  "
+            f"[workers: {roles}]\n"
+            f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json'"
+            f"{auth} \\\n"
+            f'    -d \'{{"model": "{name}", "messages": '
+            f'[{{"role": "user", "content": "Name three colors."}}], "max_tokens": 32}}\'\n'
+            "`hetero-pd status --url URL` shows the workers; Ctrl-C stops it.",
+            flush=True,
+        )
+
+    return show
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hetero-pd serve", description=__doc__)
-    p.add_argument("config", help="deployment YAML (e.g. configs/local.yaml)")
-    p.add_argument("--host", help="override router.host")
+    p.add_argument(
+        "target",
+        metavar="CONFIG_OR_MODEL",
+        help="deployment YAML (configs/local.yaml), model folder, known model name "
+        "(smollm2-135m-instruct) or Hugging Face repo id",
+    )
+    p.add_argument("--host", help="override router.host (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="override router.port (0: any free port)")
     p.add_argument(
         "--role",
@@ -190,15 +211,42 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="automatic P/D counts from the capability profile, without timing the model",
     )
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    dep = load_deployment(args.config)
+    add_model_arguments(p)
+    return p
+
+
+def load_target(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Deployment, str]:
+    """The deployment `serve TARGET` runs, with the command line's overrides, and the model
+    name clients send by default."""
+    if is_deployment_file(args.target):
+        given = model_flags_given(args)
+        if given:
+            p.error(
+                f"{', '.join(given)}: these flags build a deployment for a model "
+                f"(serve MODEL); {args.target} is a deployment file, set them in it "
+                "(dtype:, workers:, engine:)"
+            )
+        dep = load_deployment(args.target)
+        name = dep.model
+    else:
+        dep = deployment_for_model(args.target, args)
+        name = args.target
     router = dep.router
     if args.host is not None:
         router = replace(router, host=args.host)
     if args.port is not None:
         router = replace(router, port=args.port)
-    dep = replace(dep, router=router)
+    keys = (*router.api_keys, *([args.api_key] if args.api_key else []), *envs.api_keys())
+    router = replace(router, api_keys=tuple(dict.fromkeys(keys)))
+    return replace(dep, router=router), name
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    dep, default_name = load_target(p, args)
+    names = list(args.served_model_name or [default_name])
     if args.role == "worker":
         if not args.worker_id:
             p.error("--role worker needs --worker-id")
@@ -207,14 +255,14 @@ def main(argv: list[str] | None = None) -> int:
         if not args.replicas:
             p.error("--role router needs --replicas (render k8s writes it)")
         addresses = k8s.worker_addresses(dep, parse_replicas(args.replicas))
-        asyncio.run(serve(dep, workers=addresses))
+        asyncio.run(serve(dep, workers=addresses, model_names=names))
         return 0
     dep, plan = resolve(dep, use_calibration=not args.no_calibrate)
     if plan is not None:
         print(plan.explain(), flush=True)
     for warning in validate(dep, "local").warnings:
         print(f"warning: {warning}", flush=True)
-    asyncio.run(serve(dep, on_ready=_banner))
+    asyncio.run(serve(dep, on_ready=_banner(names[0]), model_names=names))
     return 0
 
 

@@ -1,0 +1,82 @@
+"""`hetero-pd serve <model dir> --served-model-name ... --api-key ...` run as a user runs it
+(a subprocess), answering the official `openai` client."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from hetero_pd import LLM, SamplingParams
+
+REPO = Path(__file__).resolve().parents[2]
+DEADLINE_S = 120.0
+
+
+@pytest.fixture
+def served(tiny_llama_dir: Path) -> Iterator[str]:
+    argv = [str(tiny_llama_dir), "--port", "0", "--served-model-name", "tiny", "tiny-2"]
+    argv += ["--api-key", "k", "--kv-cache-gb", "0.02", "--max-model-len", "256"]
+    env = {**os.environ, "HETERO_PD_API_KEY": "from-env", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hetero_pd.cli", "serve", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    url: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            m = re.search(r"serving .* at (http://\S+)/v1", line)
+            if m and not url:
+                url.append(m.group(1))
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(DEADLINE_S), "hetero-pd serve did not come up"
+        yield url[0]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.mark.timeout(300)
+def test_the_openai_client_talks_to_serve_model(served: str, tiny_llama_dir: Path) -> None:
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="k", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["tiny", "tiny-2"]
+    expected = LLM(str(tiny_llama_dir), num_kv_blocks=16).generate(
+        "in the", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    )[0]
+    for name in ("tiny", "tiny-2"):
+        r = client.completions.create(
+            model=name,
+            prompt="in the",
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert r.choices[0].text == expected.outputs[0].text
+        assert r.usage is not None and r.usage.completion_tokens == 6
+
+    env_client = openai.OpenAI(base_url=f"{served}/v1", api_key="from-env", max_retries=0)
+    assert len(env_client.models.list().data) == 2, "$HETERO_PD_API_KEY is accepted too"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{served}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=str(tiny_llama_dir), prompt="hi", max_tokens=1)
