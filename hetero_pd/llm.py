@@ -7,6 +7,8 @@ from typing import Any
 
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.llm_engine import LLMEngine
+from hetero_pd.engine.logprobs import decode_logprobs
+from hetero_pd.engine.parallel_sampling import ParentRequest
 from hetero_pd.models.fetch import DEFAULT_MODEL
 from hetero_pd.outputs import RequestOutput
 from hetero_pd.sampling_params import SamplingParams
@@ -48,21 +50,21 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generates for every prompt (a string or a list of token ids), all in one batch;
-        returns the outputs in prompt order."""
+        returns the outputs in prompt order, each with ``n`` completions."""
         batch = _as_batch(prompts)
         params = _params_for(batch, sampling_params)
-        ids: list[str] = []
+        parents: list[ParentRequest] = []
         try:
             for prompt, p in zip(batch, params, strict=True):
-                rid = f"gen-{self._next_id}"
+                parent = ParentRequest(f"gen-{self._next_id}", p)
                 self._next_id += 1
-                self.engine.add_request(prompt, p, request_id=rid)
-                ids.append(rid)
+                self.engine.add_request(prompt, parent.child_params(0), parent.child_id(0))
+                parents.append(parent)
         except BaseException:
-            for rid in ids:  # all or nothing: a rejected prompt leaves nothing queued
-                self.engine.abort_request(rid)
+            for parent in parents:  # all or nothing: a rejected prompt leaves nothing queued
+                self.engine.abort_request(parent.child_id(0))
             raise
-        return self._run(ids, use_tqdm)
+        return self._run(parents, use_tqdm)
 
     def chat(
         self,
@@ -85,28 +87,45 @@ class LLM:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(tok.encode(text, add_special_tokens=False))
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, parents: list[ParentRequest], use_tqdm: bool) -> list[RequestOutput]:
+        by_child = {p.child_id(0): p for p in parents}
         final: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
+            bar = tqdm(total=len(parents), desc="generate", unit="req")
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
+                    parent = by_child[out.request_id]
+                    for index in parent.record(out):
+                        child = parent.child_id(index)
+                        self.engine.add_request(
+                            out.prompt_token_ids, parent.child_params(index), child
+                        )
+                        by_child[child] = parent
+                    if parent.finished:
+                        final[parent.request_id] = self._finish(parent.output())
                         if bar is not None:
                             bar.update(1)
         except BaseException:
-            for rid in ids:
-                self.engine.abort_request(rid)
+            for child in by_child:
+                self.engine.abort_request(child)
             raise
         finally:
             if bar is not None:
                 bar.close()
-        return [final[rid] for rid in ids]
+        return [final[p.request_id] for p in parents]
+
+    def _finish(self, out: RequestOutput) -> RequestOutput:
+        """Fills in each logprob's token text."""
+        tok = self.engine.tokenizer
+        if out.prompt_logprobs:
+            decode_logprobs(tok, out.prompt_logprobs)
+        for completion in out.outputs:
+            decode_logprobs(tok, completion.logprobs or [])
+        return out
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -59,6 +59,8 @@ class KVCacheManager:
         so that the request has logits to sample from."""
         if not self.enable_prefix_caching or req.prompt_hidden is not None:
             return []  # an edge prompt's token ids are placeholders
+        if req.params.prompt_logprobs is not None:
+            return []  # every prompt position must be computed to have its logits
         bs = self.block_size
         max_blocks = (req.num_prompt_tokens - 1) // bs
         hits: list[int] = []

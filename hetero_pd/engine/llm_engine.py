@@ -16,7 +16,9 @@ from hetero_pd import envs
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.detokenizer import IncrementalDetokenizer
 from hetero_pd.engine.kv_cache_manager import KVCacheManager
+from hetero_pd.engine.logprobs import output_logprobs, prompt_logprobs
 from hetero_pd.engine.model_runner import KVAllocator, ModelRunner
+from hetero_pd.engine.parallel_sampling import check_engine_params
 from hetero_pd.engine.request import Request, RequestStatus
 from hetero_pd.engine.sampler import advance_generator
 from hetero_pd.engine.scheduler import Role, Scheduler, SchedulerConfig, SchedulerOutput
@@ -338,11 +340,9 @@ class LLMEngine:
         return list(prompt)
 
     def _check_params(self, params: SamplingParams) -> None:
-        """Token ids in sampling parameters index the logits: they must be in the vocabulary."""
-        vocab = self.model_config.vocab_size
-        bad = [t for t in params.stop_token_ids or [] if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        """Token ids in sampling parameters index the logits: they must be in the vocabulary;
+        one completion per engine request (n fans out above the engine)."""
+        check_engine_params(params, self.model_config.vocab_size)
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -486,6 +486,7 @@ class LLMEngine:
             delta_text=delta_text,
             delta_token_ids=[token],
         )
+        completion.logprobs, completion.cumulative_logprob = output_logprobs(req)
         return RequestOutput(
             req.request_id,
             state.prompt,
@@ -493,6 +494,7 @@ class LLMEngine:
             [completion],
             finished,
             req.num_cached_tokens,
+            prompt_logprobs(req),
         )
 
     def check_integrity(self) -> None:

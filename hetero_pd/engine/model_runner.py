@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from hetero_pd.engine.logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from hetero_pd.engine.sampler import Sampler
 from hetero_pd.engine.scheduler import ScheduledChunk, SchedulerOutput
-from hetero_pd.engine.stop import suppressed_token_ids
 from hetero_pd.models.attention import AttentionMetadata, PrefillSpan
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.llama import CausalLM, KVCache
@@ -182,16 +182,13 @@ class ModelRunner:
             start_layer=start,
             on_layer_done=on_layer_done,
         )
+        if any(wants_prompt_logprobs(c.request) for c in out.chunks):
+            record_prompt_logprobs(self.model.compute_logits, hidden, out.chunks)
         if not inputs.sample_rows:
             return {}
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         reqs = [out.chunks[i].request for i in inputs.sample_chunks]
-        suppress = [
-            suppressed_token_ids(r.params, r.num_output_tokens, r.eos_token_ids) for r in reqs
-        ]
-        tokens = self.sampler(
-            logits, [r.params for r in reqs], [r.generator for r in reqs], suppress
-        )
+        tokens = self.sampler.sample_requests(logits, reqs)
         return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
 
     def _hidden_inputs(self, out: SchedulerOutput) -> torch.Tensor:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from hetero_pd.outputs import PromptLogprobs, SampleLogprobs
     from hetero_pd.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
@@ -76,6 +77,11 @@ class Request:
     # [0, k) on the prompt and sent their KV, [k, 2, num_prompt_tokens, kv_heads, head_dim],
     # with `prompt_hidden` entering layer k; outputs then run every layer from token ids.
     early_kv: torch.Tensor | None = None
+    # SamplingParams.logprobs / prompt_logprobs, recorded as the tokens are computed (see
+    # hetero_pd.engine.logprobs): one entry per output token; one per prompt position.
+    output_logprobs: SampleLogprobs = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: PromptLogprobs = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -1,9 +1,17 @@
-"""Token sampling: greedy, temperature, top-k, top-p and min-p, with per-request seeds."""
+"""Token sampling: greedy, temperature, top-k, top-p and min-p, with per-request seeds,
+after the logits processors (bans, bias, penalties), with logprobs where asked."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from hetero_pd.engine.logits_processors import History, process_logits
+from hetero_pd.engine.logprobs import token_logprobs
+from hetero_pd.engine.request import Request
+from hetero_pd.engine.stop import suppressed_token_ids
+from hetero_pd.outputs import Logprob
 from hetero_pd.sampling_params import SamplingParams
 
 # Rows with top-p but no top-k first look for their nucleus among this many most likely
@@ -110,13 +118,14 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """Samples one token per row of a ``[num_seqs, vocab]`` float logits tensor.
 
-    Greedy rows (``params.greedy``) take the argmax of the raw logits, bit-exact with
-    transformers' greedy search. Other rows: divide by the temperature, mask with top-k,
-    top-p and min-p (in that order), then sample by exponential race, ``argmax(probs / q)``
-    with ``q ~ Exponential(1)`` per token. A row whose generator is not ``None`` draws one
-    noise value per vocabulary token from that generator only, so its samples depend only
-    on its seed and its own logits, not on the rest of the batch; the other rows share one
-    draw from the global RNG.
+    The logits first go through ``logits_processors.process_logits`` (min_tokens bans,
+    logit_bias, penalties; rows that ask for none keep their values). Greedy rows
+    (``params.greedy``) then take the argmax, bit-exact with transformers' greedy search.
+    Other rows: divide by the temperature, mask with top-k, top-p and min-p (in that order),
+    then sample by exponential race, ``argmax(probs / q)`` with ``q ~ Exponential(1)`` per
+    token. A row whose generator is not ``None`` draws one noise value per vocabulary token
+    from that generator only, so its samples depend only on its seed and its own logits,
+    not on the rest of the batch; the other rows share one draw from the global RNG.
     """
 
     @torch.inference_mode()
@@ -126,6 +135,7 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         suppress_token_ids: list[list[int]] | None = None,
+        histories: list[History] | None = None,
     ) -> list[int]:
         """Return the sampled token id of each row.
 
@@ -137,15 +147,58 @@ class Sampler:
             suppress_token_ids: optional, per row, token ids that must not be sampled
                 (see ``stop.suppressed_token_ids``: EOS and ``stop_token_ids`` before
                 ``min_tokens``). Applies to greedy rows too.
+            histories: per row, ``(prompt token ids, output token ids)``; needed when a
+                row has a penalty.
         """
+        return self.sample(logits, params, generators, suppress_token_ids, histories)[0]
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        suppress_token_ids: list[list[int]] | None = None,
+        histories: list[History] | None = None,
+    ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        """As ``__call__``, and per row the logprobs entry (None where not asked)."""
         num_seqs = logits.shape[0]
         if len(params) != num_seqs or len(generators) != num_seqs:
             raise ValueError(
                 f"expected one SamplingParams and one generator per logits row ({num_seqs}), "
                 f"got {len(params)} params and {len(generators)} generators"
             )
-        if suppress_token_ids is not None and any(suppress_token_ids):
-            logits = _suppress(logits, suppress_token_ids)
+        logits = process_logits(logits, params, suppress_token_ids, histories)
+        tokens = self._choose(logits, params, generators)
+        return tokens, _logprobs(logits, params, tokens)
+
+    @torch.inference_mode()
+    def sample_requests(self, logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
+        """Samples the next token of each request (one logits row each) and records the
+        logprobs of those that ask for them on the request."""
+        params = [r.params for r in reqs]
+        suppress = [
+            suppressed_token_ids(r.params, r.num_output_tokens, r.eos_token_ids) for r in reqs
+        ]
+        histories: list[History] | None = None
+        if any(p.has_penalties for p in params):
+            histories = [(r.prompt_token_ids, r.output_token_ids) for r in reqs]
+        tokens, logprobs = self.sample(
+            logits, params, [r.generator for r in reqs], suppress, histories
+        )
+        for req, token, entry in zip(reqs, tokens, logprobs, strict=True):
+            if entry is not None:
+                req.output_logprobs.append(entry)
+                req.cumulative_logprob += entry[token].logprob
+        return tokens
+
+    def _choose(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> list[int]:
+        num_seqs = logits.shape[0]
         greedy = [p.greedy for p in params]
         if all(greedy):
             return logits.argmax(dim=-1).tolist()
@@ -169,16 +222,26 @@ class Sampler:
         return tokens
 
 
+def _logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+) -> list[dict[int, Logprob] | None]:
+    """Logprobs entries of the rows that ask: log-softmax after the temperature (1 for greedy
+    rows), before top-k/top-p/min-p."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[dict[int, Logprob] | None] = [None] * len(params)
+    if not rows:
+        return out
+    temperature = [1.0 if params[i].greedy else params[i].temperature for i in rows]
+    t = torch.tensor(temperature, device=logits.device).unsqueeze(1)
+    lp = torch.log_softmax(logits[rows].float() / t, dim=-1)
+    entries = token_logprobs(lp, [tokens[i] for i in rows], [params[i].logprobs or 0 for i in rows])
+    for i, entry in zip(rows, entries, strict=True):
+        out[i] = entry
+    return out
+
+
 def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return x if len(rows) == x.shape[0] else x[rows]
-
-
-def _suppress(logits: torch.Tensor, suppress_token_ids: list[list[int]]) -> torch.Tensor:
-    row_idx = [row for row, ids in enumerate(suppress_token_ids) for _ in ids]
-    col_idx = [token for ids in suppress_token_ids for token in ids]
-    logits = logits.clone()
-    logits[row_idx, col_idx] = float("-inf")
-    return logits
 
 
 def _sample(

@@ -45,7 +45,17 @@ def test_greedy(temperature: float, greedy: bool) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"n": 2}, "n must be 1 (one completion per request is supported), got 2"),
+        ({"n": 0}, "n must be an integer in [1, 128], got 0"),
+        ({"n": 2.0}, "n must be an integer in [1, 128], got 2.0"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5"),
+        ({"frequency_penalty": "x"}, "frequency_penalty must be a finite number, got 'x'"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be > 0, got 0.0"),
+        ({"logit_bias": {"a": 1}}, "logit_bias keys must be token ids (integers >= 0), got 'a'"),
+        ({"logit_bias": {"-3": 1}}, "logit_bias keys must be token ids (integers >= 0), got '-3'"),
+        ({"logit_bias": {5: 101}}, "logit_bias[5] must be in [-100, 100], got 101"),
+        ({"logit_bias": [1]}, "logit_bias must be a map of token id to bias or None, got [1]"),
+        ({"logprobs": 21}, "logprobs must be an integer in [0, 20] or None, got 21"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs must be an integer in [0, 20] or None, got -1"),
         ({"max_tokens": 0}, "max_tokens must be an integer >= 1 or None, got 0"),
         ({"max_tokens": 2.5}, "max_tokens must be an integer >= 1 or None, got 2.5"),
         ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),

@@ -28,12 +28,13 @@ def prompt(n: int, seed: int) -> list[int]:
     ("params", "field"),
     [
         (SamplingParams(stop_token_ids=[1_000_000], min_tokens=1, max_tokens=2), "stop_token_ids"),
+        (SamplingParams(logit_bias={512: 1.0}), "logit_bias keys"),
     ],
 )
 def test_out_of_vocabulary_ids_are_refused_and_the_engine_goes_on(
     llm: LLM, params: SamplingParams, field: str
 ) -> None:
-    with pytest.raises(ValueError, match=rf"{field}: token ids \[\d+\] are outside the model's"):
+    with pytest.raises(ValueError, match=rf"{field} \[\d+\] are outside the vocabulary"):
         llm.generate(prompt(4, 0), params)
     assert not llm.engine.has_unfinished_requests()
     (out,) = llm.generate(prompt(4, 0), SamplingParams(temperature=0, max_tokens=2, min_tokens=1))
