@@ -1,4 +1,4 @@
-"""Benchmark workloads: random prompts, a chat + summarization mix, or a JSONL file.
+"""Benchmark workloads: random prompts, a chat + summarization mix, a JSONL file or ShareGPT.
 
 Prompt lengths are in tokens.  With a tokenizer (``--tokenizer PATH``: a Hugging Face
 folder or its ``tokenizer.json``) prompts are random token ids decoded to text and lengths
@@ -9,6 +9,7 @@ token each in typical BPE vocabularies, and lengths are word counts (an approxim
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -175,4 +176,60 @@ def jsonl_requests(
         raise ValueError(f"{path}: no prompts")
     if n is None:
         return reqs
+    return [reqs[i % len(reqs)] for i in range(n)]
+
+
+# vLLM's ShareGPT filter (`is_valid_sequence`): lengths in tokens.
+SHAREGPT_MIN_LEN = 4
+SHAREGPT_MAX_PROMPT_LEN = 1024
+SHAREGPT_MAX_TOTAL_LEN = 2048
+
+
+def sharegpt_requests(
+    path: str | Path,
+    source: TextSource,
+    n: int,
+    output_len: int | None = None,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """ShareGPT-format JSON as `vllm bench serve --dataset-name sharegpt` samples it.
+
+    The file is a list of ``{"conversations": [{"from": ..., "value": ...}, ...]}``; each
+    entry with two or more turns gives (first turn = prompt, second turn = the reference
+    answer, whose token count is ``max_tokens`` unless ``output_len`` fixes it). Entries
+    are shuffled with Python's ``random`` seeded by ``seed``; pairs with a prompt or answer
+    under 4 tokens, a prompt over 1024 or a total over 2048 are skipped; the first ``n``
+    kept are used (cycled when fewer are kept)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, list):
+        raise ValueError(f'{path}: expected a ShareGPT list of {{"conversations": [...]}}')
+    pairs = []
+    for i, entry in enumerate(data):
+        turns = entry.get("conversations") if isinstance(entry, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2:
+            continue
+        texts = [t.get("value") if isinstance(t, dict) else None for t in turns[:2]]
+        if not all(isinstance(t, str) for t in texts):
+            raise ValueError(f'{path}: entry {i}: each turn needs a string "value"')
+        pairs.append((str(texts[0]), str(texts[1])))
+    random.Random(seed).shuffle(pairs)
+    reqs: list[BenchRequest] = []
+    for prompt, answer in pairs:
+        prompt_len = source.count(prompt)
+        max_tokens = output_len or source.count(answer)
+        if prompt_len < SHAREGPT_MIN_LEN or prompt_len > SHAREGPT_MAX_PROMPT_LEN:
+            continue
+        if (output_len is None and max_tokens < SHAREGPT_MIN_LEN) or (
+            prompt_len + max_tokens > SHAREGPT_MAX_TOTAL_LEN
+        ):
+            continue
+        reqs.append(BenchRequest(prompt, prompt_len, max_tokens))
+        if len(reqs) == n:
+            break
+    if not reqs:
+        raise ValueError(f"{path}: no conversation has a usable first prompt and answer")
     return [reqs[i % len(reqs)] for i in range(n)]

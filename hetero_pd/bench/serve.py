@@ -2,6 +2,7 @@
 
 Reports throughput, TTFT / TPOT / ITL / E2E latency (mean, median, p50, p90, p99),
 rejections and failures, and with ``--slo`` DistServe's SLO attainment and goodput.
+A `vllm bench serve` command line works unchanged (see ``vllm_compat``).
 ``--sweep`` searches for the highest rate with >= 90% attainment.  Metric definitions
 match `vllm bench serve` (see ``metrics``).  Prints a summary table; the last stdout line
 is one JSON object.  ``--result-json`` also keeps per-request records; ``--plot-dir``
@@ -27,6 +28,7 @@ from typing import Any
 import aiohttp
 
 from hetero_pd.bench import datasets as ds
+from hetero_pd.bench import vllm_compat as vc
 from hetero_pd.bench.client import first_model
 from hetero_pd.bench.metrics import SLO, RequestResult, compute_metrics, parse_slo
 from hetero_pd.bench.plots import plot_attainment_vs_rate, plot_latency_cdfs
@@ -54,9 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("server")
-    g.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    g.add_argument("--url", "--base-url", help="server base URL (default http://127.0.0.1:8000)")
     g.add_argument("--model", help="model name to send (default: first of GET /v1/models)")
-    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    g.add_argument(
+        "--endpoint", type=vc.endpoint_type, help="completions (default) | chat | /v1/..."
+    )
     g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -65,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-initial-test", action="store_true", help="skip the pre-flight request")
 
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", default="random", help="random | mixed | FILE.jsonl")
+    g.add_argument(
+        "--dataset",
+        "--dataset-name",
+        default="random",
+        help="random | mixed | sharegpt | custom (with --dataset-path) | FILE.jsonl",
+    )
     g.add_argument("--tokenizer", help="HF folder or tokenizer.json for exact prompt lengths")
     g.add_argument("--num-prompts", type=int, help="requests per run (default 100; file: all)")
     g.add_argument("--random-input-len", type=int, default=256)
@@ -80,12 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
 
     g = p.add_argument_group("load")
-    g.add_argument("--rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
+    g.add_argument(
+        "--rate",
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s (inf: all at once)",
+    )
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     g.add_argument("--max-concurrency", type=int, help="most requests in flight")
 
     g = p.add_argument_group("SLOs and goodput")
-    g.add_argument("--slo", nargs="+", default=[], metavar="NAME:MS", help="ttft:MS tpot:MS")
+    g.add_argument(
+        "--slo", "--goodput", nargs="+", default=[], metavar="NAME:MS", help="ttft:MS tpot:MS"
+    )
     g.add_argument("--sweep", action="store_true", help="binary-search the goodput rate")
     g.add_argument("--sweep-min-rate", type=float, default=0.25)
     g.add_argument("--sweep-max-rate", type=float, default=16.0)
@@ -97,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--result-json", type=Path, help="write the result (+ per-request records)")
     g.add_argument("--plot-dir", type=Path, help="write latency_cdf.png (+ attainment_vs_rate)")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    vc.add_vllm_arguments(p)
     return p
 
 
@@ -115,6 +133,9 @@ def load_requests(args: argparse.Namespace) -> list[ds.BenchRequest]:
             args.random_range_ratio,
             args.seed,
         )
+    if args.dataset == "sharegpt":
+        out_len = args.sharegpt_output_len
+        return ds.sharegpt_requests(args.dataset_path, source, n or 1000, out_len, args.seed)
     if args.dataset == "mixed":
         spec = ds.MixedSpec(
             args.mixed_long_fraction,
@@ -125,7 +146,10 @@ def load_requests(args: argparse.Namespace) -> list[ds.BenchRequest]:
         )
         return ds.mixed_requests(n or 100, spec, source, args.seed)
     if not Path(args.dataset).is_file():
-        raise FileNotFoundError(f"--dataset: {args.dataset} is not random, mixed or a file")
+        raise FileNotFoundError(
+            f"--dataset: {args.dataset} is not random, mixed or a file "
+            "(nor sharegpt or custom with --dataset-path)"
+        )
     return ds.jsonl_requests(args.dataset, source, args.random_output_len, n)
 
 
@@ -199,7 +223,7 @@ async def _prepare(args: argparse.Namespace, cfg: RunConfig, first: ds.BenchRequ
 
 async def _single(
     args: argparse.Namespace, cfg: RunConfig, reqs: list[ds.BenchRequest], slo: SLO
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[RequestResult]]:
     outcome = await run_benchmark(reqs, cfg)
     metrics = compute_metrics(outcome.results, outcome.duration, slo)
     print(format_summary(metrics, slo, args.label and f"{args.label} results"))
@@ -210,7 +234,7 @@ async def _single(
         path = args.plot_dir / "latency_cdf.png"
         plots.append(str(plot_latency_cdfs(outcome.results, path, slo, args.label)))
     result["plots"] = plots
-    return result, request_records(outcome.results)
+    return result, request_records(outcome.results), outcome.results
 
 
 async def _sweep(
@@ -240,8 +264,9 @@ async def _bench(args: argparse.Namespace, reqs: list[ds.BenchRequest]) -> dict[
     result = _config(args, cfg, len(reqs), slo)
     details: list[dict[str, Any]] = []
     if search is None:
-        run_result, details = await _single(args, cfg, reqs, slo)
+        run_result, details, results = await _single(args, cfg, reqs, slo)
         result.update(run_result)
+        result.update(vc.result_keys(args, results, cfg.model))
     else:
         result.update(await _sweep(args, cfg, reqs, slo, search))
     if args.result_json:
@@ -249,6 +274,9 @@ async def _bench(args: argparse.Namespace, reqs: list[ds.BenchRequest]) -> dict[
         full = {**result, "requests": details} if details else result
         args.result_json.write_text(json.dumps(full, indent=1) + "\n")
         result["result_json"] = str(args.result_json)
+    saved = vc.save_result(args, result)
+    if saved is not None:
+        result["result_file"] = str(saved)
     return result
 
 
@@ -272,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark: 0 when it ran, 1 when the server was unusable, 2 on bad input."""
     args = build_parser().parse_args(argv)
     try:
+        vc.normalize(args)
         reqs = load_requests(args)
         result = asyncio.run(_bench(args, reqs))
     except (ValueError, FileNotFoundError) as e:
