@@ -39,6 +39,7 @@ from hetero_pd.serving.model_deployment import (
     model_flags_given,
 )
 from hetero_pd.serving.policy import RoutingConfig
+from hetero_pd.serving.prom import ServingMetrics
 from hetero_pd.serving.router import Router, RouterConfig
 
 log = logging.getLogger("hetero_pd.serve")
@@ -78,8 +79,11 @@ async def serve(
     model_dir = resolve_model(dep.model)
     cfg = ModelConfig.from_dir(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    names = list(model_names or [dep.model])
     secret = deployment_secret(dep, generate=workers is None)
-    router = Router(router_config(dep), CurveKeys.from_secret(secret))
+    router = Router(
+        router_config(dep), CurveKeys.from_secret(secret), ServingMetrics(model_name=names[0])
+    )
     launcher = Launcher(dep, router, secret) if workers is None else None
     stop = stop or _signal_event()
     runner: web.AppRunner | None = None
@@ -97,7 +101,7 @@ async def serve(
         state = ApiState(
             router,
             tokenizer,
-            list(model_names or [dep.model]),
+            names,
             max_len,
             cfg.vocab_size,
             dep.router.api_keys,

@@ -180,13 +180,14 @@ def running_stack(dep: Deployment, start_timeout_s: float = 120.0) -> Iterator[S
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
-    """One sample of a Prometheus text exposition; 0.0 when it is absent."""
-    want = sorted(f'{k}="{v}"' for k, v in labels.items())
+    """One sample of a Prometheus text exposition whose labels include `labels` (others,
+    such as `model_name`, may be there too); 0.0 when it is absent."""
+    want = {f'{k}="{v}"' for k, v in labels.items()}
     for line in text.splitlines():
         m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
         if m is None or m.group(1) != name:
             continue
-        if sorted(p for p in (m.group(2) or "").split(",") if p) == want:
+        if want <= {p for p in (m.group(2) or "").split(",") if p}:
             return float(m.group(3))
     return 0.0
 

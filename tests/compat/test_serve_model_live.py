@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import openai
 import pytest
 
 from hetero_pd import LLM, SamplingParams
+from hetero_pd.serving.testing import metric_value
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 120.0
@@ -80,3 +82,13 @@ def test_the_openai_client_talks_to_serve_model(served: str, tiny_llama_dir: Pat
         openai.OpenAI(base_url=f"{served}/v1", api_key="wrong", max_retries=0).models.list()
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model=str(tiny_llama_dir), prompt="hi", max_tokens=1)
+
+    req = urllib.request.Request(f"{served}/metrics", headers={"Authorization": "Bearer k"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        text = r.read().decode()
+    assert metric_value(text, "hetero_pd_requests_total", model_name="tiny", outcome="length") == 2
+    assert metric_value(text, "vllm:time_to_first_token_seconds_count", model_name="tiny") == 2
+    # Load comes with the workers' heartbeats: present, though not necessarily back to 0.
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        assert re.search(rf'^{name}{{model_name="tiny"}} \d+\.0$', text, re.M), name
+    assert re.search(r'^vllm:kv_cache_usage_perc{model_name="tiny"} [0-9.e-]+$', text, re.M)

@@ -15,7 +15,9 @@ def samples(m: ServingMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
     out = {}
     for family in text_string_to_metric_families(body.decode()):
         for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            labels = dict(s.labels)
+            assert labels.pop("model_name") == m.model_name, "every series names the model"
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
     return out
 
 
@@ -39,7 +41,11 @@ def test_requests_latencies_and_tokens() -> None:
     assert s[("hetero_pd_e2e_request_latency_seconds_count", ())] == 1
     assert s[("hetero_pd_prompt_tokens_total", ())] == 110
     assert s[("hetero_pd_generation_tokens_total", ())] == 4
-    bounds = {float(dict(k[1])["le"]) for k in s if k[0].endswith("seconds_bucket") and k[1]}
+    bounds = {
+        float(dict(k[1])["le"])
+        for k in s
+        if k[0].startswith("hetero_pd_") and k[0].endswith("seconds_bucket") and k[1]
+    }
     assert min(bounds) == 0.001 and max(b for b in bounds if b != float("inf")) == 120
 
 
@@ -52,9 +58,9 @@ def test_workers_set_replace_and_remove() -> None:
     d0 = (("role", "decode"), ("worker", "d0"))
     assert s[("hetero_pd_worker_queue_depth", p0)] == 3
     assert s[("hetero_pd_worker_running", p0)] == 2
-    assert s[("hetero_pd_worker_kv_usage", p0)] == 0.25
+    assert s[("hetero_pd_worker_kv_usage_ratio", p0)] == 0.25
     assert s[("hetero_pd_worker_up", p0)] == 1
-    assert s[("hetero_pd_worker_kv_usage", d0)] == 1.0  # clamped to 0..1
+    assert s[("hetero_pd_worker_kv_usage_ratio", d0)] == 1.0  # clamped to 0..1
     assert s[("hetero_pd_worker_up", d0)] == 0
     m.set_worker("p0", "colocated", queue_depth=1, running=1, kv_usage=0.5, up=True)
     s = samples(m)
@@ -79,8 +85,9 @@ def test_transfers_and_decisions() -> None:
     m.decision("recompute")
     s = samples(m)
     assert s[("hetero_pd_kv_transfer_bytes_total", (("transport", "shm"),))] == 4e9
-    assert s[("hetero_pd_kv_transfer_gbps", (("transport", "shm"),))] == pytest.approx(2.0)
-    assert s[("hetero_pd_kv_transfer_gbps", (("transport", "tcp"),))] == pytest.approx(0.25)
+    throughput = "hetero_pd_kv_transfer_throughput_bytes_per_second"
+    assert s[(throughput, (("transport", "shm"),))] == pytest.approx(2e9)
+    assert s[(throughput, (("transport", "tcp"),))] == pytest.approx(0.25e9)
     assert s[("hetero_pd_kv_transfer_seconds_count", (("transport", "tcp"),))] == 2
     assert s[("hetero_pd_kv_transfer_failures_total", (("code", "TIMEOUT"),))] == 2
     assert s[("hetero_pd_kv_transfer_retries_total", ())] == 1
@@ -104,3 +111,44 @@ def test_separate_registries_do_not_clash() -> None:
     assert samples(a)[("hetero_pd_requests_total", (("outcome", "stop"),))] == 1
     assert samples(b)[("hetero_pd_requests_total", (("outcome", "stop"),))] == 0
     assert b"hetero_pd_" not in generate_latest(REGISTRY)
+
+
+def test_vllm_named_series_for_dashboards_and_gateways() -> None:
+    m = ServingMetrics(model_name="tiny")
+    m.set_worker("p0", "prefill", queue_depth=4, running=1, kv_usage=0.9, up=True)
+    m.set_worker("d0", "decode", queue_depth=2, running=6, kv_usage=0.5, up=True)
+    m.set_worker("d1", "decode", queue_depth=1, running=3, kv_usage=0.1, up=True)
+    m.set_worker("d2", "decode", queue_depth=9, running=9, kv_usage=1.0, up=False)  # down
+    m.observe_request(0.3, 0.05, [], 1.0, 10, 4, "stop")
+    s = samples(m)
+    assert s[("vllm:num_requests_running", ())] == 1 + 6 + 3
+    assert s[("vllm:num_requests_waiting", ())] == 4 + 2 + 1
+    # The decode workers' mean: prefill KV only passes through.
+    assert s[("vllm:kv_cache_usage_perc", ())] == pytest.approx(0.3)
+    assert s[("vllm:gpu_cache_usage_perc", ())] == pytest.approx(0.3)
+    assert s[("vllm:time_to_first_token_seconds_count", ())] == 1
+    assert s[("vllm:time_to_first_token_seconds_bucket", (("le", "0.25"),))] == 0
+    assert s[("vllm:time_to_first_token_seconds_bucket", (("le", "0.5"),))] == 1
+    assert s[("vllm:time_per_output_token_seconds_sum", ())] == 0.05
+    m.remove_worker("d1")
+    assert samples(m)[("vllm:num_requests_running", ())] == 1 + 6
+
+
+def test_names_follow_the_conventions() -> None:
+    """Counters end in _total, histograms of time in _seconds, fractions in _ratio; no
+    series of ours is in a derived unit (GB/s, ms)."""
+    m = ServingMetrics(model_name="x")
+    m.observe_transfer("shm", 10, 1.0)
+    m.transfer_failure("TIMEOUT")
+    body = m.render()[0].decode()
+    for family in text_string_to_metric_families(body):
+        if family.name.startswith("vllm:"):
+            continue
+        assert family.name.startswith("hetero_pd_"), family.name
+        if family.type == "counter":
+            assert all(s.name.endswith(("_total", "_created")) for s in family.samples)
+        if family.type == "histogram":
+            assert family.name.endswith("_seconds"), family.name
+        assert not any(u in family.name for u in ("gbps", "_ms")), family.name
+        if family.type == "gauge" and "usage" in family.name:
+            assert family.name.endswith("_ratio"), family.name

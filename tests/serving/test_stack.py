@@ -246,7 +246,7 @@ def test_models_health_metrics(stack: Stack, client: openai.OpenAI) -> None:
         "hetero_pd_time_per_output_token_seconds_bucket",
         "hetero_pd_e2e_request_latency_seconds_bucket",
         "hetero_pd_worker_queue_depth",
-        "hetero_pd_worker_kv_usage",
+        "hetero_pd_worker_kv_usage_ratio",
         "hetero_pd_kv_transfer_seconds_bucket",
     ):
         assert f"\n{name}" in text, name
