@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from hetero_pd import __version__
 from hetero_pd.models.fetch import DEFAULT_MODEL, KNOWN_MODELS
@@ -28,8 +29,21 @@ def _cmd_devices(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from hetero_pd import LLM, SamplingParams
+    from hetero_pd.engine.llm_engine import load_tokenizer
+    from hetero_pd.models.fetch import resolve_model
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    tokenizer = load_tokenizer(str(resolve_model(args.model)))
+    prompts = [_prompt_ids(tokenizer, p, args.chat, args.model) for p in args.prompt]
+    # A KV cache for the longest prompt and its output, not the default budget (1 GiB
+    # zero-filled: seconds on a busy CPU for a one-line answer).
+    blocks = kv_blocks_for([len(p) for p in prompts], args.max_tokens)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        num_kv_blocks=blocks,
+        num_threads=args.threads,
+    )
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -38,13 +52,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop or None,
     )
-    for prompt in args.prompt:
-        if args.chat:
-            out = llm.chat([{"role": "user", "content": prompt}], params)[0]
-        else:
-            out = llm.generate(prompt, params)[0]
-        print(out.outputs[0].text)
+    for ids in prompts:
+        print(llm.generate(ids, params)[0].outputs[0].text)
     return 0
+
+
+def _prompt_ids(tokenizer: Any, prompt: str, chat: bool, model: str) -> list[int]:
+    from hetero_pd.llm import chat_prompt_ids
+
+    if chat:
+        return chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}], model)
+    return list(tokenizer.encode(prompt))
+
+
+def kv_blocks_for(prompt_lens: list[int], max_tokens: int, block_size: int = 16) -> int:
+    """KV blocks one request at a time needs: the longest prompt plus its output."""
+    longest = max(prompt_lens, default=1) + max_tokens
+    return -(-longest // block_size) + 1
 
 
 def _passthrough(command: str, argv: list[str]) -> int:
@@ -121,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.set_defaults(func=_cmd_generate)
 
     for name, text in PASSTHROUGH.items():

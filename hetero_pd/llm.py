@@ -81,11 +81,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        tok = self.engine.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise ValueError(f"the tokenizer of {self.engine.model_path} has no chat template")
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(tok.encode(text, add_special_tokens=False))
+        return chat_prompt_ids(self.engine.tokenizer, messages, self.engine.model_path)
 
     def _run(self, parents: list[ParentRequest], use_tqdm: bool) -> list[RequestOutput]:
         by_child = {p.child_id(0): p for p in parents}
@@ -126,6 +122,14 @@ class LLM:
         for completion in out.outputs:
             decode_logprobs(tok, completion.logprobs or [])
         return out
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[Message], model: object = "") -> list[int]:
+    """The prompt's token ids: the chat template applied with the generation prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of {model} has no chat template")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

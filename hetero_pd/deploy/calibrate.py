@@ -2,8 +2,14 @@
 or an estimate from the device's capability profile and the model's cost per token.
 
 Calibration (a few seconds on a CPU with the default model) loads the engine once, then
-times one prefill of `prompt_tokens` tokens and a few decode steps at batch 1 and at
-`batch`; the two decode points give the step time and its growth per sequence.
+times `prefill_runs` prefills of `prompt_tokens` tokens and `steps` decode steps at batch 1
+and at `batch`; the two decode points give the step time and its growth per sequence. Each
+number is a median, and a measure whose runs spread by more than MAX_SPREAD (slowest over
+fastest, the single slowest run dropped) is noted: the host was busy. `check_agreement`
+then compares the result with the capability profile's estimate and refuses a calibration
+that disagrees with it by more than PROFILE_DISAGREEMENT times (one of them is wrong: a
+busy or throttled host, or a bad probe), where the model is large enough for the estimate
+to mean something.
 
 The estimate (`--no-calibrate`) divides the model's FLOPs per token by the measured
 GFLOP/s (prefill, compute-bound) and its weight bytes by the measured GB/s (decode,
@@ -23,6 +29,18 @@ from hetero_pd.models.config import ModelConfig
 FLOPS_EFFICIENCY = 0.6
 BANDWIDTH_EFFICIENCY = 0.6
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: Slowest over fastest run of one measure (the single slowest dropped) beyond which the
+#: calibration is noted as noisy.
+MAX_SPREAD = 1.5
+#: Calibration and profile estimate further apart than this are refused.
+PROFILE_DISAGREEMENT = 5.0
+#: Below this much estimated work per measured unit, fixed per-step overheads (Python,
+#: kernel launches) dominate and the profile estimate says nothing: no comparison.
+COMPARABLE_S = 0.02
+
+
+class CalibrationError(ValueError):
+    """A calibration that cannot be trusted; the message says why and what to do."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,16 +83,38 @@ def profile_speed(device: str, costs: ModelCosts, context_tokens: int) -> Worker
     )
 
 
+def spread(samples: list[float]) -> float:
+    """Slowest over fastest run, the single slowest dropped when there are four or more (one
+    outlier, e.g. a garbage collection, is not noise)."""
+    ordered = sorted(samples)
+    kept = ordered[:-1] if len(ordered) >= 4 else ordered
+    return kept[-1] / kept[0] if kept[0] > 0 else float("inf")
+
+
+def noise_notes(measures: dict[str, list[float]]) -> list[str]:
+    """A note for each measure (name -> run times in seconds) spread beyond MAX_SPREAD."""
+    notes = []
+    for name, samples in measures.items():
+        if (sp := spread(samples)) > MAX_SPREAD:
+            notes.append(
+                f"calibration: {name} took {min(samples) * 1e3:.1f}..{max(samples) * 1e3:.1f} ms "
+                f"over {len(samples)} runs (spread x{sp:.1f} > x{MAX_SPREAD}): the host is busy, "
+                "so these speeds may be off; calibrate on an idle host or declare pd.capacity"
+            )
+    return notes
+
+
 def calibrate(
     model: str,
     device: str,
     dtype: str = "float32",
     prompt_tokens: int = 96,
     batch: int = 4,
-    steps: int = 3,
+    steps: int = 5,
     num_threads: int | None = None,
+    prefill_runs: int = 3,
 ) -> WorkerSpeed:
-    """Times the real model on `device`: one prefill and a few decode steps."""
+    """Times the real model on `device`: several prefills and decode steps (medians)."""
     from hetero_pd.config import EngineConfig
     from hetero_pd.engine.llm_engine import LLMEngine
     from hetero_pd.sampling_params import SamplingParams
@@ -105,33 +145,82 @@ def calibrate(
         engine.step()
         return time.perf_counter() - t0
 
-    add(ids[:16], 2)  # warm-up: first-call allocations, kernels
-    while engine.has_unfinished_requests():
-        engine.step()
-    prefill_s = []
-    for _ in range(2):
-        add(ids, 1)
-        prefill_s.append(timed_step())
+    def drain() -> None:
         while engine.has_unfinished_requests():
             engine.step()
 
-    def decode_step_s(b: int) -> float:
+    add(ids[:16], 2)  # warm-up: first-call allocations, kernels
+    drain()
+    prefill_s = []
+    for _ in range(prefill_runs):
+        add(ids, 1)
+        prefill_s.append(timed_step())
+        drain()
+
+    def decode_steps(b: int) -> list[float]:
         for j in range(b):
             add(ids[j : j + 8], steps + 1)
         engine.step()  # their prefills
         times = [timed_step() for _ in range(steps)]
-        while engine.has_unfinished_requests():
-            engine.step()
-        return statistics.median(times)
+        drain()
+        return times
 
-    one, many = decode_step_s(1), decode_step_s(batch)
-    per_seq = max(0.0, (many - one) / (batch - 1))
+    one, many = decode_steps(1), decode_steps(batch)
+    notes = noise_notes(
+        {
+            f"prefill of {prompt_tokens} tokens": prefill_s,
+            "decode step at batch 1": one,
+            f"decode step at batch {batch}": many,
+        }
+    )
+    step_one, step_many = statistics.median(one), statistics.median(many)
+    per_seq = max(0.0, (step_many - step_one) / (batch - 1))
     took = time.perf_counter() - started
     return WorkerSpeed(
         device=str(engine.device),
-        prefill_tokens_per_s=prompt_tokens / min(prefill_s),
-        decode_step_ms=one * 1e3,
+        prefill_tokens_per_s=prompt_tokens / statistics.median(prefill_s),
+        decode_step_ms=step_one * 1e3,
         decode_ms_per_seq=per_seq * 1e3,
-        source=f"calibrated in {took:.1f} s: prefill {prompt_tokens} tokens, "
-        f"{steps} decode steps at batch 1 and {batch}",
+        source=f"calibrated in {took:.1f} s: medians of {prefill_runs} prefills of "
+        f"{prompt_tokens} tokens and {steps} decode steps at batch 1 and {batch}",
+        notes=tuple(notes),
     )
+
+
+def check_agreement(
+    calibrated: WorkerSpeed, estimate: WorkerSpeed, prompt_tokens: int = 96
+) -> list[str]:
+    """Raises CalibrationError when calibration and profile estimate disagree by more than
+    PROFILE_DISAGREEMENT times; returns what was compared (or why not)."""
+    checks = [
+        (
+            "prefill",
+            prompt_tokens / estimate.prefill_tokens_per_s,
+            calibrated.prefill_tokens_per_s,
+            estimate.prefill_tokens_per_s,
+            "tokens/s",
+        ),
+        (
+            "decode step",
+            estimate.decode_step_ms / 1e3,
+            calibrated.decode_step_ms,
+            estimate.decode_step_ms,
+            "ms",
+        ),
+    ]
+    done = []
+    for name, work_s, got, want, unit in checks:
+        if work_s < COMPARABLE_S:
+            done.append(f"{name}: model too small to compare with the profile")
+            continue
+        ratio = max(got, want) / min(got, want)
+        if ratio > PROFILE_DISAGREEMENT:
+            raise CalibrationError(
+                f"{calibrated.device}: calibrated {name} {got:.1f} {unit} but the capability "
+                f"profile predicts {want:.1f} {unit} ({estimate.source}): they disagree "
+                f"{ratio:.0f}x (more than {PROFILE_DISAGREEMENT:g}x), so neither is trusted. "
+                "A busy or throttled host slows calibration; check `hetero-pd devices --full` "
+                "and rerun on an idle host, or declare pd.capacity (or plan with --no-calibrate)"
+            )
+        done.append(f"{name}: within {ratio:.1f}x of the profile")
+    return done

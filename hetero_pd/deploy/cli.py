@@ -45,7 +45,7 @@ def validate_main(argv: list[str] | None = None) -> int:
 
 def plan_main(argv: list[str] | None = None) -> int:
     """`hetero-pd plan`: how many prefill and decode workers the declared workload needs."""
-    from hetero_pd.deploy.plan import PlanError, make_measure, plan_deployment
+    from hetero_pd.deploy.plan import PlanError, host_cores, make_measure, plan_deployment
     from hetero_pd.deploy.schema import load_deployment
 
     p = argparse.ArgumentParser(prog="hetero-pd plan", description=plan_main.__doc__)
@@ -64,7 +64,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         p.error("give CONFIG (or --measure DEVICE)")
     try:
         dep = load_deployment(args.config)
-        plan = plan_deployment(dep, make_measure(dep, not args.no_calibrate))
+        plan = plan_deployment(dep, make_measure(dep, not args.no_calibrate), host_cores())
     except (ConfigError, PlanError) as e:
         print(e, file=sys.stderr)
         return 1
@@ -87,6 +87,8 @@ def _measure(device: str, model: str | None, config: str | None) -> int:
     speed = calibrate(model or DEFAULT_MODEL, device, dtype)
     kind = device.split(":")[0]
     print(f"# {speed.source}")
+    for note in speed.notes:
+        print(f"# warning: {note}")
     print(f"pd:\n  capacity:\n    {kind}:")
     print(f"      prefill_tokens_per_s: {speed.prefill_tokens_per_s:.1f}")
     print(f"      decode_step_ms: {speed.decode_step_ms:.3f}")
@@ -107,7 +109,7 @@ def render_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         report = validate_file(args.config, "k8s")
-        dep, plan = resolve(report.deployment, use_calibration=False)
+        dep, plan = resolve(report.deployment, use_calibration=False, local=False)
         text = k8s.dump(k8s.render(dep))
     except (ConfigError, PlanError) as e:
         print(e, file=sys.stderr)

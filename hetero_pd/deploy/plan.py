@@ -1,9 +1,11 @@
 """`hetero-pd plan`: the worker speeds of a deployment's devices and the P/D counts they imply.
 
 A role's speed comes from, in order: a calibration of the real model on that device (when
-the device is on this host and calibration is allowed), the numbers declared in the file
+the device is on this host and calibration is allowed; checked against the capability
+profile, see `calibrate.check_agreement`), the numbers declared in the file
 (`pd.capacity.<kind>`, measured earlier on the target hardware), or the device's capability
-profile with the model's cost per token.
+profile with the model's cost per token. CPU workers on one host share its cores: planned
+for this host, the counts are capped at its core count.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ import os
 from collections.abc import Callable
 
 from backends import get_backend, parse_device_spec
-from hetero_pd.deploy.calibrate import ModelCosts, calibrate, profile_speed
+from hetero_pd.deploy.calibrate import (
+    CalibrationError,
+    ModelCosts,
+    calibrate,
+    check_agreement,
+    profile_speed,
+)
 from hetero_pd.deploy.ratio import Plan, WorkerSpeed, plan_workers
 from hetero_pd.deploy.schema import Deployment
 from hetero_pd.deploy.sections import WorkloadSpec
@@ -51,6 +59,10 @@ def make_measure(dep: Deployment, use_calibration: bool) -> Measure:
 
     cache: dict[str, WorkerSpeed] = {}
     workload = dep.workload or WorkloadSpec()
+    context = workload.input_len + workload.output_len // 2
+
+    def costs() -> ModelCosts:
+        return ModelCosts.of(ModelConfig.from_dir(resolve_model(dep.model)), dep.dtype)
 
     def measure(role: str, device: str) -> WorkerSpeed:
         kind, index = parse_device_spec(device)
@@ -62,6 +74,11 @@ def make_measure(dep: Deployment, use_calibration: bool) -> Measure:
         if here and use_calibration:
             threads = dep.engine.get("num_threads")
             speed = calibrate(dep.model, concrete, dep.dtype, num_threads=threads)
+            try:
+                checked = check_agreement(speed, profile_speed(concrete, costs(), context))
+            except CalibrationError as e:
+                raise PlanError(f"{dep.source}: {e}") from e
+            speed = dataclasses.replace(speed, source=f"{speed.source}; {'; '.join(checked)}")
         elif declared is not None:
             speed = WorkerSpeed(
                 concrete,
@@ -71,9 +88,7 @@ def make_measure(dep: Deployment, use_calibration: bool) -> Measure:
                 f"declared in pd.capacity.{kind}",
             )
         elif here:
-            costs = ModelCosts.of(ModelConfig.from_dir(resolve_model(dep.model)), dep.dtype)
-            context = workload.input_len + workload.output_len // 2
-            speed = profile_speed(concrete, costs, context)
+            speed = profile_speed(concrete, costs(), context)
         else:
             raise PlanError(
                 f"{dep.source}: the {role} device {device} is not on this host, so its speed "
@@ -86,8 +101,17 @@ def make_measure(dep: Deployment, use_calibration: bool) -> Measure:
     return measure
 
 
-def plan_deployment(dep: Deployment, measure: Measure) -> Plan:
-    """P/D counts for `dep`'s workload on its devices."""
+def host_cores() -> int:
+    """Cores this process may run on (its CPU affinity, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def plan_deployment(dep: Deployment, measure: Measure, cores: int | None = None) -> Plan:
+    """P/D counts for `dep`'s workload on its devices; with `cores` (planning CPU workers
+    on this host), at most that many CPU workers."""
     if dep.workload is None:
         raise PlanError(f"{dep.source}: a plan needs a `workload:` section (rate, lengths, SLOs)")
     devices = role_devices(dep)
@@ -96,12 +120,30 @@ def plan_deployment(dep: Deployment, measure: Measure) -> Plan:
     max_batch = int(dep.engine.get("max_num_seqs", 64))
     cap = dep.pd.max_instances if dep.pd else 0
     plan = plan_workers(dep.workload, p_speed, d_speed, max_batch, cap)
-    if devices["prefill"] == devices["decode"] == "cpu" and (os.cpu_count() or 1) < 8:
-        plan.warnings.append(
-            "cpu workers on one host share its cores: each extra worker slows the others, "
-            "so these counts hold only where each worker has the cores it was measured with"
-        )
+    for note in dict.fromkeys(p_speed.notes + d_speed.notes):
+        plan.warnings.append(note)
+    if cores is not None and devices["prefill"] == devices["decode"] == "cpu":
+        plan = cap_to_cores(plan, cores)
     return plan
+
+
+def cap_to_cores(plan: Plan, cores: int) -> Plan:
+    """CPU workers on one host share its cores: more workers than cores only slow each
+    other down, so the counts are capped at the core count (at least 1P + 1D), in the
+    plan's proportion."""
+    total = plan.prefill + plan.decode
+    limit = max(2, cores)
+    if total <= limit:
+        return plan
+    prefill = min(limit - 1, max(1, round(limit * plan.prefill / total)))
+    warning = (
+        f"{plan.prefill}P + {plan.decode}D cpu workers on a host with {cores} core(s): "
+        f"capped to {prefill}P + {limit - prefill}D (more workers than cores only slow each "
+        "other down); the declared rate and SLOs will not hold on this host"
+    )
+    return dataclasses.replace(
+        plan, prefill=prefill, decode=limit - prefill, warnings=[*plan.warnings, warning]
+    )
 
 
 def with_counts(dep: Deployment, plan: Plan) -> Deployment:
@@ -110,9 +152,13 @@ def with_counts(dep: Deployment, plan: Plan) -> Deployment:
     return dataclasses.replace(dep, workers=workers_for_counts(dep.pd, plan.prefill, plan.decode))
 
 
-def resolve(dep: Deployment, use_calibration: bool = True) -> tuple[Deployment, Plan | None]:
-    """A deployment with concrete worker counts, and the plan when one was made."""
+def resolve(
+    dep: Deployment, use_calibration: bool = True, local: bool = True
+) -> tuple[Deployment, Plan | None]:
+    """A deployment with concrete worker counts, and the plan when one was made. `local`:
+    the workers run on this host (CPU workers capped at its cores), not on a cluster."""
     if not dep.automatic:
         return dep, None
-    plan = plan_deployment(dep, make_measure(dep, use_calibration))
+    cores = host_cores() if local else None
+    plan = plan_deployment(dep, make_measure(dep, use_calibration), cores)
     return with_counts(dep, plan), plan

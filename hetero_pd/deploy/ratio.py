@@ -37,6 +37,8 @@ class WorkerSpeed:
     decode_step_ms: float  # one decode step at batch 1
     decode_ms_per_seq: float  # added per extra sequence in the batch
     source: str  # "calibrated" | "profile" | "declared"
+    #: What makes these numbers less certain (e.g. calibration timings that varied).
+    notes: tuple[str, ...] = ()
 
     def step_ms(self, batch: int) -> float:
         """Time of one decode step with `batch` sequences."""

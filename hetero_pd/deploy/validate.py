@@ -179,6 +179,9 @@ def _check_host_devices(dep: Deployment, src: Source) -> None:
 
 def _check_port_free(host: str, port: int, src: Source) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As aiohttp binds: connections of a stopped server in TIME_WAIT do not block the
+        # port, a listening socket still does.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
