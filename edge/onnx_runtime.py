@@ -25,6 +25,7 @@ import torch
 
 from edge.runtime import EdgeRuntime
 from edge.stack import EdgeStack
+from hetero_pd.extras import require
 
 OPSET = 17
 INPUTS = ["input_ids", "positions", "past_k", "past_v"]
@@ -41,7 +42,7 @@ def export_edge_onnx(
     ~10x slower to export, gives the same graph semantics): the way forward once torch
     drops the TorchScript exporter.
     """
-    import onnx
+    onnx = require("onnx", "edge", "the edge runtime's ONNX path")
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,7 +83,7 @@ def export_edge_onnx(
 
 def default_providers(device: torch.device) -> list[str]:
     """CUDA (then CPU) for a cuda device when onnxruntime-gpu offers it, else CPU only."""
-    import onnxruntime as ort
+    ort = require("onnxruntime", "edge", "the edge runtime's ONNX path")
 
     available = ort.get_available_providers()
     if device.type == "cuda" and "CUDAExecutionProvider" in available:
@@ -114,7 +115,7 @@ class OnnxEdgeRuntime(EdgeRuntime):
         threads: int | None = None,
         dynamo: bool = False,
     ) -> None:
-        import onnxruntime as ort
+        ort = require("onnxruntime", "edge", "the edge runtime's ONNX path")
 
         super().__init__(model_dir, split_layer, max_positions=max_positions)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -161,7 +162,7 @@ def _stored_fingerprint(path: Path) -> str | None:
     """The fingerprint an earlier export wrote into the file's metadata (None: no usable file)."""
     if not path.is_file():
         return None
-    import onnx
+    onnx = require("onnx", "edge", "the edge runtime's ONNX path")
     from google.protobuf.message import DecodeError
 
     try:

@@ -10,10 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from hetero_pd.bench.metrics import SLO, RequestResult, latency_samples
+from hetero_pd.extras import require
+
+require("matplotlib", "bench", "benchmark plots (--plot-dir)")
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 TITLES = {
     "ttft": "Time to first token",

@@ -31,7 +31,6 @@ from hetero_pd.bench import datasets as ds
 from hetero_pd.bench import vllm_compat as vc
 from hetero_pd.bench.client import first_model
 from hetero_pd.bench.metrics import SLO, RequestResult, compute_metrics, parse_slo
-from hetero_pd.bench.plots import plot_attainment_vs_rate, plot_latency_cdfs
 from hetero_pd.bench.report import format_summary, format_sweep
 from hetero_pd.bench.runner import RunConfig, run_benchmark, send_one
 from hetero_pd.bench.sweep import GoodputSearch, SweepProbe, run_sweep, sweep_summary
@@ -231,6 +230,8 @@ async def _single(
     result["error_samples"] = sorted({r.error for r in outcome.results if r.error})[:5]
     plots = []
     if args.plot_dir:
+        from hetero_pd.bench.plots import plot_latency_cdfs  # matplotlib: the bench extra
+
         path = args.plot_dir / "latency_cdf.png"
         plots.append(str(plot_latency_cdfs(outcome.results, path, slo, args.label)))
     result["plots"] = plots
@@ -283,6 +284,8 @@ async def _bench(args: argparse.Namespace, reqs: list[ds.BenchRequest]) -> dict[
 def _sweep_plots(
     probes: list[SweepProbe], search: GoodputSearch, slo: SLO, out: Path, label: str
 ) -> list[str]:
+    from hetero_pd.bench.plots import plot_attainment_vs_rate, plot_latency_cdfs
+
     rates = [p.rate for p in probes]
     att = [p.attainment for p in probes]
     paths = [

@@ -129,6 +129,10 @@ def _download_gguf(known: KnownModel, work: Path) -> Path:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
+    from hetero_pd.extras import require
+
+    for module in ("gguf", "accelerate"):  # transformers' GGUF loader needs both
+        require(module, "fetch", f"converting {gguf.name} into a model folder")
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
