@@ -39,12 +39,17 @@ def process_logits(
 
 
 def suppress(logits: torch.Tensor, suppress_token_ids: list[list[int]]) -> torch.Tensor:
-    """Sets the listed token ids of each row to ``-inf`` (ids outside the vocabulary are not
-    tokens, so banning them is nothing to do; SamplingParams.check_token_ids refuses them
-    before a request is admitted)."""
+    """Sets the listed token ids of each row to ``-inf``.
+
+    Raises ValueError for an id outside the vocabulary: SamplingParams.check_token_ids
+    refuses those when a request is admitted, so one here is a bug, and the engine fails
+    that request alone."""
     vocab = logits.shape[-1]
-    row_idx = [row for row, ids in enumerate(suppress_token_ids) for t in ids if 0 <= t < vocab]
-    col_idx = [t for ids in suppress_token_ids for t in ids if 0 <= t < vocab]
+    bad = [t for ids in suppress_token_ids for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"suppressed token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    row_idx = [row for row, ids in enumerate(suppress_token_ids) for _ in ids]
+    col_idx = [t for ids in suppress_token_ids for t in ids]
     logits = logits.clone()
     logits[row_idx, col_idx] = float("-inf")
     return logits

@@ -42,7 +42,9 @@ def test_out_of_vocabulary_ids_are_refused_and_the_engine_goes_on(
     llm.engine.check_integrity()
 
 
-def test_suppressing_an_id_outside_the_vocabulary_is_no_crash() -> None:
+def test_an_id_outside_the_vocabulary_past_admission_is_an_error_not_an_index() -> None:
+    """Only a bug can carry one past admission: the sampler names it (and the engine fails
+    that request alone) rather than indexing the logits with it."""
     logits = torch.zeros(1, 8)
-    logits[0, 3] = 1.0
-    assert Sampler()(logits, [SamplingParams(temperature=0)], [None], [[3, 1_000_000]]) != [3]
+    with pytest.raises(ValueError, match=r"suppressed token ids \[1000000\] are outside"):
+        Sampler()(logits, [SamplingParams(temperature=0)], [None], [[3, 1_000_000]])
