@@ -89,16 +89,16 @@ def _passthrough(command: str, argv: list[str]) -> int:
     elif command == "edge":
         from edge.cli import main as run  # the CLI fronts the whole product, edge/ included
     elif argv[:1] == ["offline"]:
-        from hetero_pd.bench_offline import main as run
+        from hetero_pd.bench.offline import main as run
     elif argv[:1] == ["serve"]:
         from hetero_pd.bench.serve import main as run
     elif argv[:1] == ["pd"]:
-        from hetero_pd.bench_pd import main as run
+        from hetero_pd.bench.pd import main as run
     elif argv[:1] == ["transfer"]:
         from hetero_pd.bench_transfer import main as run
     elif argv[:1] == ["edge"]:
-        # The one place hetero_pd reaches into edge/: the CLI is the whole product's front.
-        from edge.bench import main as run
+        # hetero_pd reaches into edge/ only here and in bench.edge: the product's front.
+        from hetero_pd.bench.edge import main as run
     else:
         print("usage: hetero-pd bench {offline,serve,pd,transfer,edge} [--help | options]")
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2

@@ -11,4 +11,8 @@ Modules, in the order a run uses them:
 - ``report`` and ``plots``: the summary table and the PNGs;
 - ``serve``: the ``hetero-pd bench serve`` command line (``main``);
 - ``compare``: result files side by side (used by ``scripts/vllm_side_by_side.sh``).
+
+Whole-system benchmarks, each a ``hetero-pd bench`` command of its own: ``offline`` (the
+engine against transformers), ``pd`` (disaggregated against colocated serving) and ``edge``
+(the edge split against the unsplit stack).
 """
