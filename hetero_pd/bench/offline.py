@@ -1,20 +1,30 @@
 """`hetero-pd bench offline`: this engine vs transformers `generate` on one workload, one run.
 
-Both sides get the same prompts, the same number of new tokens (EOS ignored, greedy),
-the same dtype and the same torch thread count; throughput counts generated tokens only.
-The last stdout line is one JSON object.
+Both sides get the same token ids, the same number of new tokens (greedy, EOS not
+suppressed and not stopping), the same dtype (the engine's choice when `--dtype auto`) and
+the same torch thread count; throughput counts generated tokens only. Each side runs in a
+process of its own (its peak RSS is its own), warms up on prompts the measurement never
+uses, and the sides take turns going first over `--repeats` rounds: the ratio reported is
+the median of the rounds' ratios, with their spread. Both sides must generate the same
+greedy tokens; prompts where they do not are reported. The last stdout line is one JSON
+object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
+import statistics
+import subprocess
 import sys
-import time
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
+
+from hetero_pd.bench.background import background_load, check_count
+from hetero_pd.bench.offline_side import Side, SideResult, SideSpec
 
 TEXT = (
     "the cache moves between devices while tokens stream back to the user and every block "
@@ -22,98 +32,191 @@ TEXT = (
 )
 
 
-def make_prompts(num: int, min_words: int, max_words: int, seed: int) -> list[str]:
+def make_prompts(
+    num: int, min_words: int, max_words: int, seed: int, tag: str = "Request"
+) -> list[str]:
     rng = torch.Generator().manual_seed(seed)
     words = TEXT.split(" ")
     prompts = []
     for i in range(num):
         n = int(torch.randint(min_words, max_words + 1, (1,), generator=rng))
         idx = torch.randint(0, len(words), (n,), generator=rng).tolist()
-        prompts.append(f"Request {i}: " + " ".join(words[j] for j in idx))
+        prompts.append(f"{tag} {i}: " + " ".join(words[j] for j in idx))
     return prompts
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+@dataclass(frozen=True, slots=True)
+class TokenCheck:
+    """Where two sides' greedy tokens differ: prompt indices and the first position."""
+
+    mismatched: list[int]
+    first_difference: tuple[int, int] | None  # (prompt, position)
+    agreement_pct: float  # tokens before each prompt's first difference / all tokens
 
 
-def run_engine(args: argparse.Namespace, prompts: list[str]) -> tuple[float, int]:
-    from hetero_pd import LLM, SamplingParams
+def compare_tokens(a: list[list[int]], b: list[list[int]]) -> TokenCheck:
+    if len(a) != len(b):
+        raise ValueError(f"the sides answered {len(a)} and {len(b)} prompts")
+    mismatched, first, same, total = [], None, 0, 0
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        n = next(
+            (j for j, (s, t) in enumerate(zip(x, y, strict=False)) if s != t), min(len(x), len(y))
+        )
+        same += n
+        total += max(len(x), len(y))
+        if x != y:
+            mismatched.append(i)
+            first = first or (i, n)
+    return TokenCheck(mismatched, first, round(100 * same / max(total, 1), 2))
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.num_prompts, 1))
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2))  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
-
-def run_transformers(args: argparse.Namespace, prompts: list[str]) -> tuple[float, int]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hetero_pd.config import parse_dtype
-    from hetero_pd.models.fetch import resolve_model
-
-    path = resolve_model(args.model)
-    tok = AutoTokenizer.from_pretrained(path, padding_side="left")
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(args.dtype)).eval()
-    gen: dict[str, Any] = dict(
-        max_new_tokens=args.max_tokens,
-        min_new_tokens=args.max_tokens,
-        do_sample=False,
-        pad_token_id=tok.pad_token_id,
+def run_in_process(spec: SideSpec, timeout_s: float) -> SideResult:
+    """Runs one side in a fresh Python process (`hetero_pd.bench.offline_side`)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetero_pd.bench.offline_side"],
+        input=json.dumps(asdict(spec)),
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=timeout_s,
     )
-    batch = tok(prompts[:2], return_tensors="pt", padding=True)
-    with torch.inference_mode():
-        model.generate(**batch, **{**gen, "max_new_tokens": 2, "min_new_tokens": 2})
-    batch = tok(prompts, return_tensors="pt", padding=True)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(**batch, **gen)
-    elapsed = time.perf_counter() - start
-    return elapsed, (out.shape[1] - batch["input_ids"].shape[1]) * len(prompts)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the {spec.side} side exited with status {proc.returncode}")
+    return SideResult(**json.loads(lines[-1]))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _median(values: list[float]) -> float:
+    return round(statistics.median(values), 3)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="hetero-pd bench offline", description=__doc__)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--min-words", type=int, default=8)
     p.add_argument("--max-words", type=int, default=48)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--warmup-prompts", type=int, default=4)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="torch threads per side (default: the CPUs this process may run on)",
+    )
+    p.add_argument(
+        "--kv-cache-gb", type=float, default=1.0, help="the engine's KV cache (allocated at start)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="rounds; the sides alternate first")
+    p.add_argument("--background-load", type=int, default=0, metavar="N", help="busy processes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--side-timeout", type=float, default=3600.0, help="seconds per side run")
     p.add_argument("--skip-transformers", action="store_true")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    prompts = make_prompts(args.num_prompts, args.min_words, args.max_words, args.seed)
+    if min(args.num_prompts, args.max_tokens, args.repeats, args.warmup_prompts) < 1:
+        p.error("--num-prompts, --max-tokens, --repeats and --warmup-prompts must be >= 1")
+    if not 1 <= args.min_words <= args.max_words:
+        p.error("need 1 <= --min-words <= --max-words")
+    try:
+        check_count(args.background_load)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def _specs(args: argparse.Namespace) -> SideSpec:
+    from transformers import AutoTokenizer
+
+    from hetero_pd.models.fetch import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    texts = make_prompts(args.num_prompts, args.min_words, args.max_words, args.seed)
+    # Warm-up prompts of their own: the measured ones must not hit a cache the warm-up filled.
+    warm = make_prompts(
+        args.warmup_prompts, args.min_words, args.max_words, args.seed + 1, "Warm-up"
+    )
+    return SideSpec(
+        side="engine",
+        model=args.model,
+        dtype=args.dtype,
+        threads=args.threads,
+        prompts=[list(tok.encode(t)) for t in texts],
+        warmup_prompts=[list(tok.encode(t)) for t in warm],
+        max_tokens=args.max_tokens,
+        kv_cache_gb=args.kv_cache_gb,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    spec = _specs(args)
+    sides: list[Side] = ["engine"] if args.skip_transformers else ["engine", "transformers"]
     print(
         f"workload: {args.num_prompts} prompts x {args.max_tokens} new tokens, greedy, "
-        f"{args.dtype}, {args.threads} threads",
+        f"dtype {args.dtype}, {args.threads} threads, {args.repeats} rounds, "
+        f"background load {args.background_load}",
         file=sys.stderr,
     )
-    e_time, e_tokens = run_engine(args, prompts)
-    engine_tok_s = e_tokens / e_time
-    print(f"hetero-pd engine: {e_tokens} tokens in {e_time:.1f}s", file=sys.stderr)
-    result: dict[str, Any] = {
+    rounds: list[dict[str, SideResult]] = []
+    dtype = spec.dtype
+    with background_load(args.background_load):
+        for r in range(args.repeats):
+            results: dict[str, SideResult] = {}
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                res = run_in_process(replace(spec, side=side, dtype=dtype), args.side_timeout)
+                if side == "engine":
+                    dtype = res.dtype  # round 0 runs the engine first: `auto` is resolved once
+                print(
+                    f"round {r + 1}: {side}: {res.tokens} tokens in {res.elapsed_s:.2f}s "
+                    f"({res.tok_s:.1f} tok/s, {res.dtype}, peak RSS {res.peak_rss_mb:.0f} MB)",
+                    file=sys.stderr,
+                )
+                results[side] = res
+            rounds.append(results)
+    print(json.dumps(summarize(args, rounds)))
+    return 0
+
+
+def summarize(args: argparse.Namespace, rounds: list[dict[str, SideResult]]) -> dict[str, Any]:
+    engine = [r["engine"] for r in rounds]
+    out: dict[str, Any] = {
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
         "threads": args.threads,
-        "dtype": args.dtype,
-        "engine_tok_s": round(engine_tok_s, 2),
+        "dtype": engine[0].dtype,
+        "dtype_requested": args.dtype,
+        "repeats": len(rounds),
+        "background_load": args.background_load,
+        "engine_tok_s": _median([e.tok_s for e in engine]),
+        "engine_tok_s_runs": [round(e.tok_s, 2) for e in engine],
+        "peak_rss_mb": max(e.peak_rss_mb for e in engine),
     }
-    if not args.skip_transformers:
-        t_time, t_tokens = run_transformers(args, prompts)
-        print(f"transformers generate: {t_tokens} tokens in {t_time:.1f}s", file=sys.stderr)
-        result["transformers_tok_s"] = round(t_tokens / t_time, 2)
-        result["ratio"] = round(engine_tok_s / result["transformers_tok_s"], 3)
-    result["peak_rss_mb"] = round(peak_rss_mb(), 1)
-    print(json.dumps(result))
-    return 0
+    if "transformers" not in rounds[0]:
+        return out
+    hf = [r["transformers"] for r in rounds]
+    ratios = [e.tok_s / t.tok_s for e, t in zip(engine, hf, strict=True)]
+    check = compare_tokens(engine[0].token_ids, hf[0].token_ids)
+    if check.first_difference is not None:
+        prompt, pos = check.first_difference
+        print(
+            f"greedy tokens differ on {len(check.mismatched)} of {args.num_prompts} prompts "
+            f"(first: prompt {prompt} at token {pos}); {check.agreement_pct}% of tokens agree "
+            "before each prompt's first difference",
+            file=sys.stderr,
+        )
+    out.update(
+        transformers_tok_s=_median([t.tok_s for t in hf]),
+        transformers_tok_s_runs=[round(t.tok_s, 2) for t in hf],
+        ratio=_median(ratios),
+        ratio_min=round(min(ratios), 3),
+        ratio_max=round(max(ratios), 3),
+        first_side=["engine" if i % 2 == 0 else "transformers" for i in range(len(rounds))],
+        transformers_peak_rss_mb=max(t.peak_rss_mb for t in hf),
+        token_mismatches=len(check.mismatched),
+        mismatched_prompts=check.mismatched,
+        token_agreement_pct=check.agreement_pct,
+    )
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""`hetero-pd bench offline` on the tiny model, and the parts it compares with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hetero_pd.bench.offline import compare_tokens, main
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_compare_tokens_reports_where_the_sides_part() -> None:
+    same = compare_tokens([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]])
+    assert (same.mismatched, same.first_difference, same.agreement_pct) == ([], None, 100.0)
+    diff = compare_tokens([[1, 2, 3], [4, 5, 6], [7]], [[1, 2, 3], [4, 9, 6], [8]])
+    assert diff.mismatched == [1, 2]
+    assert diff.first_difference == (1, 1)
+    assert diff.agreement_pct == pytest.approx(100 * 4 / 7, abs=0.01)
+    with pytest.raises(ValueError, match="answered 1 and 2 prompts"):
+        compare_tokens([[1]], [[1], [2]])
+
+
+def test_bench_offline_smoke(text_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", str(text_llama_dir), "--num-prompts", "3", "--max-tokens", "6"]
+    argv += ["--repeats", "2", "--warmup-prompts", "2", "--threads", "1"]
+    argv += ["--kv-cache-gb", "0.05", "--background-load", "1"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    res = json.loads(captured.out.strip().splitlines()[-1])
+
+    assert res["num_prompts"] == 3 and res["max_tokens"] == 6 and res["repeats"] == 2
+    assert res["dtype"] == res["dtype_requested"] == "float32"
+    assert res["background_load"] == 1
+    assert res["first_side"] == ["engine", "transformers"]  # the sides take turns
+    assert len(res["engine_tok_s_runs"]) == len(res["transformers_tok_s_runs"]) == 2
+    assert res["ratio_min"] <= res["ratio"] <= res["ratio_max"]
+    assert res["engine_tok_s"] > 0 and res["transformers_tok_s"] > 0
+    assert res["peak_rss_mb"] > 0 and res["transformers_peak_rss_mb"] > 0
+    # Same token ids in, same greedy tokens out: transformers is the reference.
+    assert res["token_mismatches"] == 0 and res["token_agreement_pct"] == 100.0
+    assert "18 tokens in" in captured.err  # 3 prompts x 6 tokens, EOS never stops them
+
+
+def test_bad_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--repeats", "0"], ["--background-load", "65"], ["--dtype", "int8"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+    assert "--background-load must be in [0, 64]" in capsys.readouterr().err
