@@ -2,185 +2,177 @@
 worker, on one mixed workload (short chat turns plus long summarization prompts, Poisson
 arrivals), all in one run on this machine.
 
-Each mode runs the workload twice: its short requests alone, then short and long mixed.
-`tpot_p99_ratio_<mode>` = TPOT p99 of the short requests with long prompts interfering,
-divided by their TPOT p99 alone. Workers are pinned to cores (sched_setaffinity); the
-router and this load generator (one process) are pinned to the first core by default, the
-prefill worker's in pd mode, the same in every mode. The last stdout line is one JSON
-object.
+Workers are pinned to cores, and a worker's torch threads are the cores it is pinned to.
+The router and this load generator (one process) sit on one core, and that core is a
+worker's in every mode: in pd mode the prefill worker's or the decode worker's, which are
+not the same thing. So the whole run is repeated once per placement (`--router-cpus`,
+default: each worker core in turn) and every placement is reported: a control run.
+
+Each deployment runs every seed (`--seeds`) through warm-up, isolated, alone and mixed
+phases with prompts of their own (see `hetero_pd.bench.pd_run`). Reported per placement
+and mode, with the median and spread over seeds:
+
+- `tpot_p99_ratio`: TPOT p99 of the short requests mixed with long ones at `--rate`,
+  divided by their TPOT p99 alone at the same rate (interference; 1.0 is none);
+- `goodput`: the highest rate of the sweep (`--rates`) at which >= 90% of requests meet
+  the absolute SLOs (`--slo-ttft-ms`, `--slo-tpot-ms`);
+- `goodput_by_scale`, `attainment_by_scale`: the same at SLOs of k x each request class's
+  isolated TTFT and TPOT, both scaled by k (`--slo-scales`), as DistServe plots them; the
+  isolated reference is the fastest deployment's, the same for all;
+- `goodput_ratio_by_scale`: PD goodput / colocated goodput at each scale;
+- `transfer_over_ttft`: per long request run alone in pd mode, its KV transfer seconds /
+  its TTFT.
+
+The last stdout line is one JSON object; `--result-json` writes every request as well.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import re
 import sys
-from dataclasses import replace
 from typing import Any
 
-import aiohttp
-
 from hetero_pd.bench import datasets as ds
-from hetero_pd.bench.metrics import SLO, compute_metrics, latency_stats
-from hetero_pd.bench.runner import RunConfig, run_benchmark
-from hetero_pd.deploy.schema import Deployment
-from hetero_pd.deploy.sections import RouterSpec, WorkerSpec
+from hetero_pd.bench.background import background_load, check_count
+from hetero_pd.bench.pd_report import summarize
+from hetero_pd.bench.pd_run import WorkloadSpec, make_workload, run_deployment
+from hetero_pd.deploy.schema import ConfigError, Deployment, parse_deployment
 from hetero_pd.models.fetch import resolve_model
-from hetero_pd.serving.serve import serve
+
+MODES = ("pd", "colocated", "single")
 
 
-def _modes(cpus: list[int]) -> dict[str, tuple[WorkerSpec, ...]]:
+def mode_workers(mode: str, cpus: list[int]) -> list[dict[str, Any]]:
     a, b = (cpus[0], cpus[1]) if len(cpus) > 1 else (cpus[0], cpus[0])
     return {
-        "pd": (WorkerSpec("prefill", cpus=(a,)), WorkerSpec("decode", cpus=(b,))),
-        "colocated": (WorkerSpec("both", cpus=(a,)), WorkerSpec("both", cpus=(b,))),
-        "single": (WorkerSpec("both", cpus=tuple(sorted({a, b}))),),
+        "pd": [{"role": "prefill", "cpus": [a]}, {"role": "decode", "cpus": [b]}],
+        "colocated": [{"role": "both", "cpus": [a]}, {"role": "both", "cpus": [b]}],
+        "single": [{"role": "both", "cpus": sorted({a, b})}],
+    }[mode]
+
+
+def router_placements(given: list[str], cpus: list[int]) -> list[list[int]]:
+    """The `--router-cpus` placements, or one per worker core: a control run each."""
+    return [_ints(c) for c in given] or [[c] for c in sorted(set(cpus[:2]))]
+
+
+def deployment(args: argparse.Namespace, mode: str, cpus: list[int]) -> Deployment:
+    raw = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "workers": mode_workers(mode, cpus),
+        "router": {"host": "127.0.0.1", "port": 0},
+        "engine": {"max_num_batched_tokens": 256, "kv_cache_gb": args.kv_cache_gb},
     }
+    return parse_deployment(raw, mode)
 
 
-def _p99_tpot_ms(results: list[Any], short_len: int) -> float | None:
-    tpots = [r.tpot for r in results if r.success and r.prompt_len <= short_len * 2]
-    stats = latency_stats([t for t in tpots if t is not None])
-    return stats.percentiles[99] if stats else None
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(",") if v)
 
 
-async def _transfer_seconds(url: str) -> tuple[float, float]:
-    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as resp:
-        text = await resp.text()
-    total = sum(float(v) for v in re.findall(r"kv_transfer_seconds_sum\{[^}]*\} (\S+)", text))
-    count = sum(float(v) for v in re.findall(r"kv_transfer_seconds_count\{[^}]*\} (\S+)", text))
-    return total, count
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
 
 
-async def _run_mode(
-    args: argparse.Namespace,
-    dep: Deployment,
-    short: list[ds.BenchRequest],
-    mixed: list[ds.BenchRequest],
-    slo: SLO,
-) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    stop = asyncio.Event()
-
-    async def on_ready(url: str, launcher: Any, router: Any) -> None:
-        cfg = RunConfig(
-            url=url,
-            model=dep.model,
-            rate=args.rate,
-            seed=args.seed,
-            ignore_eos=True,
-            progress=False,
-        )
-        warm = await run_benchmark(short[:2], replace(cfg, rate=float("inf")))
-        assert warm.results
-        for name, reqs in (("alone", short), ("mixed", mixed)):
-            before = await _transfer_seconds(url)
-            outcome = await run_benchmark(reqs, cfg, desc=f"{dep.source} {name}")
-            after = await _transfer_seconds(url)
-            m = compute_metrics(outcome.results, outcome.duration, slo)
-            long_ttft = [
-                r.ttft
-                for r in outcome.results
-                if r.success and r.prompt_len > 2 * args.short_input_len
-            ]
-            result[name] = {
-                "metrics": m.to_dict(),
-                "short_tpot_p99_ms": _p99_tpot_ms(outcome.results, args.short_input_len),
-                "long_ttft_mean_s": sum(long_ttft) / len(long_ttft) if long_ttft else None,
-                "transfer_s": after[0] - before[0],
-                "transfers": after[1] - before[1],
-            }
-        stop.set()
-
-    await serve(dep, on_ready=on_ready, stop=stop)
-    return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hetero-pd bench pd", description=__doc__)
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="hetero-pd bench pd",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="float32", help="the deployment's dtype (auto, float32, ...)")
     p.add_argument("--num-short", type=int, default=16)
     p.add_argument("--num-long", type=int, default=4)
     p.add_argument("--short-input-len", type=int, default=64)
     p.add_argument("--short-output-len", type=int, default=64)
     p.add_argument("--long-input-len", type=int, default=1024)
     p.add_argument("--long-output-len", type=int, default=16)
-    p.add_argument("--rate", type=float, default=1.0, help="requests/s (Poisson)")
+    p.add_argument("--isolated-short", type=int, default=2, help="per seed, one at a time")
+    p.add_argument("--isolated-long", type=int, default=2, help="per seed, one at a time")
+    p.add_argument("--rate", type=float, default=1.0, help="req/s (Poisson) of alone/mixed")
+    p.add_argument("--rates", default="0.5,1,2", help="the sweep (--rate is added to it)")
     p.add_argument("--slo-ttft-ms", type=float, default=8000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    p.add_argument("--modes", default="pd,colocated,single")
+    p.add_argument("--slo-scales", default="1.5,2,2.5,3,4,5")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--modes", default="pd,colocated")
     p.add_argument("--cpus", default="", help="two core ids to pin workers to (default: 0,1)")
     p.add_argument(
         "--router-cpus",
-        default="",
-        help="cores for this process (router, API, load generator); default: the first of "
-        "--cpus (the prefill worker's in pd mode), so it never runs on the decode core",
+        action="append",
+        default=[],
+        help="cores of this process (router, API, load generator), one placement per use "
+        "(e.g. --router-cpus 0 --router-cpus 1); default: each worker core in turn",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--result-json", help="write every run's full metrics here")
+    p.add_argument("--kv-cache-gb", type=float, default=0.5)
+    p.add_argument("--background-load", type=int, default=0, metavar="N", help="busy processes")
+    p.add_argument("--result-json", help="write every run's requests and metrics here")
     args = p.parse_args(argv)
-    cpus = [int(c) for c in args.cpus.split(",") if c] or sorted(os.sched_getaffinity(0))[:2]
-    router_cpus = [int(c) for c in args.router_cpus.split(",") if c] or cpus[:1]
-    # Workers set their own affinity after they start; the router and client stay here.
-    os.sched_setaffinity(0, router_cpus)
-    model_dir = resolve_model(args.model)
-    source = ds.TokenizerText(model_dir)
-    spec = ds.MixedSpec(
-        long_fraction=args.num_long / (args.num_short + args.num_long),
-        short_input_len=args.short_input_len,
-        short_output_len=args.short_output_len,
-        long_input_len=args.long_input_len,
-        long_output_len=args.long_output_len,
+    args.modes = [m for m in args.modes.split(",") if m]
+    bad = sorted(set(args.modes) - set(MODES))
+    if bad or not args.modes:
+        p.error(f"--modes: unknown {bad}; choose from {list(MODES)}")
+    args.seeds = _ints(args.seeds)
+    args.slo_scales = sorted(_floats(args.slo_scales))
+    args.rates = tuple(sorted(set(_floats(args.rates)) | {args.rate}))
+    if not args.seeds or not args.slo_scales or min(args.rates) <= 0:
+        p.error("--seeds and --slo-scales must be non-empty, rates > 0")
+    if min(args.num_short, args.isolated_short, args.isolated_long) < 1 or args.num_long < 0:
+        p.error("--num-short, --isolated-short and --isolated-long must be >= 1")
+    try:
+        check_count(args.background_load)
+        deployment(args, "pd", [0])  # the deployment schema judges --dtype and the sizes
+    except (ValueError, ConfigError) as e:
+        p.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = _ints(args.cpus) or allowed[:2]
+    placements = router_placements(args.router_cpus, cpus)
+    spec = WorkloadSpec(
+        num_short=args.num_short,
+        num_long=args.num_long,
+        mixed=ds.MixedSpec(
+            long_fraction=args.num_long / (args.num_short + args.num_long),
+            short_input_len=args.short_input_len,
+            short_output_len=args.short_output_len,
+            long_input_len=args.long_input_len,
+            long_output_len=args.long_output_len,
+        ),
+        isolated_short=args.isolated_short,
+        isolated_long=args.isolated_long,
+        rate=args.rate,
+        rates=args.rates,
     )
-    mixed = ds.mixed_requests(args.num_short + args.num_long, spec, source, args.seed)
-    short = [r for r in mixed if r.prompt_len <= 2 * args.short_input_len]
-    slo = SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
-    modes = _modes(cpus)
-    out: dict[str, Any] = {
-        "pinning": {
-            **{name: [list(w.cpus) for w in ws] for name, ws in modes.items()},
-            "router_and_client": router_cpus,
-        },
-        "workload": vars(args),
-    }
-    for name in args.modes.split(","):
-        dep = Deployment(
-            model=args.model,
-            workers=modes[name],
-            router=RouterSpec(port=0),
-            engine={"max_num_batched_tokens": 256, "kv_cache_gb": 0.5},
-            source=name,
-        )
-        print(
-            f"== {name}: workers pinned to {out['pinning'][name]}, router and load generator "
-            f"to {router_cpus}",
-            file=sys.stderr,
-        )
-        res = asyncio.run(_run_mode(args, dep, short, mixed, slo))
-        out[name] = res
-        alone, mix = res["alone"]["short_tpot_p99_ms"], res["mixed"]["short_tpot_p99_ms"]
-        out[f"tpot_p99_ratio_{name}"] = round(mix / alone, 3) if alone and mix else None
-        out[f"goodput_{name}"] = res["mixed"]["metrics"]["request_goodput"]
-        out[f"ttft_p50_ms_{name}"] = res["mixed"]["metrics"]["p50_ttft_ms"]
-        out[f"ttft_p99_ms_{name}"] = res["mixed"]["metrics"]["p99_ttft_ms"]
-        out[f"tpot_p50_ms_{name}"] = res["mixed"]["metrics"]["p50_tpot_ms"]
-        out[f"tpot_p99_ms_{name}"] = res["mixed"]["metrics"]["p99_tpot_ms"]
-        print(
-            f"{name:>10}: TPOT p99 short alone {alone} ms, with long prompts {mix} ms; "
-            f"goodput {out[f'goodput_{name}']} req/s",
-            file=sys.stderr,
-        )
-    pd = out.get("pd", {}).get("mixed", {})
-    if pd.get("transfers") and pd.get("long_ttft_mean_s"):
-        mean_transfer = pd["transfer_s"] / pd["transfers"]
-        out["transfer_pct_of_ttft"] = round(100 * mean_transfer / pd["long_ttft_mean_s"], 2)
+    source = ds.TokenizerText(resolve_model(args.model))
+    loads = [make_workload(spec, source, seed) for seed in args.seeds]
+    runs: dict[str, dict[str, Any]] = {}
+    with background_load(args.background_load, allowed):
+        for router_cpus in placements:
+            label = "router_cpus=" + ",".join(map(str, router_cpus))
+            # Workers set their own affinity when they start; the router and client stay here.
+            os.sched_setaffinity(0, router_cpus)
+            for mode in args.modes:
+                dep = deployment(args, mode, cpus)
+                print(
+                    f"== {label}, {mode}: workers on {[w.cpus for w in dep.workers]}, "
+                    f"{len(loads)} seed(s), rates {list(args.rates)}",
+                    file=sys.stderr,
+                )
+                runs.setdefault(label, {})[mode] = run_deployment(dep, spec, loads)
+    os.sched_setaffinity(0, allowed)
+    pinning = {m: [list(w.cpus) for w in deployment(args, m, cpus).workers] for m in args.modes}
+    summary, details = summarize(args, runs, pinning)
     if args.result_json:
         with open(args.result_json, "w") as f:
-            json.dump(out, f, indent=2, default=str)
-    summary = {k: v for k, v in out.items() if k not in modes and k != "workload"}
+            json.dump({**summary, "runs": details}, f, indent=1, default=str)
     print(json.dumps(summary, default=str))
     return 0
 

@@ -48,7 +48,8 @@ def worker_configs(dep: Deployment) -> list[WorkerConfig]:
     on the device the deployment assigns it (`cuda` -> the next free `cuda:N`)."""
     instances = expand_workers(dep.workers)
     threads = max(1, (os.cpu_count() or 1) // len(instances))
-    return [worker_config(dep, w, threads) for w in instances]
+    # A pinned worker's threads are its cores: more would fight over them.
+    return [worker_config(dep, w, len(w.cpus) or threads) for w in instances]
 
 
 def worker_config(

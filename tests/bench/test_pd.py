@@ -1,0 +1,73 @@
+"""`hetero-pd bench pd` on the tiny model: the final JSON line, and the placement rules that
+keep its comparison fair."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from hetero_pd.bench.pd import deployment, main, parse_args, router_placements
+from hetero_pd.serving.launcher import worker_configs
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_every_worker_core_gets_a_placement_of_the_router() -> None:
+    assert router_placements([], [0, 1]) == [[0], [1]]
+    assert router_placements([], [3]) == [[3]]
+    assert router_placements(["2", "0,1"], [0, 1]) == [[2], [0, 1]]
+
+
+@pytest.mark.parametrize(
+    ("mode", "threads"), [("pd", [1, 1]), ("colocated", [1, 1]), ("single", [2])]
+)
+def test_worker_threads_are_the_cores_it_is_pinned_to(mode: str, threads: list[int]) -> None:
+    dep = deployment(parse_args(["--model", "m"]), mode, [4, 7])
+    configs = worker_configs(dep)
+    assert [c.engine["num_threads"] for c in configs] == threads
+    assert [len(c.cpus) for c in configs] == threads
+
+
+def test_bench_pd_smoke(
+    text_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    core = str(sorted(os.sched_getaffinity(0))[0])
+    argv = ["--model", str(text_llama_dir), "--num-short", "3", "--num-long", "1"]
+    argv += ["--short-input-len", "16", "--short-output-len", "4", "--long-input-len", "96"]
+    argv += ["--long-output-len", "3", "--isolated-short", "1", "--isolated-long", "1"]
+    argv += ["--rate", "8", "--rates", "4", "--seeds", "0,1", "--slo-scales", "2,5"]
+    argv += ["--router-cpus", core, "--kv-cache-gb", "0.05", "--background-load", "1"]
+    argv += ["--result-json", str(tmp_path / "pd.json")]
+    before = os.sched_getaffinity(0)
+    assert main(argv) == 0
+    assert os.sched_getaffinity(0) == before  # the bench gives the test its cores back
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    assert res["workload"]["rates"] == [4.0, 8.0] and res["workload"]["seeds"] == [0, 1]
+    assert res["pinning"]["router_and_client"] == [f"router_cpus={core}"]
+    assert set(res["isolated_reference_ms"]) == {"short", "long"}
+    run = res["results"][f"router_cpus={core}"]
+    for mode in ("pd", "colocated"):
+        m = run[mode]
+        assert m["failed_requests"] == 0
+        assert m["tpot_p99_ratio"]["min"] <= m["tpot_p99_ratio"]["median"]
+        assert set(m["goodput_by_scale"]) == {"2.0", "5.0"}
+        assert set(m["attainment_by_scale"]["5.0"]) == {"4.0", "8.0"}
+        assert m["goodput"]["median"] in (0.0, 4.0, 6.0, 8.0)  # medians of two swept rates
+    # One transfer per long request run alone, in pd mode only.
+    assert run["pd"]["transfer_over_ttft"]["n"] == 2
+    assert 0 < run["pd"]["transfer_over_ttft"]["max"] < 1
+    assert "transfer_over_ttft" not in run["colocated"]
+    assert set(run["goodput_ratio_by_scale"]) == {"2.0", "5.0"}
+
+    full = json.loads((tmp_path / "pd.json").read_text())
+    seeds = full["runs"][f"router_cpus={core}"]["pd"]
+    assert [s["seed"] for s in seeds] == [0, 1]
+    for s in seeds:  # every request of every phase answered in full
+        assert len(s["isolated"]) == 2 and len(s["alone"]) == 3
+        assert all(len(s["mixed"][rate]) == 4 for rate in ("4.0", "8.0"))
+        for r in s["isolated"] + s["alone"] + s["mixed"]["8.0"]:
+            assert r["success"] and r["output_tokens"] in (3, 4)
