@@ -1,0 +1,40 @@
+"""`hetero-pd bench edge` on the tiny model: the final JSON line and its definitions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hetero_pd.bench.edge import error_pct, main, tpot_s
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_one_tpot_and_a_raw_error() -> None:
+    assert tpot_s(0.5, 1.1, 4) == pytest.approx(0.2)  # 3 gaps between 4 tokens
+    assert tpot_s(0.5, 0.5, 1) == 0.0
+    assert error_pct(predicted=0.09, measured=0.1) == pytest.approx(10.0)
+    assert error_pct(predicted=0.12, measured=0.1) == pytest.approx(20.0)
+
+
+def test_bench_edge_smoke(text_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", str(text_llama_dir), "--split", "1", "--codec", "int8"]
+    argv += ["--num-prompts", "2", "--prompt-words", "10", "--max-tokens", "4"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    res = json.loads(out.strip().splitlines()[-1])
+
+    assert (res["split_layer"], res["codec"], res["num_prompts"]) == (1, "int8", 2)
+    assert res["split_tokens"] == res["unsplit_tokens"] == 2 * 4  # EOS never stops them
+    for side in ("split", "unsplit"):
+        assert res[f"{side}_ttft_ms"] > 0 and res[f"{side}_tpot_ms"] > 0
+    # The error is the planner's own prediction against the measurement, nothing corrected.
+    for name in ("ttft", "tpot"):
+        predicted, measured = res[f"predicted_{name}_ms"], res[f"split_{name}_ms"]
+        want = abs(predicted - measured) / measured * 100
+        assert res[f"planner_{name}_error_pct"] == pytest.approx(want, abs=0.2)
+    assert res["bytes_per_prompt"] > 0 and res["bytes_per_token"] > 0
+    assert 0 <= res["codec_token_agreement_pct"] <= 100
+    assert "serving path" in out
