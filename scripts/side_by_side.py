@@ -1,0 +1,159 @@
+"""Helpers of scripts/vllm_side_by_side.sh that run in hetero-pd's environment.
+
+    side_by_side.py resolve-dtype MODEL_DIR DTYPE        the engine's dtype for DTYPE (auto)
+    side_by_side.py config CONFIG DTYPE OUT              CONFIG with its dtype set to DTYPE
+    side_by_side.py spec MODEL_DIR DTYPE OUT [options]   the offline workload, as token ids
+    side_by_side.py serve-ratios VLLM.json HPD.json      one JSON line: hetero-pd / vLLM
+    side_by_side.py offline-ratios DIR                   one JSON line from DIR/offline-*.json
+
+Ratios are hetero-pd's number over vLLM's: above 1 is better for throughput, below 1 is
+better for latencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def resolve_dtype(args: argparse.Namespace) -> None:
+    from hetero_pd import LLM
+    from hetero_pd.bench.offline_side import engine_dtype
+
+    print(engine_dtype(LLM(args.model_dir, dtype=args.dtype, num_kv_blocks=16)))
+
+
+def config(args: argparse.Namespace) -> None:
+    raw = yaml.safe_load(Path(args.config).read_text())
+    raw["dtype"] = args.dtype
+    Path(args.out).write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+def spec(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    from hetero_pd.bench.offline import make_prompts
+    from hetero_pd.bench.offline_side import SideSpec
+
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    texts = make_prompts(args.num_prompts, 8, 48, args.seed)
+    warm = make_prompts(4, 8, 48, args.seed + 1, "Warm-up")
+    side = SideSpec(
+        side="engine",
+        model=args.model_dir,
+        dtype=args.dtype,
+        threads=args.threads,
+        prompts=[list(tok.encode(t)) for t in texts],
+        warmup_prompts=[list(tok.encode(t)) for t in warm],
+        max_tokens=args.max_tokens,
+    )
+    Path(args.out).write_text(json.dumps(dataclasses.asdict(side)))
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def serve_ratios(args: argparse.Namespace) -> None:
+    v, h = (json.loads(p.read_text()) if p.is_file() else {} for p in (args.vllm, args.hetero_pd))
+    out: dict[str, Any] = {"mode": "serve", "dtype": args.dtype}
+    for key, name in (
+        ("output_throughput", "output_throughput_ratio"),
+        ("p99_ttft_ms", "ttft_p99_ratio"),
+        ("mean_ttft_ms", "ttft_mean_ratio"),
+        ("p99_tpot_ms", "tpot_p99_ratio"),
+        ("p99_itl_ms", "itl_p99_ratio"),
+    ):
+        out[name] = _ratio(h.get(key), v.get(key))
+        out[f"hetero_pd_{key}"], out[f"vllm_{key}"] = h.get(key), v.get(key)
+    out["completed"] = {"hetero_pd": h.get("completed"), "vllm": v.get("completed")}
+    print(json.dumps(out))
+
+
+def _last_json(path: Path) -> dict[str, Any]:
+    lines = path.read_text().strip().splitlines()
+    if not lines:
+        raise SystemExit(f"{path}: empty (that side failed; see its log)")
+    return dict(json.loads(lines[-1]))
+
+
+def offline_ratios(args: argparse.Namespace) -> None:
+    from hetero_pd.bench.offline import compare_tokens
+
+    out_dir = Path(args.dir)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for side in ("hetero-pd", "vllm"):
+        files = sorted(out_dir.glob(f"offline-{side}-*.json"))
+        runs[side] = [_last_json(f) for f in files]
+    hpd, vllm = runs["hetero-pd"], runs["vllm"]
+    if not hpd:
+        raise SystemExit(f"no offline-hetero-pd-*.json in {out_dir}")
+    tok_s = {
+        s: [sum(map(len, r["token_ids"])) / r["elapsed_s"] for r in rs] for s, rs in runs.items()
+    }
+    out: dict[str, Any] = {
+        "mode": "offline",
+        "dtype": hpd[0]["dtype"],
+        "rounds": len(hpd),
+        "hetero_pd_tok_s": round(statistics.median(tok_s["hetero-pd"]), 2),
+        "hetero_pd_peak_rss_mb": max(r["peak_rss_mb"] for r in hpd),
+    }
+    if vllm:
+        ratios = [a / b for a, b in zip(tok_s["hetero-pd"], tok_s["vllm"], strict=False)]
+        check = compare_tokens(hpd[0]["token_ids"], vllm[0]["token_ids"])
+        out.update(
+            vllm_dtype=vllm[0]["dtype"],
+            vllm_tok_s=round(statistics.median(tok_s["vllm"]), 2),
+            vllm_peak_rss_mb=max(r["peak_rss_mb"] for r in vllm),
+            ratio=round(statistics.median(ratios), 3),
+            ratio_min=round(min(ratios), 3),
+            ratio_max=round(max(ratios), 3),
+            token_mismatches=len(check.mismatched),
+            token_agreement_pct=check.agreement_pct,
+        )
+    print(json.dumps(out))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("resolve-dtype")
+    s.add_argument("model_dir")
+    s.add_argument("dtype")
+    s.set_defaults(run=resolve_dtype)
+    s = sub.add_parser("config")
+    s.add_argument("config")
+    s.add_argument("dtype")
+    s.add_argument("out")
+    s.set_defaults(run=config)
+    s = sub.add_parser("spec")
+    s.add_argument("model_dir")
+    s.add_argument("dtype")
+    s.add_argument("out")
+    s.add_argument("--threads", type=int, default=1)
+    s.add_argument("--num-prompts", type=int, default=32)
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(run=spec)
+    s = sub.add_parser("serve-ratios")
+    s.add_argument("vllm", type=Path, help="its bench serve result (absent: skipped)")
+    s.add_argument("hetero_pd", type=Path, help="its bench serve result (absent: skipped)")
+    s.add_argument("--dtype", default=None)
+    s.set_defaults(run=serve_ratios)
+    s = sub.add_parser("offline-ratios")
+    s.add_argument("dir")
+    s.set_defaults(run=offline_ratios)
+    args = p.parse_args()
+    args.run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

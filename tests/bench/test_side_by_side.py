@@ -1,0 +1,58 @@
+"""scripts/vllm_side_by_side.sh without vLLM: its offline mode runs hetero-pd's side on the
+tiny model and ends with one JSON line; its ratios; and it names no package index."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "vllm_side_by_side.sh"
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_names_no_package_index() -> None:
+    for path in (REPO / "scripts").iterdir():
+        text = path.read_text()
+        for word in ("index-url", "find-links", "trusted-host", "pypi.org", "pytorch.org"):
+            assert word not in text, f"{path.name} names a package index ({word})"
+        urls = re.findall(r"https?://[^\s\"'}]+", text)
+        assert all(u.startswith("http://127.0.0.1") for u in urls), (path.name, urls)
+
+
+def test_offline_mode_ends_with_one_json_line(text_llama_dir: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "HPD_PY": sys.executable, "PYTHONPATH": str(REPO)}
+    cmd = [str(SCRIPT), "--mode", "offline", "--skip-vllm", "--dtype", "auto"]
+    cmd += ["--model-dir", str(text_llama_dir), "--repeats", "1", "--offline-prompts", "2"]
+    cmd += ["--offline-max-tokens", "4", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    assert res["mode"] == "offline" and res["rounds"] == 1
+    assert res["dtype"] in ("float32", "bfloat16")  # auto, resolved by the engine
+    assert res["hetero_pd_tok_s"] > 0 and "ratio" not in res  # no vLLM side: no ratio
+    assert json.loads((tmp_path / "ratios.json").read_text()) == res
+    assert "--dtype auto: hetero-pd's engine picks" in done.stderr
+
+
+def test_serve_ratios_are_hetero_pd_over_vllm(tmp_path: Path) -> None:
+    vllm, hpd = tmp_path / "vllm.json", tmp_path / "hetero-pd.json"
+    vllm.write_text(json.dumps({"output_throughput": 80.0, "p99_ttft_ms": 300.0, "completed": 4}))
+    hpd.write_text(json.dumps({"output_throughput": 120.0, "p99_ttft_ms": 150.0, "completed": 4}))
+    script = [sys.executable, str(REPO / "scripts" / "side_by_side.py"), "serve-ratios"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [*script, str(vllm), str(hpd), "--dtype", "float32"],
+        env=env, capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["output_throughput_ratio"] == 1.5 and res["ttft_p99_ratio"] == 0.5
+    assert res["tpot_p99_ratio"] is None  # absent on both sides
+    assert res["mode"] == "serve" and res["dtype"] == "float32"
