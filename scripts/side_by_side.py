@@ -37,23 +37,11 @@ def config(args: argparse.Namespace) -> None:
 
 
 def spec(args: argparse.Namespace) -> None:
-    from transformers import AutoTokenizer
+    from hetero_pd.bench.offline import parse_args, workload_spec
 
-    from hetero_pd.bench.offline import make_prompts
-    from hetero_pd.bench.offline_side import SideSpec
-
-    tok = AutoTokenizer.from_pretrained(args.model_dir)
-    texts = make_prompts(args.num_prompts, 8, 48, args.seed)
-    warm = make_prompts(4, 8, 48, args.seed + 1, "Warm-up")
-    side = SideSpec(
-        side="engine",
-        model=args.model_dir,
-        dtype=args.dtype,
-        threads=args.threads,
-        prompts=[list(tok.encode(t)) for t in texts],
-        warmup_prompts=[list(tok.encode(t)) for t in warm],
-        max_tokens=args.max_tokens,
-    )
+    argv = ["--model", args.model_dir, "--dtype", args.dtype, "--threads", str(args.threads)]
+    argv += ["--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens)]
+    side = workload_spec(parse_args([*argv, "--seed", str(args.seed)]))
     Path(args.out).write_text(json.dumps(dataclasses.asdict(side)))
 
 

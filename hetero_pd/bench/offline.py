@@ -124,7 +124,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _specs(args: argparse.Namespace) -> SideSpec:
+def workload_spec(args: argparse.Namespace) -> SideSpec:
+    """The measured and warm-up prompts as token ids, and how to run them (`parse_args`)."""
     from transformers import AutoTokenizer
 
     from hetero_pd.models.fetch import resolve_model
@@ -149,7 +150,7 @@ def _specs(args: argparse.Namespace) -> SideSpec:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    spec = _specs(args)
+    spec = workload_spec(args)
     sides: list[Side] = ["engine"] if args.skip_transformers else ["engine", "transformers"]
     print(
         f"workload: {args.num_prompts} prompts x {args.max_tokens} new tokens, greedy, "
