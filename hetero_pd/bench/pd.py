@@ -29,6 +29,7 @@ The last stdout line is one JSON object; `--result-json` writes every request as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -51,6 +52,14 @@ def mode_workers(mode: str, cpus: list[int]) -> list[dict[str, Any]]:
         "colocated": [{"role": "both", "cpus": [a]}, {"role": "both", "cpus": [b]}],
         "single": [{"role": "both", "cpus": sorted({a, b})}],
     }[mode]
+
+
+def pin_process(cpus: list[int]) -> None:
+    """Pins every thread of this process (`sched_setaffinity(0)` alone pins the calling
+    thread only; tokenizer and torch pools started earlier would keep floating)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), cpus)
 
 
 def router_placements(given: list[str], cpus: list[int]) -> list[list[int]]:
@@ -154,20 +163,22 @@ def main(argv: list[str] | None = None) -> int:
     source = ds.TokenizerText(resolve_model(args.model))
     loads = [make_workload(spec, source, seed) for seed in args.seeds]
     runs: dict[str, dict[str, Any]] = {}
-    with background_load(args.background_load, allowed):
-        for router_cpus in placements:
-            label = "router_cpus=" + ",".join(map(str, router_cpus))
-            # Workers set their own affinity when they start; the router and client stay here.
-            os.sched_setaffinity(0, router_cpus)
-            for mode in args.modes:
-                dep = deployment(args, mode, cpus)
-                print(
-                    f"== {label}, {mode}: workers on {[w.cpus for w in dep.workers]}, "
-                    f"{len(loads)} seed(s), rates {list(args.rates)}",
-                    file=sys.stderr,
-                )
-                runs.setdefault(label, {})[mode] = run_deployment(dep, spec, loads)
-    os.sched_setaffinity(0, allowed)
+    try:
+        with background_load(args.background_load, allowed):
+            for router_cpus in placements:
+                label = "router_cpus=" + ",".join(map(str, router_cpus))
+                # Workers pin themselves when they start; the router and client stay here.
+                pin_process(router_cpus)
+                for mode in args.modes:
+                    dep = deployment(args, mode, cpus)
+                    print(
+                        f"== {label}, {mode}: workers on {[w.cpus for w in dep.workers]}, "
+                        f"{len(loads)} seed(s), rates {list(args.rates)}",
+                        file=sys.stderr,
+                    )
+                    runs.setdefault(label, {})[mode] = run_deployment(dep, spec, loads)
+    finally:
+        pin_process(allowed)
     pinning = {m: [list(w.cpus) for w in deployment(args, m, cpus).workers] for m in args.modes}
     summary, details = summarize(args, runs, pinning)
     if args.result_json:

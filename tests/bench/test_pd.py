@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
-from hetero_pd.bench.pd import deployment, main, parse_args, router_placements
+from hetero_pd.bench.pd import deployment, main, parse_args, pin_process, router_placements
 from hetero_pd.serving.launcher import worker_configs
 
 pytestmark = pytest.mark.timeout(600)
@@ -19,6 +20,29 @@ def test_every_worker_core_gets_a_placement_of_the_router() -> None:
     assert router_placements([], [0, 1]) == [[0], [1]]
     assert router_placements([], [3]) == [[3]]
     assert router_placements(["2", "0,1"], [0, 1]) == [[2], [0, 1]]
+
+
+def test_pinning_reaches_threads_started_before_it() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    started, release = threading.Event(), threading.Event()
+    tid: list[int] = []
+
+    def pool_thread() -> None:  # like a tokenizer or torch pool thread, started earlier
+        tid.append(threading.get_native_id())
+        started.set()
+        release.wait(30)
+
+    t = threading.Thread(target=pool_thread)
+    t.start()
+    assert started.wait(30)
+    try:
+        pin_process(allowed[:1])
+        assert os.sched_getaffinity(tid[0]) == set(allowed[:1])
+    finally:
+        pin_process(allowed)
+        release.set()
+        t.join(30)
+    assert sorted(os.sched_getaffinity(0)) == allowed
 
 
 @pytest.mark.parametrize(
