@@ -101,11 +101,10 @@ def goodput(by_rate: Mapping[float, float], target: float = TARGET) -> float:
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
-    """``a / b`` rounded, or None when it is undefined (b missing or 0 with a > 0)."""
-    if a is None or b is None:
+    """``a / b`` rounded, or None when it is undefined: a side missing, or ``b`` 0 (when
+    neither deployment met the target at any rate swept, there is nothing to compare)."""
+    if a is None or not b:
         return None
-    if b == 0:
-        return 1.0 if a == 0 else None
     return round(a / b, 3)
 
 

@@ -48,6 +48,7 @@ def test_goodput_is_the_last_rate_before_attainment_drops() -> None:
     assert sc.goodput({0.5: 1.0, 1.0: 0.95, 2.0: 0.8, 4.0: 0.92}) == 1.0  # no skipping a dip
     assert sc.goodput({0.5: 0.85, 1.0: 1.0}) == 0.0
     assert sc.goodput({0.5: 0.9, 1.0: 0.9}) == 1.0
-    assert sc.ratio(2.0, 1.0) == 2.0 and sc.ratio(0.0, 0.0) == 1.0
+    assert sc.ratio(2.0, 1.0) == 2.0 and sc.ratio(0.0, 0.5) == 0.0
+    assert sc.ratio(0.0, 0.0) is None  # neither met the target: no parity to claim
     assert sc.ratio(1.0, 0.0) is None and sc.ratio(None, 1.0) is None
     assert sc.spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
