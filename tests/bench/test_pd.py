@@ -51,7 +51,7 @@ def test_pinning_reaches_threads_started_before_it() -> None:
 def test_worker_threads_are_the_cores_it_is_pinned_to(mode: str, threads: list[int]) -> None:
     dep = deployment(parse_args(["--model", "m"]), mode, [4, 7])
     configs = worker_configs(dep)
-    assert [c.engine["num_threads"] for c in configs] == threads
+    assert [c.engine.num_threads for c in configs] == threads
     assert [len(c.cpus) for c in configs] == threads
 
 
