@@ -1,7 +1,8 @@
-"""A TEST-ONLY stand-in for an OpenAI-compatible streaming server.
+"""Fixtures of the bench tests: `recorded_loads`, and `fake_server`, a TEST-ONLY stand-in
+for an OpenAI-compatible streaming server.
 
-``_FakeOpenAIServer`` exists only until hetero-pd's real REST server lands; then the live
-bench tests should also run against it.  It streams ``max_tokens`` chunks per request with
+``_FakeOpenAIServer`` gives the client's measurements a known ground truth (the real
+stack's run is tests/bench/test_colocated.py).  It streams ``max_tokens`` chunks per request with
 known delays (``ttft`` before the first content chunk, ``itl`` between the next ones), so
 the benchmark's measurements can be checked against what the server did.  Prompts that
 contain ``REJECT`` get HTTP 429, prompts that contain ``FAIL500`` get HTTP 500.  With
@@ -11,9 +12,11 @@ contain ``REJECT`` get HTTP 429, prompts that contain ``FAIL500`` get HTTP 500. 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -142,3 +145,23 @@ def fake_server() -> Iterator[Callable[..., _FakeOpenAIServer]]:
     yield make
     for server in servers:
         server.stop()
+
+
+@pytest.fixture
+def recorded_loads(monkeypatch: pytest.MonkeyPatch) -> Callable[[ModuleType], list[int]]:
+    """``recorded_loads(bench_module)`` -> the list of N its ``background_load(N)`` was
+    called with; no busy process starts: on a two-core CI box they would only slow the
+    smoke tests down (tests/bench/test_background.py runs the real ones)."""
+
+    def patch(module: ModuleType) -> list[int]:
+        calls: list[int] = []
+
+        @contextlib.contextmanager
+        def recorded(n: int, *args: Any, **kwargs: Any) -> Iterator[list[int]]:
+            calls.append(n)
+            yield []
+
+        monkeypatch.setattr(module, "background_load", recorded)
+        return calls
+
+    return patch

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
+from hetero_pd.bench import offline
 from hetero_pd.bench.offline import compare_tokens, main
 
 pytestmark = pytest.mark.timeout(600)
@@ -23,11 +26,17 @@ def test_compare_tokens_reports_where_the_sides_part() -> None:
         compare_tokens([[1]], [[1], [2]])
 
 
-def test_bench_offline_smoke(text_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_offline_smoke(
+    text_llama_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    recorded_loads: Callable[[ModuleType], list[int]],
+) -> None:
+    loads = recorded_loads(offline)
     argv = ["--model", str(text_llama_dir), "--num-prompts", "3", "--max-tokens", "6"]
     argv += ["--repeats", "2", "--warmup-prompts", "2", "--threads", "1"]
     argv += ["--kv-cache-gb", "0.05", "--background-load", "1"]
     assert main(argv) == 0
+    assert loads == [1]  # --background-load reached the load around the measurement
     captured = capsys.readouterr()
     res = json.loads(captured.out.strip().splitlines()[-1])
 

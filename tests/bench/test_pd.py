@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
+from hetero_pd.bench import pd
 from hetero_pd.bench.pd import deployment, main, parse_args, pin_process, router_placements
 from hetero_pd.serving.launcher import worker_configs
 
@@ -56,8 +59,12 @@ def test_worker_threads_are_the_cores_it_is_pinned_to(mode: str, threads: list[i
 
 
 def test_bench_pd_smoke(
-    text_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    text_llama_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    recorded_loads: Callable[[ModuleType], list[int]],
 ) -> None:
+    loads = recorded_loads(pd)
     core = str(sorted(os.sched_getaffinity(0))[0])
     argv = ["--model", str(text_llama_dir), "--num-short", "3", "--num-long", "1"]
     argv += ["--short-input-len", "16", "--short-output-len", "4", "--long-input-len", "96"]
@@ -67,6 +74,7 @@ def test_bench_pd_smoke(
     argv += ["--result-json", str(tmp_path / "pd.json")]
     before = os.sched_getaffinity(0)
     assert main(argv) == 0
+    assert loads == [1]  # --background-load reached the load around the measurement
     assert os.sched_getaffinity(0) == before  # the bench gives the test its cores back
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
