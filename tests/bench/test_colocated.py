@@ -32,7 +32,7 @@ from hetero_pd.bench.serve import main as bench_serve
 from hetero_pd.serving.testing import metric_value, random_prompts
 
 REPO = Path(__file__).resolve().parents[2]
-BANNER = re.compile(r"hetero-pd is serving \S+ at (http://\S+)/v1")
+BANNER = re.compile(r"hetero-pd is serving .* at (http://\S+)/v1")
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,8 +40,7 @@ pytestmark = pytest.mark.timeout(300)
 class Served:
     """`hetero-pd serve CONFIG` in a process group of its own, stopped on close."""
 
-    def __init__(self, config: Path, model: str, timeout_s: float = 180.0) -> None:
-        self.model = model
+    def __init__(self, config: Path, timeout_s: float = 180.0) -> None:
         cmd = [sys.executable, "-m", "hetero_pd.cli", "serve", str(config), "--no-calibrate"]
         self.proc = subprocess.Popen(
             cmd,
@@ -55,6 +54,8 @@ class Served:
         self.log: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
         self.url = self._wait_banner(timeout_s)
+        with urllib.request.urlopen(self.url + "/v1/models", timeout=10) as resp:
+            self.model = str(json.loads(resp.read())["data"][0]["id"])
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -106,7 +107,7 @@ def served(text_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     raw["engine"] = {**engine, "num_threads": 1, "max_model_len": 1024, "num_kv_blocks": 256}
     config = tmp_path_factory.mktemp("colocated") / "colocated.yaml"
     config.write_text(yaml.safe_dump(raw))
-    s = Served(config, raw["model"])
+    s = Served(config)
     try:
         yield s
     finally:
@@ -209,7 +210,7 @@ def test_bench_serve_against_the_real_stack(
     def served_delta(name: str, **labels: str) -> float:
         return metric_value(after, name, **labels) - metric_value(before, name, **labels)
 
-    assert res["model"] == str(text_llama_dir)  # discovered through GET /v1/models
+    assert res["model"] == served.model  # discovered through GET /v1/models
     assert (res["completed"], res["failed"], res["good_requests"]) == (6, 0, 6)
     # What the client counted is what the server says it served.
     assert served_delta("hetero_pd_requests_total", outcome="length") == 6
