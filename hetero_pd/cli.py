@@ -86,6 +86,8 @@ def _passthrough(command: str, argv: list[str]) -> int:
         from hetero_pd.deploy.status import main as run
     elif command == "worker":
         from hetero_pd.serving.worker import main as run
+    elif command == "drill":
+        from hetero_pd.deploy.drill_run import main as run
     elif command == "edge":
         from edge.cli import main as run  # the CLI fronts the whole product, edge/ included
     elif argv[:1] == ["offline"]:
@@ -114,6 +116,7 @@ PASSTHROUGH = {
     "worker": "run one worker process (the launcher starts these)",
     "edge": "the device side: edge generate (a session from the shell) | edge plan (pick k)",
     "bench": "benchmarks: bench offline | serve | pd | transfer | edge",
+    "drill": "a deployment across hosts, proven in network namespaces: drill multihost",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -18,7 +19,12 @@ def num_threads() -> int | None:
     return int(env) if env else None
 
 
-def api_keys() -> tuple[str, ...]:
-    """$HETERO_PD_API_KEY: Bearer keys the API accepts, comma-separated (unset: none)."""
-    env = os.environ.get("HETERO_PD_API_KEY", "")
-    return tuple(k.strip() for k in env.split(",") if k.strip())
+def deployment_secret(environ: Mapping[str, str] | None = None) -> str:
+    """$HETERO_PD_SECRET: the deployment secret (never on a command line); "" when unset."""
+    return (os.environ if environ is None else environ).get("HETERO_PD_SECRET", "")
+
+
+def api_keys(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """$HETERO_PD_API_KEY: comma-separated API keys; () when unset."""
+    raw = (os.environ if environ is None else environ).get("HETERO_PD_API_KEY", "")
+    return tuple(k.strip() for k in raw.split(",") if k.strip())

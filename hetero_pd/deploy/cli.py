@@ -98,7 +98,7 @@ def _measure(device: str, model: str | None, config: str | None) -> int:
 
 def render_main(argv: list[str] | None = None) -> int:
     """`hetero-pd render k8s CONFIG`: Kubernetes manifests for a deployment."""
-    from hetero_pd.deploy import k8s
+    from hetero_pd.deploy import k8s, k8s_secrets
     from hetero_pd.deploy.plan import PlanError, resolve
     from hetero_pd.deploy.validate import validate_file
 
@@ -110,7 +110,8 @@ def render_main(argv: list[str] | None = None) -> int:
     try:
         report = validate_file(args.config, "k8s")
         dep, plan = resolve(report.deployment, use_calibration=False, local=False)
-        text = k8s.dump(k8s.render(dep))
+        values = k8s_secrets.secret_values(dep)
+        text = k8s.dump(k8s.render(dep, values))
     except (ConfigError, PlanError) as e:
         print(e, file=sys.stderr)
         return 1
@@ -118,6 +119,13 @@ def render_main(argv: list[str] | None = None) -> int:
         print(f"warning: {w}", file=sys.stderr)
     if plan is not None:
         print(plan.explain(), file=sys.stderr)
+    if values.generated and not dep.kubernetes.existing_secret:
+        print(
+            f"note: generated a new deployment secret into {k8s_secrets.secret_name(dep)}; "
+            f"export {k8s_secrets.SECRET_ENV} before rendering again to keep it (a new one "
+            "rolls every pod), or manage the Secret yourself (kubernetes.existing_secret)",
+            file=sys.stderr,
+        )
     if args.output:
         Path(args.output).write_text(text)
     else:

@@ -101,6 +101,7 @@ def parse_text(text: str, source: str = "<text>") -> Deployment:
 def _parse(raw: Any, src: Source) -> Deployment:
     from hetero_pd.deploy.workers import (
         check_faults,
+        host_ports,
         pd_workers,
         place_workers,
         workers_for_counts,
@@ -142,6 +143,7 @@ def _parse(raw: Any, src: Source) -> Deployment:
         workers = pd_workers(pd, workload, src)
     if workers:
         place_workers(workers, src, "pd" if pd is not None else "workers")
+        host_ports(workers, src)
     elif workers == () and pd is not None:  # automatic: check the devices' syntax now
         place_workers(workers_for_counts(pd, 1, 1), src, "pd")
     if transfer is not None and workers is not None:

@@ -20,6 +20,17 @@ NODE_SELECTORS = {
     "npu": {"accelerator": "ascend-910b"},
     "cuda": {"nvidia.com/gpu.present": "true"},
 }
+#: What `kubernetes.images` may name: the router's image and one per worker device kind.
+IMAGE_KINDS = ("router", "cpu", "cuda", "npu")
+#: Host paths an Ascend container needs from its node (the driver, its tools and version
+#: file; MindIE/ascend-docker-runtime mount the same), read-only.
+ASCEND_HOST_MOUNTS = (
+    "/usr/local/Ascend/driver",
+    "/usr/local/Ascend/add-ons",
+    "/usr/local/dcmi",
+    "/usr/local/bin/npu-smi",
+    "/etc/ascend_install.info",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +43,12 @@ class WorkerSpec:
     count: int = opt(1, lo=1, hi=256)
     cpus: tuple[int, ...] = opt((), lo=0)
     devices: tuple[str, ...] = ()
+    #: Bare metal: the host (address or name peers reach it by) that runs these workers;
+    #: `hetero-pd serve CONFIG --host-id HOST` there starts them. "" = this box.
+    host: str = ""
+    #: Bare metal: control port of this group's first worker (each next one +2; a worker's
+    #: transfer port is its control port + 1). 0: after the host's previous workers, from 9000.
+    port: int = opt(0, lo=0, hi=65000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,3 +167,18 @@ class KubernetesSpec:
     router_memory: str = "2Gi"
     device_resources: dict[str, str] = field(default_factory=lambda: dict(DEVICE_RESOURCES))
     node_selectors: dict[str, dict[str, str]] = field(default_factory=lambda: dict(NODE_SELECTORS))
+    #: An image per kind (`router`, `cpu`, `cuda`, `npu`: docker/Dockerfile.*); `image` for
+    #: any kind not named here.
+    images: dict[str, str] = field(default_factory=dict)
+    #: runtimeClassName per device kind (e.g. `cuda: nvidia`, `npu: ascend`).
+    runtime_classes: dict[str, str] = field(default_factory=dict)
+    #: Read-only hostPath mounts per device kind; Ascend's driver paths by default.
+    host_mounts: dict[str, tuple[str, ...]] = field(
+        default_factory=lambda: {"npu": ASCEND_HOST_MOUNTS}
+    )
+    #: Size of each pod's memory-backed /dev/shm.
+    shm_size: str = "1Gi"
+    #: A Secret the operator manages (keys `secret` and `api-keys`); "" = render one.
+    existing_secret: str = ""
+    #: Let only the router and peer workers reach worker ports (a NetworkPolicy).
+    network_policy: bool = True

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from backends import get_backend, parse_device_spec
 from hetero_pd.deploy.schema import Deployment, load_deployment
+from hetero_pd.deploy.sections import IMAGE_KINDS
 from hetero_pd.deploy.source import Issue, Source
 from hetero_pd.deploy.workers import WorkerInstance, expand_workers, place_workers
 
@@ -158,6 +159,8 @@ def _check_host_devices(dep: Deployment, src: Source) -> None:
 
         specs = workers_for_counts(dep.pd, 1, 1)
     for i, devices in enumerate(place_workers(specs, Source(), base)):
+        if specs[i].host:
+            continue  # another host's devices: `serve --host-id` checks them there
         key = f"pd.{specs[i].role}_device" if base == "pd" else f"workers[{i}].device"
         if base == "workers" and specs[i].devices:
             key = f"workers[{i}].devices"
@@ -221,6 +224,52 @@ def _check_k8s(dep: Deployment, src: Source, warn: Warn) -> None:
         src.error("transfer.transports", "pods on different nodes need 'tcp'; add it")
     elif local_only:
         warn("transfer.transports", f"{', '.join(local_only)} only help workers on one host")
+    if any(w.host for w in dep.workers):
+        src.error("workers", "`host:` lists bare-metal hosts; on Kubernetes pods are placed")
+    _check_k8s_kinds(dep, src)
+    _check_k8s_secrets(dep, src, warn)
+
+
+def _check_k8s_kinds(dep: Deployment, src: Source) -> None:
+    k = dep.kubernetes
+    kinds = ("cpu", "cuda", "npu")
+    for key, names, allowed in (
+        ("kubernetes.images", k.images, IMAGE_KINDS),
+        ("kubernetes.runtime_classes", k.runtime_classes, kinds),
+        ("kubernetes.host_mounts", k.host_mounts, kinds),
+    ):
+        for name in names:
+            if name not in allowed:
+                src.error(f"{key}.{name}", f"unknown kind; allowed: {', '.join(allowed)}")
+    for kind, paths in k.host_mounts.items():
+        for path in paths:
+            if not path.startswith("/"):
+                src.error(f"kubernetes.host_mounts.{kind}", f"{path!r} is not an absolute path")
+
+
+def _check_k8s_secrets(dep: Deployment, src: Source, warn: Warn) -> None:
+    from hetero_pd.deploy.k8s_secrets import API_KEYS_ENV, SECRET_ENV, api_keys
+
+    k = dep.kubernetes
+    exposed = k.service_type in ("LoadBalancer", "NodePort")
+    if exposed and k.existing_secret:
+        warn(
+            "kubernetes.existing_secret",
+            f"the router is a {k.service_type}: give {k.existing_secret} a non-empty "
+            "api-keys entry, or the API is open to anyone who reaches it",
+        )
+    elif exposed and not api_keys(dep):
+        src.error(
+            "kubernetes.service_type",
+            f"a {k.service_type} exposes the API outside the cluster, and auth is off (no API "
+            f"key): set router.api_keys, or {API_KEYS_ENV} when rendering, or "
+            "kubernetes.existing_secret with an api-keys entry; or use ClusterIP",
+        )
     if dep.router.api_keys or dep.transfer.secret:
         key = "router.api_keys" if dep.router.api_keys else "transfer.secret"
-        warn(key, "secrets in this file end up in a ConfigMap; use RBAC to guard it")
+        warn(
+            key,
+            f"moved into the Secret {k.name}-secrets (never the ConfigMap); better kept out "
+            f"of the file: {SECRET_ENV} / {API_KEYS_ENV} when rendering, or "
+            "kubernetes.existing_secret",
+        )

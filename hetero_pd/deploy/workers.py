@@ -24,6 +24,13 @@ class WorkerInstance:
     role: str
     device: str  # "cpu" or "<kind>:<index>"
     cpus: tuple[int, ...] = ()
+    host: str = ""  # bare metal: the host that runs it ("" = this box)
+    port: int = 0  # bare metal: its control port (transfer: port + 1)
+
+    @property
+    def address(self) -> str:
+        """Bare metal: where the router reaches its control socket."""
+        return f"tcp://{self.host}:{self.port}"
 
 
 def _spec_key(base: str, i: int) -> str:
@@ -34,7 +41,7 @@ def place_workers(
     workers: tuple[WorkerSpec, ...], src: Source, base: str = "workers"
 ) -> list[list[str]]:
     """The device of every worker of every spec; issues are recorded in `src`."""
-    taken: dict[tuple[str, int], str] = {}
+    taken: dict[tuple[str, str, int], str] = {}  # (host, kind, index): one host's devices
     wanted: list[list[tuple[str, int | None, str]]] = []
     for i, spec in enumerate(workers):
         items = []
@@ -61,14 +68,16 @@ def place_workers(
                 )
                 continue
             if kind != "cpu" and index is not None:
-                if (kind, index) in taken:
+                where = (spec.host, kind, index)
+                if where in taken:
+                    on = f" on {spec.host}" if spec.host else ""
                     src.error(
                         key,
-                        f"{kind}:{index} is already used by {taken[kind, index]}; "
+                        f"{kind}:{index}{on} is already used by {taken[where]}; "
                         "a worker owns one device",
                     )
                     continue
-                taken[kind, index] = key
+                taken[where] = key
             items.append((kind, index, key))
         wanted.append(items)
     out = []
@@ -81,10 +90,43 @@ def place_workers(
                 devices.append(f"{kind}:{index}")
             else:
                 for _ in range(spec.count):
-                    free = next(n for n in range(10_000) if (kind, n) not in taken)
-                    taken[kind, free] = "auto"
+                    free = next(n for n in range(10_000) if (spec.host, kind, n) not in taken)
+                    taken[spec.host, kind, free] = "auto"
                     devices.append(f"{kind}:{free}")
         out.append(devices)
+    return out
+
+
+#: Bare metal: the control port of a host's first worker when the file gives none.
+FIRST_PORT = 9000
+
+
+def host_ports(workers: tuple[WorkerSpec, ...], src: Source) -> list[list[int]]:
+    """Bare metal: the control port of every worker of every spec (0 without a host). A
+    worker takes two ports (control, transfer = control + 1); clashes are recorded."""
+    used: dict[str, dict[int, str]] = {}
+    out = []
+    hosts = [bool(spec.host) for spec in workers]
+    if any(hosts) and not all(hosts):
+        i = hosts.index(False)
+        src.error(f"workers[{i}].host", "list a host for every worker group, or for none")
+    for i, spec in enumerate(workers):
+        if not spec.host:
+            out.append([0] * spec.count)
+            continue
+        taken = used.setdefault(spec.host, {})
+        start = spec.port or max(taken, default=FIRST_PORT - 1) + 1
+        ports = [start + 2 * n for n in range(spec.count)]
+        for port in ports:
+            for p in (port, port + 1):
+                if p in taken:
+                    src.error(
+                        f"workers[{i}].port",
+                        f"port {p} on {spec.host} is already used by {taken[p]}; "
+                        "each worker takes two ports (control, transfer = control + 1)",
+                    )
+                taken[p] = f"workers[{i}]"
+        out.append(ports)
     return out
 
 
@@ -94,12 +136,13 @@ def expand_workers(workers: tuple[WorkerSpec, ...]) -> list[WorkerInstance]:
 
     src = Source("<deployment>")
     placed = place_workers(workers, src)
+    ports = host_ports(workers, src)
     src.raise_if_any()
     ids = iter(worker_ids(workers))
     return [
-        WorkerInstance(next(ids), spec.role, device, spec.cpus)
-        for spec, devices in zip(workers, placed, strict=True)
-        for device in devices
+        WorkerInstance(next(ids), spec.role, device, spec.cpus, spec.host, port)
+        for spec, devices, group in zip(workers, placed, ports, strict=True)
+        for device, port in zip(devices, group, strict=True)
     ]
 
 

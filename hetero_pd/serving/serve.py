@@ -1,5 +1,6 @@
 """`hetero-pd serve CONFIG | MODEL`: on one box, supervised worker processes plus the router
-and the REST API in this process; on a cluster, one part of it (`--role router | worker`).
+and the REST API in this process; on a cluster, one part of it (`--role router | worker`); on
+bare metal, one host's part (`--host-id HOST`: the workers the file lists on HOST).
 
 MODEL (a model folder, a known name or a Hugging Face repo id) gets a 1P1D deployment built
 in memory from vLLM's flag names (`hetero_pd.serving.model_deployment`). Before anything
@@ -21,7 +22,6 @@ from pathlib import Path
 from aiohttp import web
 
 from hetero_pd import envs, secrets
-from hetero_pd.deploy import k8s
 from hetero_pd.deploy.controller import RoleController, WorkerLoad
 from hetero_pd.deploy.plan import resolve
 from hetero_pd.deploy.schema import Deployment, load_deployment
@@ -29,7 +29,7 @@ from hetero_pd.deploy.validate import validate
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.serving.api import ApiState, create_app
-from hetero_pd.serving.cluster import keep_connected, max_model_len, parse_replicas, run_pod_worker
+from hetero_pd.serving.cluster import Discover, max_model_len, run_part, watch_workers
 from hetero_pd.serving.control_auth import CurveKeys
 from hetero_pd.serving.launcher import Launcher
 from hetero_pd.serving.model_deployment import (
@@ -64,15 +64,15 @@ async def serve(
     dep: Deployment,
     on_ready: Callable[[str, Launcher, Router], Awaitable[None] | None] | None = None,
     stop: asyncio.Event | None = None,
-    workers: dict[str, str] | None = None,
+    discover: Discover | None = None,
     model_names: list[str] | None = None,
 ) -> None:
     """Runs the deployment until `stop` is set (SIGINT/SIGTERM set it when it is None).
 
     Clients name the model with any of `model_names` (default: the deployment's `model`).
 
-    Locally the workers are started and supervised here. With `workers` (worker id ->
-    address, a cluster), the router connects to them instead and serves at once; /health
+    Locally the workers are started and supervised here. With `discover` (several hosts),
+    the router connects to the workers it finds instead and serves at once; /health
     answers 503 until a decode worker is up."""
     from transformers import AutoTokenizer
 
@@ -80,11 +80,11 @@ async def serve(
     cfg = ModelConfig.from_dir(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     names = list(model_names or [dep.model])
-    secret = deployment_secret(dep, generate=workers is None)
+    secret = deployment_secret(dep, generate=discover is None)
     router = Router(
         router_config(dep), CurveKeys.from_secret(secret), ServingMetrics(model_name=names[0])
     )
-    launcher = Launcher(dep, router, secret) if workers is None else None
+    launcher = Launcher(dep, router, secret) if discover is None else None
     stop = stop or _signal_event()
     runner: web.AppRunner | None = None
     tasks: list[asyncio.Task[None]] = []
@@ -93,8 +93,9 @@ async def serve(
             await launcher.start()
             max_len = min(w.info.max_model_len for w in router.workers.values())
         else:
-            assert workers is not None
-            tasks += [asyncio.create_task(keep_connected(router, *w)) for w in workers.items()]
+            assert discover is not None
+            watch = watch_workers(router, discover, dep.router.heartbeat_timeout_s)
+            tasks.append(asyncio.create_task(watch))
             max_len = max_model_len(dep, cfg)
         if dep.supervisor.role_switch:
             tasks.append(asyncio.create_task(_controller(dep, router, launcher).run()))
@@ -198,7 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="deployment YAML (configs/local.yaml), model folder, known model name "
         "(smollm2-135m-instruct) or Hugging Face repo id",
     )
-    p.add_argument("--host", help="override router.host (default 127.0.0.1)")
+    p.add_argument(
+        "--host",
+        help="the address to bind: router.host (default 127.0.0.1), or a worker pod's IP "
+        "(--role worker)",
+    )
     p.add_argument("--port", type=int, help="override router.port (0: any free port)")
     p.add_argument(
         "--role",
@@ -207,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="all: router + supervised worker processes on this box (default); router / "
         "worker: one part of a cluster deployment (see `hetero-pd render k8s`)",
     )
-    p.add_argument("--replicas", help="router role: workers per role, e.g. prefill=2,decode=6")
+    p.add_argument("--host-id", help="bare metal: run the workers the file lists on this host")
     p.add_argument("--worker-id", help="worker role: its id (decode-1) or its pod's name")
     p.add_argument("--alive-file", default="", help="worker role: touched on each heartbeat")
     p.add_argument(
@@ -251,16 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     dep, default_name = load_target(p, args)
     names = list(args.served_model_name or [default_name])
-    if args.role == "worker":
-        if not args.worker_id:
-            p.error("--role worker needs --worker-id")
-        return run_pod_worker(dep, args.worker_id, args.alive_file)
-    if args.role == "router":
-        if not args.replicas:
-            p.error("--role router needs --replicas (render k8s writes it)")
-        addresses = k8s.worker_addresses(dep, parse_replicas(args.replicas))
-        asyncio.run(serve(dep, workers=addresses, model_names=names))
-        return 0
+    if args.role != "all" or args.host_id or any(w.host for w in dep.workers):
+        if args.role == "worker" and not (args.worker_id and args.host):
+            p.error("--role worker needs --worker-id and --host (its pod's name and IP)")
+        return run_part(dep, args, lambda d, find: serve(d, discover=find, model_names=names))
     dep, plan = resolve(dep, use_calibration=not args.no_calibrate)
     if plan is not None:
         print(plan.explain(), flush=True)

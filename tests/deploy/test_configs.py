@@ -8,6 +8,7 @@ import pytest
 
 from backends import get_backend, parse_device_spec
 from hetero_pd.deploy.schema import load_deployment
+from hetero_pd.deploy.source import ConfigError
 from hetero_pd.deploy.validate import validate_file
 from hetero_pd.deploy.workers import expand_workers
 
@@ -28,12 +29,16 @@ def _needs_accelerator(path: Path) -> bool:
 def test_the_expected_examples_exist() -> None:
     names = {p.name for p in FILES}
     expected = {"local.yaml", "colocated.yaml", "ascend-h100.yaml", "edge.yaml"}
-    assert expected | {"k8s-multinode.yaml"} <= names
+    assert expected | {"k8s-multinode.yaml", "bare-metal.yaml"} <= names
     assert (CONFIGS / "README.md").is_file()
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_config_is_valid_for_kubernetes(path: Path) -> None:
+    if any(w.host for w in load_deployment(path).workers):
+        with pytest.raises(ConfigError, match="`host:` lists bare-metal hosts"):
+            validate_file(path, "k8s")
+        return
     report = validate_file(path, "k8s")
     assert report.workers
     assert f"{path}: valid (target k8s)" in report.summary()
@@ -71,4 +76,17 @@ def test_k8s_multinode_splits_instances_by_the_rates() -> None:
     assert [(w.role, w.device, w.count) for w in dep.workers] == [
         ("prefill", "npu", 2),
         ("decode", "cuda", 6),
+    ]
+
+
+def test_bare_metal_lists_each_hosts_workers_and_ports() -> None:
+    dep = load_deployment(CONFIGS / "bare-metal.yaml")
+    placed = [(w.worker_id, w.device, w.address) for w in expand_workers(dep.workers)]
+    assert placed == [
+        ("prefill-0", "npu:0", "tcp://10.0.0.2:9000"),
+        ("prefill-1", "npu:1", "tcp://10.0.0.2:9002"),
+        ("prefill-2", "npu:0", "tcp://10.0.0.3:9000"),
+        ("prefill-3", "npu:1", "tcp://10.0.0.3:9002"),
+        ("decode-0", "cuda:0", "tcp://10.0.0.4:9000"),
+        ("decode-1", "cuda:1", "tcp://10.0.0.4:9002"),
     ]

@@ -20,7 +20,8 @@ from .conftest import CONFIGS
 
 #: The Kubernetes version the manifests are checked against (kubernetes-validate bundles it).
 K8S_VERSION = "1.30.0"
-FILES = sorted(CONFIGS.glob("*.yaml"))
+#: Every example meant for a cluster (bare-metal host lists are not).
+FILES = [p for p in sorted(CONFIGS.glob("*.yaml")) if not load_deployment(p).workers[0].host]
 
 
 def _render(path: Path) -> list[dict[str, Any]]:
@@ -36,13 +37,15 @@ def _by(manifests: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]
 def test_manifests_pass_kubernetes_validate(path: Path) -> None:
     text = k8s.dump(_render(path))
     docs = list(yaml.safe_load_all(text))
-    assert {d["kind"] for d in docs} == {"ConfigMap", "Deployment", "Service", "StatefulSet"}
+    kinds = {"ConfigMap", "Deployment", "Service", "StatefulSet", "NetworkPolicy"}
+    secret = load_deployment(path).kubernetes.existing_secret
+    assert {d["kind"] for d in docs} == kinds | (set() if secret else {"Secret"})
     for doc in docs:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
 def test_an_invalid_manifest_is_caught() -> None:
-    doc = _render(CONFIGS / "local.yaml")[1]
+    doc = _by(_render(CONFIGS / "local.yaml"), "Deployment", "hetero-pd-router")
     doc["spec"]["replicas"] = "one"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
@@ -73,19 +76,32 @@ def test_workers_are_found_by_service_names_not_addresses() -> None:
     assert sts["spec"]["serviceName"] == "pd-multinode-decode"
     router = _by(out, "Deployment", "pd-multinode-router")["spec"]["template"]["spec"]
     command = router["containers"][0]["command"]
-    assert command[-2:] == ["--replicas", "prefill=2,decode=6"]
-    assert not any("tcp://" in part for part in command)
-    addresses = k8s.worker_addresses(dep, {"prefill": 2, "decode": 6})
-    assert addresses["decode-5"] == (
+    # No replica counts and no address: the router resolves the pods' names (scaling).
+    assert command == [
+        "hetero-pd",
+        "serve",
+        k8s.CONFIG_PATH,
+        "--role",
+        "router",
+        "--host",
+        "0.0.0.0",
+    ]
+    assert k8s.worker_address(dep, "decode-5") == (
         "tcp://pd-multinode-decode-5.pd-multinode-decode.llm-prod.svc:9100"
     )
     assert k8s.worker_id_of_pod(dep, "pd-multinode-decode-5") == "decode-5"
+    worker = sts["spec"]["template"]["spec"]["containers"][0]
+    args = ["--worker-id", "$(POD_NAME)", "--host", "$(POD_IP)", "--alive-file", k8s.ALIVE_FILE]
+    assert worker["command"][3:] == ["--role", "worker", *args]
+    env = {e["name"]: e for e in worker["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
 
 
 def test_config_map_holds_the_file_and_probes_use_health() -> None:
     path = CONFIGS / "local.yaml"
     out = _render(path)
     assert _by(out, "ConfigMap", "hetero-pd-config")["data"]["deployment.yaml"] == path.read_text()
+    assert "metadata" in _by(out, "Secret", "hetero-pd-secrets")
     router = _by(out, "Deployment", "hetero-pd-router")["spec"]["template"]["spec"]
     c = router["containers"][0]
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}

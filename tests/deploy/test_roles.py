@@ -4,6 +4,7 @@ worker that outlives its launcher stopping."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -19,8 +20,9 @@ from hetero_pd.config import EngineConfig
 from hetero_pd.deploy.schema import load_deployment
 from hetero_pd.deploy.status import main as status_main
 from hetero_pd.sampling_params import SamplingParams
+from hetero_pd.serving import cluster
 from hetero_pd.serving import protocol as P
-from hetero_pd.serving.cluster import parse_replicas, pod_worker_config
+from hetero_pd.serving.cluster import HostList, StatefulSetDNS, pod_worker_config
 from hetero_pd.serving.testing import deployment, random_prompts, running_stack
 from hetero_pd.serving.worker import READY_LINE
 from hetero_pd.serving.worker_config import WorkerConfig
@@ -80,22 +82,59 @@ def _get(url: str) -> dict[str, Any]:
         return dict(json.loads(r.read()))
 
 
-def test_pod_worker_binds_derived_ports_and_advertises_its_dns_name() -> None:
+def test_pod_worker_binds_its_pod_ip_and_advertises_its_dns_name() -> None:
     dep = load_deployment(CONFIGS / "ascend-h100.yaml")
-    cfg = pod_worker_config(dep, "hetero-pd-decode-1", "/tmp/alive")
+    cfg = pod_worker_config(dep, "hetero-pd-decode-1", "/tmp/alive", "10.1.2.3")
     assert (cfg.worker_id, cfg.role, cfg.engine.device) == ("decode-1", "decode", "cuda:0")
-    assert (cfg.host, cfg.port, cfg.transfer.port) == ("0.0.0.0", 9000, 9001)
+    assert (cfg.host, cfg.port, cfg.transfer.port) == ("10.1.2.3", 9000, 9001)
     assert cfg.advertise_host == "hetero-pd-decode-1.hetero-pd-decode.llm.svc"
     assert cfg.transfer.transports == ("tcp",) and cfg.alive_file == "/tmp/alive"
     with pytest.raises(ValueError, match="not <role>-<n>"):
-        pod_worker_config(dep, "router-x", "")
+        pod_worker_config(dep, "router-x", "", "10.1.2.3")
 
 
-def test_replicas_argument() -> None:
-    assert parse_replicas("prefill=2,decode=6") == {"prefill": 2, "decode": 6}
-    for bad in ("", "prefill", "gpu=2", "decode=x"):
-        with pytest.raises(ValueError, match="--replicas"):
-            parse_replicas(bad)
+def test_the_router_finds_statefulset_pods_by_their_dns_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dep = load_deployment(CONFIGS / "ascend-h100.yaml")
+    names = {cluster.k8s.pod_host(dep, w) for w in ("prefill-0", "decode-0", "decode-1")}
+    asked: list[str] = []
+
+    async def resolves(name: str) -> bool:
+        asked.append(name)
+        return name in names
+
+    monkeypatch.setattr(cluster, "_resolves", resolves)
+    found = asyncio.run(StatefulSetDNS(dep)())
+    assert found == {
+        "prefill-0": "tcp://hetero-pd-prefill-0.hetero-pd-prefill.llm.svc:9000",
+        "decode-0": "tcp://hetero-pd-decode-0.hetero-pd-decode.llm.svc:9000",
+        "decode-1": "tcp://hetero-pd-decode-1.hetero-pd-decode.llm.svc:9000",
+    }
+    assert len(asked) == 1 + cluster.LOOKAHEAD + 1 + 2 + cluster.LOOKAHEAD + 1  # bounded probing
+    names.add(cluster.k8s.pod_host(dep, "decode-4"))  # a gap (Parallel scale-up): still found
+    assert "decode-4" in asyncio.run(StatefulSetDNS(dep)())
+
+
+def test_bare_metal_workers_get_ports_by_host() -> None:
+    from hetero_pd.deploy.schema import parse_deployment
+
+    dep = parse_deployment(
+        {
+            "model": "smollm2-135m-instruct",
+            "workers": [
+                {"role": "prefill", "device": "npu:0", "host": "10.0.0.2"},
+                {"role": "prefill", "device": "npu:0", "host": "10.0.0.3"},
+                {"role": "decode", "devices": ["cuda:0", "cuda:1"], "host": "10.0.0.3"},
+            ],
+        }
+    )
+    assert asyncio.run(HostList(dep)()) == {
+        "prefill-0": "tcp://10.0.0.2:9000",
+        "prefill-1": "tcp://10.0.0.3:9000",
+        "decode-0": "tcp://10.0.0.3:9002",
+        "decode-1": "tcp://10.0.0.3:9004",
+    }
 
 
 SECRET = secrets.generate()
@@ -151,8 +190,6 @@ def _free_port() -> int:
 def test_cluster_router_reconnects_to_a_replaced_worker_pod(tiny_llama_dir: Path) -> None:
     """The router side of a cluster: it connects by a derived address and, when the worker's
     pod is replaced (same name and port, new process), greets the new one."""
-    import asyncio
-
     from hetero_pd.serving.cluster import keep_connected
     from hetero_pd.serving.control_auth import CurveKeys
     from hetero_pd.serving.router import Router, RouterConfig
@@ -168,7 +205,7 @@ def test_cluster_router_reconnects_to_a_replaced_worker_pod(tiny_llama_dir: Path
     )
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
 
-    async def until(check: object, timeout_s: float = 30.0) -> None:
+    async def until(check: object, timeout_s: float = 120.0) -> None:  # generous: shared CPUs
         deadline = time.monotonic() + timeout_s
         while not check():  # type: ignore[operator]
             assert time.monotonic() < deadline, "timed out"

@@ -22,7 +22,8 @@ import pytest
 
 from hetero_pd.deploy.status import fetch_health, format_status
 
-DEADLINE_S = 60.0
+#: Generous: on two cores shared with other work, three workers took over 60 s to start.
+DEADLINE_S = 180.0
 
 
 def _alive(pid: int) -> bool:

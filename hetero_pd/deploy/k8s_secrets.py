@@ -1,0 +1,123 @@
+"""What guards a deployment on Kubernetes: its Secret, the NetworkPolicy on worker ports, and
+the checksum that rolls the pods when either the file or the secrets change.
+
+    Secret <name>-secrets   secret    the deployment secret (HETERO_PD_SECRET in every pod)
+                            api-keys  comma-separated API keys (HETERO_PD_API_KEY, router)
+
+The values come from the file (`transfer.secret`, `router.api_keys`; both are then taken out
+of the ConfigMap's copy), else from HETERO_PD_SECRET / HETERO_PD_API_KEY when rendering,
+else the secret is generated (keep it by exporting HETERO_PD_SECRET before rendering again).
+With `kubernetes.existing_secret` the operator manages the Secret and none is rendered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from hetero_pd import envs
+from hetero_pd.deploy.schema import Deployment
+
+SECRET_KEY, API_KEYS_KEY = "secret", "api-keys"
+SECRET_ENV, API_KEYS_ENV = "HETERO_PD_SECRET", "HETERO_PD_API_KEY"
+CHECKSUM_ANNOTATION = "hetero-pd/config-checksum"
+
+
+@dataclass(frozen=True, slots=True)
+class SecretValues:
+    """The deployment secret and API keys a rendering puts in its Secret."""
+
+    secret: str
+    api_keys: tuple[str, ...]
+    generated: bool = False  # the secret was made up now: render again with it exported
+
+
+def secret_name(dep: Deployment) -> str:
+    return dep.kubernetes.existing_secret or f"{dep.kubernetes.name}-secrets"
+
+
+def api_keys(dep: Deployment, environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The API keys the router will demand: the file's, else $HETERO_PD_API_KEY's."""
+    return dep.router.api_keys or envs.api_keys(environ)
+
+
+def secret_values(dep: Deployment, environ: Mapping[str, str] | None = None) -> SecretValues:
+    """The values of the rendered Secret (see the module docstring for where each is from)."""
+    keys = api_keys(dep, environ)
+    secret = dep.transfer.secret or envs.deployment_secret(environ)
+    if secret:
+        return SecretValues(secret, keys)
+    return SecretValues(secrets.token_urlsafe(32), keys, generated=True)
+
+
+def config_text(dep: Deployment) -> str:
+    """The file for the ConfigMap: as written, or without its secrets (which go to the Secret)."""
+    if not dep.transfer.secret and not dep.router.api_keys:
+        return dep.text
+    raw = yaml.safe_load(dep.text)
+    raw.get("transfer", {}).pop("secret", None)
+    raw.get("router", {}).pop("api_keys", None)
+    head = f"# {dep.source}, its secrets moved to the Secret {secret_name(dep)}\n"
+    return head + yaml.safe_dump(raw, sort_keys=False)
+
+
+def secret_manifest(dep: Deployment, values: SecretValues, meta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta,
+        "type": "Opaque",
+        "stringData": {SECRET_KEY: values.secret, API_KEYS_KEY: ",".join(values.api_keys)},
+    }
+
+
+def secret_env(dep: Deployment, with_api_keys: bool) -> list[dict[str, Any]]:
+    """Container env reading the Secret (never a value in the manifest itself)."""
+    pairs = [(SECRET_ENV, SECRET_KEY)] + ([(API_KEYS_ENV, API_KEYS_KEY)] if with_api_keys else [])
+    name = secret_name(dep)
+    return [
+        {"name": env, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}
+        for env, key in pairs
+    ]
+
+
+def checksum(config: str, values: SecretValues | None) -> str:
+    """Changes whenever the file or a secret does (so `kubectl apply` rolls every pod to the
+    same values); keyed by the secret, so it tells nothing about the API keys."""
+    if values is None:  # an existing Secret: its changes need `kubectl rollout restart`
+        return hashlib.sha256(config.encode()).hexdigest()
+    body = f"{config}\0{','.join(values.api_keys)}".encode()
+    return hmac.new(values.secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def network_policy(
+    dep: Deployment, meta: dict[str, Any], instance: dict[str, str]
+) -> dict[str, Any]:
+    """Worker ports reachable only from this deployment's router and workers."""
+    port = dep.kubernetes.base_port
+    workers = {"key": "app.kubernetes.io/component", "operator": "In"}
+    workers["values"] = sorted({w.role for w in dep.workers})  # type: ignore[assignment]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": meta,
+        "spec": {
+            "podSelector": {"matchLabels": instance, "matchExpressions": [workers]},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": {"matchLabels": instance}}],
+                    "ports": [
+                        {"protocol": "TCP", "port": port},
+                        {"protocol": "TCP", "port": port + 1},
+                    ],
+                }
+            ],
+        },
+    }

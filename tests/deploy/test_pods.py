@@ -1,0 +1,74 @@
+"""A rendered pod as a process: the container's command, args and env parsed from the
+manifests (not retyped), Kubernetes' `$(VAR)` expansion, and its volumes as mounts."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from hetero_pd.deploy import k8s, pods
+from hetero_pd.deploy.k8s_secrets import SecretValues
+from hetero_pd.deploy.schema import load_deployment
+
+CONFIG = """
+version: 1
+model: /models/tiny
+workers:
+  - {role: prefill}
+  - {role: decode, count: 2}
+router: {port: 8000}
+kubernetes: {name: lab, model_pvc: weights}
+"""
+
+
+def test_a_worker_pod_runs_its_containers_exact_command(
+    write_yaml: Callable[[str], Path], tmp_path: Path
+) -> None:
+    dep = load_deployment(write_yaml(CONFIG))
+    manifests = k8s.render(dep, SecretValues("the-secret", ("key-1",)))
+    image_env = {"PATH": "/usr/bin", "HOME": "/tmp"}
+    pod = pods.pod_process(
+        manifests, "lab-decode", "lab-decode-1", "10.9.0.4", tmp_path, {"weights": "/w"}, image_env
+    )
+    (sts,) = [
+        m for m in manifests if m["metadata"]["name"] == "lab-decode" and "template" in m["spec"]
+    ]
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    written = [*container["command"], *container.get("args", [])]
+    assert pod.argv[1:] == [
+        part.replace("$(POD_NAME)", "lab-decode-1").replace("$(POD_IP)", "10.9.0.4")
+        for part in written[1:]
+    ]
+    assert Path(pod.argv[0]).name in ("hetero-pd", Path(sys.executable).name)
+    assert pod.env["HETERO_PD_SECRET"] == "the-secret" and "HETERO_PD_API_KEY" not in pod.env
+    assert pod.env["POD_NAME"] == "lab-decode-1" and pod.env["POD_IP"] == "10.9.0.4"
+    assert pod.env["HETERO_PD_CACHE_DIR"] == k8s.MODEL_DIR and pod.env["HOME"] == "/tmp"
+    assert pod.component == "decode"
+    mounts = {m.target: m for m in pod.mounts}
+    config = mounts[k8s.k8s_pods.CONFIG_DIR]
+    assert config.read_only and (Path(config.source) / "deployment.yaml").read_text() == (
+        write_yaml(CONFIG).read_text()
+    )
+    assert (mounts["/models"].source, mounts["/models"].read_only) == ("/w", True)
+    assert mounts["/dev/shm"].source == ""  # memory-backed: a tmpfs of its own
+    assert Path(mounts["/tmp"].source).is_dir() and mounts["/tmp"].source.startswith(str(tmp_path))
+    router = pods.pod_process(
+        manifests, "lab-router", "lab-router-0", "10.9.0.2", tmp_path, {"weights": "/w"}, {}
+    )
+    assert router.env["HETERO_PD_API_KEY"] == "key-1"
+    with pytest.raises(ValueError, match="no folder given for claim 'weights'"):
+        pods.pod_process(manifests, "lab-prefill", "lab-prefill-0", "10.9.0.3", tmp_path, {}, {})
+
+
+def test_variable_expansion_follows_kubernetes() -> None:
+    env = {"A": "x", "B": "$(A)"}
+    assert pods.expand("--id=$(A)-$(B)", env) == "--id=x-$(A)"  # one pass, as Kubernetes
+    assert pods.expand("$(MISSING) $$(A) $$", env) == "$(MISSING) $(A) $"
+
+
+def test_an_unknown_program_is_an_error() -> None:
+    with pytest.raises(FileNotFoundError, match="'no-such-tool-here'"):
+        pods.local_command(["no-such-tool-here", "x"])
