@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -34,7 +33,7 @@ from hetero_pd.deploy.schema import Deployment
 from hetero_pd.deploy.supervisor import Supervisor
 from hetero_pd.deploy.workers import expand_workers
 from hetero_pd.serving.launcher import worker_config
-from hetero_pd.serving.worker import READY_LINE
+from hetero_pd.serving.worker import READY_LINE, ready_address
 from hetero_pd.serving.worker_config import WorkerConfig
 
 log = logging.getLogger("hetero_pd.hosts")
@@ -139,8 +138,7 @@ class HostWorkers:
         line = await asyncio.wait_for(_ready_line(proc), self.ready_timeout_s)
         if not line:
             raise RuntimeError(f"worker {worker_id} exited with code {await proc.wait()}")
-        info = json.loads(line[len(READY_LINE) :])
-        log.info("worker %s ready at %s (pid %s)", worker_id, info["address"], proc.pid)
+        log.info("worker %s ready at %s (pid %s)", worker_id, ready_address(line), proc.pid)
         self.pumps[worker_id] = asyncio.create_task(_pump(proc))
 
     async def stop(self, grace_s: float) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -27,7 +26,7 @@ from hetero_pd.deploy.supervisor import Supervisor
 from hetero_pd.deploy.workers import WorkerInstance, expand_workers
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.serving.router import Router
-from hetero_pd.serving.worker import READY_LINE
+from hetero_pd.serving.worker import READY_LINE, ready_address
 from hetero_pd.serving.worker_config import WorkerConfig
 from transfer import EngineConfig as TransferConfig
 from transfer import FaultPlan, FaultRule
@@ -159,7 +158,7 @@ class Launcher:
                     return line
 
         line = await asyncio.wait_for(ready_line(), self.ready_timeout_s)
-        wp.address = json.loads(line[len(READY_LINE) :])["info"]["address"]
+        wp.address = ready_address(line)
         wp.pump = asyncio.create_task(self._pump(wp))
         await self.router.add_worker(wid, wp.address)  # replaces a previous client
         log.info("worker %s (%s) ready at %s, pid %s", wid, wp.config.role, wp.address, wp.proc.pid)

@@ -15,6 +15,7 @@ environment (`HETERO_PD_SECRET`), never from the command line.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -41,6 +42,12 @@ from transfer import KVRegion, TransferEngine
 
 log = logging.getLogger("hetero_pd.worker")
 READY_LINE = "HETERO_PD_WORKER_READY"
+
+
+def ready_address(line: str | bytes) -> str:
+    """The control address in a worker's READY line (what `run` prints below)."""
+    text = line.decode() if isinstance(line, bytes) else line
+    return str(json.loads(text[len(READY_LINE) :])["info"]["address"])
 
 
 class Worker:
