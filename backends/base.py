@@ -7,9 +7,10 @@ scheduler, block pool, router and transfer state machines never touch device API
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -185,6 +186,61 @@ class Backend(ABC):
                     f"use backend_for({str(tensor.device)!r})"
                 )
         dst.copy_(src, non_blocking=non_blocking)
+
+    def copy_blocks(
+        self,
+        dst: Sequence[torch.Tensor],
+        dst_ids: Sequence[int],
+        src: Sequence[torch.Tensor],
+        src_ids: Sequence[int],
+        stream: torch.Stream | None = None,
+    ) -> None:
+        """Copy KV blocks pairwise between two lists of block tensors (the leading dimension
+        indexes blocks): `dst[i][dst_ids[j]] = src[i][src_ids[j]]` for every i and j.
+
+        This is how KV blocks move between device memory and host memory (either way, or
+        within one side). Returns once the data is in `dst`. With a `stream` (from
+        `new_stream`) the copies run on it and only it is waited for, so they overlap with
+        work queued on the device's other streams.
+        """
+        if len(dst) != len(src) or len(dst_ids) != len(src_ids):
+            raise ValueError(
+                f"copy_blocks needs as many dst as src tensors and ids, got {len(dst)}/"
+                f"{len(src)} tensors and {len(dst_ids)}/{len(src_ids)} ids"
+            )
+        if not dst_ids:
+            return
+        for d, s in zip(dst, src, strict=True):
+            if d.shape[1:] != s.shape[1:] or d.dtype != s.dtype:
+                raise ValueError(
+                    f"copy_blocks needs matching blocks, got dst {tuple(d.shape[1:])} {d.dtype} "
+                    f"and src {tuple(s.shape[1:])} {s.dtype}"
+                )
+            for tensor in (d, s):
+                if tensor.device.type not in ("cpu", self.kind):
+                    raise ValueError(
+                        f"the {self.kind} backend cannot copy blocks on {tensor.device}"
+                    )
+        indexes: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+        def index(which: str, ids: Sequence[int], device: torch.device) -> torch.Tensor:
+            if (which, device) not in indexes:
+                indexes[which, device] = torch.tensor(list(ids), dtype=torch.long, device=device)
+            return indexes[which, device]
+
+        devices = {t.device for t in (*dst, *src) if t.device.type != "cpu"}
+        with stream if stream is not None else contextlib.nullcontext():
+            for d, s in zip(dst, src, strict=True):
+                rows = s.index_select(0, index("src", src_ids, s.device))
+                if rows.device != d.device:
+                    # device -> host must land before index_copy_ reads it: blocking there
+                    rows = rows.to(d.device, non_blocking=d.device.type != "cpu")
+                d.index_copy_(0, index("dst", dst_ids, d.device), rows)
+            if stream is not None:
+                stream.synchronize()
+            else:
+                for device in devices:
+                    self.synchronize(device)
 
     def linear_kernel(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel | None:
         """A faster equivalent of `F.linear(x, weight, bias)` for inference, or None when plain
