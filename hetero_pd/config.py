@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from hetero_pd.engine.kv_tiers.config import TierConfig
 from hetero_pd.engine.scheduler import ROLES, Role
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,6 +52,10 @@ class EngineConfig:
     kv_cache_gb: float = 1.0
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # Prefix-cache tiers below the device KV (0 = off): host DRAM, then an SSD folder.
+    kv_cache_host_gb: float = 0.0
+    kv_cache_disk_gb: float = 0.0
+    kv_cache_disk_path: str | None = None
     num_threads: int | None = None
     seed: int = 0
     # Edge split: > 0 makes a cloud engine that runs layers [start_layer, L) on hidden
@@ -71,6 +76,15 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value!r}")
+        _ = self.kv_tiers  # rejects inconsistent kv_cache_* options now
+
+    @property
+    def kv_tiers(self) -> TierConfig | None:
+        """The prefix-cache tiers asked for by the `kv_cache_*` options, or None."""
+        caching = self.enable_prefix_caching and self.start_layer == 0
+        return TierConfig.from_options(
+            self.kv_cache_host_gb, self.kv_cache_disk_gb, self.kv_cache_disk_path, caching
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:

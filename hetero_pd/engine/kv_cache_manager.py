@@ -3,15 +3,28 @@
 Prefix caching uses chained hashes over full blocks (hash of the parent block's hash plus
 this block's token ids); a hit is confirmed by comparing token ids, so a hash collision can
 never serve the wrong KV.
+
+With KV tiers (host DRAM, SSD) below the device, a request's lookup continues in the tiers
+past the device's last hit; that run is brought up into device blocks first, and the request
+is not scheduled until all of it has landed (`find_cached_prefix` returns None meanwhile).
+Blocks held by the tiers' copies are ordinary references in the pool.
 """
 
 from __future__ import annotations
 
 import hashlib
+import weakref
 from array import array
+from collections.abc import Iterator
 
 from hetero_pd.engine.block_pool import BlockPool
+from hetero_pd.engine.kv_tiers import KVTiers, KVTierStats
+from hetero_pd.engine.kv_tiers.mover import Job, Offload
 from hetero_pd.engine.request import Request
+
+Block = tuple[int, tuple[int, ...]]  # (chained hash, token ids)
+# The engine waits for the tiers only when it is idle (a load in flight) or out of blocks.
+IDLE_WAIT_S = 0.05
 
 
 def chain_hash(parent: int | None, token_ids: tuple[int, ...] | list[int]) -> int:
@@ -38,10 +51,21 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        tiers: KVTiers | None = None,
+    ):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
+        self.tiers = tiers
+        # stops the tiers' threads (after the copies queued) when the manager goes away
+        self._close_tiers = weakref.finalize(self, tiers.close) if tiers is not None else None
+        self._loading: set[str] = set()  # requests whose prefix is being brought up
+        self._device_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -54,38 +78,101 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def find_cached_prefix(self, req: Request) -> list[int]:
+    def _prompt_blocks(self, req: Request) -> Iterator[Block]:
+        """(chained hash, token ids) of the prompt's full blocks but the last token's."""
+        bs = self.block_size
+        parent = None
+        for i in range((req.num_prompt_tokens - 1) // bs):
+            tokens = tuple(req.prompt_token_ids[i * bs : (i + 1) * bs])
+            parent = chain_hash(parent, tokens)
+            yield parent, tokens
+
+    def find_cached_prefix(self, req: Request) -> list[int] | None:
         """Blocks holding a prefix of the prompt; the last prompt token is always recomputed
-        so that the request has logits to sample from."""
+        so that the request has logits to sample from. None while part of the prefix is
+        being brought up from the KV tiers: the request must wait."""
         if not self.enable_prefix_caching or req.prompt_hidden is not None:
             return []  # an edge prompt's token ids are placeholders
         if req.params.prompt_logprobs is not None:
             return []  # every prompt position must be computed to have its logits
-        bs = self.block_size
-        max_blocks = (req.num_prompt_tokens - 1) // bs
+        if req.request_id in self._loading:
+            return None
         hits: list[int] = []
-        parent = None
-        for i in range(max_blocks):
-            tokens = tuple(req.prompt_token_ids[i * bs : (i + 1) * bs])
-            parent = chain_hash(parent, tokens)
-            block_id = self.pool.lookup(parent, tokens)
+        blocks = self._prompt_blocks(req)
+        for block_hash, tokens in blocks:
+            block_id = self.pool.lookup(block_hash, tokens)
             if block_id is None:
+                rest = [(block_hash, tokens), *blocks] if self.tiers is not None else []
+                if rest and self._onload(req, hits, rest):
+                    return None
                 break
             hits.append(block_id)
         return hits
+
+    def _onload(self, req: Request, hits: list[int], rest: list[Block]) -> bool:
+        """Starts bringing up the run of `rest` (the prompt's blocks after the device hits)
+        that the tiers hold, when the pool has room for it and one more block; True if it
+        started. The blocks are the job's until it lands."""
+        assert self.tiers is not None
+        run = self.tiers.find_run(rest)
+        if run == 0 or not self._make_room(run + 1 + self.pool.num_free_among(hits)):
+            return False
+        self.pool.touch(hits)  # so that making room never evicts them
+        block_ids = self.pool.get_new_blocks(run)
+        self.pool.free_blocks(hits)
+        taken = self.tiers.onload(req.request_id, block_ids, rest[:run])
+        self.pool.free_blocks(block_ids[taken:])
+        if taken:
+            self._loading.add(req.request_id)
+        return taken > 0
+
+    def begin_step(self, idle: bool) -> None:
+        """Applies the tiers' finished copies; when `idle` (nothing running) and a request
+        waits for its prefix, first waits briefly for it to land."""
+        if self.tiers is None:
+            return
+        if idle and self._loading:
+            self.tiers.wait_done(IDLE_WAIT_S)
+        self._apply(self.tiers.poll())
+
+    def _apply(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            if isinstance(job, Offload):
+                self.pool.free_blocks([job.block_id])
+                continue
+            # Published only now that every copy has landed; freed blocks stay cached (the
+            # request finds them on the device), except those past the valid run.
+            valid = job.num_valid
+            for block_id, block_hash, tokens in zip(
+                job.block_ids[:valid], job.hashes, job.token_ids, strict=False
+            ):
+                self.pool.cache_block(block_id, block_hash, tokens)
+            self.pool.free_blocks(job.block_ids)
+            self._loading.discard(job.request_id)
+
+    def _make_room(self, need: int) -> bool:
+        """Whether `need` blocks are free, after waiting for offloads holding blocks."""
+        if need <= self.pool.num_free_blocks:
+            return True
+        if self.tiers is None or not self.tiers.busy:
+            return False
+        self.tiers.wait_copies()
+        self._apply(self.tiers.poll())
+        return need <= self.pool.num_free_blocks
 
     def allocate_new(self, req: Request, cached_blocks: list[int], num_new_tokens: int) -> bool:
         """Gives a request with no blocks its cached prefix plus room for `num_new_tokens`."""
         assert not req.block_ids
         num_cached = len(cached_blocks) * self.block_size
         need = self.blocks_for(num_cached + num_new_tokens) - len(cached_blocks)
-        if need + self.pool.num_free_among(cached_blocks) > self.pool.num_free_blocks:
+        if not self._make_room(need + self.pool.num_free_among(cached_blocks)):
             return False
         self.pool.touch(cached_blocks)
         req.block_ids = cached_blocks + self.pool.get_new_blocks(need)
         req.block_hashes = []
         req.num_computed_tokens = num_cached
         req.num_cached_tokens = num_cached
+        self._device_hits += len(cached_blocks)
         self._hash_cached(req, len(cached_blocks))
         return True
 
@@ -94,7 +181,7 @@ class KVCacheManager:
         need = self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
         if need <= 0:
             return True
-        if need > self.pool.num_free_blocks:
+        if not self._make_room(need):
             return False
         req.block_ids.extend(self.pool.get_new_blocks(need))
         return True
@@ -115,12 +202,51 @@ class KVCacheManager:
             req.block_hashes.append(parent)
             if publish:
                 self.pool.cache_block(req.block_ids[i], parent, tokens)
+            if self.tiers is not None:
+                self.tiers.note_seen(parent)
 
     def free(self, req: Request) -> None:
+        self._loading.discard(req.request_id)  # its onload still lands, as cached blocks
         if req.block_ids:
+            if self.tiers is not None:
+                self._offload(req)
             self.pool.free_blocks(req.block_ids)
         req.block_ids = []
         req.block_hashes = []
 
+    def _offload(self, req: Request) -> None:
+        """Copies the request's cached blocks that the tiers admit down to host memory,
+        holding each block until its copy is done."""
+        assert self.tiers is not None
+        for block_id, block_hash in zip(req.block_ids, req.block_hashes, strict=False):
+            block = self.pool.blocks[block_id]
+            if block.block_hash != block_hash or not self.tiers.admits(block_hash, block.token_ids):
+                continue
+            if self.tiers.offload(block_id, block_hash, block.token_ids):
+                self.pool.touch([block_id])
+
+    def drain_tiers(self, timeout: float = 60.0) -> None:
+        """Waits for every tier copy in flight (SSD reads and writes included) and applies
+        them: afterwards only requests hold blocks."""
+        if self.tiers is not None:
+            self.tiers.wait_done(timeout, all_jobs=True)
+            self._apply(self.tiers.poll())
+
+    def tier_stats(self) -> KVTierStats | None:
+        if self.tiers is None:
+            return None
+        return self.tiers.stats(self._device_hits)
+
+    def close(self) -> None:
+        """Stops the tiers' threads and releases the SSD folder (the next engine may use it)."""
+        if self.tiers is not None and self._close_tiers is not None:
+            self.drain_tiers()
+            self._close_tiers()
+            self.tiers = None
+
     def check_integrity(self) -> None:
+        """Pool invariants, after the tier copies in flight have landed."""
+        self.drain_tiers()
         self.pool.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()

@@ -16,6 +16,7 @@ from hetero_pd import envs
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.detokenizer import IncrementalDetokenizer
 from hetero_pd.engine.kv_cache_manager import KVCacheManager
+from hetero_pd.engine.kv_tiers import KVTierStats, build_kv_tiers
 from hetero_pd.engine.logprobs import output_logprobs, prompt_logprobs
 from hetero_pd.engine.model_runner import KVAllocator, ModelRunner
 from hetero_pd.engine.parallel_sampling import check_engine_params
@@ -107,7 +108,12 @@ class LLMEngine:
         )
         # Prompt token ids of split requests are placeholders: hashing them would alias.
         caching = config.enable_prefix_caching and config.start_layer == 0
-        self.kv = KVCacheManager(num_blocks, config.block_size, caching)
+        tier_config = config.kv_tiers
+        tiers = None
+        if tier_config is not None:
+            kv = self.runner.kv_tensors
+            tiers = build_kv_tiers(tier_config, self.model_path, kv, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, caching, tiers)
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -499,3 +505,11 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+
+    def kv_tier_stats(self) -> KVTierStats | None:
+        """Hits and bytes per KV tier and onload times; None without host/SSD tiers."""
+        return self.kv.tier_stats()
+
+    def close(self) -> None:
+        """Stops the KV tiers' copy threads and releases their SSD folder."""
+        self.kv.close()

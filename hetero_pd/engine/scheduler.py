@@ -135,6 +135,7 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.kv.begin_step(idle=not self.running)
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.sort_key()))
         pending = [r for r in self.running if r.num_ready_tokens > r.num_computed_tokens]
@@ -158,14 +159,18 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[i]
             cached = self.kv.find_cached_prefix(req)
+            if cached is None:  # its prefix is still coming up from the KV tiers
+                i += 1
+                continue
             remaining = req.num_ready_tokens - len(cached) * self.kv.block_size
             n = min(remaining, budget)
             if not self.kv.allocate_new(req, cached, n):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, n))
