@@ -56,6 +56,7 @@ class EngineConfig:
     kv_cache_host_gb: float = 0.0
     kv_cache_disk_gb: float = 0.0
     kv_cache_disk_path: str | None = None
+    kv_cache_admit_after: int = 2  # uses (computed or hit) before a block goes down
     num_threads: int | None = None
     seed: int = 0
     # Edge split: > 0 makes a cloud engine that runs layers [start_layer, L) on hidden
@@ -83,7 +84,11 @@ class EngineConfig:
         """The prefix-cache tiers asked for by the `kv_cache_*` options, or None."""
         caching = self.enable_prefix_caching and self.start_layer == 0
         return TierConfig.from_options(
-            self.kv_cache_host_gb, self.kv_cache_disk_gb, self.kv_cache_disk_path, caching
+            self.kv_cache_host_gb,
+            self.kv_cache_disk_gb,
+            self.kv_cache_disk_path,
+            caching,
+            self.kv_cache_admit_after,
         )
 
     @property

@@ -5,11 +5,16 @@ A block is in exactly one of three states::
     free    ref_cnt == 0, no hash      in the free queue, handed out first
     cached  ref_cnt == 0, has a hash   in the free queue (evictable, LRU) and in the hash index
     used    ref_cnt  > 0               owned by one or more requests
+
+A cached or used block may also be *held* while a KV tier copies it down: it keeps its
+place in the eviction order but is not handed out until released.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -34,28 +39,58 @@ class BlockPool:
         # Eviction order: front first. Plain free blocks go to the front, cached ones to the back.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._by_hash: dict[int, int] = {}
+        self._held: Counter[int] = Counter()  # block id -> holds
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that can be handed out now (free plus evictable cached)."""
-        return len(self._free)
+        """Blocks that can be handed out now (free plus evictable cached, not held)."""
+        return len(self._free) - sum(1 for b in self._held if b in self._free)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def get_new_blocks(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"asked for {n} KV blocks, {len(self._free)} free")
-        ids = []
-        for _ in range(n):
-            block_id, _ = self._free.popitem(last=False)
+        free = self.num_free_blocks
+        if n > free:
+            raise NoFreeBlocksError(f"asked for {n} KV blocks, {free} free")
+        if self._held:
+            ids = list(itertools.islice(self._unheld_free(), n))
+        else:
+            ids = list(itertools.islice(self._free, n))
+        for block_id in ids:
+            del self._free[block_id]
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
-            ids.append(block_id)
         return ids
+
+    def _unheld_free(self) -> Iterator[int]:
+        return (b for b in self._free if b not in self._held)
+
+    def hold(self, block_id: int) -> None:
+        """Keeps a cached block from being handed out (its KV is being copied, or it must
+        survive an allocation) without changing its place in the eviction order."""
+        block = self.blocks[block_id]
+        if block.block_hash is None:
+            raise RuntimeError(f"KV block {block_id} holds no cached KV to keep: {block}")
+        self._held[block_id] += 1
+
+    def release(self, block_id: int) -> None:
+        if self._held[block_id] <= 0:
+            raise RuntimeError(f"KV block {block_id} released more often than held")
+        self._held[block_id] -= 1
+        if not self._held[block_id]:
+            del self._held[block_id]
+
+    def evicts_held(self, n: int) -> bool:
+        """Whether `n` new blocks, in plain LRU order, would include a held block."""
+        return bool(self._held) and any(b in self._held for b in itertools.islice(self._free, n))
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
 
     def touch(self, block_ids: list[int]) -> None:
         """Takes a reference on blocks found in the prefix cache."""
@@ -94,7 +129,8 @@ class BlockPool:
         return block_id
 
     def num_free_among(self, block_ids: list[int]) -> int:
-        return sum(1 for b in block_ids if self.blocks[b].ref_cnt == 0)
+        """How many of `block_ids` count in `num_free_blocks`."""
+        return sum(1 for b in block_ids if self.blocks[b].ref_cnt == 0 and b not in self._held)
 
     def reset_prefix_cache(self) -> None:
         for block_id in list(self._by_hash.values()):

@@ -7,7 +7,8 @@ never serve the wrong KV.
 With KV tiers (host DRAM, SSD) below the device, a request's lookup continues in the tiers
 past the device's last hit; that run is brought up into device blocks first, and the request
 is not scheduled until all of it has landed (`find_cached_prefix` returns None meanwhile).
-Blocks held by the tiers' copies are ordinary references in the pool.
+A block being copied down is *held* in the pool (not handed out, its eviction order kept);
+device blocks an onload writes into are referenced by the onload until it lands.
 """
 
 from __future__ import annotations
@@ -117,14 +118,20 @@ class KVCacheManager:
         run = self.tiers.find_run(rest)
         if run == 0 or not self._make_room(run + 1 + self.pool.num_free_among(hits)):
             return False
-        self.pool.touch(hits)  # so that making room never evicts them
-        block_ids = self.pool.get_new_blocks(run)
-        self.pool.free_blocks(hits)
-        taken = self.tiers.onload(req.request_id, block_ids, rest[:run])
-        self.pool.free_blocks(block_ids[taken:])
-        if taken:
-            self._loading.add(req.request_id)
-        return taken > 0
+
+        def allocate(n: int) -> list[int]:
+            for block_id in hits:  # the blocks found on the device stay there
+                self.pool.hold(block_id)
+            try:
+                return self._new_blocks(n)
+            finally:
+                for block_id in hits:
+                    self.pool.release(block_id)
+
+        if not self.tiers.onload(req.request_id, rest[:run], allocate):
+            return False
+        self._loading.add(req.request_id)
+        return True
 
     def begin_step(self, idle: bool) -> None:
         """Applies the tiers' finished copies; when `idle` (nothing running) and a request
@@ -138,7 +145,8 @@ class KVCacheManager:
     def _apply(self, jobs: list[Job]) -> None:
         for job in jobs:
             if isinstance(job, Offload):
-                self.pool.free_blocks([job.block_id])
+                for block_id in job.block_ids:
+                    self.pool.release(block_id)
                 continue
             # Published only now that every copy has landed; freed blocks stay cached (the
             # request finds them on the device), except those past the valid run.
@@ -149,6 +157,14 @@ class KVCacheManager:
                 self.pool.cache_block(block_id, block_hash, tokens)
             self.pool.free_blocks(job.block_ids)
             self._loading.discard(job.request_id)
+
+    def _new_blocks(self, n: int) -> list[int]:
+        """`n` blocks in LRU order: a block still being copied down is not skipped but
+        waited for (a host-memory copy), so the tiers never change what the device keeps."""
+        if self.tiers is not None and self.pool.evicts_held(n):
+            self.tiers.wait_copies()
+            self._apply(self.tiers.poll())
+        return self.pool.get_new_blocks(n)
 
     def _make_room(self, need: int) -> bool:
         """Whether `need` blocks are free, after waiting for offloads holding blocks."""
@@ -168,7 +184,7 @@ class KVCacheManager:
         if not self._make_room(need + self.pool.num_free_among(cached_blocks)):
             return False
         self.pool.touch(cached_blocks)
-        req.block_ids = cached_blocks + self.pool.get_new_blocks(need)
+        req.block_ids = cached_blocks + self._new_blocks(need)
         req.block_hashes = []
         req.num_computed_tokens = num_cached
         req.num_cached_tokens = num_cached
@@ -183,7 +199,7 @@ class KVCacheManager:
             return True
         if not self._make_room(need):
             return False
-        req.block_ids.extend(self.pool.get_new_blocks(need))
+        req.block_ids.extend(self._new_blocks(need))
         return True
 
     def cache_computed_blocks(self, req: Request) -> None:
@@ -215,15 +231,18 @@ class KVCacheManager:
         req.block_hashes = []
 
     def _offload(self, req: Request) -> None:
-        """Copies the request's cached blocks that the tiers admit down to host memory,
-        holding each block until its copy is done."""
+        """Copies the request's cached blocks that the tiers admit down to host memory;
+        each block keeps its place in the device's eviction order but is not reused before
+        its copy is done."""
         assert self.tiers is not None
+        admitted = []
         for block_id, block_hash in zip(req.block_ids, req.block_hashes, strict=False):
-            block = self.pool.blocks[block_id]
-            if block.block_hash != block_hash or not self.tiers.admits(block_hash, block.token_ids):
-                continue
-            if self.tiers.offload(block_id, block_hash, block.token_ids):
-                self.pool.touch([block_id])
+            tokens = self.pool.blocks[block_id].token_ids
+            published = self.pool.blocks[block_id].block_hash == block_hash
+            if published and self.tiers.admits(block_hash, tokens):
+                admitted.append((block_id, block_hash, tokens))
+        for block_id in self.tiers.offload(admitted) if admitted else []:
+            self.pool.hold(block_id)
 
     def drain_tiers(self, timeout: float = 60.0) -> None:
         """Waits for every tier copy in flight (SSD reads and writes included) and applies
@@ -249,4 +268,5 @@ class KVCacheManager:
         self.drain_tiers()
         self.pool.check_integrity()
         if self.tiers is not None:
+            assert self.pool.num_held == 0, "a block is still held for a finished copy"
             self.tiers.check_integrity()

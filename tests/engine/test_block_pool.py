@@ -67,6 +67,32 @@ def test_cached_blocks_are_evicted_least_recently_used_first() -> None:
     pool.check_integrity()
 
 
+def test_held_blocks_keep_their_eviction_place_but_are_not_handed_out() -> None:
+    pool = BlockPool(4)
+    a = pool.get_new_blocks(4)
+    hashes = cache_all(pool, a)
+    pool.free_blocks(a)  # eviction order: a[3], a[2], a[1], a[0]
+    pool.hold(a[3])
+    pool.hold(a[1])
+    assert pool.num_free_blocks == 2 and pool.usage == 0.5
+    assert pool.num_free_among([a[3], a[2]]) == 1
+    assert pool.get_new_blocks(1) == [a[2]], "the oldest unheld cached block goes"
+    with pytest.raises(NoFreeBlocksError, match="2 KV blocks, 1 free"):
+        pool.get_new_blocks(2)
+    assert pool.lookup(hashes[a[3]], (0, a[3])) == a[3], "a held block still serves hits"
+    pool.release(a[3])
+    assert pool.get_new_blocks(1) == [a[3]], "released: back in its old place, first"
+    pool.hold(a[1])  # holds are counted
+    pool.release(a[1])
+    assert pool.get_new_blocks(1) == [a[0]]
+    pool.release(a[1])
+    with pytest.raises(RuntimeError, match="released more often than held"):
+        pool.release(a[1])
+    with pytest.raises(RuntimeError, match="no cached KV"):
+        pool.hold(a[2])  # no hash: nothing to copy
+    pool.check_integrity()
+
+
 def test_shared_prefix_blocks_are_reference_counted() -> None:
     pool = BlockPool(4)
     owned = pool.get_new_blocks(2)

@@ -111,3 +111,5 @@ def test_options_are_checked() -> None:
         LLM("unused", kv_cache_host_gb=1, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_cache_host_gb must be >= 0"):
         LLM("unused", kv_cache_host_gb=-1)
+    with pytest.raises(ValueError, match="kv_cache_admit_after must be >= 1"):
+        LLM("unused", kv_cache_host_gb=1, kv_cache_admit_after=0)

@@ -32,12 +32,13 @@ class Setup:
         host_slots: int,
         disk: Path | None = None,
         disk_files: int = 0,
+        admit_after: int = 2,
     ) -> None:
         self.dtype = dtype
         self.kv = [torch.zeros(num_blocks, BS, *SHAPE, dtype=dtype) for _ in range(2 * LAYERS)]
         self.block_bytes = 2 * LAYERS * BS * SHAPE[0] * SHAPE[1] * self.kv[0].element_size()
         disk_bytes = disk_files * (header_size(BS) + self.block_bytes)
-        config = TierConfig(host_slots * self.block_bytes, disk_bytes, disk)
+        config = TierConfig(host_slots * self.block_bytes, disk_bytes, disk, admit_after)
         tiers = build_kv_tiers(config, model_dir, self.kv, BS)
         self.m = KVCacheManager(num_blocks, BS, True, tiers)
         self.n = 0
@@ -106,6 +107,19 @@ def test_blocks_seen_twice_go_to_host_and_come_back_bit_exact(
     assert stats.host.hits == 5 and stats.onloads == 1 and stats.onload_blocks == 5
     assert stats.host.hit_bytes == 5 * s.block_bytes
     assert stats.onload_seconds_total > 0
+    s.m.close()
+
+
+def test_admit_after_one_copies_every_cached_block_down(tiny_llama_dir: Path) -> None:
+    s = Setup(tiny_llama_dir, torch.float32, num_blocks=8, host_slots=16, admit_after=1)
+    a = prompt(1)
+    s.run(a)
+    s.settle()
+    assert s.m.tier_stats().host.writes == 5
+    for p in (prompt(2), prompt(3)):
+        s.run(p)
+        s.settle()
+    assert s.run(a) == 5 * BS and s.m.tier_stats().host.hits == 5
     s.m.close()
 
 

@@ -1,8 +1,8 @@
 """Prefix-cache tiers below the device's KV blocks: host DRAM, then an SSD folder.
 
-    device blocks (BlockPool)  --free, seen twice-->  host slots (HostTier)  --write-->  SSD files
-            ^                                             |                              |
-            +------------- onload before the request runs +<------ read, checked --------+
+    device blocks (BlockPool) --freed, seen twice--> host slots (HostTier) --write--> SSD files
+            ^                                              |                            |
+            +------------ onload before the request runs --+<------ read, checked ------+
 
 `build_kv_tiers` makes them for an engine; the KV cache manager drives them.
 """
@@ -47,4 +47,5 @@ def build_kv_tiers(
         assert config.disk_path is not None
         namespace = kv_namespace(model_path, first.dtype, block_shape, len(kv_tensors))
         disk = DiskTier(config.disk_path, namespace, config.disk_bytes, block_bytes, block_size)
-    return KVTiers(host, disk, TierMover(host, disk, kv_tensors, backend), backend)
+    mover = TierMover(host, disk, kv_tensors, backend)
+    return KVTiers(host, disk, mover, backend, config.admit_after)

@@ -1,28 +1,30 @@
 """Two background threads move KV blocks between the tiers while the engine computes.
 
     engine thread                copy thread (device <-> host)     disk thread (host <-> SSD)
-    a cached block freed ─────>  device block -> host slot ──────> host slot -> file
+    a request's cached blocks
+    freed ───────────────────>  device blocks -> host slots ────> host slots -> files
     prefix found below device:
       all in host DRAM ───────>  host slots -> device blocks
       some on the SSD ──────────────────────────────────────────>  files -> host slots, checked
                                  host slots -> device blocks <───┘
     completed() <── every job, once its copies are done ──┘
 
-The engine waits only for the copy thread, and only when it is out of device blocks that an
-offload still holds; it never waits for the disk thread while it has work to run. A job's
-device blocks are held (ref-counted) by the engine until the job comes back, so no copy
-ever reads or writes a block that a request uses.
+Onloads go before offloads on the copy thread and SSD reads before writes on the disk
+thread: a request waits for an onload, nobody waits for an offload. The engine waits for
+the copy thread only when it is out of device blocks that offloads still hold; it never
+waits for the disk thread while it has work to run. A job's device blocks are held by the
+engine until the job comes back, so no copy reads or writes a block a request may reuse.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -31,17 +33,18 @@ from hetero_pd.engine.kv_tiers.disk import DiskTier, ReadResult
 from hetero_pd.engine.kv_tiers.host import HostTier
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
 class Offload:
-    """A cached device block copied down into a reserved host slot."""
+    """Cached device blocks (one request's) copied down into reserved host slots."""
 
-    block_id: int
-    block_hash: int
-    token_ids: tuple[int, ...]
-    slot: int
-    ready: torch.Event | None = None  # recorded after the block's KV was computed
+    block_ids: list[int]
+    hashes: list[int]
+    token_ids: list[tuple[int, ...]]
+    slots: list[int]
+    ready: torch.Event | None = None  # recorded after the blocks' KV was computed
     ok: bool = False
 
 
@@ -59,8 +62,8 @@ class Onload:
     token_ids: list[tuple[int, ...]]
     slots: list[int | None]
     on_disk: list[bool]
+    num_valid: int
     started: float = field(default_factory=time.perf_counter)
-    num_valid: int = 0
     disk_hits: int = 0
     corrupt: int = 0
     seconds: float = 0.0
@@ -75,6 +78,34 @@ class _DiskWrite(NamedTuple):
 Job = Offload | Onload
 
 
+class _Lanes(Generic[T]):
+    """A work queue whose urgent lane always goes first; `get` returns None once closed
+    and empty."""
+
+    def __init__(self) -> None:
+        self._urgent: deque[T] = deque()
+        self._rest: deque[T] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def put(self, item: T, urgent: bool) -> None:
+        with self._cond:
+            (self._urgent if urgent else self._rest).append(item)
+            self._cond.notify()
+
+    def get(self) -> T | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._urgent or self._rest or self._closed)
+            if self._urgent:
+                return self._urgent.popleft()
+            return self._rest.popleft() if self._rest else None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
 class TierMover:
     def __init__(
         self,
@@ -87,12 +118,12 @@ class TierMover:
         self.device_layers = list(device_layers)
         self.host_layers = host.layer_views()
         self._stream = backend.new_stream(self.device_layers[0].device)
-        self._copy_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._disk_q: queue.SimpleQueue[Onload | _DiskWrite | None] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._copy_q: _Lanes[Job] = _Lanes()
+        self._disk_q: _Lanes[Onload | _DiskWrite] = _Lanes()
+        self._done: deque[Job] = deque()
         self._cond = threading.Condition()
         self._in_copy = 0  # jobs queued for or running on the copy thread
-        self._in_flight = 0  # jobs not yet in `completed()`
+        self._in_flight = 0  # jobs not yet taken by `completed()`
         self._writes = 0  # SSD writes queued or running
         self._threads = [threading.Thread(target=self._copy_loop, name="kv-tier-copy", daemon=True)]
         if disk is not None:
@@ -107,19 +138,18 @@ class TierMover:
         with self._cond:
             self._in_flight += 1
             if isinstance(job, Onload) and any(job.on_disk):
-                self._disk_q.put(job)
+                self._disk_q.put(job, urgent=True)
                 return
             self._in_copy += 1
-        self._copy_q.put(job)
+        self._copy_q.put(job, urgent=isinstance(job, Onload))
 
     def completed(self) -> list[Job]:
         """Jobs whose copies are done, in completion order (each returned once)."""
-        jobs = []
-        while True:
-            try:
-                jobs.append(self._done.get_nowait())
-            except queue.Empty:
-                return jobs
+        with self._cond:
+            jobs = list(self._done)
+            self._done.clear()
+            self._in_flight -= len(jobs)
+            return jobs
 
     @property
     def in_flight(self) -> int:
@@ -132,27 +162,27 @@ class TierMover:
             self._cond.wait_for(lambda: self._in_copy == 0, timeout)
 
     def wait_done(self, timeout: float, all_jobs: bool = False) -> None:
-        """Until some job waits in `completed()`; with `all_jobs`, until every job and SSD
-        write is done."""
+        """Until some job waits in `completed()`; with `all_jobs`, until every job is done
+        (SSD writes included)."""
         with self._cond:
             if all_jobs:
-                self._cond.wait_for(lambda: self._in_flight == 0 and self._writes == 0, timeout)
+                self._cond.wait_for(
+                    lambda: self._in_flight == len(self._done) and self._writes == 0, timeout
+                )
             else:
-                self._cond.wait_for(lambda: not self._done.empty(), timeout)
+                self._cond.wait_for(lambda: len(self._done) > 0, timeout)
 
     def close(self) -> None:
-        self._copy_q.put(None)
-        if self.disk is not None:
-            self._disk_q.put(None)
+        """Stops the threads once the work queued before is done."""
+        self._copy_q.close()
+        self._disk_q.close()
         for thread in self._threads:
-            thread.join(timeout=30)
+            thread.join(timeout=60)
 
-    def _finish(self, job: Job, copy_thread: bool) -> None:
-        self._done.put(job)
+    def _finish(self, job: Job) -> None:
         with self._cond:
-            self._in_flight -= 1
-            if copy_thread:
-                self._in_copy -= 1
+            self._done.append(job)
+            self._in_copy -= 1
             self._cond.notify_all()
 
     # -- copy thread -----------------------------------------------------------------
@@ -166,26 +196,27 @@ class TierMover:
             except Exception:  # a failed copy is a miss; the thread and the engine go on
                 log.exception("KV tier copy failed")
             finally:
-                self._finish(job, copy_thread=True)
+                self._finish(job)
 
     def _offload(self, job: Offload) -> None:
-        stored = False
         try:
             if job.ready is not None and self._stream is not None:
                 self._stream.wait_event(job.ready)
             self.backend.copy_blocks(
-                self.host_layers, [job.slot], self.device_layers, [job.block_id], self._stream
+                self.host_layers, job.slots, self.device_layers, job.block_ids, self._stream
             )
             job.ok = True
-            to_disk = self.disk is not None and not self.disk.contains(job.block_hash)
-            stored = self.host.store(job.slot, job.block_hash, job.token_ids, pin=to_disk)
-            if stored and to_disk:  # write-through: the host copy stays pinned until written
-                with self._cond:
-                    self._writes += 1
-                self._disk_q.put(_DiskWrite(job.slot, job.block_hash, job.token_ids))
         finally:
             if not job.ok:
-                self.host.release(job.slot)
+                for slot in job.slots:
+                    self.host.release(slot)
+        for slot, block_hash, tokens in zip(job.slots, job.hashes, job.token_ids, strict=True):
+            to_disk = self.disk is not None and not self.disk.contains(block_hash)
+            if self.host.store(slot, block_hash, tokens, pin=to_disk) and to_disk:
+                # write-through: the host copy stays pinned until it is on the SSD
+                with self._cond:
+                    self._writes += 1
+                self._disk_q.put(_DiskWrite(slot, block_hash, tokens), urgent=False)
 
     def _onload(self, job: Onload) -> None:
         try:
@@ -217,7 +248,7 @@ class TierMover:
                     item.num_valid = 0
                 with self._cond:
                     self._in_copy += 1
-                self._copy_q.put(item)
+                self._copy_q.put(item, urgent=True)
                 continue
             try:
                 self.disk.write(item.block_hash, item.token_ids, self.host.buffer[item.slot])

@@ -1,8 +1,9 @@
 """KVTiers: the host-DRAM and SSD tiers as the KV cache manager sees them, in block ids and
 hashes (copies run on the mover's threads).
 
-Admission: a block goes down only once it has been seen twice (computed or hit by two
-requests), so one-off prompts never push reused prefixes out of the host tier. It goes down
+Admission: a block goes down only once it has been seen `admit_after` times (default twice:
+computed or hit by two requests), so one-off prompts never push reused prefixes out of the
+host tier. It goes down
 when a request frees it while it is still cached on the device, so that evicting it later
 costs nothing; the SSD gets every block the host tier takes (write-through), which is also
 what survives a restart. Lookups walk a prompt's chained block hashes past the device's
@@ -12,6 +13,7 @@ last hit: the run found in the tiers is brought up before the request is schedul
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from backends import Backend
 from hetero_pd.engine.kv_tiers.disk import DiskTier
@@ -20,14 +22,19 @@ from hetero_pd.engine.kv_tiers.mover import Job, Offload, Onload, TierMover
 from hetero_pd.engine.kv_tiers.stats import KVTierStats, TierStats
 
 Block = tuple[int, tuple[int, ...]]  # (chained hash, token ids)
-ADMIT_AFTER = 2  # sightings before a block may take a slot in a lower tier
 
 
 class KVTiers:
     def __init__(
-        self, host: HostTier, disk: DiskTier | None, mover: TierMover, backend: Backend
+        self,
+        host: HostTier,
+        disk: DiskTier | None,
+        mover: TierMover,
+        backend: Backend,
+        admit_after: int = 2,
     ) -> None:
         self.host, self.disk, self.mover, self.backend = host, disk, mover, backend
+        self.admit_after = admit_after
         self.block_bytes = host.block_bytes
         self._device = mover.device_layers[0].device
         # bounded: counts of blocks not seen for a long time are forgotten
@@ -45,30 +52,39 @@ class KVTiers:
         self._seen[block_hash] = count
         if len(self._seen) > self._seen_limit:
             self._seen.popitem(last=False)
-        if count >= ADMIT_AFTER:
+        if count >= self.admit_after:
             self.host.touch(block_hash)
 
     def admits(self, block_hash: int, token_ids: tuple[int, ...]) -> bool:
         """Whether a cached device block should be copied down now."""
         return (
-            self._seen.get(block_hash, 0) >= ADMIT_AFTER
+            self._seen.get(block_hash, 0) >= self.admit_after
             and block_hash not in self._offloading
             and not self.host.contains(block_hash, token_ids)
         )
 
-    def offload(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> bool:
-        """Starts copying a device block down; the caller holds the block until the job
-        comes back from `poll()`. False when no host slot is free now."""
-        slot = self.host.reserve()
-        if slot is None:
-            self._skipped += 1
-            return False
+    def offload(self, blocks: list[tuple[int, int, tuple[int, ...]]]) -> list[int]:
+        """Starts copying cached device blocks, (block id, hash, token ids) each, down to
+        host memory; returns the ids of those taken (a host slot was free), which the caller
+        keeps from reuse until the job comes back from `poll()`."""
+        slots: list[int] = []
+        for _ in blocks:
+            slot = self.host.reserve()
+            if slot is None:
+                self._skipped += len(blocks) - len(slots)
+                break
+            slots.append(slot)
+        if not slots:
+            return []
+        taken = blocks[: len(slots)]
         ready = self.backend.new_event(self._device)
         if ready is not None:
-            ready.record()  # after the step that computed the block, on the compute stream
-        self._offloading.add(block_hash)
-        self.mover.submit(Offload(block_id, block_hash, token_ids, slot, ready))
-        return True
+            ready.record()  # after the steps that computed the blocks, on the compute stream
+        self._offloading.update(h for _, h, _ in taken)
+        block_ids = [b for b, _, _ in taken]
+        job = Offload(block_ids, [h for _, h, _ in taken], [t for _, _, t in taken], slots, ready)
+        self.mover.submit(job)
+        return block_ids
 
     # -- lookup and onload -------------------------------------------------------------
     def find_run(self, blocks: list[Block]) -> int:
@@ -79,13 +95,15 @@ class KVTiers:
                 return i
         return len(blocks)
 
-    def onload(self, request_id: str, block_ids: list[int], blocks: list[Block]) -> int:
-        """Starts bringing `blocks` up into the device blocks `block_ids` (held by the caller
-        until the job comes back). Returns how many it took, from the first: a block that
-        left the tiers since `find_run` ends the run."""
+    def onload(
+        self, request_id: str, blocks: list[Block], allocate: Callable[[int], list[int]]
+    ) -> int:
+        """Starts bringing up `blocks` (from the first, as many as are still in the tiers
+        and have a host slot now) into device blocks from `allocate(n)`, which the caller
+        holds until the job comes back from `poll()`. Returns how many it took."""
         slots: list[int | None] = []
         on_disk: list[bool] = []
-        for block_hash, tokens in blocks[: len(block_ids)]:
+        for block_hash, tokens in blocks:
             slot = self.host.pin(block_hash, tokens)
             from_disk = slot is None
             if from_disk and self.disk is not None and self.disk.contains(block_hash):
@@ -98,7 +116,7 @@ class KVTiers:
         if n:
             job = Onload(
                 request_id,
-                block_ids[:n],
+                allocate(n),
                 [h for h, _ in blocks[:n]],
                 [t for _, t in blocks[:n]],
                 slots,
@@ -114,8 +132,8 @@ class KVTiers:
         jobs = self.mover.completed()
         for job in jobs:
             if isinstance(job, Offload):
-                self._offloading.discard(job.block_hash)
-                self._host_writes += job.ok
+                self._offloading.difference_update(job.hashes)
+                self._host_writes += len(job.hashes) if job.ok else 0
                 continue
             self._onloads += 1
             self._onload_blocks += job.num_valid
