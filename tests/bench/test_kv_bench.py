@@ -1,0 +1,46 @@
+"""`hetero-pd bench kv` end to end on a tiny model: three configurations in one run, the
+same greedy replies in each, and the tiers computing fewer prompt tokens than no tiers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hetero_pd.bench import kv
+
+
+def test_bench_kv_runs_every_configuration(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "--model",
+        str(tiny_llama_dir),
+        "--sessions=8",
+        "--turns=5",
+        "--system-tokens=32",
+        "--user-tokens=16",
+        "--max-tokens=8",
+        "--block-size=8",
+        "--threads=1",
+        "--host-blocks=60",
+        "--disk-gb=0.01",
+    ]
+    assert kv.main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["replies_identical"] is True
+    assert report["device_blocks"] < report["working_set_blocks"]
+    configs = report["configs"]
+    assert list(configs) == ["off", "dram", "dram+ssd"]
+    for c in configs.values():
+        assert c["requests"] == 40 and c["ttft_p99_ms"] >= c["ttft_p50_ms"] > 0
+    off, dram, ssd = (configs[n]["prefill_tokens_computed"] for n in configs)
+    assert dram < off and ssd < off
+    assert configs["dram"]["host_hits"] > 0 and "host_hits" not in configs["off"]
+    assert configs["dram+ssd"]["disk_hits"] > 0
+
+
+def test_unknown_configuration_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert kv.main(["--configs", "off,nvme"]) == 2
+    assert "nvme" in capsys.readouterr().err
