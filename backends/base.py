@@ -174,10 +174,23 @@ class Backend(ABC):
         Tensors not on the host must be on this backend's kind. With `non_blocking=True` the
         copy may still be running on return; synchronize (or wait on an event) before use.
         """
-        if dst.shape != src.shape or dst.dtype != src.dtype:
+        self._check_copy("copy needs matching tensors", dst, src, dst.shape, src.shape)
+        dst.copy_(src, non_blocking=non_blocking)
+
+    def _check_copy(
+        self,
+        what: str,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        dst_shape: tuple[int, ...],
+        src_shape: tuple[int, ...],
+    ) -> None:
+        """ValueError unless the shapes and dtypes match and both sides are on the host or
+        on this backend's kind of device."""
+        if dst_shape != src_shape or dst.dtype != src.dtype:
             raise ValueError(
-                f"copy needs matching tensors, got dst {tuple(dst.shape)} {dst.dtype} "
-                f"and src {tuple(src.shape)} {src.dtype}"
+                f"{what}, got dst {tuple(dst_shape)} {dst.dtype} and src {tuple(src_shape)} "
+                f"{src.dtype}"
             )
         for tensor in (dst, src):
             if tensor.device.type not in ("cpu", self.kind):
@@ -185,7 +198,6 @@ class Backend(ABC):
                     f"the {self.kind} backend cannot copy a tensor on {tensor.device}; "
                     f"use backend_for({str(tensor.device)!r})"
                 )
-        dst.copy_(src, non_blocking=non_blocking)
 
     def copy_blocks(
         self,
@@ -211,16 +223,7 @@ class Backend(ABC):
         if not dst_ids:
             return
         for d, s in zip(dst, src, strict=True):
-            if d.shape[1:] != s.shape[1:] or d.dtype != s.dtype:
-                raise ValueError(
-                    f"copy_blocks needs matching blocks, got dst {tuple(d.shape[1:])} {d.dtype} "
-                    f"and src {tuple(s.shape[1:])} {s.dtype}"
-                )
-            for tensor in (d, s):
-                if tensor.device.type not in ("cpu", self.kind):
-                    raise ValueError(
-                        f"the {self.kind} backend cannot copy blocks on {tensor.device}"
-                    )
+            self._check_copy("copy_blocks needs matching blocks", d, s, d.shape[1:], s.shape[1:])
         indexes: dict[tuple[str, torch.device], torch.Tensor] = {}
 
         def index(which: str, ids: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -14,6 +14,7 @@ from hetero_pd.engine.kv_cache_manager import KVCacheManager, prompt_block_hashe
 from hetero_pd.engine.kv_tiers import TierConfig, build_kv_tiers
 from hetero_pd.engine.kv_tiers.blockfile import header_size
 from hetero_pd.engine.request import Request
+from hetero_pd.engine.scheduler import Scheduler, SchedulerConfig
 from hetero_pd.sampling_params import SamplingParams
 
 BS, LAYERS, SHAPE = 4, 2, (2, 8)  # block size, layers, (kv heads, head dim)
@@ -205,4 +206,33 @@ def test_a_request_aborted_while_its_prefix_loads_leaks_nothing(tiny_llama_dir: 
     assert s.run(a) == 5 * BS
     s.settle()
     assert s.m.tier_stats().onloads == 1
+    s.m.close()
+
+
+def test_the_scheduler_runs_others_while_a_prefix_loads(tiny_llama_dir: Path) -> None:
+    s = Setup(tiny_llama_dir, torch.float32, num_blocks=16, host_slots=16)
+    a = prompt(1)
+    for p in (a, a, prompt(2), prompt(3), prompt(5)):  # a leaves the device
+        s.run(p)
+        s.settle()
+    sched = Scheduler(SchedulerConfig(max_model_len=256), s.m)
+    loading, other = Request("loading", a, PARAMS), Request("other", prompt(4), PARAMS)
+    sched.add_request(loading)
+    sched.add_request(other)
+    out = sched.schedule()
+    assert [c.request for c in out.chunks] == [other], "the loading request is skipped"
+    sched.update(out, {})
+    assert s.m.tiers is not None
+    s.m.tiers.wait_done(timeout=60, all_jobs=True)  # the copy thread lands the prefix
+    out = sched.schedule()
+    chunk = next(c for c in out.chunks if c.request is loading)
+    assert loading.num_computed_tokens == loading.num_cached_tokens == 5 * BS
+    assert chunk.num_tokens == 1, "only the last prompt token is computed"
+    hashes = prompt_block_hashes(a, BS)
+    for i, block_id in enumerate(loading.block_ids[:5]):
+        got = torch.stack([t[block_id] for t in s.kv])
+        assert torch.equal(got, s.expected(hashes[i])), "scheduled on fully landed KV"
+    sched.abort("loading")
+    sched.abort("other")
+    s.settle()
     s.m.close()

@@ -105,9 +105,9 @@ class HostTier:
             self._free.append(slot)
 
     def check_integrity(self) -> None:
-        """Raises AssertionError unless free + stored slots account for every slot (when no
-        copy holds a reserved slot) and no slot is in two places."""
+        """With no copy in flight: raises AssertionError unless free and stored slots
+        account for every slot, no slot is in two places and nothing is pinned."""
         with self._lock:
             slots = self._free + [e.slot for e in self._index.values()]
             assert len(slots) == len(set(slots)) == self.num_slots, (len(slots), self.num_slots)
-            assert all(e.pins >= 0 for e in self._index.values())
+            assert all(e.pins == 0 for e in self._index.values()), "a host block is still pinned"
