@@ -61,6 +61,11 @@ class DrillSpec:
     #: Extra keys for the deployment file's sections (router, transfer, engine).
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
 
+    def worker_ids(self) -> list[str]:
+        return [f"prefill-{i}" for i in range(self.prefill)] + [
+            f"decode-{i}" for i in range(self.decode)
+        ]
+
 
 @dataclass(slots=True)
 class Pod:
@@ -175,8 +180,7 @@ def k8s_cluster(spec: DrillSpec, dns: dict[str, str] | None = None) -> Cluster:
             "router",
             _pod_start(cluster, f"{NAME}-router", f"{NAME}-router-0", "router"),
         )
-        ids = [f"prefill-{i}" for i in range(spec.prefill)]
-        ids += [f"decode-{i}" for i in range(spec.decode)]
+        ids = spec.worker_ids()
         for wid in ids:
             add_worker(cluster, wid, dns)
         cluster.run("router")
@@ -208,8 +212,7 @@ def bare_metal_cluster(spec: DrillSpec) -> Cluster:
     lab = netns.Lab()
     workdir = Path(tempfile.mkdtemp(prefix="hetero-pd-drill-"))
     try:
-        ids = [f"prefill-{i}" for i in range(spec.prefill)]
-        ids += [f"decode-{i}" for i in range(spec.decode)]
+        ids = spec.worker_ids()
         for name in ("client", "router", *ids):
             lab.add_host(name)
         hosts = {w: lab.hosts[w].address for w in ids}
