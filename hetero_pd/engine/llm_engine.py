@@ -17,7 +17,7 @@ from hetero_pd.config import EngineConfig
 from hetero_pd.engine.detokenizer import IncrementalDetokenizer
 from hetero_pd.engine.kv_cache_manager import KVCacheManager
 from hetero_pd.engine.kv_tiers import KVTierStats, build_kv_tiers
-from hetero_pd.engine.logprobs import output_logprobs, prompt_logprobs
+from hetero_pd.engine.logprobs import adopt_remote_logprobs, output_logprobs, prompt_logprobs
 from hetero_pd.engine.model_runner import KVAllocator, ModelRunner
 from hetero_pd.engine.parallel_sampling import check_engine_params
 from hetero_pd.engine.request import Request, RequestStatus
@@ -27,7 +27,7 @@ from hetero_pd.engine.stop import StopChecker
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.models.loader import load_model
-from hetero_pd.outputs import CompletionOutput, RequestOutput
+from hetero_pd.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from hetero_pd.sampling_params import SamplingParams
 
 MAX_DEFAULT_MODEL_LEN = 4096
@@ -286,8 +286,19 @@ class LLMEngine:
         if self.config.start_layer == 0:
             raise ValueError("this engine is not a split engine (start_layer is 0)")
 
-    def remote_kv_ready(self, request_id: str, first_token_id: int) -> RequestOutput:
-        """The prompt's KV landed in the reserved blocks: join the decode batch."""
+    def remote_kv_ready(
+        self,
+        request_id: str,
+        first_token_id: int,
+        first_logprobs: dict[int, Logprob] | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> RequestOutput:
+        """The prompt's KV landed in the reserved blocks: join the decode batch. The worker
+        that computed the prompt gives the first token's logprobs and the prompt's when the
+        request asks for them (raises ValueError when they are missing)."""
+        adopt_remote_logprobs(
+            self.scheduler.get(request_id), first_token_id, first_logprobs, prompt_logprobs
+        )
         req = self.scheduler.remote_kv_ready(request_id, first_token_id)
         if req.generator is not None and not req.params.greedy:
             advance_generator(req.generator, self.model_config.vocab_size)

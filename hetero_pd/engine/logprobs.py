@@ -87,6 +87,34 @@ def record_prompt_logprobs(
             req.prompt_logprobs.extend(token_logprobs(lp, targets, [n] * len(targets)))
 
 
+def adopt_remote_logprobs(
+    req: Request,
+    first_token: int,
+    first: dict[int, Logprob] | None,
+    prompt: PromptLogprobs | None,
+) -> None:
+    """A prompt computed on another worker: takes the logprobs it recorded there (its first
+    token's and the prompt's) where the request asks for them, so that the outputs are the
+    same as when the prompt is computed here. Raises ValueError when one is missing."""
+    p = req.params
+    if p.logprobs is not None:
+        if first is None or first_token not in first:
+            raise ValueError(
+                f"request {req.request_id} asks for logprobs: the first token's "
+                f"({first_token}) must come with its KV"
+            )
+        req.output_logprobs.append(first)
+        req.cumulative_logprob += first[first_token].logprob
+    if p.prompt_logprobs is not None and req.prompt_hidden is None:
+        if prompt is None or len(prompt) != req.num_prompt_tokens:
+            got = "none" if prompt is None else f"{len(prompt)} positions"
+            raise ValueError(
+                f"request {req.request_id} asks for prompt logprobs: all "
+                f"{req.num_prompt_tokens} positions must come with its KV, got {got}"
+            )
+        req.prompt_logprobs = list(prompt)
+
+
 def output_logprobs(req: Request) -> tuple[SampleLogprobs | None, float | None]:
     """The request's sampled-token logprobs so far and their sum (None when not asked)."""
     if req.params.logprobs is None:

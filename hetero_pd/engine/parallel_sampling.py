@@ -1,7 +1,8 @@
 """``n > 1``: several completions of one prompt that share its KV blocks.
 
-An engine request is one completion. A ``ParentRequest`` fans ``n`` out into children with
-vLLM's ids (``"{index}_{parent id}"``) and parameters (``SamplingParams.for_completion``:
+An engine request is one completion. A ``ParentRequest`` fans ``n`` out into children: child
+0 keeps the parent's id (a worker's reservation and KV hand-off are keyed by it), the others
+get vLLM's ids (``"{index}_{parent id}"``) and parameters (``SamplingParams.for_completion``:
 seed + index, prompt logprobs from the first child only). Child 0 goes first; the others
 join once its prompt is computed, when every full block of the prompt is in the prefix
 cache, so they compute only the prompt's last partial block and then decode (with prefix
@@ -39,13 +40,13 @@ class ParentRequest:
         self._latest: dict[int, RequestOutput] = {}
 
     def child_id(self, index: int) -> str:
-        return f"{index}_{self.request_id}" if self.n > 1 else self.request_id
+        return f"{index}_{self.request_id}" if index else self.request_id
 
     def child_params(self, index: int) -> SamplingParams:
         return self.params.for_completion(index) if self.n > 1 else self.params
 
     def index_of(self, child_id: str) -> int:
-        return 0 if self.n == 1 else int(child_id.split("_", 1)[0])
+        return 0 if child_id == self.request_id else int(child_id.split("_", 1)[0])
 
     def record(self, out: RequestOutput) -> list[int]:
         """Takes a child's output; returns the indices of the children to start now (all

@@ -25,16 +25,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from hetero_pd.serving.protocol import (
-    MAX_STOP_CHARS,
-    MAX_STOP_STRINGS,
-    HiddenFrame,
-    Message,
-    Name,
-    Text,
-    TokenId,
-    TokenIds,
-)
+from hetero_pd.serving.protocol import HiddenFrame, Message, Name, Text
+from hetero_pd.serving.wire_sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, TokenId, TokenIds
 
 VERSION: Literal[1] = 1
 MAX_MESSAGE_BYTES = 64 * 2**20

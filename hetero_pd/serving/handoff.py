@@ -6,7 +6,8 @@
       |-- Prefill (dest = D's blocks) ---------->| prefill, push KV (layer-wise optional)
       |                  |<======= KV blocks ====| checksum, ACK
       |<-- PrefillDone (first token) ------------| frees its blocks after the ACK
-      |-- KvReady ------>| joins the decode batch
+      |-- KvReady ------>| joins the decode batch (with the first token's and the
+      |                  | prompt's logprobs, when asked: P computed them)
       |<-- Output ... ---| tokens stream to the client
 
 Short prompts (or a deployment of `both` workers) skip all that: D computes the prompt
@@ -69,7 +70,7 @@ class HandoffPolicy:
 class FirstToken:
     """The prefill worker computed the prompt and its KV landed on the decode worker."""
 
-    token: int
+    done: P.PrefillDone
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +112,9 @@ class Handoff:
         )
         self.rid, self.prompt_ids, self.priority, self.queue = rid, prompt_ids, priority, queue
         self.params = P.WireParams.of(params)
+        # n > 1 fans out on the decode worker; a prefill worker computes completion 0's
+        # prompt and first token (seed + 0, the prompt's logprobs).
+        self.prefill_params = P.WireParams.of(params.for_completion(0))
         self.edge = edge.prompt if edge is not None else None
         self.layer = edge.worker_layer if edge is not None else 0
         self.prompt_len = edge.num_tokens if edge is not None else len(prompt_ids)
@@ -153,7 +157,7 @@ class Handoff:
             self._send(
                 worker,
                 P.Prefill(
-                    **self._fields(),
+                    **{**self._fields(), "params": self.prefill_params},
                     dest_worker=decode.id,
                     dest_address=decode.info.transfer_address,
                     dest_blocks=blocks,
@@ -165,7 +169,14 @@ class Handoff:
                 self._settle(worker)
             worker.inflight.discard(rid)
             if isinstance(outcome, FirstToken):
-                self._send(decode, P.KvReady(rid=rid, first_token=outcome.token))
+                done = outcome.done
+                ready = P.KvReady(
+                    rid=rid,
+                    first_token=done.first_token,
+                    first_logprobs=done.first_logprobs,
+                    prompt_logprobs=done.prompt_logprobs,
+                )
+                self._send(decode, ready)
                 return decode, None
             worker.try_send(P.Abort(rid=rid))  # e.g. after a timeout: stop computing
             if isinstance(outcome, DecodeAnswered):
@@ -277,9 +288,9 @@ class Handoff:
                     if msg.transfer_status is not None:
                         reason = StatusCode.from_number(msg.transfer_status).name
                     return PrefillFailed(reason, msg.message)
-                case P.PrefillDone(first_token=token, transfer=stats):
+                case P.PrefillDone(transfer=stats):
                     self.metrics.observe_transfer("kv", stats.bytes, stats.seconds)
-                    return FirstToken(token)
+                    return FirstToken(msg)
 
 
 async def next_message(

@@ -63,7 +63,7 @@ from hetero_pd.serving.openai_responses import (
     usage,
     usage_chunk,
 )
-from hetero_pd.serving.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, WireParams
+from hetero_pd.serving.wire_sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, WireParams
 
 __all__ = [
     "APIError",

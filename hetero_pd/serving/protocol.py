@@ -23,21 +23,25 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from hetero_pd.sampling_params import SamplingParams
+from hetero_pd.serving.wire_sampling import (
+    MAX_STOP_CHARS,
+    MAX_TOKENS,
+    Position,
+    Positions,
+    PromptPositions,
+    TokenId,
+    TokenIds,
+    WireParams,
+)
 
 VERSION: Literal[2] = 2
 #: Largest control frame; a prompt's hidden states (edge) are the big ones.
 MAX_FRAME_BYTES = 64 * 2**20
-MAX_TOKENS = 1 << 20
-MAX_STOP_STRINGS = 64
-MAX_STOP_CHARS = 1024
 
 Rid = Annotated[str, Meta(min_length=1, max_length=256)]
 Name = Annotated[str, Meta(max_length=256)]
 Text = Annotated[str, Meta(max_length=16 * 2**20)]
 Message = Annotated[str, Meta(max_length=16384)]
-TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
-TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_TOKENS)]
 Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Blob = Annotated[bytes, Meta(max_length=MAX_FRAME_BYTES)]
 Role = Literal["prefill", "decode", "both"]
@@ -81,38 +85,7 @@ class _Msg(_Struct, tag_field="t", frozen=True, kw_only=True):
     v: Literal[2] = VERSION
 
 
-# -- values carried inside messages ----------------------------------------------------------
-class WireParams(_Struct, kw_only=True, frozen=True):
-    """`SamplingParams` on the wire, bounded; `to_params()` validates every value again."""
-
-    n: Annotated[int, Meta(ge=1, le=128)] = 1
-    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] | None = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: Annotated[int, Meta(ge=-1, lt=2**31)] = 0
-    min_p: float = 0.0
-    seed: int | None = None  # msgpack integers fit [-2**63, 2**64) already
-    stop: Annotated[
-        list[Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]],
-        Meta(max_length=MAX_STOP_STRINGS),
-    ] = []
-    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_STRINGS)] = []
-    ignore_eos: bool = False
-    min_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] = 0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-
-    @classmethod
-    def of(cls, params: SamplingParams) -> WireParams:
-        stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
-        fields = {f: getattr(params, f) for f in cls.__struct_fields__}
-        return cls(**{**fields, "stop": stop, "stop_token_ids": list(params.stop_token_ids or [])})
-
-    def to_params(self) -> SamplingParams:
-        """Raises ValueError naming the field when a value is not a valid sampling value."""
-        return SamplingParams(**msgspec.structs.asdict(self))
-
-
+# -- values carried inside messages ------------------------------------------
 class HiddenFrame(_Struct, kw_only=True, frozen=True):
     """A `hetero_pd.hidden_codec` frame: hidden states (or early-layer KV) of some tokens."""
 
@@ -257,8 +230,13 @@ class Hidden(_Msg, tag="hidden", kw_only=True, frozen=True):
 
 
 class KvReady(_Msg, tag="kv_ready", kw_only=True, frozen=True):
+    """The prompt's KV landed; the prefill worker's first token (and, when the request asks
+    for them, that token's logprobs and the prompt's) go on from here."""
+
     rid: Rid
     first_token: TokenId
+    first_logprobs: Position | None = None
+    prompt_logprobs: PromptPositions | None = None
 
 
 class KvFailed(_Msg, tag="kv_failed", kw_only=True, frozen=True):
@@ -294,13 +272,19 @@ class Heartbeat(_Msg, tag="heartbeat", kw_only=True, frozen=True):
 
 
 class Output(_Msg, tag="output", kw_only=True, frozen=True):
-    """New tokens of a request. `seq` counts a request's outputs from 0: a gap means a
-    frame was lost, and the router fails the request instead of answering short."""
+    """New tokens of completion `index` (of the request's `n`). `seq` counts a request's
+    outputs from 0, over all its completions: a gap means a frame was lost, and the router
+    fails the request instead of answering short. `logprobs`: one position per token of
+    `token_ids` when the request asks for them; `prompt_logprobs` once, on completion 0's
+    first output."""
 
     rid: Rid
     seq: Count
+    index: Annotated[int, Meta(ge=0, lt=2**31)] = 0
     text: Text
     token_ids: TokenIds
+    logprobs: Positions | None = None
+    prompt_logprobs: PromptPositions | None = None
     finish_reason: Name | None = None
     stop_reason: Annotated[str, Meta(max_length=MAX_STOP_CHARS)] | int | None = None
     prompt_tokens: Count = 0
@@ -324,6 +308,8 @@ class PrefillDone(_Msg, tag="prefill_done", kw_only=True, frozen=True):
     rid: Rid
     first_token: TokenId
     transfer: TransferStats
+    first_logprobs: Position | None = None
+    prompt_logprobs: PromptPositions | None = None
 
 
 class Error(_Msg, tag="error", kw_only=True, frozen=True):

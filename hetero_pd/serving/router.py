@@ -185,7 +185,8 @@ class Router:
         priority: int = 0,
         edge: EdgeRequest | None = None,
     ) -> AsyncGenerator[P.Output, None]:
-        """Yields the decode worker's `Output` messages until one carries a finish reason.
+        """Yields the decode worker's `Output` messages until each of the request's `n`
+        completions (`Output.index`) has had one with a finish reason.
 
         With `edge`, the prompt is hidden states for workers starting at its layer
         (`prompt_ids` is empty), and each token needs `supply_hidden` before the next."""
@@ -199,6 +200,7 @@ class Router:
         self.queues[rid] = queue
         flow = Handoff(self.handoff_policy, rid, prompt_ids, params, priority, queue, edge)
         finished = False
+        running = set(range(params.n))  # completions without a finish reason yet
         try:
             decode, early = await flow.start()
             if edge is not None and edge.prompt.early_kv is None:
@@ -223,15 +225,11 @@ class Router:
                         self.metrics.decision("recompute")
                     case P.Output():
                         flow.prompt_done()
-                        if msg.seq != expected:
-                            raise RouterError(
-                                502,
-                                f"request {rid}: output {expected} from {wid} was lost (got "
-                                f"output {msg.seq}); refusing to return an incomplete answer",
-                                "lost_output",
-                            )
+                        check_output(rid, wid, msg, expected, params.n)
                         expected += 1
-                        finished = msg.finish_reason is not None
+                        if msg.finish_reason is not None:
+                            running.discard(msg.index)
+                        finished = not running
                         yield msg
                         if finished:
                             return
@@ -253,3 +251,18 @@ class Router:
             decode.send(P.Hidden(rid=rid, frame=frame))
         except WorkerUnreachable as e:
             raise RouterError(503, str(e), "worker_unreachable", 2.0) from None
+
+
+def check_output(rid: str, wid: str, msg: P.Output, expected: int, n: int) -> None:
+    """An output must be the next of its request (none lost) and of one of its completions."""
+    if msg.seq != expected:
+        raise RouterError(
+            502,
+            f"request {rid}: output {expected} from {wid} was lost (got output {msg.seq}); "
+            "refusing to return an incomplete answer",
+            "lost_output",
+        )
+    if msg.index >= n:
+        raise RouterError(
+            502, f"request {rid}: {wid} answered for completion {msg.index} of {n}", "bad_output"
+        )

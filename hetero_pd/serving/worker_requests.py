@@ -15,11 +15,9 @@ the transfer engine are its collaborators, and replies go out through `send`.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -30,43 +28,21 @@ from hetero_pd.engine.block_pool import NoFreeBlocksError
 from hetero_pd.engine.llm_engine import LLMEngine, RequestFailure
 from hetero_pd.outputs import RequestOutput
 from hetero_pd.serving import protocol as P
+from hetero_pd.serving import wire_sampling as W
 from hetero_pd.serving.prefill_push import PushTracker
-from transfer import RemoteBlocks, TransferEngine, TransferError, TransferHandle, TransferState
+from hetero_pd.serving.worker_request import (
+    Phase,
+    RequestError,
+    WorkerRequest,
+    check_endpoint,
+    fanout_for,
+    output_message,
+    prefill_done,
+)
+from transfer import RemoteBlocks, TransferEngine, TransferError, TransferState
 
 log = logging.getLogger("hetero_pd.worker")
 Send = Callable[[bytes, Any], None]
-
-
-class Phase(enum.Enum):
-    RUNNING = "running"
-    RESERVED = "reserved"
-    LANDED = "landed"
-    FALLBACK = "fallback"
-    PREFILLING = "prefilling"
-    FENCED = "fenced"
-
-
-@dataclass(slots=True)
-class WorkerRequest:
-    rid: str
-    owner: bytes  # the router it answers to
-    phase: Phase
-    seq: int = 0  # the next Output's sequence number
-    handle: TransferHandle | None = None  # RESERVED: the reservation awaiting KV
-    fence_until: float = 0.0  # FENCED: when no direct writer can touch its blocks
-    then: Callable[[str], None] | None = None  # FENCED: the engine action after the fence
-
-
-class RequestError(Exception):
-    """Refuses a request start with an error code."""
-
-    def __init__(self, code: P.ErrorCode, message: str, transfer_status: int | None = None):
-        super().__init__(message)
-        self.code, self.message, self.transfer_status = code, message, transfer_status
-
-    @classmethod
-    def of_transfer(cls, e: TransferError) -> RequestError:
-        return cls(P.ErrorCode.TRANSFER_FAILED, str(e), e.code.number)
 
 
 class RequestBook:
@@ -87,6 +63,7 @@ class RequestBook:
         self.layerwise = layerwise
         self.pushes = PushTracker(transfer, engine, self._on_push_result)
         self.requests: dict[str, WorkerRequest] = {}
+        self.children: dict[str, str] = {}  # engine id of completion 1.. of n -> request id
         self.linked: dict[str, str] = {}  # peer worker id -> transfer address linked
         #: Reserved prompts whose KV never arrived whole, so this worker computed them.
         self.kv_fallbacks = 0
@@ -124,13 +101,18 @@ class RequestBook:
                 raise RequestError(P.ErrorCode.BAD_REQUEST, f"request {msg.rid} is running")
             self._check_role(msg)
             params = msg.params.to_params()
+            fanout = fanout_for(msg, params)
+            first = fanout.child_params(0) if fanout is not None else params
             if isinstance(msg, P.Reserve):
-                self._reserve(owner, msg, params)
+                self._reserve(owner, msg, first)
             elif isinstance(msg, P.Prefill):
-                self._prefill(owner, msg, params)
+                self._prefill(owner, msg, first)
             else:
-                self._add(msg, params)
+                self._add(msg, first)
                 self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.RUNNING)
+            if fanout is not None:
+                req = self.requests[msg.rid]
+                req.fanout, req.prompt_ids, req.priority = fanout, msg.prompt_ids, msg.priority
         except RequestError as e:
             self.send(
                 owner,
@@ -254,7 +236,14 @@ class RequestBook:
             return
         self.transfer.release(req.rid)  # every write was committed: no grant is left open
         req.phase, req.handle = Phase.LANDED, None
-        self.on_output(self.engine.remote_kv_ready(req.rid, msg.first_token))
+        first = W.entry(msg.first_logprobs) if msg.first_logprobs is not None else None
+        prompt = W.prompt_entries(msg.prompt_logprobs) if msg.prompt_logprobs is not None else None
+        try:
+            out = self.engine.remote_kv_ready(req.rid, msg.first_token, first, prompt)
+        except ValueError as e:
+            self._end(req, P.ErrorCode.BAD_REQUEST, str(e))
+            return
+        self.on_output(out)
 
     def kv_failed(self, owner: bytes, msg: P.KvFailed) -> None:
         req = self._owned(owner, msg.rid)
@@ -287,34 +276,56 @@ class RequestBook:
 
     # -- engine and transfer events ------------------------------------------------------
     def on_output(self, out: RequestOutput) -> None:
-        req = self.requests.get(out.request_id)
+        rid = self.children.get(out.request_id, out.request_id)
+        req = self.requests.get(rid)
         if req is None:
             return
         if req.phase is Phase.PREFILLING:
             if out.finished:
+                req.prefilled = out
                 self.pushes.prefill_finished(req.rid, out.outputs[0].token_ids[0])
             return
-        c = out.outputs[0]
-        self.send(
-            req.owner,
-            P.Output(
-                rid=req.rid,
-                seq=req.seq,
-                text=c.delta_text,
-                token_ids=c.delta_token_ids,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                prompt_tokens=len(out.prompt_token_ids),
-                completion_tokens=len(c.token_ids),
-                cached_tokens=out.num_cached_tokens,
-            ),
-        )
+        self.send(req.owner, output_message(req, out))
         req.seq += 1
-        if out.finished:
-            del self.requests[req.rid]
+        finished = out.finished
+        if req.fanout is not None:
+            if not self._fan_out(req, out):
+                return
+            finished = req.fanout.finished
+        if finished:
+            self._forget(req)
+
+    def _fan_out(self, req: WorkerRequest, out: RequestOutput) -> bool:
+        """Starts the other completions once completion 0 has its first token; False when
+        one could not start (the request has then ended with an error)."""
+        assert req.fanout is not None
+        for index in req.fanout.record(out):
+            child = req.fanout.child_id(index)
+            try:
+                params = req.fanout.child_params(index)
+                self.engine.add_request(req.prompt_ids, params, child, req.priority)
+            except ValueError as e:
+                self._end(req, P.ErrorCode.REQUEST_FAILED, f"request {req.rid}: {e}")
+                return False
+            self.children[child] = req.rid
+        return True
+
+    def _forget(self, req: WorkerRequest) -> None:
+        """Every completion of the request finished."""
+        del self.requests[req.rid]
+        self._end_children(req)
+
+    def _end_children(self, req: WorkerRequest) -> None:
+        """Forgets completions 1.. of n, and aborts those the engine still runs."""
+        if req.fanout is None:
+            return
+        for index in range(1, req.fanout.started):
+            child = req.fanout.child_id(index)
+            if self.children.pop(child, None) is not None:
+                self.engine.abort_request(child)
 
     def on_failure(self, failure: RequestFailure) -> None:
-        req = self.requests.get(failure.request_id)
+        req = self.requests.get(self.children.get(failure.request_id, failure.request_id))
         if req is not None:
             self._end(req, P.ErrorCode.REQUEST_FAILED, failure.message)
 
@@ -325,10 +336,7 @@ class RequestBook:
         if req is None:
             return
         if error is None:
-            self.send(
-                req.owner,
-                P.PrefillDone(rid=rid, first_token=first_token, transfer=P.TransferStats(**stats)),
-            )
+            self.send(req.owner, prefill_done(req, first_token, stats))
         else:
             e = RequestError.of_transfer(error)
             self.send(
@@ -375,6 +383,7 @@ class RequestBook:
         """Ends `req`: its pushes stop, its reservation is released, and `then(rid)` frees
         its blocks in the engine once no direct writer can write there any more."""
         self.pushes.cancel(req.rid)
+        self._end_children(req)  # they computed their prompts here: no fence holds them
         if req.phase is Phase.FENCED:
             req.then = then  # the fence still holds; then free instead of recomputing
             return
@@ -388,13 +397,3 @@ class RequestBook:
     def _end(self, req: WorkerRequest, code: P.ErrorCode, message: str) -> None:
         self.send(req.owner, P.Error(rid=req.rid, code=code, message=message))
         self._drop(req, self.engine.abort_request)
-
-
-def check_endpoint(address: str) -> None:
-    """A peer's transfer address must be `tcp://HOST:PORT`; anything else is refused here,
-    before the transfer engine tries to connect to it."""
-    host, sep, port = address.removeprefix("tcp://").rpartition(":")
-    if not address.startswith("tcp://") or not sep or not host or not port.isdigit():
-        raise ValueError(f"dest_address {address!r} is not tcp://HOST:PORT")
-    if not 0 < int(port) < 65536:
-        raise ValueError(f"dest_address {address!r}: port out of range")

@@ -54,7 +54,8 @@ def test_children_share_the_prompt_blocks(llm: LLM, monkeypatch: pytest.MonkeyPa
     ids = prompt(30, 2)  # 3 full blocks of 8 + 6 tokens
     params = SamplingParams(n=4, temperature=0.9, seed=1, max_tokens=4, logprobs=1)
     (out,) = llm.generate(ids, params)
-    assert [r.request_id for r in added] == [f"{i}_{out.request_id}" for i in range(4)]
+    ids_ = [out.request_id] + [f"{i}_{out.request_id}" for i in range(1, 4)]
+    assert [r.request_id for r in added] == ids_
     assert [r.num_cached_tokens for r in added] == [0, 24, 24, 24]
     assert all(c.logprobs is not None and len(c.logprobs) == 4 for c in out.outputs)
     llm.engine.check_integrity()

@@ -12,8 +12,10 @@ import pytest
 from hetero_pd import SamplingParams
 from hetero_pd.engine.block_pool import NoFreeBlocksError
 from hetero_pd.engine.llm_engine import RequestFailure
-from hetero_pd.outputs import CompletionOutput, RequestOutput
+from hetero_pd.outputs import CompletionOutput, Logprob, RequestOutput
 from hetero_pd.serving import protocol as P
+from hetero_pd.serving import wire_sampling as W
+from hetero_pd.serving.worker_request import WorkerRequest, output_message, prefill_done
 from hetero_pd.serving.worker_requests import Phase, RequestBook
 from transfer import RemoteBlocks, TransferState
 
@@ -54,8 +56,11 @@ class RecordingEngine:
         self.live.add(rid)
         return [1, 2]
 
-    def remote_kv_ready(self, rid: str, first: int) -> RequestOutput:
+    def remote_kv_ready(
+        self, rid: str, first: int, logprobs: Any = None, prompt_logprobs: Any = None
+    ) -> RequestOutput:
         self.calls.append(("kv_ready", rid))
+        self.landed_logprobs = (logprobs, prompt_logprobs)
         return output(rid, [first], finished=False)
 
     def remote_kv_failed(self, rid: str) -> None:
@@ -194,3 +199,83 @@ def test_each_role_takes_only_its_messages(book: Any) -> None:
         assert engine.calls == [] and b.requests == {}
     finally:
         engine.config.role = "decode"
+
+
+# -- n > 1 and logprobs ------------------------------------------------------------------------
+def test_n_completions_fan_out_on_the_decode_worker(book: Any) -> None:
+    """Completion 0 runs as the request; the others start once it has its first token (its
+    prompt is cached then). Outputs carry their completion's index and one sequence."""
+    b, engine, _, sent = book
+    params = P.WireParams.of(SamplingParams(n=3, seed=5, max_tokens=2))
+    b.start(A, P.Generate(rid="g", prompt_ids=[1, 2, 3], params=params))
+    assert engine.calls == [("add", "g")]
+    b.on_output(output("g", [7], finished=False))
+    assert engine.calls[1:] == [("add", "1_g"), ("add", "2_g")]
+    for rid, tokens, finished in [("2_g", [4], False), ("g", [7, 8], True), ("2_g", [4, 5], True)]:
+        b.on_output(output(rid, tokens, finished))
+    assert "g" in b.requests, "completion 1 has not finished"
+    b.on_output(output("1_g", [6], finished=True))
+    outputs = [m for _, m in sent]
+    assert [(m.seq, m.index) for m in outputs] == [(0, 0), (1, 2), (2, 0), (3, 2), (4, 1)]
+    assert b.requests == {} and b.children == {}
+
+
+def test_aborting_n_completions_aborts_each(book: Any) -> None:
+    b, engine, _, _ = book
+    params = P.WireParams.of(SamplingParams(n=2, max_tokens=2))
+    b.start(A, P.Generate(rid="g", prompt_ids=[1, 2], params=params))
+    b.on_output(output("g", [7], finished=False))
+    b.on_failure(RequestFailure("1_g", "the engine could not run request 1_g: boom"))
+    assert ("abort", "g") in engine.calls and ("abort", "1_g") in engine.calls
+    assert b.requests == {} and b.children == {}
+
+
+def test_n_above_one_is_refused_where_it_cannot_run(book: Any) -> None:
+    b, engine, _, sent = book
+    engine.config.role = "prefill"
+    try:
+        blocks = P.Blocks(rid="p", ep=1, ids=[1], reg="kv")
+        prefill = P.Prefill(
+            rid="p",
+            prompt_ids=[1],
+            params=P.WireParams.of(SamplingParams(n=2)),
+            dest_worker="d",
+            dest_address="tcp://127.0.0.1:9",
+            dest_blocks=blocks,
+        )
+        b.start(A, prefill)
+        assert sent[-1][1].code is P.ErrorCode.BAD_REQUEST
+        assert "n=2: a prefill computes one completion" in sent[-1][1].message
+    finally:
+        engine.config.role = "decode"
+
+
+LP = {7: Logprob(-0.5, 1), 3: Logprob(-1.5, 2)}
+
+
+def test_kv_ready_hands_the_prefill_workers_logprobs_to_the_engine(book: Any) -> None:
+    b, engine, transfer, _ = book
+    b.start(A, reserve("r"))
+    transfer.handles["r"].state = TransferState.DONE
+    first, prompt = W.position(LP), [None, W.position(LP), W.position(LP)]
+    b.kv_ready(A, P.KvReady(rid="r", first_token=7, first_logprobs=first, prompt_logprobs=prompt))
+    assert engine.landed_logprobs == (LP, [None, LP, LP])
+
+
+def test_prefill_done_and_outputs_carry_logprobs() -> None:
+    req = WorkerRequest("r", A, Phase.PREFILLING)
+    out = output("r", [7], finished=True)
+    out.outputs[0].logprobs, out.prompt_logprobs = [LP], [None, LP]
+    req.prefilled = out
+    done = prefill_done(req, 7, {"bytes": 1, "seconds": 0.1, "pushes": 1})
+    assert done.first_logprobs == W.position(LP)
+    assert done.prompt_logprobs == [None, W.position(LP)]
+    assert W.entry(done.first_logprobs) == LP and list(W.entry(done.first_logprobs)) == [7, 3]
+    # An Output carries its new tokens' positions, and the prompt's on its first output only.
+    out.outputs[0].token_ids, out.outputs[0].logprobs = [7, 7], [LP, LP]
+    req.phase = Phase.RUNNING
+    first = output_message(req, out)
+    req.seq += 1
+    second = output_message(req, out)
+    assert first.logprobs == [W.position(LP)] and first.prompt_logprobs is not None
+    assert second.prompt_logprobs is None and second.seq == 1
