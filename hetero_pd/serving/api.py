@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import time
@@ -24,6 +25,7 @@ from aiohttp import web
 from hetero_pd.serving import openai_protocol as oai
 from hetero_pd.serving.edge_protocol import PATH as EDGE_PATH
 from hetero_pd.serving.edge_session import EdgeSettings, serve_session
+from hetero_pd.serving.openai_choices import Answer
 from hetero_pd.serving.router import Router, RouterError
 
 log = logging.getLogger("hetero_pd.api")
@@ -257,6 +259,8 @@ def _prepare(
     max_tokens = oai.check_context_length(req, len(prompt_ids), state.max_model_len)
     if req.params.max_tokens is None:
         req.params.max_tokens = max_tokens
+    if req.echo:
+        req.echo_text = req.prompt if req.prompt is not None else state.tokenizer.decode(prompt_ids)
     return req, prompt_ids
 
 
@@ -280,9 +284,15 @@ async def _generate(
     async with contextlib.aclosing(
         state.router.generate(req.request_id, prompt_ids, req.params, req.priority)
     ) as stream:
+        answer = Answer(req, prompt_ids, _decoder(state.tokenizer), req.echo_text)
         if req.stream:
-            return await _stream(request, state, req, stream, len(prompt_ids))
-        return await _collect(state, req, stream, len(prompt_ids))
+            return await _stream(request, state, req, stream, answer)
+        return await _collect(state, req, stream, answer)
+
+
+def _decoder(tokenizer: Any) -> Callable[[int], str]:
+    """One token's text, as logprobs show it (remembered: alternatives repeat)."""
+    return functools.cache(lambda token: tokenizer.decode([token]))
 
 
 def _outcome(e: RouterError) -> str:
@@ -300,27 +310,23 @@ def _observe(state: ApiState, timing: _Timing, prompt: int, gen: int, outcome: s
 
 
 async def _collect(
-    state: ApiState, req: oai.GenerateRequest, stream: Any, prompt_tokens: int
+    state: ApiState, req: oai.GenerateRequest, stream: Any, answer: Answer
 ) -> web.Response:
     timing = _Timing()
-    parts: list[str] = []
-    completion_tokens, finish = 0, "abort"
+    prompt_tokens = len(answer.prompt_ids)
     outcome = "abort"
     try:
         async for msg in stream:
             timing.token()
-            parts.append(msg.text)
-            completion_tokens = msg.completion_tokens
-            if msg.finish_reason is not None:
-                finish = msg.finish_reason
+            answer.add(msg)
+        finish = answer.finish
         outcome = finish if finish in ("stop", "length") else "abort"
     except RouterError as e:
         outcome = _outcome(e)
         raise
     finally:
-        _observe(state, timing, prompt_tokens, completion_tokens, outcome)
-    build = oai.chat_response if req.kind == "chat" else oai.completion_response
-    return web.json_response(build(req, "".join(parts), finish, prompt_tokens, completion_tokens))
+        _observe(state, timing, prompt_tokens, answer.completion_tokens, outcome)
+    return web.json_response(answer.body(prompt_tokens))
 
 
 async def _stream(
@@ -328,11 +334,10 @@ async def _stream(
     state: ApiState,
     req: oai.GenerateRequest,
     stream: Any,
-    prompt_tokens: int,
+    answer: Answer,
 ) -> web.StreamResponse:
     timing = _Timing()
-    chat = req.kind == "chat"
-    completion_tokens = 0
+    prompt_tokens = len(answer.prompt_ids)
     outcome = "abort"
     resp: _Stream | None = None
     try:
@@ -341,28 +346,18 @@ async def _stream(
                 # Headers go out with the first token, so an early failure can still be a
                 # proper HTTP error status.
                 resp = await _Stream.open(request, state)
-                if chat:
-                    await resp.write(oai.sse(oai.chat_chunk(req, "", role="assistant")))
+                for event in answer.first_events():
+                    await resp.write(oai.sse(event))
             timing.token()
-            completion_tokens = msg.completion_tokens
-            finish = msg.finish_reason
-            if msg.text or finish is None:
-                chunk = (
-                    oai.chat_chunk(req, msg.text) if chat else oai.completion_chunk(req, msg.text)
-                )
-                await resp.write(oai.sse(chunk))
-            if finish is not None:
-                last = (
-                    oai.chat_chunk(req, None, finish_reason=finish)
-                    if chat
-                    else oai.completion_chunk(req, "", finish)
-                )
-                await resp.write(oai.sse(last))
-                outcome = finish if finish in ("stop", "length") else "abort"
+            for event in answer.events(msg):
+                await resp.write(oai.sse(event))
+        finish = answer.finish
+        outcome = finish if finish in ("stop", "length") else "abort"
         if resp is None:
             resp = await _Stream.open(request, state)
         if req.include_usage:
-            await resp.write(oai.sse(oai.usage_chunk(req, prompt_tokens, completion_tokens)))
+            usage = oai.usage_chunk(req, prompt_tokens, answer.completion_tokens)
+            await resp.write(oai.sse(usage))
         await resp.write(oai.sse_done())
         await resp.response.write_eof()
         return resp.response
@@ -387,7 +382,7 @@ async def _stream(
         outcome = "abort"
         raise
     finally:
-        _observe(state, timing, prompt_tokens, completion_tokens, outcome)
+        _observe(state, timing, prompt_tokens, answer.completion_tokens, outcome)
 
 
 class _SlowReader(Exception):

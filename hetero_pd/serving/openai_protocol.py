@@ -7,8 +7,9 @@ typed field readers and the prompt/messages parsers live in ``openai_fields``.
 Pure functions, no I/O: the router reads the body, calls ``parse_*_request`` and JSON-encodes
 what the builders return. Every rejection is an :class:`APIError` (400) that names the
 offending field in ``param``. Unknown fields are ignored (clients send extras); fields that
-would change the output in a way we cannot honour (logprobs, tools, JSON mode, penalties,
-n > 1, ...) are rejected, never silently dropped. ``null`` means "not given" for every
+would change the output in a way we cannot honour (tools, JSON mode, ``suffix``, ...) are
+rejected, never silently dropped. ``n``, penalties, ``logit_bias``, ``logprobs`` and
+completion ``echo`` are read by ``openai_sampling``. ``null`` means "not given" for every
 optional field, as in OpenAI's API.
 
 A stream, as OpenAI sends it::
@@ -63,6 +64,7 @@ from hetero_pd.serving.openai_responses import (
     usage,
     usage_chunk,
 )
+from hetero_pd.serving.openai_sampling import sampling_fields
 from hetero_pd.serving.wire_sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, WireParams
 
 __all__ = [
@@ -113,6 +115,9 @@ class GenerateRequest:
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, str]] | None = None
     stream: bool = False
+    #: Completions: the answer starts with the prompt (and its logprobs, with ``logprobs``).
+    echo: bool = False
+    echo_text: str = ""  # the prompt's text, set once it is tokenized (with ``echo``)
     include_usage: bool = False
     priority: int = 0
     user: str | None = None
@@ -127,14 +132,8 @@ class GenerateRequest:
 
 # Fields we cannot honour, and the values that leave the output unchanged (so they pass).
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
-    "best_of": (1,),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "prompt_logprobs": (),
-    "echo": (False,),
     "suffix": ("",),
-    "logit_bias": ({},),
     "tools": ([],),
     "functions": ([],),
     "tool_choice": ("none", "auto"),
@@ -142,9 +141,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
     "use_beam_search": (False,),
     "guided_json": (),
     "guided_regex": (),
@@ -168,6 +164,13 @@ def parse_chat_request(body: Any) -> GenerateRequest:
     """Validate a /v1/chat/completions body; ``max_completion_tokens`` wins over the
     deprecated ``max_tokens``, and neither means "until EOS or the model's length"."""
     b = json_object(body)
+    if b.get("echo") not in (None, False):
+        # vLLM's chat `echo` repeats the last message; not served here.
+        raise bad_request(
+            f"'echo' is not supported for chat completions (got {show(b['echo'])})",
+            "echo",
+            "unsupported_parameter",
+        )
     messages = parse_messages(b.get("messages"))
     max_tokens = opt_int(b, "max_completion_tokens", minimum=1)
     if max_tokens is None:
@@ -199,13 +202,14 @@ def check_context_length(req: GenerateRequest, num_prompt_tokens: int, max_model
 def check_sampling_limits(params: SamplingParams, vocab_size: int) -> None:
     """400 for sampling values the workers could not take: token ids outside the model's
     vocabulary, numbers beyond the control protocol's ranges (e.g. ``top_k: 2**70``)."""
-    bad = [t for t in params.stop_token_ids or [] if not 0 <= t < vocab_size]
-    if bad:
-        raise bad_request(
-            f"'stop_token_ids' {[show(t) for t in bad[:5]]} are outside the model's "
-            f"vocabulary [0, {vocab_size})",
-            "stop_token_ids",
-        )
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+        bad = [t for t in ids or () if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(
+                f"'{name}' token ids {[show(t) for t in bad[:5]]} are outside the model's "
+                f"vocabulary [0, {vocab_size})",
+                name,
+            )
     try:
         msgspec.convert(msgspec.structs.asdict(WireParams.of(params)), WireParams)
     except msgspec.ValidationError as e:
@@ -239,11 +243,13 @@ def _request(
     user = b.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_request(f"'user' must be a string, got {show(user)}", "user")
+    extra, echo = sampling_fields(b, kind)
     return GenerateRequest(
         kind=kind,
         model=model,
-        params=_sampling_params(b, max_tokens),
+        params=_sampling_params(b, max_tokens, extra),
         stream=stream,
+        echo=echo,
         include_usage=stream and bool(include_usage),
         priority=priority,
         user=user,
@@ -251,8 +257,10 @@ def _request(
     )
 
 
-def _sampling_params(b: dict[str, Any], max_tokens: int | None) -> SamplingParams:
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens}
+def _sampling_params(
+    b: dict[str, Any], max_tokens: int | None, extra: dict[str, Any]
+) -> SamplingParams:
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens, **extra}
     for name in ("temperature", "top_p", "min_p"):
         if (number := opt_number(b, name)) is not None:
             kwargs[name] = number

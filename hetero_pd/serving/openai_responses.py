@@ -58,11 +58,33 @@ def chat_response(
     return body
 
 
+def choices_body(
+    req: GenerateRequest,
+    choices: list[dict[str, Any]],
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
+    """A non-streaming answer of several choices (``openai_choices`` builds them)."""
+    obj = "chat.completion" if req.kind == "chat" else "text_completion"
+    body = _head(req, obj, choices)
+    body["usage"] = usage(prompt_tokens, completion_tokens)
+    return body
+
+
 def completion_chunk(
-    req: GenerateRequest, delta_text: str, finish_reason: str | None = None
+    req: GenerateRequest,
+    delta_text: str,
+    finish_reason: str | None = None,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed /v1/completions event: a text delta, or the last one with its reason."""
-    choice = {"index": 0, "text": delta_text, "logprobs": None, "finish_reason": finish_reason}
+    choice = {
+        "index": index,
+        "text": delta_text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
     return _chunk_head(req, [choice])
 
 
@@ -71,6 +93,8 @@ def chat_chunk(
     delta_text: str | None,
     role: str | None = None,
     finish_reason: str | None = None,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed chat event (object "chat.completion.chunk").
 
@@ -82,7 +106,7 @@ def chat_chunk(
         delta["role"] = role
     if delta_text is not None:
         delta["content"] = delta_text
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _chunk_head(req, [choice])
 
 

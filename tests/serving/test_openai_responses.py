@@ -236,8 +236,8 @@ def test_official_client_round_trip() -> None:
 def test_official_client_raises_on_our_errors() -> None:
     async def body(client: openai.AsyncOpenAI) -> None:
         with pytest.raises(openai.BadRequestError) as info:
-            await client.completions.create(model="m", prompt="Hi", n=2)
-        assert info.value.status_code == 400 and info.value.param == "n"
+            await client.completions.create(model="m", prompt="Hi", suffix="!")
+        assert info.value.status_code == 400 and info.value.param == "suffix"
         assert info.value.code == "unsupported_parameter"
         with pytest.raises(openai.BadRequestError, match="top_p"):
             await client.chat.completions.create(

@@ -111,20 +111,10 @@ def test_invalid_chat_fields(fields: dict[str, Any], param: str, words: str) -> 
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("n", 2),
-        ("best_of", 3),
-        ("logprobs", True),
-        ("logprobs", 0),
-        ("top_logprobs", 5),
-        ("echo", True),
         ("suffix", "end"),
-        ("logit_bias", {"50256": -100}),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("tool_choice", "required"),
         ("response_format", {"type": "json_object"}),
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", -1),
-        ("repetition_penalty", 1.2),
         ("use_beam_search", True),
         ("guided_json", {"type": "object"}),
     ],
@@ -153,7 +143,7 @@ def test_unsupported_features_are_refused(name: str, value: Any) -> None:
         ("repetition_penalty", 1.0),
     ],
 )
-def test_neutral_values_of_unsupported_features_pass(name: str, value: Any) -> None:
+def test_neutral_values_pass(name: str, value: Any) -> None:
     parse_completion_request(completion(**{name: value}))
     parse_chat_request(chat(**{name: value}))
 
@@ -162,3 +152,19 @@ def test_neutral_values_of_unsupported_features_pass(name: str, value: Any) -> N
 def test_body_must_be_an_object(body: Any) -> None:
     err = rejected(parse_completion_request, body)
     assert err.param is None and "must be a JSON object" in err.message
+
+
+def test_sampling_fields_become_sampling_params() -> None:
+    req = parse_completion_request(
+        completion(n=2, best_of=2, logprobs=3, echo=True, logit_bias={"7": -100, "9": 2.5},
+                   presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2)
+    )  # fmt: skip
+    p = req.params
+    assert (p.n, p.logprobs, p.prompt_logprobs, p.logit_bias) == (2, 3, 3, {7: -100.0, 9: 2.5})
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert req.echo
+    assert parse_completion_request(completion(logprobs=0)).params.prompt_logprobs is None
+    chat_req = parse_chat_request(chat(logprobs=True, top_logprobs=4))
+    assert chat_req.params.logprobs == 4 and chat_req.params.prompt_logprobs is None
+    assert parse_chat_request(chat(logprobs=True)).params.logprobs == 0
+    assert parse_chat_request(chat(logprobs=False)).params.logprobs is None

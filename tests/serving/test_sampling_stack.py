@@ -16,6 +16,7 @@ from hetero_pd import SamplingParams
 from hetero_pd.outputs import Logprob, RequestOutput
 from hetero_pd.serving import protocol as P
 from hetero_pd.serving import wire_sampling as W
+from hetero_pd.serving.errors import RouterError
 from hetero_pd.serving.testing import Stack, deployment, metric_value, random_prompts, running_stack
 
 TOL = 1e-4
@@ -101,4 +102,24 @@ def test_logprobs_and_n_match_the_engine(stack: Stack, tiny_reference: Any, leng
     assert metric_value(after, DECISIONS, decision=decision) - metric_value(
         before, DECISIONS, decision=decision
     ) == len(cases)
+    stack.wait_idle()
+
+
+@pytest.mark.parametrize("length", [SHORT, LONG], ids=["local_prefill", "disaggregated"])
+@pytest.mark.parametrize(
+    ("params", "words"),
+    [
+        (SamplingParams(max_tokens=2, logit_bias={600: 1.0}), "logit_bias keys [600]"),
+        (SamplingParams(max_tokens=2, stop_token_ids=[512]), "stop_token_ids [512]"),
+    ],
+    ids=["logit_bias", "stop_token_ids"],
+)
+def test_workers_refuse_token_ids_outside_the_vocabulary(
+    stack: Stack, length: int, params: SamplingParams, words: str
+) -> None:
+    """The API checks them too; a worker never trusts that (the tiny model has 512 ids)."""
+    ids = random_prompts([length], seed=3)[0]
+    with pytest.raises(RouterError) as info:
+        run(stack, f"bad-{length}-{words[:4]}", ids, params)
+    assert info.value.status == 400 and words in info.value.message
     stack.wait_idle()
