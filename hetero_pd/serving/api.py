@@ -1,8 +1,10 @@
 """The OpenAI-compatible REST API (aiohttp) in front of the router.
 
 POST /v1/completions, POST /v1/chat/completions (streaming or not), GET /v1/models,
-GET /health, GET /metrics, and the edge sessions' WebSocket (GET /v1/edge/session, see
-`hetero_pd.serving.edge_session`). Errors use OpenAI's JSON shape and status codes.
+GET /health, GET /metrics, vLLM's GET /version, POST /tokenize and POST /detokenize (the
+last two, which spend tokenizer time, behind the API key when keys are set), and the edge
+sessions' WebSocket (GET /v1/edge/session, see `hetero_pd.serving.edge_session`). Errors
+use OpenAI's JSON shape and status codes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from hetero_pd import __version__
 from hetero_pd.serving import openai_protocol as oai
+from hetero_pd.serving import openai_tokenize
 from hetero_pd.serving.edge_protocol import PATH as EDGE_PATH
 from hetero_pd.serving.edge_session import EdgeSettings, serve_session
 from hetero_pd.serving.openai_choices import Answer
@@ -92,6 +96,9 @@ def create_app(state: ApiState) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/version", _version)
+    app.router.add_post("/tokenize", _tokenize_route)
+    app.router.add_post("/detokenize", _detokenize_route)
     app.router.add_get(EDGE_PATH, _edge_session)
     return app
 
@@ -184,6 +191,36 @@ async def _metrics(request: web.Request) -> web.Response:
     router.refresh_metrics()
     body, content_type = router.metrics.render()
     return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def _version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
+async def _tokenize_route(request: web.Request) -> web.Response:
+    state = _state(request)
+    oai.check_api_key(request.headers, state.api_keys)
+    body = oai.parse_json_body(await request.read())
+    answer = await asyncio.get_running_loop().run_in_executor(
+        state.tokenize_pool,
+        openai_tokenize.tokenize,
+        state.tokenizer,
+        body,
+        state.model_names,
+        state.max_model_len,
+        state.max_prompt_chars,
+    )
+    return web.json_response(answer)
+
+
+async def _detokenize_route(request: web.Request) -> web.Response:
+    state = _state(request)
+    oai.check_api_key(request.headers, state.api_keys)
+    body = oai.parse_json_body(await request.read())
+    answer = await asyncio.get_running_loop().run_in_executor(
+        state.tokenize_pool, openai_tokenize.detokenize, state.tokenizer, body, state.model_names
+    )
+    return web.json_response(answer)
 
 
 async def _edge_session(request: web.Request) -> web.StreamResponse:

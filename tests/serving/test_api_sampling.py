@@ -8,7 +8,6 @@ handed off) and one colocated worker (with a vocabulary that covers real chat te
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,24 +29,6 @@ SHORT, LONG = 20, 120
 def pd(tiny_llama_dir: Path) -> Iterator[Stack]:
     with running_stack(deployment(tiny_llama_dir, router={"api_keys": [KEY]})) as s:
         yield s
-
-
-#: ChatML, as the default model's tokenizer has it (the test tokenizer has no template).
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def chat_model(text_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny text model, its tokenizer given a chat template."""
-    folder = tmp_path_factory.mktemp("chat-model") / "model"
-    shutil.copytree(text_llama_dir, folder)
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.chat_template = CHATML
-    tok.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,111 @@
+"""vLLM's /version, /tokenize and /detokenize on a real stack: vLLM's request and response
+shapes, the tokenizer's own ids (text and chat), a round trip, the API key, and 400s naming
+the field."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+import hetero_pd
+from hetero_pd.serving.testing import Stack, deployment, running_stack
+
+KEY = "k"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
+
+
+@pytest.fixture(scope="module")
+def stack(chat_model: Path) -> Iterator[Stack]:
+    dep = deployment(chat_model, workers=[{"role": "both"}], router={"api_keys": [KEY]})
+    with running_stack(dep) as s:
+        yield s
+
+
+def call(
+    stack: Stack, path: str, body: dict[str, Any] | None = None, key: str | None = KEY
+) -> tuple[int, dict[str, Any]]:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(stack.url + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_version_needs_no_key(stack: Stack) -> None:
+    assert call(stack, "/version", key=None) == (200, {"version": hetero_pd.__version__})
+
+
+def test_tokenize_text_and_round_trip(stack: Stack, chat_model: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    text = "Hello, world! Ünïcödé and   spaces."
+    status, r = call(stack, "/tokenize", {"model": stack.dep.model, "prompt": text,
+                                           "return_token_strs": True})  # fmt: skip
+    assert status == 200, r
+    ids = tok.encode(text)
+    assert r == {"count": len(ids), "max_model_len": 1024, "tokens": ids,
+                 "token_strs": tok.convert_ids_to_tokens(ids)}  # fmt: skip
+    status, back = call(stack, "/detokenize", {"model": stack.dep.model, "tokens": r["tokens"]})
+    assert (status, back) == (200, {"prompt": tok.decode(ids)})
+    assert back["prompt"] == text  # this tokenizer adds no special tokens
+    _, plain = call(stack, "/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert plain["tokens"] == tok.encode(text, add_special_tokens=False)
+    assert plain["token_strs"] is None
+
+
+def test_tokenize_chat_as_the_completions_route_does(stack: Stack, chat_model: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    status, r = call(stack, "/tokenize", {"messages": MESSAGES})
+    assert status == 200, r
+    prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert r["tokens"] == tok.encode(prompt, add_special_tokens=False)
+    # The same ids the chat route counts as its prompt.
+    chat = {"model": stack.dep.model, "messages": MESSAGES, "max_tokens": 1}
+    _, answer = call(stack, "/v1/chat/completions", chat)
+    assert answer["usage"]["prompt_tokens"] == r["count"]
+    _, bare = call(stack, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
+    assert bare["count"] < r["count"]
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+def test_tokenizer_routes_need_the_key(stack: Stack, path: str) -> None:
+    body = {"prompt": "hi", "tokens": [1]}
+    assert call(stack, path, body, key=None)[0] == 401
+    assert call(stack, path, body, key="wrong")[0] == 401
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ("/tokenize", {"messages": [{"role": "boss", "content": "x"}]}, "messages[0].role"),
+        ("/tokenize", {"prompt": "x" * 2_000_000}, "prompt"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens"),
+        ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+        ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+        ("/detokenize", {"tokens": [True]}, "tokens"),
+    ],
+)
+def test_bad_bodies_are_400s_naming_the_field(
+    stack: Stack, path: str, body: dict[str, Any], param: str
+) -> None:
+    status, r = call(stack, path, body)
+    assert status == 400 and r["error"]["param"] == param, r
+
+
+def test_an_unknown_model_is_404(stack: Stack) -> None:
+    status, r = call(stack, "/detokenize", {"model": "nope", "tokens": [1]})
+    assert status == 404 and r["error"]["code"] == "model_not_found", r
