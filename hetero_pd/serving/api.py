@@ -29,7 +29,7 @@ from hetero_pd.serving import openai_protocol as oai
 from hetero_pd.serving import openai_tokenize
 from hetero_pd.serving.edge_protocol import PATH as EDGE_PATH
 from hetero_pd.serving.edge_session import EdgeSettings, serve_session
-from hetero_pd.serving.openai_choices import Answer
+from hetero_pd.serving.openai_choices import Answer, Batch
 from hetero_pd.serving.router import Router, RouterError
 
 log = logging.getLogger("hetero_pd.api")
@@ -286,19 +286,23 @@ def _check_chars(state: ApiState, chars: int, param: str) -> None:
 
 def _prepare(
     state: ApiState, body: bytes, parse: Callable[[Any], oai.GenerateRequest]
-) -> tuple[oai.GenerateRequest, list[int]]:
-    """Parses, validates and tokenizes a request (on the tokenizer thread)."""
+) -> tuple[oai.GenerateRequest, list[tuple[oai.GenerateRequest, list[int]]]]:
+    """Parses, validates and tokenizes a request (on the tokenizer thread): the request and
+    each of its prompts (one, or a completions batch) with its token ids."""
     req = parse(oai.parse_json_body(body))
     if req.model not in state.model_names:
         raise oai.model_not_found(req.model)
     oai.check_sampling_limits(req.params, state.vocab_size)
-    prompt_ids = _prompt_ids(state, req)
-    max_tokens = oai.check_context_length(req, len(prompt_ids), state.max_model_len)
-    if req.params.max_tokens is None:
-        req.params.max_tokens = max_tokens
-    if req.echo:
-        req.echo_text = req.prompt if req.prompt is not None else state.tokenizer.decode(prompt_ids)
-    return req, prompt_ids
+    prompts = []
+    for one in req.each_prompt():
+        prompt_ids = _prompt_ids(state, one)
+        max_tokens = oai.check_context_length(one, len(prompt_ids), state.max_model_len)
+        if one.params.max_tokens is None:  # chat: one prompt
+            one.params.max_tokens = max_tokens
+        if one.echo:
+            one.echo_text = one.prompt or state.tokenizer.decode(prompt_ids)
+        prompts.append((one, prompt_ids))
+    return req, prompts
 
 
 async def _generate(
@@ -315,16 +319,25 @@ async def _generate(
             code="edge_only",
         )
     loop = asyncio.get_running_loop()
-    req, prompt_ids = await loop.run_in_executor(state.tokenize_pool, _prepare, state, body, parse)
+    req, prompts = await loop.run_in_executor(state.tokenize_pool, _prepare, state, body, parse)
+    decode = _decoder(state.tokenizer)
+    n = req.params.n
+    answers = [
+        Answer(one, ids, decode, one.echo_text, i * n) for i, (one, ids) in enumerate(prompts)
+    ]
     # aclosing: however the handler ends (a client disconnect cancels it wherever it is
-    # awaiting), the router's generator is closed now, so its abort reaches the workers.
-    async with contextlib.aclosing(
-        state.router.generate(req.request_id, prompt_ids, req.params, req.priority)
-    ) as stream:
-        answer = Answer(req, prompt_ids, _decoder(state.tokenizer), req.echo_text)
+    # awaiting), the router's generators are closed now, so their aborts reach the workers.
+    async with contextlib.AsyncExitStack() as closing:
+        streams = []
+        for i, (one, ids) in enumerate(prompts):
+            rid = req.request_id if len(prompts) == 1 else f"{req.request_id}-{i}"
+            gen = state.router.generate(rid, ids, one.params, one.priority)
+            streams.append(await closing.enter_async_context(contextlib.aclosing(gen)))
+        batch = Batch(answers)
+        merged = await closing.enter_async_context(contextlib.aclosing(batch.merge(streams)))
         if req.stream:
-            return await _stream(request, state, req, stream, answer)
-        return await _collect(state, req, stream, answer)
+            return await _stream(request, state, req, merged, batch)
+        return await _collect(state, merged, batch)
 
 
 def _decoder(tokenizer: Any) -> Callable[[int], str]:
@@ -346,24 +359,21 @@ def _observe(state: ApiState, timing: _Timing, prompt: int, gen: int, outcome: s
     state.router.metrics.observe_request(ttft, tpot, timing.gaps, e2e, prompt, gen, outcome)
 
 
-async def _collect(
-    state: ApiState, req: oai.GenerateRequest, stream: Any, answer: Answer
-) -> web.Response:
+async def _collect(state: ApiState, stream: Any, batch: Batch) -> web.Response:
     timing = _Timing()
-    prompt_tokens = len(answer.prompt_ids)
     outcome = "abort"
     try:
-        async for msg in stream:
+        async for answer, msg in stream:
             timing.token()
             answer.add(msg)
-        finish = answer.finish
+        finish = batch.finish
         outcome = finish if finish in ("stop", "length") else "abort"
     except RouterError as e:
         outcome = _outcome(e)
         raise
     finally:
-        _observe(state, timing, prompt_tokens, answer.completion_tokens, outcome)
-    return web.json_response(answer.body(prompt_tokens))
+        _observe(state, timing, batch.prompt_tokens, batch.completion_tokens, outcome)
+    return web.json_response(batch.body())
 
 
 async def _stream(
@@ -371,29 +381,28 @@ async def _stream(
     state: ApiState,
     req: oai.GenerateRequest,
     stream: Any,
-    answer: Answer,
+    batch: Batch,
 ) -> web.StreamResponse:
     timing = _Timing()
-    prompt_tokens = len(answer.prompt_ids)
     outcome = "abort"
     resp: _Stream | None = None
     try:
-        async for msg in stream:
+        async for answer, msg in stream:
             if resp is None:
                 # Headers go out with the first token, so an early failure can still be a
                 # proper HTTP error status.
                 resp = await _Stream.open(request, state)
-                for event in answer.first_events():
+                for event in batch.first_events():
                     await resp.write(oai.sse(event))
             timing.token()
             for event in answer.events(msg):
                 await resp.write(oai.sse(event))
-        finish = answer.finish
+        finish = batch.finish
         outcome = finish if finish in ("stop", "length") else "abort"
         if resp is None:
             resp = await _Stream.open(request, state)
         if req.include_usage:
-            usage = oai.usage_chunk(req, prompt_tokens, answer.completion_tokens)
+            usage = oai.usage_chunk(req, batch.prompt_tokens, batch.completion_tokens)
             await resp.write(oai.sse(usage))
         await resp.write(oai.sse_done())
         await resp.response.write_eof()
@@ -419,7 +428,7 @@ async def _stream(
         outcome = "abort"
         raise
     finally:
-        _observe(state, timing, prompt_tokens, answer.completion_tokens, outcome)
+        _observe(state, timing, batch.prompt_tokens, batch.completion_tokens, outcome)
 
 
 class _SlowReader(Exception):

@@ -9,6 +9,8 @@ and the tokens of every choice, as OpenAI does.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,10 +41,19 @@ class _Choice:
 
 
 class Answer:
+    """The choices of one prompt; ``base`` is the index of its first (``n`` per prompt of a
+    batch, in turn)."""
+
     def __init__(
-        self, req: GenerateRequest, prompt_ids: list[int], decode: Decode, echo_text: str = ""
+        self,
+        req: GenerateRequest,
+        prompt_ids: list[int],
+        decode: Decode,
+        echo_text: str = "",
+        base: int = 0,
     ) -> None:
         self.req, self.prompt_ids, self.decode, self.echo_text = req, prompt_ids, decode, echo_text
+        self.base = base
         self.chat = req.kind == "chat"
         self.choices = [_Choice() for _ in range(req.params.n)]
         self.prompt: PromptLogprobs | None = None
@@ -73,8 +84,10 @@ class Answer:
 
     # -- a whole answer ------------------------------------------------------------------------
     def body(self, prompt_tokens: int) -> dict[str, Any]:
-        choices = [self._choice(i, c) for i, c in enumerate(self.choices)]
-        return choices_body(self.req, choices, prompt_tokens, self.completion_tokens)
+        return choices_body(self.req, self.choices_json(), prompt_tokens, self.completion_tokens)
+
+    def choices_json(self) -> list[dict[str, Any]]:
+        return [self._choice(self.base + i, c) for i, c in enumerate(self.choices)]
 
     def _choice(self, index: int, c: _Choice) -> dict[str, Any]:
         text = "".join(c.text)
@@ -114,6 +127,7 @@ class Answer:
         c = self.choices[msg.index]
         entries = self.add(msg)
         finish = msg.finish_reason
+        index = self.base + msg.index
         text, lp = msg.text, None
         if not self.chat:
             first = not c.started
@@ -130,15 +144,79 @@ class Answer:
         if text or finish is None or entries:
             if self.chat:
                 chat_lp = chat_logprobs(self.decode, entries, self.req.params.logprobs or 0)
-                out.append(chat_chunk(self.req, text, index=msg.index,
+                out.append(chat_chunk(self.req, text, index=index,
                                       logprobs=chat_lp if self.logprobs else None))  # fmt: skip
             else:
                 body = lp.to_json() if lp is not None else None
-                out.append(completion_chunk(self.req, text, index=msg.index, logprobs=body))
+                out.append(completion_chunk(self.req, text, index=index, logprobs=body))
         if finish is not None:
             out.append(
-                chat_chunk(self.req, None, finish_reason=finish, index=msg.index)
+                chat_chunk(self.req, None, finish_reason=finish, index=index)
                 if self.chat
-                else completion_chunk(self.req, "", finish, index=msg.index)
+                else completion_chunk(self.req, "", finish, index=index)
             )
         return out
+
+
+class Batch:
+    """The answers of a request's prompts (one, or a completions batch), and their streams
+    merged in arrival order."""
+
+    def __init__(self, answers: list[Answer]) -> None:
+        self.answers = answers
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(a.prompt_ids) for a in self.answers)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(a.completion_tokens for a in self.answers)
+
+    @property
+    def finish(self) -> str:
+        odd = [a.finish for a in self.answers if a.finish not in ("stop", "length")]
+        return odd[0] if odd else self.answers[0].finish
+
+    def body(self) -> dict[str, Any]:
+        choices = [c for a in self.answers for c in a.choices_json()]
+        req = self.answers[0].req
+        return choices_body(req, choices, self.prompt_tokens, self.completion_tokens)
+
+    def first_events(self) -> list[dict[str, Any]]:
+        return [e for a in self.answers for e in a.first_events()]
+
+    async def merge(
+        self, streams: Sequence[AsyncIterator[Output]]
+    ) -> AsyncGenerator[tuple[Answer, Output], None]:
+        """Each stream's messages with their answer, as they come; the first error ends it
+        (the caller then closes every stream, which aborts their requests)."""
+        if len(streams) == 1:
+            async for msg in streams[0]:
+                yield self.answers[0], msg
+            return
+        queue: asyncio.Queue[tuple[int, Output | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, stream: AsyncIterator[Output]) -> None:
+            try:
+                async for msg in stream:
+                    await queue.put((i, msg))
+                await queue.put((i, None))
+            except Exception as e:  # handed to the consumer, which raises it
+                await queue.put((i, e))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            running = len(tasks)
+            while running:
+                i, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield self.answers[i], item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -17,32 +17,41 @@ from hetero_pd.serving.openai_errors import bad_request
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def parse_prompt(value: Any) -> tuple[str | None, list[int] | None]:
-    """A completion ``prompt``: ``(text, None)`` or ``(None, token_ids)``; a batch of one
-    prompt is unwrapped, a batch of several refused."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one prompt
-    elif isinstance(value, list) and len(value) > 1 and isinstance(value[0], (str, list)):
-        raise bad_request(
-            "batched prompts are not supported, send one prompt per request", "prompt"
-        )
+#: Most prompts one /v1/completions request may batch.
+MAX_PROMPTS = 256
+
+
+def parse_prompts(value: Any) -> list[tuple[str | None, list[int] | None]]:
+    """A completion ``prompt``: one prompt or a batch of them (a list of strings or of
+    token-id lists), each ``(text, None)`` or ``(None, token_ids)``."""
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        if len(value) > MAX_PROMPTS:
+            raise bad_request(
+                f"'prompt' batches {len(value)} prompts, at most {MAX_PROMPTS}", "prompt"
+            )
+        return [parse_prompt(v, f"prompt[{i}]") for i, v in enumerate(value)]
+    return [parse_prompt(value)]
+
+
+def parse_prompt(value: Any, where: str = "prompt") -> tuple[str | None, list[int] | None]:
+    """One completion prompt: ``(text, None)`` or ``(None, token_ids)``."""
     if isinstance(value, str):
         if not value:
-            raise bad_request("'prompt' must not be empty", "prompt")
+            raise bad_request(f"'{where}' must not be empty", "prompt")
         return value, None
     if isinstance(value, list):
         if not value:
-            raise bad_request("'prompt' must not be empty", "prompt")
+            raise bad_request(f"'{where}' must not be empty", "prompt")
         for token in value:
             if not _is_int(token) or token < 0:
                 raise bad_request(
-                    f"'prompt' token ids must be integers >= 0, got {show(token)}", "prompt"
+                    f"'{where}' token ids must be integers >= 0, got {show(token)}", "prompt"
                 )
         return None, list(value)
     if value is None:
         raise bad_request("'prompt' is required", "prompt")
     raise bad_request(
-        f"'prompt' must be a string or a list of token ids, got {show(value)}", "prompt"
+        f"'{where}' must be a string or a list of token ids, got {show(value)}", "prompt"
     )
 
 

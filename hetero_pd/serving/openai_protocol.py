@@ -23,6 +23,7 @@ A stream, as OpenAI sends it::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -49,7 +50,7 @@ from hetero_pd.serving.openai_fields import (
     opt_int,
     opt_number,
     parse_messages,
-    parse_prompt,
+    parse_prompts,
     same_json,
     show,
 )
@@ -118,6 +119,8 @@ class GenerateRequest:
     #: Completions: the answer starts with the prompt (and its logprobs, with ``logprobs``).
     echo: bool = False
     echo_text: str = ""  # the prompt's text, set once it is tokenized (with ``echo``)
+    #: A batch of several completion prompts (``prompt``/``prompt_token_ids`` are the first).
+    batch: list[tuple[str | None, list[int] | None]] = field(default_factory=list)
     include_usage: bool = False
     priority: int = 0
     user: str | None = None
@@ -128,6 +131,16 @@ class GenerateRequest:
         if not self.request_id:
             prefix = "cmpl" if self.kind == "completion" else "chatcmpl"
             self.request_id = f"{prefix}-{uuid.uuid4().hex}"
+
+    def each_prompt(self) -> list[GenerateRequest]:
+        """One request per prompt of a batch (``[self]`` without one): its choices are
+        ``n`` for each prompt in turn, as vLLM numbers them."""
+        if not self.batch:
+            return [self]
+        return [
+            dataclasses.replace(self, prompt=text, prompt_token_ids=ids, batch=[])
+            for text, ids in self.batch
+        ]
 
 
 # Fields we cannot honour, and the values that leave the output unchanged (so they pass).
@@ -153,11 +166,15 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 def parse_completion_request(body: Any) -> GenerateRequest:
     """Validate a /v1/completions body (as the openai client and ``vllm bench`` send it)."""
     b = json_object(body)
-    prompt, token_ids = parse_prompt(b.get("prompt"))
+    prompts = parse_prompts(b.get("prompt"))
+    prompt, token_ids = prompts[0]
     max_tokens = opt_int(b, "max_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
-    return _request("completion", b, max_tokens, prompt=prompt, prompt_token_ids=token_ids)
+    batch = prompts if len(prompts) > 1 else []
+    return _request(
+        "completion", b, max_tokens, prompt=prompt, prompt_token_ids=token_ids, batch=batch
+    )
 
 
 def parse_chat_request(body: Any) -> GenerateRequest:

@@ -275,3 +275,50 @@ def test_bad_chat_values_are_400s_naming_the_field(
             "max_tokens": 2, **extra}  # fmt: skip
     status, r = post(colocated, "/v1/chat/completions", body)
     assert status == 400 and r["error"]["param"] == field, r
+
+
+# -- prompt batches ----------------------------------------------------------------------------
+def test_prompt_batches_number_choices_as_vllm(pd: Stack, tiny_reference: Any) -> None:
+    """Choice `i * n + j` is completion j of prompt i; one short and one long prompt (one
+    computed on the decode worker, one handed off), whole and streamed."""
+    prompts = random_prompts([SHORT, LONG], seed=21)
+    params = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=4, ignore_eos=True)
+    want = [c.text for out in tiny_reference.llm.generate(prompts, params) for c in out.outputs]
+    kw: dict[str, Any] = dict(model=pd.dep.model, prompt=prompts, n=2, max_tokens=4,
+                              temperature=0.9, seed=5, extra_body={"ignore_eos": True})  # fmt: skip
+    r = client(pd).completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == want
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (SHORT + LONG, 16)
+    streamed = [""] * 4
+    for chunk in client(pd).completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.text
+    assert streamed == want
+    pd.wait_idle()
+
+
+def test_lm_eval_loglikelihood_batch(pd: Stack, tiny_reference: Any) -> None:
+    """lm-eval's `local-completions` with batch_size > 1: several token-id prompts in one
+    request; it sorts the choices by index and sums `token_logprobs[ctxlen:-1]`."""
+    prompts = random_prompts([12, 40, 90], seed=22)
+    body = {"model": pd.dep.model, "prompt": prompts, "max_tokens": 1, "temperature": 0,
+            "logprobs": 1, "seed": 1234, "echo": True}  # fmt: skip
+    status, r = post(pd, "/v1/completions", body)
+    assert status == 200, r
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1)
+    refs = tiny_reference.llm.generate(prompts, params)
+    ctxlen = 5
+    for choice, ids, ref in zip(sorted(r["choices"], key=lambda c: c["index"]), prompts, refs,
+                                strict=True):  # fmt: skip
+        lps = choice["logprobs"]["token_logprobs"]
+        assert len(lps) == len(ids) + 1
+        want = [
+            e[t].logprob for e, t in zip(ref.prompt_logprobs[ctxlen:], ids[ctxlen:], strict=True)
+        ]
+        assert abs(sum(lps[ctxlen:-1]) - sum(want)) < TOL * len(want)
+        for lp, top in zip(lps[ctxlen:-1], choice["logprobs"]["top_logprobs"][ctxlen:-1],
+                           strict=True):  # fmt: skip
+            assert isinstance(top, dict) and lp is not None and max(top.values()) >= lp
+    pd.wait_idle()

@@ -120,11 +120,19 @@ def test_prompt_forms(prompt: Any, text: str | None, ids: list[int] | None) -> N
     assert (req.prompt, req.prompt_token_ids) == (text, ids)
 
 
-@pytest.mark.parametrize("prompt", [["a", "b"], [[1], [2]]])
-def test_batched_prompts_are_refused(prompt: Any) -> None:
-    err = rejected(parse_completion_request, completion(prompt=prompt))
-    assert err.param == "prompt"
-    assert err.message == "batched prompts are not supported, send one prompt per request"
+@pytest.mark.parametrize(
+    ("prompt", "batch"),
+    [(["a", "b"], [("a", None), ("b", None)]), ([[1], [2]], [(None, [1]), (None, [2])])],
+)
+def test_batched_prompts(prompt: Any, batch: Any) -> None:
+    req = parse_completion_request(completion(prompt=prompt))
+    assert req.batch == batch
+    assert [(r.prompt, r.prompt_token_ids) for r in req.each_prompt()] == batch
+    err = rejected(parse_completion_request, completion(prompt=["a", 5]))
+    assert (err.param, err.message) == ("prompt", "'prompt[1]' must be a string or a list "
+                                        "of token ids, got 5")  # fmt: skip
+    err = rejected(parse_completion_request, completion(prompt=["a"] * 257))
+    assert err.param == "prompt" and "at most 256" in err.message
 
 
 def test_chat_max_tokens_and_roles() -> None:
