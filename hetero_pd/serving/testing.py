@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import re
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Coroutine, Iterable, Iterator
 from pathlib import Path
@@ -216,3 +218,20 @@ def random_prompts(lengths: Iterable[int], seed: int, vocab: int = 512) -> list[
     """Token-id prompts of the given lengths (ids below `vocab`), reproducible by `seed`."""
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def http_json(
+    url: str, body: Any = None, key: str | None = None, timeout_s: float = 60.0
+) -> tuple[int, Any]:
+    """GET (no body) or POST `body` as JSON, with `key` as the Bearer token; the status and
+    the JSON answer, errors included."""
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -7,7 +7,6 @@ handed off) and one colocated worker (with a vocabulary that covers real chat te
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,13 @@ from transformers import AutoTokenizer
 
 from hetero_pd import LLM, SamplingParams
 from hetero_pd.outputs import Logprob
-from hetero_pd.serving.testing import Stack, deployment, random_prompts, running_stack
+from hetero_pd.serving.testing import (
+    Stack,
+    deployment,
+    http_json,
+    random_prompts,
+    running_stack,
+)
 
 KEY = "k"
 TOL = 1e-4
@@ -220,20 +225,8 @@ def test_completion_logprobs_stream_alike_on_a_colocated_worker(colocated: Stack
 
 
 # -- validation --------------------------------------------------------------------------------
-def post(stack: Stack, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(
-        stack.url + path,
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+def post(stack: Stack, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    return http_json(stack.url + path, body, KEY)
 
 
 BAD_COMPLETION = [

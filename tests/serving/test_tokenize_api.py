@@ -4,9 +4,6 @@ the field."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import hetero_pd
-from hetero_pd.serving.testing import Stack, deployment, running_stack
+from hetero_pd.serving.testing import Stack, deployment, http_json, running_stack
 
 KEY = "k"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
@@ -30,17 +27,8 @@ def stack(chat_model: Path) -> Iterator[Stack]:
 
 def call(
     stack: Stack, path: str, body: dict[str, Any] | None = None, key: str | None = KEY
-) -> tuple[int, dict[str, Any]]:
-    headers = {"Content-Type": "application/json"}
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(stack.url + path, data=data, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+) -> tuple[int, Any]:
+    return http_json(stack.url + path, body, key)
 
 
 def test_version_needs_no_key(stack: Stack) -> None:
