@@ -118,7 +118,8 @@ class Answer:
         if not self.chat:
             return []
         return [
-            chat_chunk(self.req, "", role="assistant", index=i) for i in range(len(self.choices))
+            chat_chunk(self.req, "", role="assistant", index=self.base + i)
+            for i in range(len(self.choices))
         ]
 
     def events(self, msg: Output) -> list[dict[str, Any]]:
