@@ -14,6 +14,7 @@ from backends.base import (
     LinearKernel,
     clear_profile_cache,
 )
+from backends.dtype import DtypeChoice
 from backends.registry import (
     available_backends,
     backend_for,
@@ -31,6 +32,7 @@ __all__ = [
     "BackendUnavailableError",
     "CapabilityProfile",
     "DeviceInfo",
+    "DtypeChoice",
     "LinearKernel",
     "available_backends",
     "backend_for",

@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 
 from backends import probe
+from backends.dtype import DtypeChoice
 
 # x -> F.linear(x, weight, bias), with the weight held inside in the device's preferred layout.
 LinearKernel = Callable[[torch.Tensor], torch.Tensor]
@@ -257,6 +258,14 @@ class Backend(ABC):
     def profile_threads(self) -> int:
         """Host threads used by this backend's kernels (0 for accelerators)."""
         return 0
+
+    def auto_dtype(
+        self, device: torch.device, checkpoint: torch.dtype | None = None
+    ) -> DtypeChoice:
+        """What `dtype: auto` means on `device` for a checkpoint saved in `checkpoint`: its
+        fastest dtype that keeps the model's answers (float32 unless a backend knows better)."""
+        self.index_of(device)
+        return DtypeChoice(torch.float32, f"auto: no faster dtype known for {self.kind}")
 
     def probe_plan(self, quick: bool) -> probe.ProbePlan:
         """Sizes of the capability probes (accelerators need larger work to time)."""

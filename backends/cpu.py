@@ -10,6 +10,7 @@ import torch
 
 from backends import probe
 from backends.base import Backend, LinearKernel
+from backends.dtype import DtypeChoice, choose_cpu_dtype
 
 # Module-level so tests can point them at fixture files.
 MEMINFO_PATH = Path("/proc/meminfo")
@@ -75,16 +76,28 @@ def host_memory_info() -> tuple[int, int]:
     return free, total
 
 
-def host_cpu_name() -> str:
-    """CPU model name ("Intel(R) Xeon(R) ..."), falling back to the architecture."""
+def _cpuinfo_field(*keys: str) -> str | None:
+    """The first non-empty value of any of `keys` in /proc/cpuinfo, or None."""
     try:
         for line in CPUINFO_PATH.read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() in ("model name", "Model") and value.strip():
+            if key.strip() in keys and value.strip():
                 return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "cpu"
+    return None
+
+
+def host_cpu_name() -> str:
+    """CPU model name ("Intel(R) Xeon(R) ..."), falling back to the architecture."""
+    return (
+        _cpuinfo_field("model name", "Model") or platform.processor() or platform.machine() or "cpu"
+    )
+
+
+def cpu_flags() -> frozenset[str]:
+    """Feature flags of the first processor: "flags" on x86, "Features" on Arm."""
+    return frozenset((_cpuinfo_field("flags", "Features") or "").split())
 
 
 class CpuBackend(Backend):
@@ -164,6 +177,20 @@ class CpuBackend(Backend):
     def profile_threads(self) -> int:
         """torch's intra-op thread count."""
         return torch.get_num_threads()
+
+    def auto_dtype(
+        self, device: torch.device, checkpoint: torch.dtype | None = None
+    ) -> DtypeChoice:
+        """bfloat16 on CPUs with native bf16 matmuls (AMX, AVX512-BF16, Arm BF16) that the
+        profile confirms are faster than float32; float32 elsewhere (decided from the
+        flags alone, without probing, on CPUs that lack them)."""
+
+        def measure() -> tuple[float, float | None]:
+            profile = self.profile(device)
+            return profile.fp32_gflops, profile.half_gflops
+
+        self.index_of(device)
+        return choose_cpu_dtype(cpu_flags(), measure)
 
     def probe_plan(self, quick: bool) -> probe.ProbePlan:
         """Small sizes: a few hundred milliseconds in all on a 2-core machine."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from backends.base import Backend, BackendUnavailableError, generic_accelerator_is
+from backends.dtype import DtypeChoice, choose_accelerator_dtype
 
 
 class CudaBackend(Backend):
@@ -80,6 +81,15 @@ class CudaBackend(Backend):
         """Page-locked host tensor, so host<->GPU copies can run asynchronously."""
         self.require_available()
         return torch.empty(tuple(shape), dtype=dtype, device="cpu", pin_memory=True)
+
+    def auto_dtype(
+        self, device: torch.device, checkpoint: torch.dtype | None = None
+    ) -> DtypeChoice:
+        """float16, or bfloat16 for bfloat16 checkpoints on GPUs that have it (Ampere on)."""
+        dev = self._checked(device)
+        with torch.cuda.device(dev):
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return choose_accelerator_dtype(f"GPU {self.device_name(dev)}", native, checkpoint)
 
     def supports_ipc(self) -> bool:
         """True: CUDA IPC memory handles work between processes on one host."""

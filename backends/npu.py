@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from backends.base import Backend, BackendUnavailableError
+from backends.dtype import DtypeChoice, choose_accelerator_dtype
 
 INSTALL_HINT = "run `pip install hetero-pd[npu]` on an Ascend host (it needs the CANN toolkit)"
 
@@ -121,6 +122,17 @@ class NpuBackend(Backend):
         npu, dev = self._checked(device)
         free, total = npu.mem_get_info(dev)
         return int(free), int(total)
+
+    def auto_dtype(
+        self, device: torch.device, checkpoint: torch.dtype | None = None
+    ) -> DtypeChoice:
+        """float16, or bfloat16 for bfloat16 checkpoints where torch_npu says the chip has
+        it (Atlas A2/A3)."""
+        npu, dev = self._checked(device)
+        supported = getattr(npu, "is_bf16_supported", None)
+        native = bool(supported()) if callable(supported) else False
+        name = f"NPU {npu.get_device_name(dev.index)}"
+        return choose_accelerator_dtype(name, native, checkpoint)
 
     def pinned_empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Page-locked host tensor (`pin_memory=True` through torch_npu's host allocator)."""

@@ -44,6 +44,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         num_kv_blocks=blocks,
         num_threads=args.threads,
     )
+    print(llm.engine.describe(), file=sys.stderr)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -142,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="+", help="prompt text (one completion each)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="known name or local HF folder")
     p.add_argument("--device", default="cpu", help="cpu | cuda[:N] | npu[:N]")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)

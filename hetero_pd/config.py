@@ -8,29 +8,47 @@ from typing import Any
 
 import torch
 
+from backends import DtypeChoice, backend_for, parse_device
 from hetero_pd.engine.kv_tiers.config import TierConfig
 from hetero_pd.engine.scheduler import ROLES, Role
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: What `dtype` accepts: "auto" lets the device's backend choose (see `resolve_dtype`).
+DTYPE_CHOICES = ("auto", *DTYPES)
 _DTYPE_ALIASES = {
     "fp32": "float32",
     "float": "float32",
     "bf16": "bfloat16",
     "fp16": "float16",
     "half": "float16",
-    "auto": "float32",
 }
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A concrete dtype from its name or alias; "auto" needs a device: `resolve_dtype`."""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype}")
         return dtype
+    if dtype == "auto":
+        raise ValueError("dtype 'auto' depends on the device: use resolve_dtype(dtype, device)")
     name = _DTYPE_ALIASES.get(dtype, dtype)
     if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
     return DTYPES[name]
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype, device: str | torch.device, checkpoint: str | None = None
+) -> DtypeChoice:
+    """The dtype an engine on `device` computes in: the named one, or for "auto" the one
+    the device's backend picks for a checkpoint saved in `checkpoint` (see backends.dtype:
+    half precision where the device runs it natively and faster, else float32)."""
+    if dtype == "auto":
+        dev = parse_device(device)
+        saved = parse_dtype(checkpoint) if checkpoint else None
+        return backend_for(dev).auto_dtype(dev, saved)
+    return DtypeChoice(parse_dtype(dtype), "configured")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +61,7 @@ class EngineConfig:
 
     model: str
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     role: Role = "both"
     block_size: int = 16
     max_num_seqs: int = 64
@@ -64,7 +82,8 @@ class EngineConfig:
     start_layer: int = 0
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         positive = ["block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gb"]
@@ -91,9 +110,10 @@ class EngineConfig:
             self.kv_cache_admit_after,
         )
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return parse_dtype(self.dtype)
+    def dtype_choice(self, checkpoint: str | None = None) -> DtypeChoice:
+        """`dtype` resolved on `device` for a checkpoint saved in `checkpoint`, with the
+        reason ("configured" unless auto)."""
+        return resolve_dtype(self.dtype, self.device, checkpoint)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

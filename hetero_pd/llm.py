@@ -24,7 +24,8 @@ class LLM:
         model: a known model name (default `smollm2-135m-instruct`, fetched on first use) or
             the path of a local Hugging Face folder (llama, mistral or qwen2 architecture).
         device: "cpu", "cuda[:N]" or "npu[:N]".
-        dtype: "float32", "bfloat16" or "float16" (float32 is the right choice on CPUs).
+        dtype: "auto" (bfloat16 where the device has native bf16 matmuls, else float32),
+            "float32", "bfloat16" or "float16".
         **kwargs: any other EngineConfig field (max_num_seqs, kv_cache_gb, ...).
     """
 
@@ -32,7 +33,7 @@ class LLM:
         self,
         model: str = DEFAULT_MODEL,
         device: str = "cpu",
-        dtype: str = "float32",
+        dtype: str = "auto",
         **kwargs: Any,
     ) -> None:
         config = EngineConfig.from_kwargs(model, device=device, dtype=dtype, **kwargs)

@@ -83,21 +83,24 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
 
 
 @pytest.fixture(scope="session")
-def hf_greedy() -> Callable[[Path, list[int], int], list[int]]:
-    """transformers' greedy `generate` for one prompt: the reference tokens."""
+def hf_greedy() -> Callable[..., list[int]]:
+    """transformers' greedy `generate` for one prompt: the reference tokens
+    (`run(path, prompt, max_new_tokens, dtype=torch.float32)`)."""
     from transformers import AutoModelForCausalLM
 
-    cache: dict[Path, Any] = {}
+    cache: dict[tuple[Path, torch.dtype], Any] = {}
 
-    def run(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-        if path not in cache:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    def run(
+        path: Path, prompt: list[int], max_new_tokens: int, dtype: torch.dtype = torch.float32
+    ) -> list[int]:
+        if (path, dtype) not in cache:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
             # Like ignore_eos: generate past EOS without suppressing it (min_new_tokens would
             # mask EOS out of the logits and so change the greedy choice).
             model.generation_config.eos_token_id = None
             model.config.eos_token_id = None
-            cache[path] = model
-        model = cache[path]
+            cache[path, dtype] = model
+        model = cache[path, dtype]
         with torch.inference_mode():
             out = model.generate(
                 torch.tensor([prompt]),

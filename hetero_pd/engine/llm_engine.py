@@ -78,16 +78,17 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_allocator: KVAllocator | None = None) -> None:
         self.config = config
-        threads = config.num_threads or envs.num_threads()
-        if threads:
-            torch.set_num_threads(threads)
         self.model_path = resolve_model(config.model)
         self.model_config = cfg = ModelConfig.from_dir(self.model_path)
         self.max_model_len = self._max_model_len(cfg)
         self.device = parse_device(config.device)
         backend = backend_for(self.device)
         backend.require_available()
-        dtype = config.torch_dtype
+        threads = config.num_threads or envs.num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        self.dtype_choice = config.dtype_choice(cfg.checkpoint_dtype)
+        dtype = self.dtype_choice.dtype
         self.tokenizer = load_tokenizer(str(self.model_path))
         model = load_model(self.model_path, cfg, dtype, self.device, self.max_model_len)
         model.use_linear_kernels(backend.linear_kernel)
@@ -127,6 +128,15 @@ class LLMEngine:
         self._ids = itertools.count()
         self._failures: list[RequestFailure] = []
         self._failed_steps = 0
+        log.info("%s", self.describe())
+
+    def describe(self) -> str:
+        """One line saying what runs where and how, printed at start."""
+        choice = self.dtype_choice
+        return (
+            f"engine: {self.model_path.name} on {self.device}, dtype {choice.name} "
+            f"({choice.reason}), {torch.get_num_threads()} threads"
+        )
 
     def _max_model_len(self, cfg: ModelConfig) -> int:
         limit = cfg.max_position_embeddings

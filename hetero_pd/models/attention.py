@@ -63,20 +63,22 @@ def paged_attention(
     if nd:
         out[:nd] = _decode(q[:nd], k_flat, v_flat, meta, scale)
     for span in meta.prefills:
-        qp = q[span.start : span.end].transpose(0, 1)
+        # 4-D [1, heads, tokens, dim]: 3-D inputs take SDPA's slower math path, which also
+        # rounds differently from transformers in bfloat16.
+        qp = q[span.start : span.end].transpose(0, 1)[None]
         if span.context_slots is None:
-            kp = k[span.start : span.end].transpose(0, 1)
-            vp = v[span.start : span.end].transpose(0, 1)
+            kp = k[span.start : span.end].transpose(0, 1)[None]
+            vp = v[span.start : span.end].transpose(0, 1)[None]
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            kp = k_flat.index_select(0, span.context_slots).transpose(0, 1)
-            vp = v_flat.index_select(0, span.context_slots).transpose(0, 1)
+            kp = k_flat.index_select(0, span.context_slots).transpose(0, 1)[None]
+            vp = v_flat.index_select(0, span.context_slots).transpose(0, 1)[None]
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=span.mask, scale=scale, enable_gqa=True
             )
-        out[span.start : span.end] = op.transpose(0, 1)
+        out[span.start : span.end] = op[0].transpose(0, 1)
     return out
 
 

@@ -44,6 +44,8 @@ class ModelConfig:
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    #: The dtype the checkpoint was saved in ("bfloat16", "float32", ...), if it says.
+    checkpoint_dtype: str | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -121,4 +123,11 @@ class ModelConfig:
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            checkpoint_dtype=_checkpoint_dtype(raw),
         )
+
+
+def _checkpoint_dtype(raw: dict[str, Any]) -> str | None:
+    """ "bfloat16", "float16" or "float32" from config.json ("dtype", older "torch_dtype")."""
+    name = raw.get("dtype") or raw.get("torch_dtype")
+    return name if name in ("bfloat16", "float16", "float32") else None

@@ -78,3 +78,14 @@ def test_gpu_profile() -> None:
     assert profile.fp32_gflops > 0 and profile.mem_gbps > 0
     assert profile.half_gflops is not None and profile.half_gflops > 0
     assert cuda.profile(gpu) is profile
+
+
+@pytest.mark.device
+@needs_gpu
+def test_gpu_auto_dtype_follows_the_checkpoint() -> None:
+    cuda = get_backend("cuda")
+    gpu = cuda.device(0)
+    native = torch.cuda.is_bf16_supported(including_emulation=False)
+    bf16 = cuda.auto_dtype(gpu, torch.bfloat16).dtype
+    assert bf16 == (torch.bfloat16 if native else torch.float16)
+    assert cuda.auto_dtype(gpu, torch.float32).dtype == torch.float16

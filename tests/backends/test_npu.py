@@ -111,6 +111,8 @@ _CHILD = textwrap.dedent(
         missing = ""
     except ValueError as exc:
         missing = str(exc)
+    import torch
+    auto = npu.auto_dtype(dev, torch.bfloat16)
     profile = CapabilityProfile("npu", 1, npu.device_name(dev), 1e5, 3e5, 1.6e3, 64 << 30, 0)
     print(json.dumps({
         "dev": str(dev), "type": dev.type, "index": dev.index,
@@ -119,6 +121,7 @@ _CHILD = textwrap.dedent(
         "stream_device": str(stream.device), "event_timing": event.enable_timing,
         "infos": [[i.kind, i.index, i.device, i.name, i.memory_bytes] for i in infos],
         "calls": [[str(a) for a in c] for c in calls],
+        "auto_dtype": [auto.name, auto.reason],
         "missing": missing, "table": format_devices_table([profile]),
         "available": backends.available_backends(), "imported_early": imported_early,
     }))
@@ -154,6 +157,7 @@ def test_fake_npu_devices_in_a_child_interpreter() -> None:
     assert "npu:2 does not exist: this host has 2 npu device(s)" in out["missing"]
     assert out["table"].splitlines()[2].split()[:2] == ["npu:1", "Ascend910B2"]
     assert out["imported_early"] is False
+    assert out["auto_dtype"] == ["bfloat16", "auto: bfloat16 checkpoint on NPU Ascend910B2"]
 
 
 def test_registry_hands_out_the_npu_backend() -> None:

@@ -2,7 +2,7 @@
 
 It mimics the part of torch_npu's documented surface that `backends.npu` uses (a `npu`
 namespace with is_available, device_count, get_device_name, synchronize, mem_get_info,
-Stream, Event) and records every call in `npu.calls`. The device count comes from
+is_bf16_supported, Stream, Event) and records every call in `npu.calls`. The device count comes from
 FAKE_TORCH_NPU_DEVICES (default 2).
 
 With FAKE_TORCH_NPU_REGISTER=1 it also does what the real torch_npu does on import: renames
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 DEVICE_COUNT = int(os.environ.get("FAKE_TORCH_NPU_DEVICES", "2"))
+BF16 = os.environ.get("FAKE_TORCH_NPU_BF16", "1") == "1"  # an Atlas A2 (910B) has bfloat16
 FREE_BYTES = 30 << 30
 TOTAL_BYTES = 64 << 30
 
@@ -60,6 +61,11 @@ class Stream:
         self.priority = priority
 
 
+def _is_bf16_supported() -> bool:
+    calls.append(("is_bf16_supported",))
+    return BF16
+
+
 class Event:
     """Fake torch.npu.Event: remembers whether timing was asked for."""
 
@@ -75,6 +81,7 @@ npu.device_count = _device_count  # type: ignore[attr-defined]
 npu.get_device_name = _get_device_name  # type: ignore[attr-defined]
 npu.synchronize = _synchronize  # type: ignore[attr-defined]
 npu.mem_get_info = _mem_get_info  # type: ignore[attr-defined]
+npu.is_bf16_supported = _is_bf16_supported  # type: ignore[attr-defined]
 npu.Stream = Stream  # type: ignore[attr-defined]
 npu.Event = Event  # type: ignore[attr-defined]
 
