@@ -259,6 +259,11 @@ class Backend(ABC):
         """Host threads used by this backend's kernels (0 for accelerators)."""
         return 0
 
+    def default_threads(self) -> int:
+        """torch intra-op threads an engine on this backend should use; 0 keeps torch's
+        default (accelerators, whose host threads do little)."""
+        return 0
+
     def auto_dtype(
         self, device: torch.device, checkpoint: torch.dtype | None = None
     ) -> DtypeChoice:

@@ -25,6 +25,9 @@ CGROUP_LIMIT_PATHS = (
 )
 # cgroup v1 reports "no limit" as a huge page-aligned number.
 _NO_LIMIT = 1 << 60
+# Where this process's cgroups are listed, and where the hierarchies are mounted.
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def _read_meminfo() -> tuple[int, int] | None:
@@ -74,6 +77,69 @@ def host_memory_info() -> tuple[int, int]:
     if cgroup is not None:
         free, total = min(free, cgroup[0]), min(total, cgroup[1])
     return free, total
+
+
+def usable_cpus() -> int:
+    """How many CPUs this process may keep busy: its affinity mask (what it is pinned to),
+    capped by its cgroup's CPU quota (a Kubernetes CPU limit), rounded down, at least 1.
+
+    Threads beyond this only wait for each other: a quota of 1.5 CPUs throttles two busy
+    threads for part of every period, and an OpenMP barrier then waits for the throttled one.
+    """
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        count = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        count = min(count, int(quota))
+    return max(1, count)
+
+
+def cgroup_cpu_quota() -> float | None:
+    """CPUs per period this process's cgroups allow (the smallest along the path to the
+    root, cgroup v2 `cpu.max` or v1 `cpu.cfs_quota_us`), or None when unlimited."""
+    try:
+        lines = PROC_SELF_CGROUP.read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if controllers == "":  # v2: "0::/path" (hybrid hosts mount it at unified/)
+            dirs = [CGROUP_ROOT, CGROUP_ROOT / "unified"]
+        elif "cpu" in controllers.split(","):  # v1: "4:cpu,cpuacct:/path"
+            dirs = [CGROUP_ROOT / controllers, CGROUP_ROOT / "cpu"]
+        else:
+            continue
+        for base in dirs:
+            limits += [q for d in _up_to(base, path) if (q := _cpu_quota_in(d)) is not None]
+    return min(limits, default=None)
+
+
+def _up_to(base: Path, path: str) -> list[Path]:
+    """base/a/b, base/a, base for path "/a/b" (inside a container the cgroup namespace
+    makes the container's own group the mount root, so the root counts too)."""
+    parts = [p for p in path.split("/") if p and p != ".."]
+    return [base.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _cpu_quota_in(group: Path) -> float | None:
+    """quota / period of one cgroup directory, or None (no limit, or not a cpu group)."""
+    try:
+        if (group / "cpu.max").is_file():  # v2: "max 100000" or "150000 100000"
+            quota, period = (group / "cpu.max").read_text().split()[:2]
+        else:  # v1: quota -1 means no limit
+            quota = (group / "cpu.cfs_quota_us").read_text().strip()
+            period = (group / "cpu.cfs_period_us").read_text().strip()
+        if quota == "max" or int(quota) <= 0 or int(period) <= 0:
+            return None
+        return int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
 
 
 def _cpuinfo_field(*keys: str) -> str | None:
@@ -177,6 +243,10 @@ class CpuBackend(Backend):
     def profile_threads(self) -> int:
         """torch's intra-op thread count."""
         return torch.get_num_threads()
+
+    def default_threads(self) -> int:
+        """`usable_cpus()`: the CPUs this process is pinned to, capped by its CPU quota."""
+        return usable_cpus()
 
     def auto_dtype(
         self, device: torch.device, checkpoint: torch.dtype | None = None

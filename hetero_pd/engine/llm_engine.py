@@ -84,7 +84,7 @@ class LLMEngine:
         self.device = parse_device(config.device)
         backend = backend_for(self.device)
         backend.require_available()
-        threads = config.num_threads or envs.num_threads()
+        threads = config.num_threads or envs.num_threads() or backend.default_threads()
         if threads:
             torch.set_num_threads(threads)
         self.dtype_choice = config.dtype_choice(cfg.checkpoint_dtype)

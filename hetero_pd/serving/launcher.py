@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
+from backends.cpu import usable_cpus
 from hetero_pd import secrets
 from hetero_pd.config import EngineConfig
 from hetero_pd.deploy.schema import Deployment
@@ -46,7 +47,7 @@ def worker_configs(dep: Deployment) -> list[WorkerConfig]:
     """One WorkerConfig per worker process, ids like `prefill-0`, `decode-0`, `both-1`, each
     on the device the deployment assigns it (`cuda` -> the next free `cuda:N`)."""
     instances = expand_workers(dep.workers)
-    threads = max(1, (os.cpu_count() or 1) // len(instances))
+    threads = max(1, usable_cpus() // len(instances))
     # A pinned worker's threads are its cores: more would fight over them.
     return [worker_config(dep, w, len(w.cpus) or threads) for w in instances]
 
