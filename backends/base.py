@@ -16,7 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from backends import probe
+from backends import compiler, probe
+from backends.compiler import F, StepPadding
 from backends.dtype import DtypeChoice
 
 # x -> F.linear(x, weight, bias), with the weight held inside in the device's preferred layout.
@@ -258,6 +259,19 @@ class Backend(ABC):
     def profile_threads(self) -> int:
         """Host threads used by this backend's kernels (0 for accelerators)."""
         return 0
+
+    def compile_step(self, fn: F) -> F:
+        """`fn`, a unit of the engine's decode step, compiled for this device kind (see
+        `backends.compiler`); the first call compiles, and may take minutes."""
+        return compiler.inductor(fn)
+
+    def step_padding(self) -> StepPadding | None:
+        """The static shapes compiled steps need, or None when any shape runs."""
+        return None
+
+    def compile_by_default(self) -> bool:
+        """Whether `compile: auto` compiles on this backend."""
+        return False
 
     def default_threads(self) -> int:
         """torch intra-op threads an engine on this backend should use; 0 keeps torch's

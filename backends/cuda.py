@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from backends import compiler
 from backends.base import Backend, BackendUnavailableError, generic_accelerator_is
+from backends.compiler import F, StepPadding
 from backends.dtype import DtypeChoice, choose_accelerator_dtype
 
 
@@ -90,6 +92,18 @@ class CudaBackend(Backend):
         with torch.cuda.device(dev):
             native = torch.cuda.is_bf16_supported(including_emulation=False)
         return choose_accelerator_dtype(f"GPU {self.device_name(dev)}", native, checkpoint)
+
+    def compile_step(self, fn: F) -> F:
+        """CUDA graphs, one per padded batch shape (`backends.compiler.cuda_graphs`)."""
+        return compiler.cuda_graphs(fn)
+
+    def step_padding(self) -> StepPadding | None:
+        """Batch buckets 1, 2, 4, 8..256 and contexts in multiples of 256."""
+        return compiler.GRAPH_PADDING
+
+    def compile_by_default(self) -> bool:
+        """True: replaying a graph removes the per-kernel launch cost that decode is made of."""
+        return True
 
     def supports_ipc(self) -> bool:
         """True: CUDA IPC memory handles work between processes on one host."""

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from backends import compiler
 from backends.base import Backend, BackendUnavailableError
+from backends.compiler import F, StepPadding
 from backends.dtype import DtypeChoice, choose_accelerator_dtype
 
 INSTALL_HINT = "run `pip install hetero-pd[npu]` on an Ascend host (it needs the CANN toolkit)"
@@ -133,6 +135,18 @@ class NpuBackend(Backend):
         native = bool(supported()) if callable(supported) else False
         name = f"NPU {npu.get_device_name(dev.index)}"
         return choose_accelerator_dtype(name, native, checkpoint)
+
+    def compile_step(self, fn: F) -> F:
+        """Ascend graph mode through torchair (`backends.compiler.npu_graph`)."""
+        return compiler.npu_graph(fn)
+
+    def step_padding(self) -> StepPadding | None:
+        """The same buckets as CUDA graphs: a graph is built per static shape."""
+        return compiler.GRAPH_PADDING
+
+    def compile_by_default(self) -> bool:
+        """True: graph mode removes the per-operator dispatch that dominates NPU decode."""
+        return True
 
     def pinned_empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Page-locked host tensor (`pin_memory=True` through torch_npu's host allocator)."""

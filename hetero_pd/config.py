@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from backends import DtypeChoice, backend_for, parse_device
+from hetero_pd import envs
 from hetero_pd.engine.kv_tiers.config import TierConfig
 from hetero_pd.engine.scheduler import ROLES, Role
 
@@ -22,6 +23,7 @@ _DTYPE_ALIASES = {
     "fp16": "float16",
     "half": "float16",
 }
+COMPILE_MODES = ("auto", "on", "off")
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -77,6 +79,9 @@ class EngineConfig:
     kv_cache_admit_after: int = 2  # uses (computed or hit) before a block goes down
     num_threads: int | None = None
     seed: int = 0
+    # Decode steps through the device's compiler (see backends.compiler): "auto" where the
+    # backend measured that it pays, "on" (failing to compile is an error), "off" (eager).
+    compile: str = "auto"
     # Edge split: > 0 makes a cloud engine that runs layers [start_layer, L) on hidden
     # states received from a device (prefix caching is then off: it never sees token ids).
     start_layer: int = 0
@@ -84,6 +89,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         positive = ["block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gb"]
@@ -114,6 +121,17 @@ class EngineConfig:
         """`dtype` resolved on `device` for a checkpoint saved in `checkpoint`, with the
         reason ("configured" unless auto)."""
         return resolve_dtype(self.dtype, self.device, checkpoint)
+
+    def compile_choice(self) -> tuple[bool, str]:
+        """(compile the decode step?, why): `compile`, with "auto" overridden by
+        $HETERO_PD_COMPILE when set, else the device's backend's default."""
+        if self.compile != "auto":
+            return self.compile == "on", "configured"
+        env = envs.compile_mode()
+        if env is not None:
+            return env == "on", "HETERO_PD_COMPILE"
+        backend = backend_for(parse_device(self.device))
+        return backend.compile_by_default(), f"auto on {backend.kind}"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

@@ -28,3 +28,11 @@ def api_keys(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """$HETERO_PD_API_KEY: comma-separated API keys; () when unset."""
     raw = (os.environ if environ is None else environ).get("HETERO_PD_API_KEY", "")
     return tuple(k.strip() for k in raw.split(",") if k.strip())
+
+
+def compile_mode() -> str | None:
+    """$HETERO_PD_COMPILE: "on" or "off" overrides `compile: auto` (tests set "off")."""
+    env = os.environ.get("HETERO_PD_COMPILE", "").strip().lower()
+    if env and env not in ("on", "off"):
+        raise ValueError(f"HETERO_PD_COMPILE must be 'on' or 'off', got {env!r}")
+    return env or None

@@ -3,6 +3,7 @@ written with transformers' own save_pretrained, and their transformers reference
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,9 @@ import pytest
 import torch
 
 torch.set_num_threads(2)
+# Engines run eager unless a test asks for `compile="on"`: compiling takes a minute or more,
+# so only the tests that check the compiled step pay for it (workers inherit this too).
+os.environ.setdefault("HETERO_PD_COMPILE", "off")
 
 
 @pytest.fixture(scope="session")

@@ -88,6 +88,7 @@ class LLMEngine:
         if threads:
             torch.set_num_threads(threads)
         self.dtype_choice = config.dtype_choice(cfg.checkpoint_dtype)
+        self.compile_choice = config.compile_choice()
         dtype = self.dtype_choice.dtype
         self.tokenizer = load_tokenizer(str(self.model_path))
         model = load_model(self.model_path, cfg, dtype, self.device, self.max_model_len)
@@ -106,6 +107,8 @@ class LLMEngine:
             dtype,
             kv_allocator,
             config.start_layer,
+            compile=self.compile_choice[0],
+            compile_required=config.compile == "on",
         )
         # Prompt token ids of split requests are placeholders: hashing them would alias.
         caching = config.enable_prefix_caching and config.start_layer == 0
@@ -135,7 +138,8 @@ class LLMEngine:
         choice = self.dtype_choice
         return (
             f"engine: {self.model_path.name} on {self.device}, dtype {choice.name} "
-            f"({choice.reason}), {torch.get_num_threads()} threads"
+            f"({choice.reason}), {torch.get_num_threads()} threads, decode step "
+            f"{'compiled' if self.runner.compiled else 'eager'} ({self.compile_choice[1]})"
         )
 
     def _max_model_len(self, cfg: ModelConfig) -> int:

@@ -3,11 +3,17 @@ that touches tensors."""
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from backends import Backend, backend_for
+from backends.compiler import use_cache_dir
+from hetero_pd import envs
 from hetero_pd.engine.logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from hetero_pd.engine.sampler import Sampler
 from hetero_pd.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -15,6 +21,7 @@ from hetero_pd.models.attention import AttentionMetadata, PrefillSpan
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.llama import CausalLM, KVCache
 
+log = logging.getLogger("hetero_pd.engine")
 # (num_layers, num_blocks, block_shape, dtype, device) -> [K0, V0, K1, V1, ...]
 KVAllocator = Callable[[int, int, tuple[int, ...], torch.dtype, torch.device], list[torch.Tensor]]
 
@@ -50,14 +57,22 @@ class ModelRunner:
         dtype: torch.dtype,
         kv_allocator: KVAllocator | None = None,
         start_layer: int = 0,
+        compile: bool = False,
+        compile_required: bool = False,
     ) -> None:
         self.model, self.cfg = model, cfg
         # > 0: a split (edge) engine; every request's inputs are hidden states entering here.
         self.start_layer = start_layer
         self.block_size, self.device = block_size, device
+        backend = backend_for(device)
+        # Graph replay needs static shapes: padded rows write their K/V to a scratch block
+        # past the pool's last one, which is never handed out.
+        self.padding = backend.step_padding() if compile else None
+        self.scratch_block = num_blocks if self.padding else None
         block_shape = (block_size, cfg.num_kv_heads, cfg.head_dim)
         allocate = kv_allocator or allocate_kv_tensors
-        tensors = allocate(cfg.num_layers, num_blocks, block_shape, dtype, device)
+        total_blocks = num_blocks + (1 if self.padding else 0)
+        tensors = allocate(cfg.num_layers, total_blocks, block_shape, dtype, device)
         if len(tensors) != 2 * cfg.num_layers:
             raise ValueError(
                 f"KV allocator gave {len(tensors)} tensors for {cfg.num_layers} layers"
@@ -68,8 +83,58 @@ class ModelRunner:
             (tensors[2 * i], tensors[2 * i + 1]) for i in range(cfg.num_layers)
         ]
         self.sampler = Sampler()
+        self.compiled = compile
+        self.compiled_steps = 0  # steps that ran through the compiled graph
+        if compile:
+            try:
+                self._compile(backend)
+            except Exception as e:  # no C++ compiler, an op the compiler lacks, ...
+                if compile_required:
+                    raise RuntimeError(f"compiling the decode step failed: {e}") from e
+                log.warning("engine: compiling the decode step failed (%s); running eager", e)
+                self.compiled = False
+                self.model.compiled_layer = self.model.compiled_logits = None
 
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
+    def _compile(self, backend: Backend) -> None:
+        """Compiles the decode step now, on a fake batch, so no request waits for it."""
+        use_cache_dir(envs.cache_dir() / "inductor")
+        if self.padding:
+            for t in self.kv_tensors:
+                torch._dynamo.mark_static_address(t)  # graphs write the cache in place
+        self.model.compile_decode(backend.compile_step, dynamic_batch=self.padding is None)
+        log.info(
+            "engine: compiling the decode step for %s (a minute or more the first time, "
+            "cached under %s)",
+            backend.kind,
+            os.environ["TORCHINDUCTOR_CACHE_DIR"],
+        )
+        start = time.perf_counter()
+        self._warm_up()
+        log.info("engine: decode step compiled in %.1f s", time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Runs the compiled step on two fake rows with three cached tokens each (sizes that
+        differ, so no dimension is mistaken for another). Without a scratch block the rows
+        write into block 0, harmless before any request has run."""
+        block, n = self.scratch_block or 0, 2
+        ctx = self.padding.context(3) if self.padding else 3
+        slots = block * self.block_size + torch.arange(ctx) % self.block_size
+        positions = torch.full((n,), min(ctx, self.block_size) - 1)
+        meta = AttentionMetadata(
+            slot_mapping=slots[positions].to(self.device),
+            num_decode_tokens=n,
+            decode_slots=slots.repeat(n).to(self.device),
+            decode_mask=torch.ones(n, 1, 1, ctx, dtype=torch.bool, device=self.device),
+        )
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        hidden = self.model(positions.to(self.device), meta, self.kv_caches, ids, compiled=True)
+        self.model.compute_logits(hidden, compiled=True)
+
+    def prepare(self, out: SchedulerOutput, pad: tuple[int, int] | None = None) -> StepInputs:
+        """The step's tensors. `pad` = (rows, context) pads a decode-only batch to that many
+        rows, each padding row a one-token sequence in the scratch block, and every row's
+        context to that many slots (masked), for a compiled graph of that static shape."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -90,10 +155,18 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(len(ids) - 1)
                 sample_chunks.append(i)
+        ctx = max((n for _, n in decode_rows), default=0)
+        if pad is not None:
+            assert not spans and self.scratch_block is not None, "only decode batches pad"
+            padding_rows = pad[0] - len(ids)
+            ids += [0] * padding_rows
+            positions += [0] * padding_rows
+            decode_rows += [([self.scratch_block], 1)] * padding_rows
+            ctx = pad[1]
         # Cache slot of every position of every scheduled request, as one tensor op each.
         pos = torch.tensor(positions, dtype=torch.long)
         tables = [t for t, _ in decode_rows] + [t for *_, t in spans]
-        width = max((len(t) for t in tables), default=0)
+        width = max([len(t) for t in tables] + [-(-ctx // bs)])
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         counts = [1] * len(decode_rows) + [e - s for _, s, e, _ in spans]
         row_of_token = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
@@ -102,7 +175,6 @@ class ModelRunner:
             slot_mapping=slots.to(self.device), num_decode_tokens=len(decode_rows)
         )
         if decode_rows:
-            ctx = max(n for _, n in decode_rows)
             offsets = torch.arange(ctx)
             decode_table = table[: len(decode_rows)]
             dslots = decode_table[:, offsets // bs] * bs + offsets % bs
@@ -168,10 +240,24 @@ class ModelRunner:
                     flat = cache.view(-1, *cache.shape[2:])
                     flat[slots] = kv[layer, j].to(self.device, cache.dtype)
 
+    def _compiled_shape(self, out: SchedulerOutput, start: int) -> tuple[int, int] | None:
+        """(rows, context) a compiled graph runs this step at, or None to run it eager:
+        compiled steps are decode-only batches of token ids, of 2+ rows for dynamic shapes
+        (size 1 would need its own graph) or of a bucket's size when padding."""
+        rows = len(out.chunks)
+        if not self.compiled or start or any(c.num_tokens != 1 for c in out.chunks):
+            return None
+        ctx = max(c.request.num_computed_tokens + 1 for c in out.chunks)
+        if self.padding is None:
+            return (rows, ctx) if rows >= 2 else None
+        bucket = self.padding.batch(rows)
+        return None if bucket is None else (bucket, self.padding.context(ctx))
+
     def _run(
         self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None, start: int
     ) -> dict[str, int]:
-        inputs = self.prepare(out)
+        shape = self._compiled_shape(out, start)
+        inputs = self.prepare(out, shape if self.padding else None)
         hidden_in = self._hidden_inputs(out) if start else None
         hidden = self.model(
             inputs.positions,
@@ -181,12 +267,17 @@ class ModelRunner:
             hidden_states=hidden_in,
             start_layer=start,
             on_layer_done=on_layer_done,
+            compiled=shape is not None,
         )
         if any(wants_prompt_logprobs(c.request) for c in out.chunks):
             record_prompt_logprobs(self.model.compute_logits, hidden, out.chunks)
         if not inputs.sample_rows:
             return {}
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        if shape is not None:  # every row, padding included: the graph's shape is fixed
+            self.compiled_steps += 1
+            logits = self.model.compute_logits(hidden, compiled=True)[inputs.sample_rows]
+        else:
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])
         reqs = [out.chunks[i].request for i in inputs.sample_chunks]
         tokens = self.sampler.sample_requests(logits, reqs)
         return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}

@@ -57,7 +57,9 @@ def paged_attention(
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     nd = meta.num_decode_tokens
-    if nd == q.shape[0] and not meta.prefills:
+    # A compiled step is decode-only (ModelRunner), and comparing the batch size with the
+    # int nd would specialize it.
+    if torch.compiler.is_compiling() or (nd == q.shape[0] and not meta.prefills):
         return _decode(q, k_flat, v_flat, meta, scale)
     out = torch.empty_like(q)
     if nd:
@@ -90,7 +92,9 @@ def _decode(
     scale: float,
 ) -> torch.Tensor:
     """One query token per sequence against its cached context."""
-    assert meta.decode_slots is not None
+    assert meta.decode_slots is not None and meta.decode_mask is not None
+    if torch.compiler.is_compiling():
+        return _decode_fused(q, k_flat, v_flat, meta.decode_slots, meta.decode_mask, scale)
     nd, num_kv_heads, head_dim = q.shape[0], k_flat.shape[1], k_flat.shape[2]
     # index_select on the flat cache is far cheaper than advanced indexing by block table.
     kd = k_flat.index_select(0, meta.decode_slots).view(nd, -1, num_kv_heads, head_dim)
@@ -105,3 +109,29 @@ def _decode(
         enable_gqa=True,
     )
     return od.reshape(nd, -1, head_dim)
+
+
+def _decode_fused(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`_decode` written for a compiler: as sums of products over gathered cache rows, which
+    inductor fuses into loops that read each K/V row from the paged cache where it lies, with
+    no gathered copy (eager, this form would materialize large temporaries)."""
+    nd, heads, head_dim = q.shape
+    kv_heads = k_flat.shape[1]
+    ctx_slots = slots.view(nd, -1)  # [nd, ctx]
+    # Query heads grouped by the KV head they share: [nd, 1, kv_heads, group, dim].
+    # Accumulated in float32 whatever the cache dtype, as SDPA's kernels do.
+    qg = q.view(nd, 1, kv_heads, heads // kv_heads, head_dim).float()
+    k = k_flat[ctx_slots].unsqueeze(3).float()  # [nd, ctx, kv_heads, 1, dim], never copied
+    scores = (qg * k).sum(-1) * scale  # [nd, ctx, kv_heads, group]
+    scores = scores.masked_fill(~mask.view(nd, -1, 1, 1), float("-inf"))
+    p = torch.softmax(scores, dim=1)
+    v = v_flat[ctx_slots].unsqueeze(3).float()
+    out = (p.unsqueeze(-1) * v).sum(1)  # [nd, kv_heads, group, dim]
+    return out.reshape(nd, heads, head_dim).to(q.dtype)

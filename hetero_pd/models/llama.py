@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -16,12 +18,37 @@ from hetero_pd.models.rotary import apply_rope_swapped, rope_table, signed_sin
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # (weight, bias) -> a faster x -> F.linear(x, weight, bias), or None: Backend.linear_kernel
 LinearKernelFactory = Callable[[torch.Tensor, torch.Tensor | None], LinearKernel | None]
+# (layer, h, cos, sin_signed, kv, meta) -> h: one decoder layer, eager or compiled
+LayerStep = Callable[
+    [nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, KVCache, AttentionMetadata],
+    torch.Tensor,
+]
+
+# Linear layers with a device kernel, by handle: a compiled graph calls the kernel through
+# the `hetero_pd::linear` op with the layer's handle (its kernel holds an opaque pre-packed
+# weight no compiler can trace). Weak, so a freed model leaves no kernels behind.
+_KERNEL_LAYERS: weakref.WeakValueDictionary[int, Linear] = weakref.WeakValueDictionary()
+_handles = itertools.count()
+
+
+@torch.library.custom_op("hetero_pd::linear", mutates_args=())
+def kernel_linear(x: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`Linear` number `handle`'s kernel on x [rows, in_features]."""
+    kernel = _KERNEL_LAYERS[int(handle)].kernel
+    assert kernel is not None
+    return kernel(x)
+
+
+@kernel_linear.register_fake
+def _(x: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
 
 
 class Linear(nn.Linear):
     """nn.Linear that can hand its matmul to a device kernel (`use_kernel`)."""
 
     kernel: LinearKernel | None = None
+    handle: torch.Tensor  # a buffer, so one compiled layer serves every layer's kernels
 
     def use_kernel(self, make: LinearKernelFactory, keep_weight: bool) -> None:
         """Routes forward through `make(weight, bias)` unless that is None. Without
@@ -30,13 +57,18 @@ class Linear(nn.Linear):
         if kernel is None:
             return
         self.kernel = kernel
+        handle = next(_handles)
+        _KERNEL_LAYERS[handle] = self
+        self.register_buffer("handle", torch.tensor(handle), persistent=False)
         if not keep_weight:
             self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel(x)
-        return F.linear(x, self.weight, self.bias)
+        if self.kernel is None:
+            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():
+            return kernel_linear(x, self.handle, self.out_features)
+        return self.kernel(x)
 
 
 class RMSNorm(nn.Module):
@@ -135,6 +167,10 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
         self.cos_sin = torch.empty(0)  # set by init_rope() once the model is on its device
+        # Set by compile_decode(): the decoder layer and the logits, compiled.
+        self.compiled_layer: LayerStep | None = None
+        self.compiled_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.dynamic_batch = False
 
     def init_rope(self, device: torch.device) -> None:
         self.cos_sin = rope_table(self.cfg, self.max_positions).to(device)
@@ -151,6 +187,18 @@ class CausalLM(nn.Module):
                 tied = name == "lm_head" and self.cfg.tie_word_embeddings
                 module.use_kernel(make, keep_weight=tied)
 
+    def compile_decode(
+        self, compile_fn: Callable[[Callable[..., torch.Tensor]], object], dynamic_batch: bool
+    ) -> None:
+        """Compiles one decoder layer (a single graph that every layer reuses: their weights
+        are its inputs) and the logits with `compile_fn` (e.g. a backend's `compile_step`),
+        for `forward(compiled=True)` and `compute_logits(compiled=True)`. With
+        `dynamic_batch` the batch and context sizes stay symbolic (one graph for all of
+        them); without, each padded shape gets its own graph."""
+        self.compiled_layer = compile_fn(run_layer)  # type: ignore[assignment]
+        self.compiled_logits = compile_fn(self.compute_logits)  # type: ignore[assignment]
+        self.dynamic_batch = dynamic_batch
+
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -165,7 +213,9 @@ class CausalLM(nn.Module):
         start_layer: int = 0,
         end_layer: int | None = None,
         on_layer_done: Callable[[int], None] | None = None,
+        compiled: bool = False,
     ) -> torch.Tensor:
+        """`compiled` runs the layers through `compile_decode`'s graph (decode batches)."""
         end = self.cfg.num_layers if end_layer is None else end_layer
         if not 0 <= start_layer < end <= self.cfg.num_layers:
             raise ValueError(
@@ -181,12 +231,43 @@ class CausalLM(nn.Module):
             h = hidden_states
         cs = self.cos_sin[positions].to(h.dtype)
         cos, sin_signed = cs[:, 0:1, :], signed_sin(cs[:, 1:2, :])
+        step = self.compiled_layer if compiled and self.compiled_layer else run_layer
+        if compiled and self.dynamic_batch:
+            _mark_batch_dynamic(h, cos, sin_signed, meta.slot_mapping, meta.decode_slots)
+            _mark_batch_dynamic(meta.decode_mask, context_dim=3)
         for i in range(start_layer, end):
-            h = self.layers[i](h, cos, sin_signed, kv_caches[i], meta)
+            h = step(self.layers[i], h, cos, sin_signed, kv_caches[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
         return h
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor, compiled: bool = False) -> torch.Tensor:
         """Final norm and LM head on the rows that sample; logits in float32."""
+        if compiled and self.compiled_logits is not None:
+            if self.dynamic_batch:
+                _mark_batch_dynamic(hidden_states)
+            return self.compiled_logits(hidden_states)
         return self.lm_head(self.norm(hidden_states)).float()
+
+
+def run_layer(
+    layer: nn.Module,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    kv: KVCache,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """One decoder layer: the unit `CausalLM.compile_decode` compiles."""
+    out: torch.Tensor = layer(h, cos, sin_signed, kv, meta)
+    return out
+
+
+def _mark_batch_dynamic(*tensors: torch.Tensor | None, context_dim: int | None = None) -> None:
+    """Tells the compiler that dim 0 (batch rows, or rows x context for the flat decode
+    slots) and `context_dim` vary between steps; every other size is the model's own."""
+    for t in tensors:
+        if t is not None:
+            torch._dynamo.mark_dynamic(t, 0)
+            if context_dim is not None:
+                torch._dynamo.mark_dynamic(t, context_dim)

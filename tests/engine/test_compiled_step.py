@@ -1,0 +1,102 @@
+"""The compiled decode step gives the same greedy tokens as eager and as transformers, with
+dynamic shapes (cpu) and with padded static shapes (what CUDA graphs and NPU graph mode
+replay); with dynamic shapes it compiles once at start and never again while serving.
+
+These tests compile (a minute or so each on 2 cores), so they are the only ones that do."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from backends import get_backend
+from backends.compiler import StepPadding
+from hetero_pd import LLM, SamplingParams
+
+Ref = Callable[..., list[int]]
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(512) for _ in range(n)] for n in [3, 17, 90, 1, 41, 64, 8]]
+
+
+def graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
+
+
+def run_compiled(path: Path, seed: int, hf_greedy: Ref) -> LLM:
+    # A 40-token budget mixes chunked prefills (eager) with decode batches (compiled), and
+    # batch sizes shrink to 1 (eager) as requests finish.
+    llm = LLM(str(path), compile="on", max_num_batched_tokens=40, block_size=8, num_kv_blocks=128)
+    assert llm.engine.runner.compiled
+    assert "decode step compiled (configured)" in llm.engine.describe()
+    compiled_at_start = graphs()
+    batch = prompts(seed)
+    outs = llm.generate(batch, PARAMS)
+    if llm.engine.runner.padding is None:  # one dynamic graph, compiled at start
+        assert graphs() == compiled_at_start, "a request recompiled the step"
+    else:  # a graph per padded shape: buckets up to 8 rows, contexts up to 4 multiples
+        assert graphs() - compiled_at_start <= 2 * 4 * 4
+    assert llm.engine.runner.compiled_steps > 20
+    for prompt, out in zip(batch, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, PARAMS.max_tokens)
+    llm.engine.check_integrity()
+    return llm
+
+
+def test_compiled_decode_equals_transformers(tiny_llama_dir: Path, hf_greedy: Ref) -> None:
+    llm = run_compiled(tiny_llama_dir, 1, hf_greedy)
+    eager = LLM(str(tiny_llama_dir), compile="off", block_size=8, num_kv_blocks=128)
+    assert not eager.engine.runner.compiled
+    batch = prompts(5)
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, PARAMS)] == [
+        o.outputs[0].token_ids for o in eager.generate(batch, PARAMS)
+    ]
+
+
+def test_padded_static_shapes_equal_transformers(
+    tiny_qwen2_dir: Path, hf_greedy: Ref, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA-graph shape policy run on the cpu: rows padded to buckets with a scratch
+    block, contexts padded to a multiple; padding must never reach a real block."""
+    padding = StepPadding(batch_buckets=(1, 2, 4, 8), context_multiple=32)
+    monkeypatch.setattr(type(get_backend("cpu")), "step_padding", lambda self: padding)
+    llm = run_compiled(tiny_qwen2_dir, 2, hf_greedy)
+    runner = llm.engine.runner
+    assert runner.scratch_block == llm.engine.kv.pool.num_blocks
+    assert runner.kv_caches[0][0].shape[0] == llm.engine.kv.pool.num_blocks + 1
+
+
+def test_auto_follows_the_backend_and_the_environment(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("HETERO_PD_COMPILE")
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=16, compile="off")
+    assert llm.engine.config.compile_choice() == (False, "configured")
+    auto = llm.engine.config.__class__(model="x", compile="auto")
+    assert auto.compile_choice() == (get_backend("cpu").compile_by_default(), "auto on cpu")
+    monkeypatch.setenv("HETERO_PD_COMPILE", "off")
+    assert auto.compile_choice() == (False, "HETERO_PD_COMPILE")
+    monkeypatch.setenv("HETERO_PD_COMPILE", "sometimes")
+    with pytest.raises(ValueError, match="HETERO_PD_COMPILE must be 'on' or 'off'"):
+        auto.compile_choice()
+    with pytest.raises(ValueError, match="compile must be one of"):
+        llm.engine.config.__class__(model="x", compile="yes")
+
+
+@pytest.mark.device
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_equal_transformers(tiny_llama_dir: Path, hf_greedy: Ref) -> None:
+    llm = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", compile="on")
+    assert llm.engine.runner.padding is not None
+    batch = prompts(3)
+    outs = llm.generate(batch, PARAMS)
+    for prompt, out in zip(batch, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(tiny_llama_dir, prompt, PARAMS.max_tokens)
