@@ -46,9 +46,15 @@ GRAPH_PADDING = StepPadding((1, 2, 4, *range(8, 257, 8)), context_multiple=512)
 
 
 def use_cache_dir(path: Path) -> None:
-    """Keep inductor's generated code in `path` (unless TORCHINDUCTOR_CACHE_DIR is set),
-    so the next start loads it instead of compiling again."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path))
+    """Keep inductor's generated code in `path` (unless the user set TORCHINDUCTOR_CACHE_DIR),
+    so the next start loads it instead of compiling again. Inductor writes its default
+    (/tmp/torchinductor_USER) into the variable the first time it looks, which is not the
+    user's choice."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
 
 
 def inductor(fn: F) -> F:
