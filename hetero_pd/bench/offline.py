@@ -110,6 +110,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="rounds; the sides alternate first")
     p.add_argument("--background-load", type=int, default=0, metavar="N", help="busy processes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--compile", default="auto", choices=["auto", "on", "off"], help="the engine's step"
+    )
+    p.add_argument(
+        "--eager-baseline",
+        action="store_true",
+        help="also run the engine with compile off (compile_speedup, tokens compared)",
+    )
     p.add_argument("--side-timeout", type=float, default=3600.0, help="seconds per side run")
     p.add_argument("--skip-transformers", action="store_true")
     args = p.parse_args(argv)
@@ -145,13 +153,15 @@ def workload_spec(args: argparse.Namespace) -> SideSpec:
         warmup_prompts=[list(tok.encode(t)) for t in warm],
         max_tokens=args.max_tokens,
         kv_cache_gb=args.kv_cache_gb,
+        compile=args.compile,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     spec = workload_spec(args)
-    sides: list[Side] = ["engine"] if args.skip_transformers else ["engine", "transformers"]
+    sides: list[Side] = ["engine", "eager"] if args.eager_baseline else ["engine"]
+    sides += [] if args.skip_transformers else ["transformers"]
     print(
         f"workload: {args.num_prompts} prompts x {args.max_tokens} new tokens, greedy, "
         f"dtype {args.dtype}, {args.threads} threads, {args.repeats} rounds, "
@@ -191,7 +201,11 @@ def summarize(args: argparse.Namespace, rounds: list[dict[str, SideResult]]) -> 
         "engine_tok_s": _median([e.tok_s for e in engine]),
         "engine_tok_s_runs": [round(e.tok_s, 2) for e in engine],
         "peak_rss_mb": max(e.peak_rss_mb for e in engine),
+        "compile": args.compile,
+        "compiled": engine[0].compiled,
     }
+    if "eager" in rounds[0]:
+        out.update(eager_baseline(engine, [r["eager"] for r in rounds]))
     if "transformers" not in rounds[0]:
         return out
     hf = [r["transformers"] for r in rounds]
@@ -211,7 +225,7 @@ def summarize(args: argparse.Namespace, rounds: list[dict[str, SideResult]]) -> 
         ratio=_median(ratios),
         ratio_min=round(min(ratios), 3),
         ratio_max=round(max(ratios), 3),
-        first_side=["engine" if i % 2 == 0 else "transformers" for i in range(len(rounds))],
+        first_side=[next(iter(r)) for r in rounds],
         transformers_peak_rss_mb=max(t.peak_rss_mb for t in hf),
         token_mismatches=len(check.mismatched),
         mismatched_prompts=check.mismatched,
@@ -222,3 +236,18 @@ def summarize(args: argparse.Namespace, rounds: list[dict[str, SideResult]]) -> 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def eager_baseline(engine: list[SideResult], eager: list[SideResult]) -> dict[str, Any]:
+    """The engine against itself with the compiled step off, round by round."""
+    speedups = [e.tok_s / b.tok_s for e, b in zip(engine, eager, strict=True)]
+    return {
+        "engine_eager_tok_s": _median([b.tok_s for b in eager]),
+        "engine_eager_tok_s_runs": [round(b.tok_s, 2) for b in eager],
+        "compile_speedup": _median(speedups),
+        "compile_speedup_min": round(min(speedups), 3),
+        "compile_speedup_max": round(max(speedups), 3),
+        "eager_token_mismatches": len(
+            compare_tokens(engine[0].token_ids, eager[0].token_ids).mismatched
+        ),
+    }

@@ -21,8 +21,9 @@ from typing import Any, Literal
 
 import torch
 
-Side = Literal["engine", "transformers"]
-SIDES: tuple[Side, ...] = ("engine", "transformers")
+# "eager": this engine with its compiled step off, the baseline `--eager-baseline` adds.
+Side = Literal["engine", "eager", "transformers"]
+SIDES: tuple[Side, ...] = ("engine", "eager", "transformers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,7 @@ class SideSpec:
     max_tokens: int
     warmup_tokens: int = 8
     kv_cache_gb: float = 1.0
+    compile: str = "auto"  # the engine side's EngineConfig.compile
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +47,7 @@ class SideResult:
     elapsed_s: float
     token_ids: list[list[int]]
     peak_rss_mb: float
+    compiled: bool = False  # the engine's decode step ran compiled
 
     @property
     def tokens(self) -> int:
@@ -64,7 +67,7 @@ def engine_dtype(llm: Any) -> str:
     return dtype_name(next(iter(llm.engine.runner.model.parameters())).dtype)
 
 
-def run_engine(spec: SideSpec) -> tuple[str, float, list[list[int]]]:
+def run_engine(spec: SideSpec) -> tuple[str, float, list[list[int]], bool]:
     from hetero_pd import LLM, SamplingParams
 
     n = max(len(spec.prompts), len(spec.warmup_prompts), 1)
@@ -74,6 +77,7 @@ def run_engine(spec: SideSpec) -> tuple[str, float, list[list[int]]]:
         max_num_seqs=n,
         num_threads=spec.threads,
         kv_cache_gb=spec.kv_cache_gb,
+        compile="off" if spec.side == "eager" else spec.compile,
     )
     warm = SamplingParams(temperature=0, max_tokens=spec.warmup_tokens, ignore_eos=True)
     llm.generate(spec.warmup_prompts, warm)
@@ -81,7 +85,8 @@ def run_engine(spec: SideSpec) -> tuple[str, float, list[list[int]]]:
     start = time.perf_counter()
     outs = llm.generate(spec.prompts, params)
     elapsed = time.perf_counter() - start
-    return engine_dtype(llm), elapsed, [list(o.outputs[0].token_ids) for o in outs]
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    return engine_dtype(llm), elapsed, ids, llm.engine.runner.compiled
 
 
 def _left_padded(prompts: list[list[int]], pad: int) -> dict[str, torch.Tensor]:
@@ -91,7 +96,7 @@ def _left_padded(prompts: list[list[int]], pad: int) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
 
 
-def run_transformers(spec: SideSpec) -> tuple[str, float, list[list[int]]]:
+def run_transformers(spec: SideSpec) -> tuple[str, float, list[list[int]], bool]:
     from transformers import AutoModelForCausalLM
 
     from hetero_pd.config import parse_dtype
@@ -114,14 +119,14 @@ def run_transformers(spec: SideSpec) -> tuple[str, float, list[list[int]]]:
     start = time.perf_counter()
     new = generate(spec.prompts, spec.max_tokens)
     elapsed = time.perf_counter() - start
-    return dtype_name(model.dtype), elapsed, new.tolist()
+    return dtype_name(model.dtype), elapsed, new.tolist(), False
 
 
 def run_side(spec: SideSpec) -> SideResult:
-    run = run_engine if spec.side == "engine" else run_transformers
-    dtype, elapsed, token_ids = run(spec)
+    run = run_transformers if spec.side == "transformers" else run_engine
+    dtype, elapsed, token_ids, compiled = run(spec)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return SideResult(spec.side, dtype, elapsed, token_ids, round(peak, 1))
+    return SideResult(spec.side, dtype, elapsed, token_ids, round(peak, 1), compiled)
 
 
 def main() -> int:

@@ -59,3 +59,19 @@ def test_bad_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> N
             main(argv)
         assert exit_info.value.code == 2
     assert "--background-load must be in [0, 64]" in capsys.readouterr().err
+
+
+def test_eager_baseline_compares_the_compiled_step_with_eager(
+    text_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engine with its step compiled against itself eager, in one run: same tokens."""
+    argv = ["--model", str(text_llama_dir), "--num-prompts", "3", "--max-tokens", "6"]
+    argv += ["--repeats", "1", "--warmup-prompts", "2", "--threads", "1"]
+    argv += ["--kv-cache-gb", "0.05", "--compile", "on", "--eager-baseline"]
+    argv += ["--skip-transformers"]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["compile"] == "on" and res["compiled"] is True
+    assert len(res["engine_eager_tok_s_runs"]) == 1 and res["engine_eager_tok_s"] > 0
+    assert res["compile_speedup_min"] <= res["compile_speedup"] <= res["compile_speedup_max"]
+    assert res["eager_token_mismatches"] == 0
