@@ -5,6 +5,7 @@ See ``transfer/README.md`` for the API, transports, state machine and error code
 
 from __future__ import annotations
 
+from transfer.auth import check_secret
 from transfer.config import EngineConfig, RetryPolicy, Role
 from transfer.engine import TransferEngine
 from transfer.errors import StatusCode, TransferError
@@ -25,4 +26,5 @@ __all__ = [
     "TransferError",
     "TransferHandle",
     "TransferState",
+    "check_secret",
 ]

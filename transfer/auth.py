@@ -3,12 +3,17 @@
 ::
 
     client (link)                                   server (listening engine)
-      HELLO  {eid, nonce_c, regions}          ──>
-                                              <──   CHALLENGE {eid, nonce_s,
+      HELLO  {eid, role, nonce_c}             ──>
+                                              <──   CHALLENGE {eid, role, nonce_s,
                                                       proof_s = H(k, "S"|nonce_c|nonce_s|ids)}
       checks proof_s
-      AUTH   {proof_c = H(k, "C"|nonce_s|nonce_c|ids)} ──>
-                                              <──   WELCOME {token}   (or ERROR AUTH_FAILED)
+      AUTH   {proof_c = H(k, "C"|nonce_s|nonce_c|ids),
+              host, pid, data address, regions} ──>
+                                              <──   WELCOME {token, host, pid, data address,
+                                                      regions}   (or ERROR AUTH_FAILED)
+
+Who a side is (host, pid, data address) and what it holds (region descriptions) travel only
+to a peer that already proved the secret: the client's in AUTH, the server's in WELCOME.
 
 Every later frame carries the session token, bound to the ZMQ connection it was issued on.
 Neither side ever sends the secret. An empty secret still runs the exchange (so both sides
@@ -19,7 +24,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import secrets
+
+from transfer.errors import StatusCode, TransferError
 
 NONCE_BYTES = 16
 
@@ -47,3 +55,28 @@ def verify(expected: bytes, got: bytes) -> bool:
 def _mac(secret: bytes, tag: bytes, first: bytes, second: bytes, client: str, server: str) -> bytes:
     msg = b"|".join((tag, first, second, client.encode(), server.encode()))
     return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: assume it is reachable from elsewhere
+
+
+def check_secret(host: str, secret: bytes) -> None:
+    """Refuse an empty secret on any bind that is not loopback-only (PARAM_INVALID).
+
+    With an empty secret every peer that can reach ``host`` links and is trusted, so it is
+    only acceptable on 127.0.0.1 / ::1 / localhost. Serving and deployment validation call
+    this (or set ``EngineConfig.require_secret``) for every non-loopback bind.
+    """
+    if not secret and not is_loopback(host):
+        raise TransferError(
+            StatusCode.PARAM_INVALID,
+            f"an empty transfer secret on host {host!r}: anyone who reaches it could read and "
+            "write KV; set the deployment secret (HETERO_PD_SECRET) or bind 127.0.0.1",
+        )

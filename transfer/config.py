@@ -6,6 +6,8 @@ import enum
 import os
 from dataclasses import dataclass, field, fields
 
+from transfer.auth import check_secret
+from transfer.errors import TransferError
 from transfer.faults import FaultPlan
 
 
@@ -73,6 +75,9 @@ class EngineConfig:
     dedup_capacity: int = 65536
     #: Faults injected into this engine's outgoing frames (tests only).
     faults: FaultPlan | None = None
+    #: Refuse to start with an empty ``secret`` unless ``host`` is loopback-only
+    #: (:func:`transfer.auth.check_secret`); serving sets it for every deployment.
+    require_secret: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.max_frame_bytes < self.chunk_bytes:
@@ -80,6 +85,11 @@ class EngineConfig:
         for name in ("link_timeout_s", "transfer_timeout_s", "lease_s", "ack_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0")
+        if self.require_secret:
+            try:
+                check_secret(self.host, self.secret)
+            except TransferError as exc:
+                raise ValueError(f"EngineConfig.secret: {exc.message}") from None
         unknown = set(self.transports) - {"local", "cuda_ipc", "shm", "tcp"}
         if unknown:
             raise ValueError(f"EngineConfig.transports: unknown transport(s) {sorted(unknown)}")

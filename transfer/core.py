@@ -35,7 +35,8 @@ from transfer.faults import FaultInjector
 from transfer.handle import TransferHandle, TransferState
 from transfer.ledger import Ledger
 from transfer.metrics import Metrics
-from transfer.pulls import serve_pull
+from transfer.offers import OfferBook
+from transfer.pulls import PullServer
 from transfer.region import KVRegion
 from transfer.session import Link, Session
 
@@ -117,6 +118,8 @@ class Core:
         self.linker = Linker(self)
         self.sender = Sender(self)
         self.receiver = Receiver(self)
+        self.offers = OfferBook()
+        self.pulls = PullServer(self, self.offers)
         self.thread = threading.Thread(target=self._run, name=f"transfer-{engine_id}", daemon=True)
         LOCAL_ENGINES[engine_id] = self
         self.thread.start()
@@ -282,6 +285,7 @@ class Core:
             heapq.heappop(self._timers)[2]()
         self.sender.pump()
         self.receiver.tick(time.monotonic())
+        self.pulls.tick(time.monotonic())
         if self.datachan is not None:
             self.datachan.tick(time.monotonic())
         self.flush_faults()
@@ -366,7 +370,7 @@ class Core:
         elif msg_type == "end":
             self.receiver.on_end(session, h)
         elif msg_type == "pull":
-            serve_pull(self, session, h)
+            self.pulls.serve(session, h)
         elif msg_type in ("grant", "ack"):
             self.sender.on_reply(session, msg_type, h)
         elif msg_type == "error":
@@ -383,6 +387,7 @@ class Core:
         closed = TransferError(StatusCode.ENGINE_CLOSED, f"engine {self.engine_id} closed")
         self.sender.abort_all(closed)
         self.receiver.abort_all(closed)
+        self.pulls.abort_all(closed)
         for session in list(self.out_sessions.values()) + list(self.in_sessions.values()):
             if session.alive:
                 self.send(session, "bye", wire.encode("bye", session.token))

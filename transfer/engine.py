@@ -104,6 +104,7 @@ class TransferEngine:
     def register_region(self, region: KVRegion) -> None:
         """Make ``region`` available for pushes (as destination) and pulls (as source)."""
         core = self._core
+        region.claim(self.engine_id)
 
         def add() -> None:
             if region.name in core.regions:
@@ -130,12 +131,16 @@ class TransferEngine:
         layers: tuple[int, int] | None = None,
         timeout_s: float | None = None,
         callback: Callback | None = None,
+        writer: str | None = None,
     ) -> TransferHandle:
         """Accept pushes for ``request_id`` into ``block_ids`` (decode side).
 
         Returns a ``kind="recv"`` handle: ``handle.blocks`` (a :class:`RemoteBlocks`) is what
         the sender needs; the handle is DONE when every layer in ``layers`` (default: all)
         has been committed, TIMED_OUT after ``timeout_s`` (then late writes are refused).
+        ``writer`` is the one peer engine id allowed to write these blocks (a push or the
+        answer to our pull); any other peer is refused with NOT_GRANTED and counted in
+        ``frames_rejected["not_granted"]``. None lets any authenticated peer write them.
         """
         reg = self.region(region)
         handle = TransferHandle(f"{self.engine_id}/recv/{request_id}", "recv", "", request_id)
@@ -144,7 +149,13 @@ class TransferEngine:
             handle.add_done_callback(callback)
         deadline = time.monotonic() + (timeout_s or self.config.transfer_timeout_s)
         self._core.ledger.reserve(
-            reg, request_id, list(block_ids), range(*self._layers(reg, layers)), handle, deadline
+            reg,
+            request_id,
+            list(block_ids),
+            range(*self._layers(reg, layers)),
+            handle,
+            deadline,
+            writer,
         )
         handle.nbytes = len(block_ids) * reg.block_bytes * len(reg.tensor_range(layers))
         return handle
@@ -241,7 +252,7 @@ class TransferEngine:
     def pull_blocks(
         self,
         peer: str,
-        src_blocks: Sequence[int],
+        src_blocks: RemoteBlocks | Sequence[int],
         dst: RemoteBlocks,
         *,
         src_region: str = "kv",
@@ -251,11 +262,19 @@ class TransferEngine:
         timeout_s: float | None = None,
         callback: Callback | None = None,
     ) -> TransferHandle:
-        """Fetch the peer's blocks ``src_blocks`` into our reservation ``dst``.
+        """Fetch the peer's offered blocks into our reservation ``dst``.
 
-        ``dst`` comes from our own :meth:`reserve`. The peer serves the pull as a push (with
-        its own lease on the source blocks); the handle is DONE once the data committed here.
+        ``src_blocks`` is the ticket the peer's :meth:`offer` returned (its request id,
+        epoch, block ids and region): the peer serves only what it offered to us, for that
+        epoch, within the offered layers and before the offer's lease ends; anything else
+        fails with NOT_GRANTED. (Plain block ids name no offer and are always refused.)
+        ``dst`` comes from our own :meth:`reserve`. The peer serves the pull as a push (leased
+        by its offer); the handle is DONE once the data committed here.
         """
+        offer_request, offer_epoch = "", 0
+        if isinstance(src_blocks, RemoteBlocks):
+            offer_request, offer_epoch = src_blocks.request_id, src_blocks.epoch
+            src_region, src_blocks = src_blocks.region, src_blocks.block_ids
         core = self._core
         reg = self.region(dst.region)
         l0, l1 = self._layers(reg, layers)
@@ -273,6 +292,8 @@ class TransferEngine:
             "dst": list(dst.block_ids),
             "sreg": src_region,
             "src": list(src_blocks),
+            "oreq": offer_request,
+            "oep": offer_epoch,
             "lay": [l0, l1],
             "ntok": num_tokens,
             "ttl": float(ttl),
@@ -294,6 +315,51 @@ class TransferEngine:
         core.call(start)
         return handle
 
+    def offer(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        *,
+        reader: str,
+        region: str = "kv",
+        layers: tuple[int, int] | None = None,
+        lease_s: float | None = None,
+        callback: Callback | None = None,
+    ) -> TransferHandle:
+        """Let peer ``reader`` pull our blocks ``block_ids`` (``layers``) for ``request_id``.
+
+        Returns a ``kind="offer"`` handle whose ``blocks`` is the ticket to hand to the reader
+        (through the control plane) for its :meth:`pull_blocks`. Keep the blocks until the
+        handle is terminal: DONE once every offered layer was pulled and ACKed, TIMED_OUT
+        (LEASE_EXPIRED) when ``lease_s`` (default ``EngineConfig.lease_s``) passes first,
+        CANCELLED after :meth:`withdraw`. No other peer, epoch, block or layer is served.
+        """
+        reg = self.region(region)
+        ids = list(block_ids)
+        reg.check_blocks(ids, "offered")
+        if not ids:
+            raise TransferError(StatusCode.PARAM_INVALID, "no blocks to offer")
+        l0, l1 = self._layers(reg, layers)
+        nbytes = len(ids) * reg.block_bytes * len(reg.tensor_range((l0, l1)))
+        handle = TransferHandle(f"{self.engine_id}/offer/{request_id}", "offer", reader, request_id)
+        handle.nbytes = nbytes
+        handle._cancel = lambda h: self.withdraw(h.request_id)
+        if callback is not None:
+            handle.add_done_callback(callback)
+        lease = lease_s or self.config.lease_s
+        self._core.offers.add(
+            reg.name, request_id, ids, reader, range(l0, l1), lease, handle, time.monotonic()
+        )
+        return handle
+
+    def withdraw(self, request_id: str) -> None:
+        """End our offer for ``request_id``: later pulls are refused, pulls in flight stop.
+
+        The offer's handle turns CANCELLED once nothing reads its blocks any more.
+        """
+        core = self._core
+        core.call(lambda: core.pulls.withdraw(request_id))
+
     # ---- progress, metrics, lifecycle ---------------------------------------------------
     def progress(self) -> list[TransferHandle]:
         """Handles that finished since the last call; runs their callbacks here. Non-blocking."""
@@ -314,13 +380,20 @@ class TransferEngine:
             engine_id=self.engine_id,
             peers=len(self.peers()),
             transfers_active=len(core.sender.active) + len(core.receiver.active),
-            held_blocks=sum(core.sender.held_blocks().values()),
+            held_blocks=sum(len(ids) for ids in self._held_ids().values()),
             reserved_blocks=sum(core.ledger.reserved_blocks().values()),
         )
 
     def held_blocks(self) -> dict[str, int]:
-        """Source blocks still held by unfinished sends, per region (0 when idle)."""
-        return self._core.call_wait(self._core.sender.held_blocks, 10.0)
+        """Source blocks still held by unfinished sends and live offers, per region."""
+        held = self._core.call_wait(self._held_ids, 10.0)
+        return {name: len(ids) for name, ids in held.items()}
+
+    def _held_ids(self) -> dict[str, set[int]]:
+        held = self._core.sender.held_ids()
+        for name, ids in self._core.offers.held_ids().items():
+            held.setdefault(name, set()).update(ids)
+        return held
 
     def reserved_blocks(self) -> dict[str, int]:
         """Destination blocks still reserved, per region (0 after every release)."""

@@ -48,6 +48,9 @@ class StatusCode(enum.Enum):
     ENGINE_CLOSED = (15, False)
     #: Unexpected internal failure (a bug): the message says where.
     INTERNAL = (16, False)
+    #: The peer holds no grant for this: only a reservation's writer may push into it, and
+    #: only an offer's reader may pull it (for that request and epoch, before its lease ends).
+    NOT_GRANTED = (17, False)
 
     @property
     def number(self) -> int:

@@ -133,14 +133,14 @@ class DataIn:
             self.core.metrics.reject(exc.reason)
 
     def _start_data(self, f: FrameHeader) -> None:
-        rc, tm = self.core.receiver, self.core.metrics.of("tcp")
+        tm = self.core.metrics.of("tcp")
         xid = self.streams.get(f.stream)
-        it = rc.active.get(xid) if xid is not None else None
-        if it is None:
-            if xid is not None and xid in self.core.ledger.committed:
-                tm.duplicates_total += 1
-                return
+        if xid is None:
             raise wire.FrameError("unknown_transfer", f"stream {f.stream}")
+        assert self.session is not None
+        it = self.core.receiver.owned(self.session, xid)
+        if it is None:
+            return
         s, ti, lo, hi = f.seq, f.ti, f.lo, f.hi
         if it.mode != "tcp" or not (
             0 <= s < it.nf and ti in it.tensors and 0 <= lo < hi <= it.nsrc and hi - lo <= it.bpc

@@ -1,9 +1,11 @@
 """Receiver-side bookkeeping: reserved destination blocks, their epochs, and seen transfers.
 
-Every reservation gets a fresh, never reused epoch. Each destination block records the epoch
-of the reservation that owns it (0 = free, -1 = owned but dead after a timeout), so a write
-is accepted only while ``owner[block] == epoch`` for every block it touches: a late or
-duplicate transfer can never land in blocks that were released and handed to another request.
+Every reservation gets a fresh, never reused, unguessable epoch (:mod:`transfer.epochs`) and
+names the one peer allowed to write it (``writer``; None: any authenticated peer). Each
+destination block records the epoch of the reservation that owns it (0 = free, -1 = owned
+but dead after a timeout), so a write is accepted only while ``owner[block] == epoch`` for
+every block it touches: a late or duplicate transfer can never land in blocks that were
+released and handed to another request.
 
 Direct (shared-memory) writers are granted a bounded time window; releasing blocks while a
 grant is open fences them until the grant ends (:meth:`Ledger.release` says how long).
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from transfer.epochs import EpochSource
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import RemoteBlocks, TransferHandle
 from transfer.region import KVRegion
@@ -34,6 +37,8 @@ class Reservation:
     handle: TransferHandle
     expected: frozenset[int]
     deadline: float
+    #: The only peer engine allowed to write these blocks (None: any authenticated peer).
+    writer: str | None = None
     layers_done: set[int] = field(default_factory=set)
     alive: bool = True
 
@@ -45,7 +50,7 @@ class Ledger:
         self.lock = threading.RLock()
         self._owner: dict[str, np.ndarray] = {}
         self._fence: dict[str, np.ndarray] = {}
-        self._next_epoch = 1
+        self._epochs = EpochSource()
         self.by_request: dict[str, Reservation] = {}
         self.grants: dict[str, tuple[str, list[int], float]] = {}
         self.committed: OrderedDict[str, tuple[str, int]] = OrderedDict()
@@ -65,8 +70,9 @@ class Ledger:
         layers: range,
         handle: TransferHandle,
         deadline: float,
+        writer: str | None = None,
     ) -> Reservation:
-        """Own ``block_ids`` for ``request_id`` under a fresh epoch."""
+        """Own ``block_ids`` for ``request_id`` under a fresh epoch, writable by ``writer``."""
         region.check_blocks(block_ids, "destination")
         ids = np.asarray(block_ids, dtype=np.int64)
         with self.lock:
@@ -89,17 +95,26 @@ class Ledger:
                     f"blocks of {region.name!r} are fenced for {fenced:.3f}s more by a direct "
                     "write grant of a released request; reserve them after that",
                 )
-            epoch = self._next_epoch
-            self._next_epoch += 1
+            epoch = self._epochs.next()
             owner[ids] = epoch
             blocks = RemoteBlocks(request_id, epoch, tuple(block_ids), region.name)
             handle.blocks = blocks
-            res = Reservation(blocks, handle, frozenset(layers), deadline)
+            res = Reservation(blocks, handle, frozenset(layers), deadline, writer)
             self.by_request[request_id] = res
             return res
 
-    def check(self, region: str, request_id: str, epoch: int, ids: np.ndarray) -> Reservation:
-        """The live reservation that ``(request_id, epoch)`` names, or STALE_EPOCH."""
+    def check(
+        self,
+        region: str,
+        request_id: str,
+        epoch: int,
+        ids: np.ndarray,
+        writer: str | None = None,
+    ) -> Reservation:
+        """The live reservation that ``(request_id, epoch)`` names, or STALE_EPOCH.
+
+        With ``writer``, also NOT_GRANTED unless that peer may write the reservation.
+        """
         with self.lock:
             res = self.by_request.get(request_id)
             owner = self._owner.get(region)
@@ -114,6 +129,12 @@ class Ledger:
                 raise TransferError(
                     StatusCode.STALE_EPOCH,
                     f"blocks of {request_id!r} changed owner (epoch {epoch})",
+                )
+            if writer is not None and res.writer is not None and res.writer != writer:
+                raise TransferError(
+                    StatusCode.NOT_GRANTED,
+                    f"request {request_id!r} was reserved for writer {res.writer!r}, "
+                    f"not {writer!r}",
                 )
             return res
 

@@ -56,16 +56,7 @@ class Linker:
             link.waiters.append(waiter)
         core.links[sock] = link
         core.poller.register(sock, zmq.POLLIN)
-        hello = wire.encode(
-            "hello",
-            eid=core.engine_id,
-            role=core.role.value,
-            host=core.host,
-            pid=core.pid,
-            nonce=link.nonce,
-            regions=self.my_regions(),
-            da=core.data_address,
-        )
+        hello = wire.encode("hello", eid=core.engine_id, role=core.role.value, nonce=link.nonce)
         sock.send(hello, zmq.NOBLOCK)
         core.at(core.config.link_timeout_s, lambda: self._expire(link))
 
@@ -146,7 +137,8 @@ class Linker:
         proof = auth.client_proof(
             core.config.secret, link.nonce, h["nonce"], core.engine_id, h["eid"]
         )
-        link.socket.send(wire.encode("auth", proof=proof), zmq.NOBLOCK)
+        # the peer proved the secret: only now say who we are and what we hold
+        link.socket.send(wire.encode("auth", proof=proof, **self._about_me()), zmq.NOBLOCK)
 
     def _on_welcome(self, link: Link, h: dict[str, Any]) -> None:
         core = self.core
@@ -154,15 +146,21 @@ class Linker:
         if hello is None or link.session is not None:
             core.metrics.reject("unexpected_handshake")
             return
+        try:
+            regions = self.parse_regions(h["regions"])
+        except wire.FrameError as exc:
+            core.metrics.reject(exc.reason)
+            self._fail_link(link, StatusCode.FRAME_INVALID, f"bad welcome: {exc}")
+            return
         session = Session(
             hello["eid"],
             hello["role"],
-            hello["host"],
-            hello["pid"],
-            self.parse_regions(hello["regions"]),
+            h["host"],
+            h["pid"],
+            regions,
             h["token"],
             link=link,
-            data_address=hello["da"],
+            data_address=h["da"],
         )
         link.session = session
         old = core.out_sessions.get(session.peer_id)
@@ -184,15 +182,7 @@ class Linker:
             self.pending.popitem(last=False)
         proof = auth.server_proof(core.config.secret, h["nonce"], nonce_s, h["eid"], core.engine_id)
         reply = wire.encode(
-            "challenge",
-            eid=core.engine_id,
-            role=core.role.value,
-            host=core.host,
-            pid=core.pid,
-            nonce=nonce_s,
-            proof=proof,
-            regions=self.my_regions(),
-            da=core.data_address,
+            "challenge", eid=core.engine_id, role=core.role.value, nonce=nonce_s, proof=proof
         )
         self._router_send(identity, reply)
 
@@ -215,7 +205,7 @@ class Linker:
             )
             return
         try:
-            regions = self.parse_regions(hello["regions"])
+            regions = self.parse_regions(h["regions"])
         except wire.FrameError as exc:
             core.metrics.reject(exc.reason)
             return
@@ -223,12 +213,12 @@ class Linker:
         session = Session(
             hello["eid"],
             hello["role"],
-            hello["host"],
-            hello["pid"],
+            h["host"],
+            h["pid"],
             regions,
             token,
             identity=identity,
-            data_address=hello["da"],
+            data_address=h["da"],
         )
         old = core.in_sessions.get(session.peer_id)
         if old is not None:
@@ -236,7 +226,7 @@ class Linker:
         core.in_sessions[session.peer_id] = session
         core.in_by_identity[identity] = session
         core.metrics.links_total += 1
-        self._router_send(identity, wire.encode("welcome", token=token))
+        self._router_send(identity, wire.encode("welcome", token=token, **self._about_me()))
         core.sender.on_linked(session)
 
     def on_session_error(self, session: Session, h: dict[str, Any]) -> None:
@@ -261,6 +251,16 @@ class Linker:
             core.datachan.close_session(session)
         core.sender.on_session_lost(session, reason)
 
+    def _about_me(self) -> dict[str, Any]:
+        """What an authenticated peer learns about us: host, pid, data address, regions."""
+        core = self.core
+        return {
+            "host": core.host,
+            "pid": core.pid,
+            "da": core.data_address,
+            "regions": self.my_regions(),
+        }
+
     def my_regions(self) -> list[dict[str, Any]]:
         """Descriptions of our registered regions, for peers."""
         return [r.describe() for r in self.core.regions.values()]
@@ -277,14 +277,19 @@ class Linker:
         for desc in raw[:64]:
             if not isinstance(desc, dict) or not isinstance(desc.get("name"), str):
                 raise wire.FrameError("bad_field", "regions")
-            paths = desc.get("paths")
-            if paths is not None and not (
-                isinstance(paths, list) and all(isinstance(p, str) for p in paths)
-            ):
-                raise wire.FrameError("bad_field", "regions.paths")
-            for key in ("nl", "tpl", "nb"):
-                if not isinstance(desc.get(key), int):
+            if not isinstance(desc.get("shm"), (str, type(None))):
+                raise wire.FrameError("bad_field", "regions.shm")
+            for key in ("dt", "dev"):
+                if not isinstance(desc.get(key), str):
                     raise wire.FrameError("bad_field", f"regions.{key}")
+            for key in ("nl", "tpl", "nb"):
+                value = desc.get(key)
+                if type(value) is not int or value < 1:
+                    raise wire.FrameError("bad_field", f"regions.{key}")
+            shape = desc.get("shape")
+            if not isinstance(shape, list) or not shape:
+                raise wire.FrameError("bad_field", "regions.shape")
+            wire.int_list(shape, "regions.shape")
             out[desc["name"]] = desc
         return out
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,8 @@ class OutTransfer:
     queued: int = 0
     closing: tuple[TransferState, TransferError | None, str] | None = None
     last_error: TransferError | None = None
+    #: Called on the I/O thread once the transfer ended and released its source blocks.
+    on_closed: Callable[[TransferState], None] | None = None
 
     @property
     def inflight(self) -> int:

@@ -80,6 +80,8 @@ class Receiver:
     def _reply_error(self, session: Session, xid: str, err: TransferError) -> None:
         if err.code is StatusCode.STALE_EPOCH:
             self.core.metrics.of("tcp").stale_epoch_rejections_total += 1
+        elif err.code is StatusCode.NOT_GRANTED:
+            self.core.metrics.reject("not_granted")
         header = wire.encode("error", session.token, x=xid, code=err.code.number, msg=err.message)
         self.core.send(session, "error", header)
 
@@ -120,6 +122,10 @@ class Receiver:
             return
         it = self.active.get(xid)
         try:
+            if it is not None and it.session.peer_id != session.peer_id:
+                raise TransferError(
+                    StatusCode.NOT_GRANTED, f"transfer id {xid!r} belongs to another peer"
+                )
             if it is not None and it.fingerprint != fp:
                 raise TransferError(StatusCode.REPEAT_REQUEST, f"transfer id {xid!r} is in use")
             if it is None:
@@ -178,14 +184,14 @@ class Receiver:
             problems.append(f"transport {mode!r} not accepted")
         elif mode != "tcp" and session.host != core.host:
             problems.append("direct transport from another host")
-        elif mode == "shm" and not region.shm_paths:
+        elif mode == "shm" and region.shm_token is None:
             problems.append(f"region {region.name!r} is not in shared memory")
         elif mode == "local" and session.pid != core.pid:
             problems.append("local transport from another process")
         if problems:
             raise TransferError(StatusCode.PARAM_INVALID, "; ".join(problems))
         dst_np = np.asarray(dst, dtype=np.int64)
-        res = core.ledger.check(region.name, h["rid"], h["ep"], dst_np)
+        res = core.ledger.check(region.name, h["rid"], h["ep"], dst_np, writer=session.peer_id)
         return InTransfer(
             h["x"],
             session,
@@ -213,12 +219,8 @@ class Receiver:
     def on_data(self, session: Session, h: dict[str, Any], payload: memoryview) -> None:
         """Verify and apply one chunk of a stream transfer."""
         xid = h["x"]
-        it = self.active.get(xid)
+        it = self.owned(session, xid)
         if it is None:
-            if xid in self.core.ledger.committed:
-                self.core.metrics.of("tcp").duplicates_total += 1
-            else:
-                self.core.metrics.reject("unknown_transfer")
             return
         s, ti, lo, hi = h["s"], h["ti"], h["lo"], h["hi"]
         if it.mode != "tcp" or not (
@@ -253,6 +255,19 @@ class Receiver:
         it.nbytes += len(payload)
         tm.bytes_received_total += len(payload)
 
+    def owned(self, session: Session, xid: str) -> InTransfer | None:
+        """The incoming transfer ``xid`` if ``session``'s peer is the one sending it."""
+        it = self.active.get(xid)
+        if it is not None and it.session.peer_id == session.peer_id:
+            return it
+        if it is not None:
+            self.core.metrics.reject("not_granted")
+        elif xid in self.core.ledger.committed:
+            self.core.metrics.of("tcp").duplicates_total += 1
+        else:
+            self.core.metrics.reject("unknown_transfer")
+        return None
+
     def landed(self, it: InTransfer, s: int, data: memoryview, digest: int | None) -> None:
         """Chunk ``s`` was read straight into its destination blocks: verify it there."""
         tm = self.core.metrics.of("tcp")
@@ -275,6 +290,11 @@ class Receiver:
         """All chunks sent: verify completeness (and direct-write digests), then commit."""
         xid = h["x"]
         it = self.active.get(xid)
+        if it is not None and it.session.peer_id != session.peer_id:
+            self._reply_error(
+                session, xid, TransferError(StatusCode.NOT_GRANTED, f"{xid!r} is not yours")
+            )
+            return
         if it is None:
             seen = self.core.ledger.committed.get(xid)
             if seen is not None:

@@ -9,7 +9,14 @@ Layer ``l`` owns tensors ``l*tpl .. l*tpl+tpl-1``; a layer range ``[l0, l1)`` se
 contiguous run of tensors, which is what layer-by-layer streaming sends.
 
 A region allocated with ``shared=True`` lives in files under ``/dev/shm`` so that a sender
-on the same host can map it and write the destination blocks directly (one copy).
+on the same host can map it and write the destination blocks directly (one copy)::
+
+    /dev/shm/hetero_pd-<pid>-<token>/      made 0700 by the allocating process
+        owner                               engine id that registered it (written once)
+        <name>.0 .. <name>.<n-1>            one file per tensor
+
+Peers learn only ``token`` (after mutual authentication) and build the path themselves from
+the authenticated peer's pid, checking that ``owner`` names that peer's engine id.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import torch
 from transfer.errors import StatusCode, TransferError
 
 SHM_ROOT = "/dev/shm"
+SHM_PREFIX = "hetero_pd"
+OWNER_FILE = "owner"
 
 _DTYPES = {
     str(dt).removeprefix("torch."): dt
@@ -113,7 +122,7 @@ class KVRegion:
         if torch.device(device).type != "cpu":
             raise TransferError(StatusCode.PARAM_INVALID, "shared regions must be on the CPU")
         sweep_stale_shm()
-        root = os.path.join(SHM_ROOT, f"hetero_pd-{os.getpid()}-{secrets.token_hex(4)}")
+        root = os.path.join(SHM_ROOT, f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}")
         os.makedirs(root, mode=0o700)
         paths = [os.path.join(root, f"{name}.{i}") for i in range(count)]
         numel = math.prod(shape)
@@ -174,8 +183,34 @@ class KVRegion:
                 f"(0..{self.num_blocks - 1})",
             )
 
+    @property
+    def shm_token(self) -> str | None:
+        """The random part of our /dev/shm directory name (None unless allocated shared)."""
+        if self._shm_dir is None:
+            return None
+        return os.path.basename(self._shm_dir).rsplit("-", 1)[1]
+
+    def claim(self, engine_id: str) -> None:
+        """Record ``engine_id`` as the owner of a shared region (peers check it)."""
+        if self._shm_dir is None:
+            return
+        path = os.path.join(self._shm_dir, OWNER_FILE)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            with open(path) as f:
+                owner = f.read()
+            if owner != engine_id:
+                raise TransferError(
+                    StatusCode.PARAM_INVALID,
+                    f"region {self.name!r} is registered with engine {owner!r} already",
+                ) from None
+            return
+        with os.fdopen(fd, "w") as f:
+            f.write(engine_id)
+
     def describe(self) -> dict[str, Any]:
-        """Wire description sent to peers when linking."""
+        """Wire description sent to peers after mutual authentication (never file paths)."""
         return {
             "name": self.name,
             "nl": self.num_layers,
@@ -184,7 +219,7 @@ class KVRegion:
             "shape": list(self.block_shape),
             "dt": dtype_name(self.dtype),
             "dev": self.tensors[0].device.type,
-            "paths": self.shm_paths,
+            "shm": self.shm_token,
         }
 
     def close(self) -> None:
@@ -203,7 +238,7 @@ def sweep_stale_shm() -> int:
         return 0
     for name in names:
         parts = name.split("-")
-        if len(parts) != 3 or parts[0] != "hetero_pd" or not parts[1].isdigit():
+        if len(parts) != 3 or parts[0] != SHM_PREFIX or not parts[1].isdigit():
             continue
         try:
             os.kill(int(parts[1]), 0)

@@ -369,6 +369,8 @@ class Sender:
         assert ot.closing is not None
         self.active.pop(ot.handle.transfer_id, None)
         self.core.finish(ot.handle, *ot.closing)
+        if ot.on_closed is not None:
+            ot.on_closed(ot.closing[0])
 
     def cancel(self, handle: TransferHandle) -> None:
         """Caller-requested cancel."""
@@ -382,9 +384,9 @@ class Sender:
             self.core.finish(ot.handle, TransferState.FAILED, err, "failed")
         self.active.clear()
 
-    def held_blocks(self) -> dict[str, int]:
+    def held_ids(self) -> dict[str, set[int]]:
         """Source blocks held by unfinished transfers, per region (for leak checks)."""
         held: dict[str, set[int]] = {}
         for ot in list(self.active.values()):  # also read from caller threads
             held.setdefault(ot.region.name, set()).update(ot.src_ids.tolist())
-        return {name: len(ids) for name, ids in held.items()}
+        return held

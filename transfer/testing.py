@@ -108,10 +108,26 @@ def _command(
     if op == "link":
         engine.link(cmd["peer"], cmd["address"])
     elif op == "reserve":
-        h = engine.reserve(cmd["rid"], cmd["ids"], timeout_s=cmd.get("timeout"))
+        h = engine.reserve(
+            cmd["rid"], cmd["ids"], timeout_s=cmd.get("timeout"), writer=cmd.get("writer")
+        )
         handles[cmd["rid"]] = h
         assert h.blocks is not None
         out = h.blocks.to_wire()
+    elif op == "offer":
+        lay = cmd.get("layers")
+        h = engine.offer(
+            cmd["rid"],
+            cmd["ids"],
+            reader=cmd["reader"],
+            layers=tuple(lay) if lay else None,
+            lease_s=cmd.get("lease_s"),
+        )
+        handles[f"offer/{cmd['rid']}"] = h
+        assert h.blocks is not None
+        out = h.blocks.to_wire()
+    elif op == "withdraw":
+        engine.withdraw(cmd["rid"])
     elif op == "wait":
         h = handles[cmd["rid"]]
         h.wait(cmd["timeout"])

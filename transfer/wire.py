@@ -2,7 +2,9 @@
 
 A frame is a ZMQ multipart message ``[header]`` or ``[header, payload]``. The header is a
 msgpack map with ``v`` (protocol version), ``t`` (message type), ``sid`` (session token,
-empty during the handshake) and the fields listed in :data:`SCHEMAS`. Payloads are raw tensor
+empty during the handshake) and the fields listed in :data:`SCHEMAS`, followed by the CRC32
+of its bytes (4 bytes, little-endian): a header damaged on the way is rejected as
+``corrupt`` and its transfer retried, never believed. Payloads are raw tensor
 bytes, never pickled objects. :func:`decode` validates every field's type before anything
 else looks at it; whatever does not validate raises :class:`FrameError` with a short reason
 that the engine counts in its metrics.
@@ -10,12 +12,14 @@ that the engine counts in its metrics.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import msgpack
 
-VERSION = 1
+VERSION = 2
 MAX_HEADER_BYTES = 1 << 20
+CRC_BYTES = 4
 
 _INT = (int,)
 _STR = (str,)
@@ -29,27 +33,11 @@ _OPT_LIST = (list, type(None))
 #: Required fields (and their types) per message type, beyond ``v``, ``t`` and ``sid``.
 SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # handshake
-    "hello": {
-        "eid": _STR,
-        "role": _STR,
-        "host": _STR,
-        "pid": _INT,
-        "nonce": _BIN,
-        "regions": _LIST,
-        "da": _STR,
-    },
-    "challenge": {
-        "eid": _STR,
-        "role": _STR,
-        "host": _STR,
-        "pid": _INT,
-        "nonce": _BIN,
-        "proof": _BIN,
-        "regions": _LIST,
-        "da": _STR,
-    },
-    "auth": {"proof": _BIN},
-    "welcome": {"token": _BIN},
+    # before authentication nothing but ids and nonces; who we are and what we hold after
+    "hello": {"eid": _STR, "role": _STR, "nonce": _BIN},
+    "challenge": {"eid": _STR, "role": _STR, "nonce": _BIN, "proof": _BIN},
+    "auth": {"proof": _BIN, "host": _STR, "pid": _INT, "da": _STR, "regions": _LIST},
+    "welcome": {"token": _BIN, "host": _STR, "pid": _INT, "da": _STR, "regions": _LIST},
     "regions": {"regions": _LIST},
     "bye": {},
     # transfers
@@ -84,6 +72,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
         "dst": _LIST,
         "sreg": _STR,
         "src": _LIST,
+        "oreq": _STR,
+        "oep": _INT,
         "lay": _OPT_LIST,
         "ntok": _OPT_INT,
         "ttl": _FLOAT,
@@ -106,16 +96,28 @@ class FrameError(Exception):
 
 def encode(msg_type: str, sid: bytes = b"", **fields: Any) -> bytes:
     """Serialize one header. Field names must match :data:`SCHEMAS` (checked in tests)."""
-    return msgpack.packb({"v": VERSION, "t": msg_type, "sid": sid, **fields}, use_bin_type=True)
+    packed = msgpack.packb({"v": VERSION, "t": msg_type, "sid": sid, **fields}, use_bin_type=True)
+    return seal(packed)
+
+
+def seal(packed: bytes) -> bytes:
+    """``packed`` followed by its CRC32 (what :func:`decode` expects)."""
+    return packed + zlib.crc32(packed).to_bytes(CRC_BYTES, "little")
 
 
 def decode(raw: bytes | memoryview, nparts: int) -> tuple[str, dict[str, Any]]:
     """Parse and validate a header; ``nparts`` is the number of parts in the message."""
     if len(raw) > MAX_HEADER_BYTES:
         raise FrameError("oversized_header", f"{len(raw)} bytes")
+    view = memoryview(raw)
+    if len(view) <= CRC_BYTES:
+        raise FrameError("malformed", "header too short")
+    body = view[:-CRC_BYTES]
+    if zlib.crc32(body) != int.from_bytes(view[-CRC_BYTES:], "little"):
+        raise FrameError("corrupt", "header checksum")
     try:
         obj = msgpack.unpackb(
-            raw,
+            body,
             raw=False,
             strict_map_key=True,
             max_bin_len=1 << 16,

@@ -1,4 +1,5 @@
-"""Two real processes on loopback: bytes identical after tcp and shm pushes and tcp pulls."""
+"""Two real processes on loopback: bytes identical after tcp and shm pushes and tcp pulls
+(of blocks the source offered)."""
 
 from __future__ import annotations
 
@@ -63,9 +64,14 @@ def test_pull_over_tcp(make_engine: Callable[..., TransferEngine]) -> None:
         {"layers": 4, "blocks": 64, "block_shape": [16, 2, 8], "seed": 3, "shared": False},
     ) as prefill:
         prefill.call("link", peer=eng.engine_id, address=eng.address)
-        recv = eng.reserve("pull-1", [7, 8])
+        ticket = prefill.call(
+            "offer", rid="held-1", ids=[30, 31], reader=eng.engine_id, layers=[1, 3]
+        )
+        recv = eng.reserve("pull-1", [7, 8], writer="prefill-src")
         assert recv.blocks is not None
-        h = eng.pull_blocks("prefill-src", [30, 31], recv.blocks, layers=(1, 3))
+        h = eng.pull_blocks(
+            "prefill-src", RemoteBlocks.from_wire(ticket), recv.blocks, layers=(1, 3)
+        )
         assert h.wait(10) is TransferState.DONE, h.error
         assert prefill.call("digest", ids=[30, 31], layers=[1, 3]) == blocks_digest(
             eng.region(), [7, 8], (1, 3)

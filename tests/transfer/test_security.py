@@ -8,7 +8,14 @@ import msgpack
 import pytest
 import zmq
 
-from transfer import RemoteBlocks, StatusCode, TransferEngine, TransferError, TransferState
+from transfer import (
+    RemoteBlocks,
+    StatusCode,
+    TransferEngine,
+    TransferError,
+    TransferState,
+    wire,
+)
 from transfer.testing import PeerProcess, blocks_digest
 
 
@@ -44,22 +51,25 @@ def test_hostile_frames_are_counted_and_ignored(
         [msgpack.packb({"v": 1, "t": "exec", "sid": b""})],
         [msgpack.packb({"v": 1, "t": "hello", "sid": b"", "eid": 5})],
         [
-            msgpack.packb(
-                {
-                    "v": 1,
-                    "t": "data",
-                    "sid": b"x" * 16,
-                    "x": "a",
-                    "s": 0,
-                    "ti": 0,
-                    "lo": 0,
-                    "hi": 1,
-                    "d": None,
-                }
+            wire.seal(
+                msgpack.packb(
+                    {
+                        "v": wire.VERSION,
+                        "t": "data",
+                        "sid": b"x" * 16,
+                        "x": "a",
+                        "s": 0,
+                        "ti": 0,
+                        "lo": 0,
+                        "hi": 1,
+                        "d": None,
+                    }
+                )
             ),
             b"\x00" * 1024,
         ],
-        [msgpack.packb({"v": 1, "t": "begin", "sid": b"", "x": "a"})],
+        [wire.seal(msgpack.packb({"v": wire.VERSION, "t": "begin", "sid": b"", "x": "a"}))],
+        [msgpack.packb({"v": 1, "t": "hello", "sid": b""}) + b"crc!"],
         [b"a", b"b", b"c"],
     ]
     for parts in frames:

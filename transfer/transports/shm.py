@@ -1,9 +1,12 @@
 """Shared-memory transport: map the receiver's /dev/shm region and write its blocks directly.
 
-The receiver allocated its region with ``KVRegion.allocate(..., shared=True)``; its
-description lists one file per tensor. The sender maps each file once per session
-(``MAP_SHARED | MAP_POPULATE``, so the first transfer does not pay page faults) and copies
-source blocks straight into the destination blocks: one copy, no staging.
+The receiver allocated its region with ``KVRegion.allocate(..., shared=True)`` and told us,
+after mutual authentication, only the random token of its directory. We build the path from
+the *authenticated* peer's pid and that token, and map the files only if the directory is a
+real directory of our user whose ``owner`` file names the peer's engine id: a peer can
+never make us write into a path it merely names. Each file is mapped once per session
+(``MAP_SHARED | MAP_POPULATE``, so the first transfer does not pay page faults) and source
+blocks are copied straight into the destination blocks: one copy, no staging.
 """
 
 from __future__ import annotations
@@ -11,39 +14,75 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import re
+import stat
 from typing import Any
 
 import torch
 
 from transfer.errors import StatusCode, TransferError
-from transfer.region import SHM_ROOT, KVRegion, parse_dtype
+from transfer.region import OWNER_FILE, SHM_PREFIX, SHM_ROOT, KVRegion, parse_dtype
 from transfer.session import Session
+
+_TOKEN = re.compile(r"[0-9a-f]{8}")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
 def available(src: KVRegion, desc: dict[str, Any]) -> bool:
     """True when the destination lives in /dev/shm and the source is host memory."""
-    paths = desc.get("paths")
-    return bool(paths) and src.tensors[0].device.type == "cpu"
+    return bool(desc.get("shm")) and src.tensors[0].device.type == "cpu"
+
+
+def peer_directory(session: Session, desc: dict[str, Any]) -> str:
+    """The peer's own region directory, verified; raises NOT_GRANTED otherwise."""
+    token, name = desc.get("shm"), desc.get("name")
+    if not (isinstance(token, str) and _TOKEN.fullmatch(token)):
+        raise _refuse(session, f"shm token {token!r}")
+    if not (isinstance(name, str) and _NAME.fullmatch(name)):
+        raise _refuse(session, f"region name {name!r}")
+    root = os.path.join(SHM_ROOT, f"{SHM_PREFIX}-{session.pid}-{token}")
+    try:
+        st = os.lstat(root)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise _refuse(session, f"{root} is not a directory of this user")
+        fd = os.open(os.path.join(root, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as f:
+            owner = f.read(256)
+    except OSError as exc:
+        raise _refuse(session, f"{root}: {exc.strerror}") from None
+    if owner != session.peer_id:
+        raise _refuse(session, f"{root} belongs to engine {owner!r}")
+    return root
 
 
 def open_region(session: Session, desc: dict[str, Any]) -> list[torch.Tensor]:
     """Map the peer's region files as tensors ``[nb, *shape]``."""
+    root = peer_directory(session, desc)
     dtype = parse_dtype(desc["dt"])
     shape = (desc["nb"], *desc["shape"])
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     tensors = []
-    for path in desc["paths"]:
-        real = os.path.realpath(path)
-        if os.path.dirname(os.path.dirname(real)) != SHM_ROOT:
-            raise TransferError(StatusCode.PARAM_INVALID, f"shm path {path!r} not under {SHM_ROOT}")
-        fd = os.open(real, os.O_RDWR)
+    for i in range(desc["nl"] * desc["tpl"]):
+        path = os.path.join(root, f"{desc['name']}.{i}")
         try:
-            if os.fstat(fd).st_size < nbytes:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise _refuse(session, f"{path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < nbytes:
                 raise TransferError(
-                    StatusCode.KV_CACHE_NOT_EXIST, f"{path} is smaller than its region"
+                    StatusCode.KV_CACHE_NOT_EXIST, f"{path} is not a file of its region's size"
                 )
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         tensors.append(torch.frombuffer(mm, dtype=torch.uint8).view(dtype).view(shape))
     return tensors
+
+
+def _refuse(session: Session, why: str) -> TransferError:
+    return TransferError(
+        StatusCode.NOT_GRANTED,
+        f"will not map shared memory of peer {session.peer_id!r} (pid {session.pid}): {why}",
+    )

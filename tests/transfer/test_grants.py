@@ -1,0 +1,231 @@
+"""Grants: a push lands only in blocks reserved for that writer, a pull reads only blocks
+offered to that reader for that request and epoch; region paths travel only after mutual
+authentication and are never mapped from a directory the peer merely names."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+import zmq
+
+from transfer import (
+    EngineConfig,
+    KVRegion,
+    RemoteBlocks,
+    StatusCode,
+    TransferEngine,
+    TransferError,
+    TransferState,
+    check_secret,
+    wire,
+)
+from transfer.testing import PeerProcess, blocks_digest, fill, make_config
+
+from .conftest import FAST, REGION
+
+SRC, DST = [1, 2, 3, 4], [40, 41, 42, 43]
+
+
+@pytest.fixture
+def trio() -> Iterator[tuple[TransferEngine, TransferEngine, TransferEngine]]:
+    """A decode engine and two prefill engines in this process, all linked to decode."""
+    cfg = make_config(FAST)
+    d = TransferEngine("d-grant", "decode", cfg)
+    a = TransferEngine("a-grant", "prefill", cfg)
+    b = TransferEngine("b-grant", "prefill", cfg)
+    try:
+        d.register_region(KVRegion.allocate("kv", 4, 64, (16, 2, 8), shared=True))
+        for i, eng in enumerate((a, b)):
+            region = KVRegion.allocate("kv", 4, 64, (16, 2, 8))
+            fill(region, 10 + i)
+            eng.register_region(region)
+            eng.link(d.engine_id, d.address)
+        yield d, a, b
+    finally:
+        for eng in (a, b, d):
+            eng.close()
+
+
+def _rejected(eng: TransferEngine, reason: str) -> int:
+    return int(eng.metrics()["frames_rejected"].get(reason, 0))
+
+
+def _zeros(like: KVRegion) -> KVRegion:
+    return KVRegion.allocate("z", like.num_layers, like.num_blocks, like.block_shape)
+
+
+@pytest.mark.parametrize("transport", ["local", "shm", "tcp"])
+def test_push_only_from_the_granted_writer(
+    trio: tuple[TransferEngine, TransferEngine, TransferEngine], transport: str
+) -> None:
+    d, a, b = trio
+    recv = d.reserve(f"w-{transport}", DST, writer=a.engine_id)
+    assert recv.blocks is not None
+    before = _rejected(d, "not_granted")
+    evil = b.push_blocks(d.engine_id, SRC, recv.blocks, transport=transport)
+    assert evil.wait(5) is TransferState.FAILED
+    assert evil.error is not None and evil.error.code is StatusCode.NOT_GRANTED
+    assert not evil.error.recoverable
+    assert _rejected(d, "not_granted") == before + 1
+    assert blocks_digest(d.region(), DST) == blocks_digest(_zeros(d.region()), DST)
+    good = a.push_blocks(d.engine_id, SRC, recv.blocks, transport=transport)
+    assert good.wait(5) is TransferState.DONE, good.error
+    assert recv.wait(5) is TransferState.DONE
+    assert blocks_digest(d.region(), DST) == blocks_digest(a.region(), SRC)
+    d.release(recv.request_id)
+    assert d.reserved_blocks() == {"kv": 0} and b.held_blocks() == {}
+
+
+def test_pull_without_an_offer_is_refused(make_engine: Callable[..., TransferEngine]) -> None:
+    """An authenticated outsider asks for the victim's block 5: refused, counted, nothing read."""
+    victim = make_engine()
+    outsider = make_engine()
+    outsider.link(victim.engine_id, victim.address)
+    recv = outsider.reserve("steal", [9])
+    assert recv.blocks is not None
+    before = _rejected(victim, "not_granted")
+    h = outsider.pull_blocks(victim.engine_id, [5], recv.blocks)
+    assert h.wait(5) is TransferState.FAILED
+    assert h.error is not None and h.error.code is StatusCode.NOT_GRANTED
+    assert _rejected(victim, "not_granted") == before + 1
+    assert blocks_digest(outsider.region(), [9]) != blocks_digest(victim.region(), [5])
+    assert victim.held_blocks() == {}
+    outsider.release("steal")
+
+
+def test_pull_serves_only_the_offer_to_that_reader(
+    make_engine: Callable[..., TransferEngine],
+) -> None:
+    source, reader, other = make_engine(), make_engine(), make_engine()
+    for eng in (reader, other):
+        eng.link(source.engine_id, source.address)
+    offer = source.offer("held-1", [5, 6], reader=reader.engine_id, layers=(1, 3))
+    assert offer.kind == "offer" and offer.blocks is not None
+    ticket = offer.blocks
+
+    def pull(eng: TransferEngine, src: RemoteBlocks, rid: str) -> TransferError:
+        recv = eng.reserve(rid, [20, 21])
+        assert recv.blocks is not None
+        h = eng.pull_blocks(source.engine_id, src, recv.blocks, layers=(1, 3))
+        assert h.wait(5) is TransferState.FAILED, rid
+        eng.release(rid)
+        assert h.error is not None
+        return h.error
+
+    assert pull(other, ticket, "other").code is StatusCode.NOT_GRANTED  # not the reader
+    stale = RemoteBlocks(ticket.request_id, ticket.epoch + 1, ticket.block_ids, ticket.region)
+    assert pull(reader, stale, "stale").code is StatusCode.NOT_GRANTED  # wrong epoch
+    wider = RemoteBlocks(ticket.request_id, ticket.epoch, (5, 7), ticket.region)
+    assert pull(reader, wider, "wider").code is StatusCode.NOT_GRANTED  # block not offered
+    recv = reader.reserve("ok", [20, 21])
+    assert recv.blocks is not None
+    outside = reader.pull_blocks(source.engine_id, ticket, recv.blocks, layers=(0, 2))
+    assert outside.wait(5) is TransferState.FAILED  # layer 0 was not offered
+    assert source.held_blocks() == {"kv": 2}  # the offer still holds blocks 5 and 6
+    h = reader.pull_blocks(source.engine_id, ticket, recv.blocks, layers=(1, 3))
+    assert h.wait(5) is TransferState.DONE, h.error
+    assert blocks_digest(reader.region(), [20, 21], (1, 3)) == blocks_digest(
+        source.region(), [5, 6], (1, 3)
+    )
+    assert offer.wait(5) is TransferState.DONE  # every offered layer was served and ACKed
+    source.progress()
+    assert source.held_blocks() == {}
+    again = reader.pull_blocks(source.engine_id, ticket, recv.blocks, layers=(1, 3))
+    assert again.wait(5) is TransferState.FAILED  # a served offer is spent
+    reader.release("ok")
+
+
+def test_offer_lease_expires_and_withdraw_ends_it(
+    make_engine: Callable[..., TransferEngine],
+) -> None:
+    source, reader = make_engine(), make_engine()
+    reader.link(source.engine_id, source.address)
+    lapsed = source.offer("lapse", [5], reader=reader.engine_id, lease_s=0.3)
+    assert lapsed.wait(5) is TransferState.TIMED_OUT
+    assert lapsed.error is not None and lapsed.error.code is StatusCode.LEASE_EXPIRED
+    withdrawn = source.offer("gone", [6], reader=reader.engine_id)
+    source.withdraw("gone")
+    assert withdrawn.wait(5) is TransferState.CANCELLED
+    for ticket in (lapsed.blocks, withdrawn.blocks):
+        assert ticket is not None
+        recv = reader.reserve(f"late-{ticket.request_id}", [30])
+        assert recv.blocks is not None
+        h = reader.pull_blocks(source.engine_id, ticket, recv.blocks)
+        assert h.wait(5) is TransferState.FAILED
+        assert h.error is not None and h.error.code is StatusCode.NOT_GRANTED
+        reader.release(recv.request_id)
+    assert source.held_blocks() == {}
+
+
+def _hello_reply(address: str) -> bytes:
+    """Speak the first step of the handshake as an unauthenticated stranger."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        # every field either protocol version asks for: whichever the engine speaks answers
+        hello = wire.encode(
+            "hello",
+            eid="stranger",
+            role="mixed",
+            host="elsewhere",
+            pid=1,
+            nonce=b"n" * 16,
+            regions=[],
+            da="",
+        )
+        sock.send(hello)
+        assert sock.poll(5000), "no answer to hello"
+        return bytes(sock.recv())
+    finally:
+        sock.close()
+
+
+def test_region_paths_only_after_authentication(
+    make_engine: Callable[..., TransferEngine],
+) -> None:
+    eng = make_engine()
+    eng.register_region(KVRegion.allocate("kv2", 1, 4, (16, 2, 8), shared=True))
+    reply = _hello_reply(eng.address)
+    assert wire.decode(reply, 1)[0] == "challenge"
+    assert b"/dev/shm" not in reply and b"hetero_pd-" not in reply and b"kv2" not in reply
+
+
+def test_foreign_shm_paths_are_never_mapped(make_engine: Callable[..., TransferEngine]) -> None:
+    """A peer that names a bystander's /dev/shm files gets nothing written there."""
+    with PeerProcess("bystander", FAST, REGION) as bystander:
+        (root,) = glob.glob(f"/dev/shm/hetero_pd-{bystander.process.pid}-*")
+        paths = sorted(glob.glob(os.path.join(root, "kv.*")), key=lambda p: int(p.rsplit(".")[-1]))
+        before = bystander.call("digest", ids=DST)
+        liar = TransferEngine("liar", "decode", make_config(FAST))
+        try:
+            like = KVRegion.allocate("kv", 4, 64, (16, 2, 8))
+            liar.register_region(KVRegion("kv", like.tensors, shm_paths=paths))
+            victim = make_engine()
+            victim.link(liar.engine_id, liar.address)
+            recv = liar.reserve("lure", DST)
+            assert recv.blocks is not None
+            h = victim.push_blocks(liar.engine_id, SRC, recv.blocks, transport="shm")
+            h.wait(5)
+            assert h.state is not TransferState.DONE
+            assert bystander.call("digest", ids=DST) == before
+            assert bystander.call("counts")["metrics"]["transports"] == {}
+        finally:
+            liar.close(close_regions=False)
+
+
+def test_empty_secret_refused_off_loopback() -> None:
+    check_secret("127.0.0.1", b"")
+    check_secret("localhost", b"")
+    check_secret("::1", b"")
+    check_secret("0.0.0.0", b"secret")
+    for host in ("0.0.0.0", "10.1.2.3", "decode-0.svc", "::"):
+        with pytest.raises(TransferError) as info:
+            check_secret(host, b"")
+        assert info.value.code is StatusCode.PARAM_INVALID and host in info.value.message
+    with pytest.raises(ValueError, match="secret"):
+        EngineConfig(host="0.0.0.0", require_secret=True)
+    EngineConfig(host="0.0.0.0")  # still allowed unless required (serving decides)
