@@ -64,9 +64,12 @@ class EngineConfig:
     chunk_bytes: int = 4 << 20
     #: Largest frame accepted from the network; larger ones are rejected and counted.
     max_frame_bytes: int = 64 << 20
-    #: Checksums per chunk on the stream (TCP) transport; off for direct writes by default.
-    checksum_stream: bool = True
-    checksum_direct: bool = False
+    #: Checksums per chunk on every transport, verified by the receiver before it commits.
+    checksum: bool = True
+    #: Per-kind overrides of ``checksum`` (None: follow it): stream (TCP) and direct writes
+    #: (local, shm).
+    checksum_stream: bool | None = None
+    checksum_direct: bool | None = None
     #: Checksum algorithm: "xxh3", "crc32c", "crc32" or "auto" (fastest installed).
     checksum_algo: str = "auto"
     #: Transports this engine may choose from, best first.
@@ -78,6 +81,11 @@ class EngineConfig:
     #: Refuse to start with an empty ``secret`` unless ``host`` is loopback-only
     #: (:func:`transfer.auth.check_secret`); serving sets it for every deployment.
     require_secret: bool = False
+
+    def checksums_on(self, direct: bool) -> bool:
+        """Whether transfers of this kind carry checksums by default."""
+        override = self.checksum_direct if direct else self.checksum_stream
+        return self.checksum if override is None else override
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.max_frame_bytes < self.chunk_bytes:

@@ -33,6 +33,7 @@ from transfer.datachan import DataChannel
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
 from transfer.handle import TransferHandle, TransferState
+from transfer.hashing import Hasher
 from transfer.ledger import Ledger
 from transfer.metrics import Metrics
 from transfer.offers import OfferBook
@@ -83,6 +84,7 @@ class Core:
         self.regions: dict[str, KVRegion] = {}
         self.ledger = Ledger(config.dedup_capacity)
         self.metrics = Metrics()
+        self.hasher = Hasher(engine_id)
         self.injector = FaultInjector(config.faults) if config.faults else None
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.router: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
@@ -380,8 +382,19 @@ class Core:
                 self.sender.on_reply(session, msg_type, h)
         elif msg_type == "regions":
             session.regions = self.linker.parse_regions(h["regions"])
+        elif msg_type == "renew":
+            self._on_renew(session, h)
         elif msg_type == "bye":
             self.linker.drop(session, "peer said bye")
+
+    def _on_renew(self, session: Session, h: dict[str, Any]) -> None:
+        """A peer keeps our reservation (it writes) or our offer (it reads) alive."""
+        now, rid, epoch, peer = time.monotonic(), h["rid"], h["ep"], session.peer_id
+        try:
+            if not self.ledger.renew(rid, now, epoch=epoch, writer=peer):
+                self.pulls.renew(rid, now, epoch=epoch, reader=peer)
+        except TransferError:
+            self.metrics.reject("not_granted")
 
     def _shutdown(self) -> None:
         closed = TransferError(StatusCode.ENGINE_CLOSED, f"engine {self.engine_id} closed")
@@ -399,3 +412,4 @@ class Core:
         self.router.close(0)
         os.close(self._wake_r)
         os.close(self._wake_w)
+        self.hasher.close()

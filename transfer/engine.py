@@ -246,6 +246,7 @@ class TransferEngine:
             deadline,
             lease,
         )
+        ot.lease_s = lease_s or self.config.lease_s
         self._core.call(lambda: self._core.sender.start(ot))
         return handle
 
@@ -359,6 +360,41 @@ class TransferEngine:
         """
         core = self._core
         core.call(lambda: core.pulls.withdraw(request_id))
+
+    # ---- leases ---------------------------------------------------------------------------
+    def renew(self, request_id: str, seconds: float | None = None) -> None:
+        """Keep what this engine holds for ``request_id`` alive (call it on each heartbeat).
+
+        Extends, to now + ``seconds`` (default: each one's own original duration), the
+        deadline of our reservation, the leases of our pushes and our offer for that request.
+        Never shortens anything; a request that holds nothing here is ignored.
+        """
+        core = self._core
+        now = time.monotonic()
+        core.ledger.renew(request_id, now, seconds)
+
+        def extend() -> None:
+            core.sender.renew(request_id, now, seconds)
+            core.pulls.renew(request_id, now, seconds)
+
+        core.call(extend)
+
+    def renew_remote(self, peer: str, blocks: RemoteBlocks) -> None:
+        """Ask ``peer`` to keep its reservation or offer ``blocks`` alive (fire and forget).
+
+        A writer renews the reservation it will push into (a long prefill); a reader renews
+        the offer it will pull (vLLM's decode heartbeats). The peer extends it by its own
+        original duration, only for the grantee named in it; others are counted and ignored.
+        """
+        core = self._core
+
+        def send() -> None:
+            session = core.session_for(peer)
+            if session is not None:
+                header = wire.encode("renew", session.token, rid=blocks.request_id, ep=blocks.epoch)
+                core.send(session, "renew", header)
+
+        core.call(send)
 
     # ---- progress, metrics, lifecycle ---------------------------------------------------
     def progress(self) -> list[TransferHandle]:

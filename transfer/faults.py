@@ -2,7 +2,10 @@
 
 A :class:`FaultPlan` is a list of rules; each rule fires on the ``nth`` .. ``nth+count-1``
 outgoing frames of one message type (``"data"``, ``"begin"``, ``"end"``, ``"ack"``, ...,
-or ``"*"`` for any). Deterministic by construction: no randomness, no clocks.
+or ``"*"`` for any). Direct writes (local, shm) have no frames: rules for ``"direct"`` fire
+on their chunk copies instead (drop: not copied, corrupt: a byte flipped in the destination
+after the copy, delay: the copy pauses first, duplicate: copied twice, reorder: copied last,
+disconnect: the session drops). Deterministic by construction: no randomness, no clocks.
 
 ==========  =================================================================
 drop        the frame is not sent
@@ -69,9 +72,8 @@ class FaultInjector:
     def __post_init__(self) -> None:
         self.seen = [0] * len(self.plan.rules)
 
-    def apply(self, msg_type: str, parts: list[bytes | memoryview], target: Any) -> list[Outgoing]:
-        """Return the frames to send (possibly none, delayed, doubled or altered)."""
-        out: list[Outgoing] = []
+    def match(self, msg_type: str) -> FaultRule | None:
+        """Count one event of ``msg_type``; the rule that fires on it, if any."""
         fired: FaultRule | None = None
         for i, rule in enumerate(self.plan.rules):
             if rule.msg_type not in ("*", msg_type):
@@ -79,11 +81,18 @@ class FaultInjector:
             self.seen[i] += 1
             if fired is None and rule.nth <= self.seen[i] < rule.nth + rule.count:
                 fired = rule
+        if fired is not None:
+            self.fired += 1
+        return fired
+
+    def apply(self, msg_type: str, parts: list[bytes | memoryview], target: Any) -> list[Outgoing]:
+        """Return the frames to send (possibly none, delayed, doubled or altered)."""
+        out: list[Outgoing] = []
+        fired = self.match(msg_type)
         frame = Outgoing(parts, target)
         if fired is None:
             out.append(frame)
         else:
-            self.fired += 1
             if fired.kind == "delay":
                 frame.delay_s = fired.delay_s
                 out.append(frame)

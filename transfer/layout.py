@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 
-from transfer import checksum
-
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
@@ -108,15 +106,48 @@ def scatter(
             dst.index_copy_(0, idx.to(dst.device), data)
         return
     inner = tuple(dst.shape[2:])
+    pos = _token_positions(dst_ids, lo, n, src_block_size, dst_block_size, num_tokens)
+    if pos.numel():
+        rows = data.reshape(-1, *inner)[: pos.numel()]
+        dst.view(-1, *inner).index_copy_(0, pos.to(dst.device), rows)
+
+
+def _token_positions(
+    dst_ids: torch.Tensor, lo: int, n: int, src_block_size: int, dst_block_size: int, ntok: int
+) -> torch.Tensor:
+    """Rows of the destination's token view that source blocks ``[lo, lo+n)`` fill."""
     t0 = lo * src_block_size
-    t1 = min(t0 + n * src_block_size, num_tokens)
-    if t1 <= t0:
-        return
+    t1 = max(min(t0 + n * src_block_size, ntok), t0)
     tokens = torch.arange(t0, t1)
-    pos = dst_ids[tokens // dst_block_size] * dst_block_size + tokens % dst_block_size
-    dst.view(-1, *inner).index_copy_(0, pos.to(dst.device), data.reshape(-1, *inner)[: t1 - t0])
+    return dst_ids[tokens // dst_block_size] * dst_block_size + tokens % dst_block_size
 
 
-def digest_blocks(algo: str, tensor: torch.Tensor, ids: torch.Tensor) -> int:
-    """Checksum of blocks ``ids`` of a CPU tensor, in order."""
-    return checksum.digest(algo, as_bytes(gather(tensor, ids).contiguous()))
+def sent_image(
+    chunk: torch.Tensor, lo: int, src_block_size: int, dst_block_size: int, num_tokens: int
+) -> torch.Tensor:
+    """What writing ``chunk`` (already in the destination's dtype) leaves in the destination,
+    in order: the blocks themselves, or only its real tokens when block sizes differ."""
+    if dst_block_size == src_block_size:
+        return chunk
+    t0 = lo * src_block_size
+    t1 = max(min(t0 + chunk.shape[0] * src_block_size, num_tokens), t0)
+    return chunk.reshape(-1, *chunk.shape[2:])[: t1 - t0]
+
+
+def landed_image(
+    dst: torch.Tensor,
+    dst_ids: torch.Tensor,
+    lo: int,
+    n: int,
+    src_block_size: int,
+    num_tokens: int,
+    dst_run: bool | None = None,
+) -> torch.Tensor:
+    """The destination bytes a direct write of source blocks ``[lo, lo+n)`` produced, in the
+    order of :func:`sent_image`, so both sides' checksums compare."""
+    dst_block_size = int(dst.shape[1])
+    if dst_block_size == src_block_size:
+        idx = dst_ids[lo : lo + n]
+        return gather(dst, idx, dst_run if dst_run is not None else None)
+    pos = _token_positions(dst_ids, lo, n, src_block_size, dst_block_size, num_tokens)
+    return dst.view(-1, *dst.shape[2:]).index_select(0, pos.to(dst.device))

@@ -39,6 +39,8 @@ class Reservation:
     deadline: float
     #: The only peer engine allowed to write these blocks (None: any authenticated peer).
     writer: str | None = None
+    #: Seconds a renewal extends the deadline by (the reservation's original timeout).
+    timeout_s: float = 0.0
     layers_done: set[int] = field(default_factory=set)
     alive: bool = True
 
@@ -99,7 +101,8 @@ class Ledger:
             owner[ids] = epoch
             blocks = RemoteBlocks(request_id, epoch, tuple(block_ids), region.name)
             handle.blocks = blocks
-            res = Reservation(blocks, handle, frozenset(layers), deadline, writer)
+            timeout = max(deadline - time.monotonic(), 0.0)
+            res = Reservation(blocks, handle, frozenset(layers), deadline, writer, timeout)
             self.by_request[request_id] = res
             return res
 
@@ -137,6 +140,32 @@ class Ledger:
                     f"not {writer!r}",
                 )
             return res
+
+    def renew(
+        self,
+        request_id: str,
+        now: float,
+        seconds: float | None = None,
+        epoch: int | None = None,
+        writer: str | None = None,
+    ) -> bool:
+        """Push a live reservation's deadline to ``now + seconds`` (default: its timeout).
+
+        With ``epoch`` and ``writer`` (a peer's renewal), only that epoch's reservation and
+        only for its writer; NOT_GRANTED for another writer. False if nothing is live.
+        """
+        with self.lock:
+            res = self.by_request.get(request_id)
+            if res is None or not res.alive or res.handle.done():
+                return False
+            if epoch is not None and res.blocks.epoch != epoch:
+                return False
+            if writer is not None and res.writer is not None and res.writer != writer:
+                raise TransferError(
+                    StatusCode.NOT_GRANTED, f"{writer!r} cannot renew {request_id!r}"
+                )
+            res.deadline = max(res.deadline, now + (seconds or res.timeout_s))
+            return True
 
     def kill(self, res: Reservation) -> None:
         """Keep the blocks owned but refuse every further write (after a timeout)."""

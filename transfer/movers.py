@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -71,6 +72,11 @@ class OutTransfer:
     last_error: TransferError | None = None
     #: Called on the I/O thread once the transfer ended and released its source blocks.
     on_closed: Callable[[TransferState], None] | None = None
+    #: Direct writes: destination block ids as a tensor, and each chunk's digest (hashing).
+    dst_ids: torch.Tensor | None = None
+    digests: dict[int, Future[int]] = field(default_factory=dict)
+    #: Seconds one renewal extends the lease by (the lease it started with).
+    lease_s: float = 0.0
 
     @property
     def inflight(self) -> int:
@@ -126,25 +132,55 @@ def pump_stream(core: Core, ot: OutTransfer) -> bool:
 
 
 def pump_direct(core: Core, ot: OutTransfer) -> list[int] | None:
-    """Copy a bounded slice into the mapped destination; digests ([] if off) once done."""
-    session = ot.session
-    assert session is not None and ot.dst_tensors is not None
-    dst_ids = torch.tensor(ot.dst.block_ids, dtype=torch.long)
+    """Copy a bounded slice into the mapped destination; the chunks' digests once done.
+
+    Every chunk is copied only while the receiver's grant is open (checked before each
+    one; chunks are at most ``chunk_bytes``, so a copy never runs long past the check). The
+    digest of what each chunk should leave in the destination is computed on the hashing
+    thread meanwhile; the receiver recomputes it from its blocks before it commits.
+    Returns None while chunks remain or the grant ran out (the caller checks which).
+    """
+    assert ot.session is not None and ot.dst_tensors is not None
+    if ot.dst_ids is None:
+        ot.dst_ids = torch.tensor(ot.dst.block_ids, dtype=torch.long)
     moved = 0
     while ot.queue and moved < PUMP_BYTES:
+        fault = core.injector.match("direct") if core.injector is not None else None
+        if fault is not None and fault.kind == "delay":
+            time.sleep(fault.delay_s)  # the writer is descheduled mid-transfer
         if time.monotonic() > ot.grant_until:
-            return None  # the caller notices the expired grant
-        c = ot.chunks[ot.queue.popleft()]
-        data = layout.gather(ot.region.tensors[c.ti], ot.src_ids[c.lo : c.hi])
-        layout.scatter(
-            ot.dst_tensors[c.ti], dst_ids, data, c.lo, ot.region.block_size, ot.num_tokens
-        )
-        nbytes = data.numel() * data.element_size()
-        moved += nbytes
-        core.metrics.of(ot.transport).bytes_sent_total += nbytes
+            return None
+        seq = ot.queue.popleft()
+        if fault is not None and fault.kind == "reorder" and ot.queue:
+            ot.queue.append(seq)
+            continue
+        if fault is not None and fault.kind == "disconnect":
+            core.linker.drop(ot.session, "fault: disconnect")
+            return None
+        moved += _copy_chunk(core, ot, seq, fault.kind if fault is not None else None)
     if ot.queue:
         return None
     if not ot.algo:
         return []
-    tensors = ot.region.tensor_range(ot.layers)
-    return [layout.digest_blocks(ot.algo, ot.dst_tensors[ti], dst_ids) for ti in tensors]
+    return [ot.digests[seq].result() for seq in range(len(ot.chunks))]
+
+
+def _copy_chunk(core: Core, ot: OutTransfer, seq: int, fault: str | None) -> int:
+    assert ot.dst_tensors is not None and ot.dst_ids is not None
+    c = ot.chunks[seq]
+    dst = ot.dst_tensors[c.ti]
+    block_size = ot.region.block_size
+    data = layout.gather(ot.region.tensors[c.ti], ot.src_ids[c.lo : c.hi])
+    data = data.to(device=dst.device, dtype=dst.dtype)
+    if ot.algo and seq not in ot.digests:
+        image = layout.sent_image(data, c.lo, block_size, int(dst.shape[1]), ot.num_tokens)
+        ot.digests[seq] = core.hasher.submit(ot.algo, image)
+    if fault == "corrupt":  # the copy lands one damaged byte (the digest is of the truth)
+        data = data.clone()
+        data.view(-1)[:1].view(torch.uint8)[0] ^= 0x5A
+    if fault != "drop":
+        for _ in range(2 if fault == "duplicate" else 1):
+            layout.scatter(dst, ot.dst_ids, data, c.lo, block_size, ot.num_tokens)
+    nbytes = data.numel() * data.element_size()
+    core.metrics.of(ot.transport).bytes_sent_total += nbytes
+    return int(nbytes)

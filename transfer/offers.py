@@ -137,6 +137,29 @@ class OfferBook:
                 del self._by_request[offer.ticket.request_id]
             return True
 
+    def renew(
+        self,
+        request_id: str,
+        now: float,
+        seconds: float | None = None,
+        epoch: int | None = None,
+        reader: str | None = None,
+    ) -> Offer | None:
+        """Extend a live offer's lease (with ``epoch``/``reader``: a reader's renewal, which
+        must name the offer's epoch; NOT_GRANTED for another peer). The offer, or None."""
+        with self._lock:
+            offer = self._by_request.get(request_id)
+            if offer is None or offer.ending is not None or now > offer.lease_until:
+                return None
+            if epoch is not None and offer.ticket.epoch != epoch:
+                return None
+            if reader is not None and offer.reader != reader:
+                raise TransferError(
+                    StatusCode.NOT_GRANTED, f"{reader!r} cannot renew {request_id!r}"
+                )
+            offer.lease_until = max(offer.lease_until, now + (seconds or offer.lease_s))
+            return offer
+
     def expired(self, now: float) -> list[Offer]:
         """Live offers whose lease ended."""
         with self._lock:

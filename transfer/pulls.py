@@ -92,6 +92,22 @@ class PullServer:
             self.offers.end(offer.ticket.request_id, TransferState.DONE, None)
         self._settle(offer)
 
+    def renew(
+        self,
+        request_id: str,
+        now: float,
+        seconds: float | None = None,
+        epoch: int | None = None,
+        reader: str | None = None,
+    ) -> bool:
+        """Extend an offer's lease and the leases of the pushes serving it."""
+        offer = self.offers.renew(request_id, now, seconds, epoch, reader)
+        if offer is None:
+            return False
+        for xid in list(offer.serving):
+            self.core.sender.extend_lease(xid, offer.lease_until)
+        return True
+
     def withdraw(self, request_id: str) -> None:
         """The owner takes its offer back: refuse new pulls, stop the ones in flight."""
         err = TransferError(StatusCode.CANCELLED, f"offer {request_id!r} withdrawn")

@@ -19,6 +19,7 @@ import torch
 from transfer import checksum, layout, transports, wire
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import TransferHandle, TransferState
+from transfer.hashing import tensor_digest
 from transfer.ledger import Reservation
 from transfer.region import KVRegion, parse_dtype
 from transfer.session import Session
@@ -136,9 +137,13 @@ class Receiver:
             return
         it.session, it.last_seen = session, time.monotonic()  # a retry may come on a new link
         if it.mode in transports.DIRECT:
+            # an absolute deadline on our monotonic clock (direct writers share this host):
+            # a grant that reaches the writer late is worth only what is left of it
             ttl = self.core.config.grant_s
-            self.core.ledger.grant(xid, it.region.name, it.dst_np.tolist(), time.monotonic() + ttl)
-            self.core.send(session, "grant", wire.encode("grant", session.token, x=xid, ttl=ttl))
+            until = time.monotonic() + ttl
+            self.core.ledger.grant(xid, it.region.name, it.dst_np.tolist(), until)
+            header = wire.encode("grant", session.token, x=xid, ttl=ttl, until=until)
+            self.core.send(session, "grant", header)
 
     def _validate(self, session: Session, h: dict[str, Any]) -> InTransfer:
         core = self.core
@@ -346,15 +351,26 @@ class Receiver:
             self.core.finish(pull.handle, TransferState.DONE)
 
     def _check_direct(self, it: InTransfer, digests: list[Any] | None) -> list[int]:
+        """Chunks whose destination bytes do not match the writer's digests."""
         if it.algo is None:
             return []
-        if digests is None or len(digests) != len(it.tensors):
-            return list(range(len(it.tensors)))
-        return [
-            i
-            for i, (ti, d) in enumerate(zip(it.tensors, digests, strict=True))
-            if layout.digest_blocks(it.algo, it.region.tensors[ti], it.dst_ids) != d
-        ]
+        chunks = layout.plan(it.tensors, it.nsrc, it.bpc)
+        if digests is None or len(digests) != len(chunks):
+            return [c.seq for c in chunks]
+        bad = []
+        for c, expected in zip(chunks, digests, strict=True):
+            image = layout.landed_image(
+                it.region.tensors[c.ti],
+                it.dst_ids,
+                c.lo,
+                c.hi - c.lo,
+                it.src_shape[0],
+                it.ntok,
+                it.dst_run,
+            )
+            if tensor_digest(it.algo, image) != expected:
+                bad.append(c.seq)
+        return bad
 
     def _drop(self, it: InTransfer) -> None:
         self.active.pop(it.xid, None)

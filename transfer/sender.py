@@ -106,11 +106,8 @@ class Sender:
         ot.algo = self._algo(ot, direct)
         n = ot.src_ids.numel()
         tensors = ot.region.tensor_range(ot.layers)
-        ot.bpc = (
-            n
-            if direct
-            else layout.blocks_per_chunk(ot.region.block_bytes, core.config.chunk_bytes, n)
-        )
+        # direct copies are chunked too: the grant window is checked before every chunk
+        ot.bpc = layout.blocks_per_chunk(ot.region.block_bytes, core.config.chunk_bytes, n)
         ot.chunks = layout.plan(tensors, n, ot.bpc)
         ot.queue = deque(range(len(ot.chunks)))
         header = wire.encode(
@@ -158,8 +155,7 @@ class Sender:
             return None
         if ot.requested_algo is not None:
             return checksum.resolve(ot.requested_algo)
-        enabled = cfg.checksum_direct if direct else cfg.checksum_stream
-        return checksum.resolve(cfg.checksum_algo) if enabled else None
+        return checksum.resolve(cfg.checksum_algo) if cfg.checksums_on(direct) else None
 
     # ---- moving bytes -------------------------------------------------------------------
     def wait_hint(self) -> float | None:
@@ -236,8 +232,14 @@ class Sender:
                 )
                 self._fail(ot, err)
                 return
-            ot.grant_until = time.monotonic() + float(h["ttl"]) - GRANT_MARGIN_S
-            ot.phase = "direct"
+            # The receiver's own deadline (same host, same monotonic clock), bounded by the
+            # window's length counted from now in case the clocks disagree after all.
+            now = time.monotonic()
+            until = min(float(h["until"]), now + float(h["ttl"])) - GRANT_MARGIN_S
+            if until <= now:
+                self._retry(ot, TransferError(StatusCode.TIMEOUT, "grant arrived too late"))
+                return
+            ot.grant_until, ot.phase = until, "direct"
             return
         if code is StatusCode.SUCCESS:
             if h.get("dup"):
@@ -246,9 +248,9 @@ class Sender:
             return
         err = TransferError(code, f"peer {session.peer_id!r}: {h['msg']}")
         bad = h.get("bad") or []
+        if code is StatusCode.CHECKSUM_MISMATCH:
+            self.core.metrics.of(ot.transport or "tcp").checksum_failures_total += 1
         if msg_type == "ack" and code.recoverable and bad and ot.transport == "tcp":
-            if code is StatusCode.CHECKSUM_MISMATCH:
-                self.core.metrics.of(ot.transport).checksum_failures_total += 1
             if not self._count_retry(ot, err):
                 return
             ot.queue = deque(s for s in wire.int_list(bad, "bad", len(ot.chunks)))
@@ -313,6 +315,22 @@ class Sender:
             self._attempt(ot)
         elif ot.phase != "backoff" and now > ot.attempt_until:
             self._retry(ot, TransferError(StatusCode.TIMEOUT, f"no answer in phase {ot.phase}"))
+
+    def renew(self, request_id: str, now: float, seconds: float | None = None) -> int:
+        """Extend the source-block leases of our pushes for ``request_id``; how many."""
+        count = 0
+        for ot in self.active.values():
+            if ot.handle.request_id == request_id and ot.closing is None:
+                ot.lease_until = max(ot.lease_until, now + (seconds or ot.lease_s))
+                count += 1
+        return count
+
+    def extend_lease(self, transfer_id: str, until: float) -> None:
+        """Move one transfer's lease (and deadline) to ``until`` (a renewed offer's)."""
+        ot = self.active.get(transfer_id)
+        if ot is not None and ot.closing is None:
+            ot.lease_until = max(ot.lease_until, until)
+            ot.deadline = max(ot.deadline, until)
 
     # ---- links --------------------------------------------------------------------------
     def on_linked(self, session: Session) -> None:

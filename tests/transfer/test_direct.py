@@ -1,0 +1,180 @@
+"""Direct writes (local, shm): checksummed by default and verified before commit, written only
+inside the receiver's absolute grant window; leases and reservations renewed while alive."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from transfer import KVRegion, StatusCode, TransferEngine, TransferState
+from transfer.testing import blocks_digest, fill, make_config
+
+from .conftest import FAST
+
+SRC, DST = [1, 2, 3, 4, 5, 6], [40, 41, 42, 43, 44, 45]
+
+Pair = tuple[TransferEngine, TransferEngine]
+
+
+@pytest.fixture
+def make_pair() -> Iterator[Callable[..., Pair]]:
+    """A prefill and a decode engine in this process (decode region in /dev/shm), linked."""
+    made: list[TransferEngine] = []
+
+    def build(sender: dict[str, object] | None = None, receiver: dict[str, object] | None = None):
+        n = len(made)
+        p = TransferEngine(f"p-direct-{n}", "prefill", make_config({**FAST, **(sender or {})}))
+        d = TransferEngine(f"d-direct-{n}", "decode", make_config({**FAST, **(receiver or {})}))
+        made.extend((p, d))
+        src = KVRegion.allocate("kv", 4, 64, (16, 2, 8))
+        fill(src, 3)
+        p.register_region(src)
+        d.register_region(KVRegion.allocate("kv", 4, 64, (16, 2, 8), shared=True))
+        p.link(d.engine_id, d.address)
+        return p, d
+
+    try:
+        yield build
+    finally:
+        for eng in made:
+            eng.close()
+
+
+def _checksum_failures(eng: TransferEngine, transport: str) -> int:
+    return int(eng.metrics()["transports"].get(transport, {}).get("checksum_failures_total", 0))
+
+
+@pytest.mark.parametrize("transport", ["local", "shm"])
+def test_corrupted_direct_write_is_detected_and_retried(
+    make_pair: Callable[..., Pair], transport: str
+) -> None:
+    """Checksums on by default: a byte flipped in the written blocks is caught before commit."""
+    p, d = make_pair(sender={"faults": [{"kind": "corrupt", "msg_type": "direct", "nth": 2}]})
+    recv = d.reserve("flip", DST, writer=p.engine_id)
+    assert recv.blocks is not None
+    h = p.push_blocks(d.engine_id, SRC, recv.blocks, transport=transport)
+    assert h.wait(10) is TransferState.DONE, h.error
+    assert h.attempts >= 2
+    assert _checksum_failures(d, transport) >= 1
+    assert blocks_digest(d.region(), DST) == blocks_digest(p.region(), SRC)
+    d.release("flip")
+
+
+def test_direct_corruption_that_never_stops_fails_uncommitted(
+    make_pair: Callable[..., Pair],
+) -> None:
+    p, d = make_pair(
+        sender={
+            "faults": [{"kind": "corrupt", "msg_type": "direct", "nth": 1, "count": 1000}],
+            "retry": {"attempts": 2, "base_delay_s": 0.01, "max_delay_s": 0.01},
+        }
+    )
+    recv = d.reserve("rotten", DST, writer=p.engine_id)
+    assert recv.blocks is not None
+    h = p.push_blocks(d.engine_id, SRC, recv.blocks, transport="shm")
+    assert h.wait(10) is TransferState.FAILED
+    assert h.error is not None and h.error.code is StatusCode.CHECKSUM_MISMATCH
+    assert recv.wait(0.01) is TransferState.PENDING  # never committed
+    d.release("rotten")
+    assert p.held_blocks() == {}
+
+
+@pytest.mark.parametrize("transport", ["local", "shm"])
+def test_direct_write_converts_and_verifies(make_pair: Callable[..., Pair], transport: str) -> None:
+    """Checksums hold across a dtype and block-size conversion on the direct path too."""
+    p, d = make_pair()
+    d.register_region(KVRegion.allocate("half", 4, 64, (8, 2, 8), torch.float16, shared=True))
+    dst_ids = [9, 2, 30, 4, 5, 11, 12, 13, 14, 15, 16]  # 88 tokens in blocks of 8
+    recv = d.reserve("conv", dst_ids, region="half", writer=p.engine_id)
+    assert recv.blocks is not None
+    h = p.push_blocks(d.engine_id, SRC, recv.blocks, num_tokens=88, transport=transport)
+    assert h.wait(10) is TransferState.DONE, h.error
+    for got, src in zip(d.region("half").tensors, p.region().tensors, strict=True):
+        want = src[SRC].reshape(-1, 2, 8)[:88].to(torch.float16)
+        assert torch.equal(got[dst_ids].reshape(-1, 2, 8), want)
+    assert _checksum_failures(d, transport) == 0
+
+
+def test_late_grant_writes_nothing(make_pair: Callable[..., Pair]) -> None:
+    """A GRANT that arrives after its window writes nothing, even into reused blocks."""
+    p, d = make_pair(
+        sender={"ack_timeout_s": 5.0},
+        receiver={
+            "grant_s": 0.5,
+            "faults": [{"kind": "delay", "msg_type": "grant", "nth": 1, "delay_s": 1.5}],
+        },
+    )
+    recv = d.reserve("late", DST, writer=p.engine_id)
+    assert recv.blocks is not None
+    h = p.push_blocks(d.engine_id, SRC, recv.blocks, transport="shm")
+    deadline = time.monotonic() + 5
+    while d.metrics()["faults_injected_total"] < 1:  # the grant is on its (slow) way
+        assert time.monotonic() < deadline, "no grant was issued"
+        time.sleep(0.01)
+    fence = d.release("late")
+    assert 0 < fence <= 0.5  # the blocks stay fenced while the grant window is open
+    time.sleep(fence)  # honour the fence, as the worker does, then reuse the blocks
+    reuse = d.reserve("reuse", DST)
+    assert h.wait(10) is TransferState.FAILED
+    assert h.error is not None and h.error.code in (StatusCode.STALE_EPOCH, StatusCode.TIMEOUT)
+    zeros = KVRegion.allocate("z", 4, 64, (16, 2, 8))
+    assert blocks_digest(d.region(), DST) == blocks_digest(zeros, DST)  # nothing landed
+    assert reuse.state is TransferState.PENDING
+    d.release("reuse")
+
+
+def test_reservation_renewed_across_a_slow_prefill(make_pair: Callable[..., Pair]) -> None:
+    """The prefill side keeps the decode reservation alive while it computes, then pushes."""
+    p, d = make_pair()
+    kept = d.reserve("slow", DST, writer=p.engine_id, timeout_s=1.0)
+    lapsed = d.reserve("lapsed", [50], writer=p.engine_id, timeout_s=1.0)
+    assert kept.blocks is not None
+    end = time.monotonic() + 2.5
+    while time.monotonic() < end:  # a long prefill, renewing on each heartbeat
+        p.renew_remote(d.engine_id, kept.blocks)
+        time.sleep(0.2)
+    assert lapsed.wait(0) is TransferState.TIMED_OUT  # what happens without renewal
+    assert not kept.done()
+    h = p.push_blocks(d.engine_id, SRC, kept.blocks)
+    assert h.wait(10) is TransferState.DONE, h.error
+    assert kept.wait(5) is TransferState.DONE
+    d.release("slow")
+    d.release("lapsed")
+
+
+def test_only_the_grantee_renews(make_pair: Callable[..., Pair]) -> None:
+    p, d = make_pair()
+    q, _ = make_pair()
+    q.link(d.engine_id, d.address)
+    recv = d.reserve("mine", DST, writer=p.engine_id, timeout_s=1.0)
+    assert recv.blocks is not None
+    before = d.metrics()["frames_rejected"].get("not_granted", 0)
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:
+        q.renew_remote(d.engine_id, recv.blocks)  # not the writer: ignored and counted
+        time.sleep(0.2)
+    assert recv.wait(5) is TransferState.TIMED_OUT
+    assert d.metrics()["frames_rejected"].get("not_granted", 0) > before
+    d.release("mine")
+
+
+def test_offer_lease_renewed_by_its_owner_and_its_reader(make_pair: Callable[..., Pair]) -> None:
+    p, d = make_pair()
+    held = p.offer("held", SRC, reader=d.engine_id, lease_s=0.6)
+    assert held.blocks is not None
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:
+        p.renew("held")  # the owner's own heartbeat
+        d.renew_remote(p.engine_id, held.blocks)  # and the reader's
+        time.sleep(0.15)
+    assert not held.done()
+    recv = d.reserve("pull-held", DST, writer=p.engine_id)
+    assert recv.blocks is not None
+    pull = d.pull_blocks(p.engine_id, held.blocks, recv.blocks)
+    assert pull.wait(10) is TransferState.DONE, pull.error
+    assert held.wait(5) is TransferState.DONE
+    assert blocks_digest(d.region(), DST) == blocks_digest(p.region(), SRC)
+    d.release("pull-held")
