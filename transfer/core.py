@@ -113,6 +113,8 @@ class Core:
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._tick = itertools.count()
         self.closing = False
+        #: Why the I/O thread died (None while it runs or after a normal close).
+        self.fatal: str | None = None
         self.links: dict[zmq.Socket[bytes], Link] = {}
         self.out_sessions: dict[str, Session] = {}
         self.in_sessions: dict[str, Session] = {}
@@ -127,10 +129,15 @@ class Core:
         self.thread.start()
 
     # ---- called from user threads -------------------------------------------------------
+    def check_open(self) -> None:
+        """Raise ENGINE_CLOSED (with the reason if the I/O thread died) once closed."""
+        if self.closing:
+            why = f": its I/O thread died ({self.fatal})" if self.fatal else ""
+            raise TransferError(StatusCode.ENGINE_CLOSED, f"engine {self.engine_id} is closed{why}")
+
     def call(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the I/O thread soon."""
-        if self.closing:
-            raise TransferError(StatusCode.ENGINE_CLOSED, f"engine {self.engine_id} is closed")
+        self.check_open()
         self.commands.append(fn)
         try:
             os.write(self._wake_w, b"x")
@@ -250,9 +257,21 @@ class Core:
     def _run(self) -> None:
         try:
             while not self.closing:
-                self._iterate()
+                self._contained(self._iterate, "loop")
+        except BaseException as exc:  # not a bug in one step: the thread cannot go on
+            self.fatal = f"{type(exc).__name__}: {exc}"
+            log.critical("engine %s: I/O thread died: %s", self.engine_id, self.fatal)
         finally:
-            self._shutdown()
+            self.closing = True
+            self._contained(self._shutdown, "shutdown")
+
+    def _contained(self, fn: Callable[[], None], what: str) -> None:
+        """Run one step; an exception there is a bug: log and count it, the thread goes on."""
+        try:
+            fn()
+        except Exception:
+            self.metrics.internal_errors_total += 1
+            log.exception("engine %s: %s failed (contained)", self.engine_id, what)
 
     def _iterate(self) -> None:
         hint = self.sender.wait_hint()
@@ -281,16 +300,17 @@ class Core:
             else:
                 self._drain(sock, inbound=False)
         while self.commands:
-            self.commands.popleft()()
+            self._contained(self.commands.popleft(), "command")
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
-            heapq.heappop(self._timers)[2]()
-        self.sender.pump()
-        self.receiver.tick(time.monotonic())
-        self.pulls.tick(time.monotonic())
+            self._contained(heapq.heappop(self._timers)[2], "timer")
+        self._contained(self.sender.pump, "sending")
+        self._contained(lambda: self.receiver.tick(time.monotonic()), "receiver deadlines")
+        self._contained(lambda: self.pulls.tick(time.monotonic()), "offer leases")
         if self.datachan is not None:
-            self.datachan.tick(time.monotonic())
-        self.flush_faults()
+            datachan = self.datachan
+            self._contained(lambda: datachan.tick(time.monotonic()), "data channel")
+        self._contained(self.flush_faults, "faults")
 
     def _drain(self, sock: zmq.Socket[bytes], inbound: bool) -> None:
         for _ in range(256):
@@ -331,6 +351,10 @@ class Core:
                 self.linker.on_handshake(msg_type, h, identity, link)
             except wire.FrameError as exc:
                 self.metrics.reject(exc.reason)
+            except Exception:  # never let one frame kill the I/O thread
+                self.metrics.internal_errors_total += 1
+                log.exception("engine %s: handshake %s failed", self.engine_id, msg_type)
+                self.metrics.reject("internal_error")
             return
         session = self.in_by_identity.get(identity) if identity is not None else None
         if link is not None:
@@ -359,6 +383,7 @@ class Core:
             log.exception(
                 "engine %s: handling %s from %s failed", self.engine_id, msg_type, session.peer_id
             )
+            self.metrics.internal_errors_total += 1
             self.metrics.reject("internal_error")
 
     def _route(
@@ -397,7 +422,8 @@ class Core:
             self.metrics.reject("not_granted")
 
     def _shutdown(self) -> None:
-        closed = TransferError(StatusCode.ENGINE_CLOSED, f"engine {self.engine_id} closed")
+        why = f": its I/O thread died ({self.fatal})" if self.fatal else ""
+        closed = TransferError(StatusCode.ENGINE_CLOSED, f"engine {self.engine_id} closed{why}")
         self.sender.abort_all(closed)
         self.receiver.abort_all(closed)
         self.pulls.abort_all(closed)

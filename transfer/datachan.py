@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 import zmq
 
 from transfer import dataframe
+from transfer.addresses import split_host_port
+from transfer.errors import TransferError
 from transfer.intake import DataIn
 from transfer.session import Session
 
@@ -69,9 +71,9 @@ class DataOut:
 
     def __init__(self, chan: DataChannel, session: Session) -> None:
         self.chan, self.session = chan, session
-        host, _, port = session.data_address.rpartition(":")
+        host, port = split_host_port(session.data_address, "data address")
         self.sock = _socket_for(host)
-        err = self.sock.connect_ex((host.strip("[]"), int(port)))
+        err = self.sock.connect_ex((host, port))
         if err not in (0, errno.EINPROGRESS):
             self.sock.close()
             raise OSError(err, f"data channel to {session.data_address}: {errno.errorcode[err]}")
@@ -227,7 +229,7 @@ class DataChannel:
         if conn is None or conn.closed:
             try:
                 conn = DataOut(self, session)
-            except OSError as exc:
+            except (OSError, TransferError) as exc:
                 log.debug("engine %s: %s", self.core.engine_id, exc)
                 return False
             session.data_out = conn

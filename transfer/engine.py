@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from transfer import wire
+from transfer.addresses import parse_endpoint
 from transfer.config import EngineConfig, Role
 from transfer.core import Core
 from transfer.errors import StatusCode, TransferError
@@ -62,24 +63,52 @@ class TransferEngine:
     def link(self, peer_id: str, address: str, timeout: float | None = None) -> None:
         """Connect and authenticate to ``peer_id`` listening at ``address``.
 
-        Blocks until linked; raises LINK_FAILED / AUTH_FAILED. Linking is needed once per
-        pair, from either side: both may then push and pull. Transfers re-link by themselves.
+        Blocks until linked (at most ``link_timeout_s``); raises PARAM_INVALID for an address
+        that is not ``tcp://host:port``, LINK_FAILED / AUTH_FAILED otherwise. Linking is
+        needed once per pair, from either side: both may then push and pull. Transfers
+        re-link by themselves. A worker loop should use :meth:`link_async` or
+        :meth:`set_peer_address` instead, which never block.
         """
-        core = self._core
         wait = timeout if timeout is not None else self.config.link_timeout_s
-        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-        def start() -> None:
-            core.sender.addresses[peer_id] = address
-            core.linker.connect(peer_id, address, fut)
-
-        core.call(start)
+        fut = self.link_async(peer_id, address)
         try:
             fut.result(wait + 1.0)
         except concurrent.futures.TimeoutError:
             raise TransferError(
                 StatusCode.LINK_FAILED, f"{peer_id} at {address}: timed out"
             ) from None
+
+    def link_async(self, peer_id: str, address: str) -> concurrent.futures.Future[None]:
+        """Start linking to ``peer_id`` at ``address``; returns at once.
+
+        The future completes when linked, or fails with the :class:`TransferError` that
+        :meth:`link` would raise (a bad address fails it immediately). Also remembers the
+        address, as :meth:`set_peer_address` does.
+        """
+        core = self._core
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        try:
+            parse_endpoint(address)
+        except TransferError as exc:
+            fut.set_exception(exc)
+            return fut
+
+        def start() -> None:
+            core.sender.addresses[peer_id] = address
+            core.linker.connect(peer_id, address, fut)
+
+        core.call(start)
+        return fut
+
+    def set_peer_address(self, peer_id: str, address: str) -> None:
+        """Where ``peer_id`` listens (``tcp://host:port``); returns at once.
+
+        The next push or pull to ``peer_id`` links there by itself when no session is up.
+        Raises PARAM_INVALID for an address that does not parse.
+        """
+        parse_endpoint(address)
+        core = self._core
+        core.call(lambda: core.sender.addresses.__setitem__(peer_id, address))
 
     def unlink(self, peer_id: str) -> None:
         """Drop every session with ``peer_id``; its transfers fail or time out."""
@@ -142,6 +171,7 @@ class TransferEngine:
         answer to our pull); any other peer is refused with NOT_GRANTED and counted in
         ``frames_rejected["not_granted"]``. None lets any authenticated peer write them.
         """
+        self._core.check_open()
         reg = self.region(region)
         handle = TransferHandle(f"{self.engine_id}/recv/{request_id}", "recv", "", request_id)
         handle._cancel = self._release_handle
@@ -408,6 +438,23 @@ class TransferEngine:
         return done
 
     poll = progress
+
+    def healthy(self) -> bool:
+        """True while the engine's I/O thread runs; False once closed or after it died."""
+        core = self._core
+        return core.thread.is_alive() and not core.closing
+
+    def health(self) -> dict[str, Any]:
+        """``healthy``, ``closed``, ``error`` (why the I/O thread died, or None) and
+        ``internal_errors`` (bugs contained on the I/O thread so far) for the worker's
+        health report: a worker whose transfer engine is unhealthy is not healthy."""
+        core = self._core
+        return {
+            "healthy": self.healthy(),
+            "closed": core.closing,
+            "error": core.fatal,
+            "internal_errors": core.metrics.internal_errors_total,
+        }
 
     def metrics(self) -> dict[str, Any]:
         """Snapshot for the Prometheus exporter (plain dicts and numbers)."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from transfer import auth, wire
+from transfer.addresses import parse_endpoint, split_host_port
 from transfer.errors import StatusCode, TransferError
 from transfer.session import Link, Session
 
@@ -49,7 +50,21 @@ class Linker:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, core.config.max_frame_bytes + wire.MAX_HEADER_BYTES)
-        sock.connect(address)
+        try:
+            parse_endpoint(address)
+            sock.connect(address)
+        except (TransferError, zmq.ZMQError) as exc:
+            sock.close(0)
+            err = (
+                exc
+                if isinstance(exc, TransferError)
+                else TransferError(StatusCode.LINK_FAILED, f"cannot connect to {address!r}: {exc}")
+            )
+            core.metrics.link_failures_total += 1
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(err)
+            core.sender.on_link_failed(peer_id, err)
+            return
         deadline = time.monotonic() + core.config.link_timeout_s
         link = Link(peer_id, address, sock, auth.new_nonce(), deadline)
         if waiter is not None:
@@ -148,6 +163,7 @@ class Linker:
             return
         try:
             regions = self.parse_regions(h["regions"])
+            check_data_address(h["da"])
         except wire.FrameError as exc:
             core.metrics.reject(exc.reason)
             self._fail_link(link, StatusCode.FRAME_INVALID, f"bad welcome: {exc}")
@@ -206,8 +222,12 @@ class Linker:
             return
         try:
             regions = self.parse_regions(h["regions"])
+            check_data_address(h["da"])
         except wire.FrameError as exc:
             core.metrics.reject(exc.reason)
+            code = StatusCode.FRAME_INVALID.number
+            reply = wire.encode("error", x="", code=code, msg=f"link refused: {exc}")
+            self._router_send(identity, reply)
             return
         token = auth.new_nonce()
         session = Session(
@@ -298,3 +318,12 @@ class Linker:
             self.core.router.send_multipart([identity, header], zmq.NOBLOCK)
         except zmq.ZMQError:
             self.pending.pop(identity, None)
+
+
+def check_data_address(address: str) -> None:
+    """A peer's advertised data address must be empty (none) or ``host:port``."""
+    if address:
+        try:
+            split_host_port(address, "data address")
+        except TransferError as exc:
+            raise wire.FrameError("bad_field", exc.message) from None

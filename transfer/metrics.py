@@ -66,6 +66,8 @@ class Metrics:
     #: Data connections that presented a live session's token.
     data_links_total: int = 0
     faults_injected_total: int = 0
+    #: Exceptions (bugs) contained on the I/O thread: each failed one command, timer or frame.
+    internal_errors_total: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def of(self, transport: str) -> TransportMetrics:
@@ -93,6 +95,7 @@ class Metrics:
                 "auth_failures_total": self.auth_failures_total,
                 "data_links_total": self.data_links_total,
                 "faults_injected_total": self.faults_injected_total,
+                "internal_errors_total": self.internal_errors_total,
                 "latency_bucket_bounds": list(LATENCY_BUCKETS),
                 **gauges,
             }
