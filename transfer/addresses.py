@@ -26,7 +26,7 @@ def split_host_port(text: str, what: str = "address") -> tuple[str, int]:
         host = host[1:-1]
         valid = _is_ip(host, 6)
     else:
-        valid = _valid_host(host)
+        valid = ":" not in host and valid_host(host)
     if not sep or not valid or not port.isdigit() or not 0 < int(port) < 65536:
         raise TransferError(
             StatusCode.PARAM_INVALID, f"bad {what} {text[:80]!r}: expected host:port"
@@ -49,10 +49,30 @@ def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _valid_host(host: str) -> bool:
+def valid_host(host: str) -> bool:
+    """A host name, an IPv4 address or a bare IPv6 address (no port)."""
     if not host or len(host) > MAX_HOST:
         return False
-    return _is_ip(host, 4) or bool(_HOSTNAME.fullmatch(host))
+    return _is_ip(host, 4) or _is_ip(host, 6) or bool(_HOSTNAME.fullmatch(host))
+
+
+def endpoint(host: str, port: int) -> str:
+    """``tcp://host:port`` (IPv6 in brackets)."""
+    return f"tcp://{join_host_port(host, port)}"
+
+
+def is_ip(host: str) -> bool:
+    """True for an IPv4 or IPv6 address literal (no name resolution needed)."""
+    return _is_ip(host, 4) or _is_ip(host, 6)
+
+
+def reachable(advertised: str, dialled_host: str) -> str:
+    """A peer's advertised ``host:port`` with a wildcard host replaced by ``dialled_host``
+    (the host we reached that peer's link by, or the address its connection came from)."""
+    if not advertised or not dialled_host:
+        return advertised
+    host, port = split_host_port(advertised, "data address")
+    return join_host_port(dialled_host, port) if host in WILDCARDS else advertised
 
 
 def _is_ip(host: str, version: int) -> bool:

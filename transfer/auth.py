@@ -47,6 +47,12 @@ def client_proof(secret: bytes, nonce_c: bytes, nonce_s: bytes, client: str, ser
     return _mac(secret, b"C", nonce_s, nonce_c, client, server)
 
 
+def data_proof(token: bytes, receiver: str) -> bytes:
+    """What opens a data connection: binds it to a session *and* to the engine it is for, so
+    a connection that reaches the wrong engine (say, our own listener) is refused."""
+    return hmac.new(token, b"data|" + receiver.encode(), hashlib.sha256).digest()[:NONCE_BYTES]
+
+
 def verify(expected: bytes, got: bytes) -> bool:
     """Constant-time comparison."""
     return hmac.compare_digest(expected, got)

@@ -6,6 +6,7 @@ import enum
 import os
 from dataclasses import dataclass, field, fields
 
+from transfer.addresses import valid_host
 from transfer.auth import check_secret
 from transfer.errors import TransferError
 from transfer.faults import FaultPlan
@@ -43,6 +44,10 @@ class EngineConfig:
 
     host: str = "127.0.0.1"
     port: int = 0
+    #: The host name or address peers reach this engine by, advertised for both the link
+    #: and the data channel (a pod's DNS name when ``host`` is 0.0.0.0). Empty: ``host``;
+    #: when that is a wildcard, peers use the host they dialled to reach our link.
+    advertise_host: str = ""
     secret: bytes = b""
     #: Deadline of one link handshake.
     link_timeout_s: float = 5.0
@@ -93,6 +98,11 @@ class EngineConfig:
         for name in ("link_timeout_s", "transfer_timeout_s", "lease_s", "ack_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0")
+        if self.advertise_host and not valid_host(self.advertise_host):
+            raise ValueError(
+                f"EngineConfig.advertise_host {self.advertise_host!r}: a host name or "
+                "address without a port"
+            )
         if self.require_secret:
             try:
                 check_secret(self.host, self.secret)
@@ -106,8 +116,9 @@ class EngineConfig:
     def from_env(cls, **overrides: object) -> EngineConfig:
         """Build a config from ``HETERO_PD_TRANSFER_*`` environment variables plus overrides.
 
-        Reads ``HETERO_PD_TRANSFER_SECRET`` (the shared secret) and
-        ``HETERO_PD_TRANSFER_HOST``; other settings come from ``overrides``.
+        Reads ``HETERO_PD_TRANSFER_SECRET`` (the shared secret),
+        ``HETERO_PD_TRANSFER_HOST`` and ``HETERO_PD_TRANSFER_ADVERTISE_HOST``; other settings
+        come from ``overrides``.
         """
         names = {f.name for f in fields(cls)}
         bad = set(overrides) - names
@@ -120,5 +131,8 @@ class EngineConfig:
         host = os.environ.get("HETERO_PD_TRANSFER_HOST")
         if host:
             values["host"] = host
+        advertise = os.environ.get("HETERO_PD_TRANSFER_ADVERTISE_HOST")
+        if advertise:
+            values["advertise_host"] = advertise
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]

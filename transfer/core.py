@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import zmq
 
 from transfer import wire
+from transfer.addresses import endpoint
 from transfer.config import EngineConfig, Role
 from transfer.datachan import DataChannel
 from transfer.errors import StatusCode, TransferError
@@ -59,6 +60,14 @@ class Route:
     via_data: bool = False
     #: The transfer whose source blocks the frame views (data channel accounting).
     owner: OutTransfer | None = None
+
+
+def _peer_ip(frame: zmq.Frame) -> str:
+    """The address an inbound ZMQ message came from ("" if unknown)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return ""
 
 
 def host_id() -> str:
@@ -98,7 +107,7 @@ class Core:
             port = config.port
         else:
             port = self.router.bind_to_random_port(f"tcp://{config.host}")
-        self.address = f"tcp://{config.host}:{port}"
+        self.address = endpoint(config.advertise_host or config.host, port)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self._wake_r, self._wake_w = os.pipe()
@@ -106,6 +115,9 @@ class Core:
         os.set_blocking(self._wake_w, False)
         self.poller.register(self._wake_r, zmq.POLLIN)
         self.datachan = DataChannel(self) if config.data_channel else None
+        if self.datachan is not None:
+            self.datachan.on_unusable = self._on_data_unusable
+            self.datachan.on_peer_closed = self.ping
         #: Where peers reach our data channel (advertised in the handshake; "" if off).
         self.data_address = self.datachan.address if self.datachan is not None else ""
         self.commands: deque[Callable[[], None]] = deque()
@@ -348,7 +360,8 @@ class Core:
             return
         if msg_type in wire.HANDSHAKE:
             try:
-                self.linker.on_handshake(msg_type, h, identity, link)
+                peer_ip = _peer_ip(parts[0]) if msg_type == "auth" else ""
+                self.linker.on_handshake(msg_type, h, identity, link, peer_ip)
             except wire.FrameError as exc:
                 self.metrics.reject(exc.reason)
             except Exception:  # never let one frame kill the I/O thread
@@ -361,6 +374,16 @@ class Core:
             session = link.session
             if session is None and msg_type == "error":
                 self.linker.on_link_error(link, h)
+                return
+            if (
+                session is not None
+                and msg_type == "error"
+                and not h["x"]
+                and h["sid"] != session.token
+            ):
+                # the engine at our link's address does not know our session (it restarted):
+                # all this can make us do is link again, so it needs no token
+                self.linker.on_session_error(session, h)
                 return
         if session is None or not session.alive or h["sid"] != session.token:
             self.metrics.reject("unauthenticated")
@@ -407,10 +430,21 @@ class Core:
                 self.sender.on_reply(session, msg_type, h)
         elif msg_type == "regions":
             session.regions = self.linker.parse_regions(h["regions"])
+        elif msg_type == "ping":
+            pass  # proves the session is known; an unknown one is answered NOT_LINKED
         elif msg_type == "renew":
             self._on_renew(session, h)
         elif msg_type == "bye":
             self.linker.drop(session, "peer said bye")
+
+    def _on_data_unusable(self, session: Session) -> None:
+        self.sender.on_data_unusable(session)
+
+    def ping(self, session: Session) -> None:
+        """Probe a session on its link: a restarted peer answers NOT_LINKED (we re-link), a
+        dead one makes the send fail (we drop the session)."""
+        if session.alive:
+            self.send(session, "ping", wire.encode("ping", session.token))
 
     def _on_renew(self, session: Session, h: dict[str, Any]) -> None:
         """A peer keeps our reservation (it writes) or our offer (it reads) alive."""

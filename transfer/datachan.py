@@ -20,19 +20,22 @@ takes them (their source views count as in flight, like ZMQ's zero-copy frames).
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import errno
 import itertools
 import logging
 import socket
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from transfer import dataframe
-from transfer.addresses import split_host_port
+from transfer import auth, dataframe
+from transfer.addresses import is_ip, join_host_port, split_host_port
 from transfer.errors import TransferError
 from transfer.intake import DataIn
 from transfer.session import Session
@@ -67,21 +70,47 @@ def _socket_for(host: str) -> socket.socket:
 
 
 class DataOut:
-    """Our connection to a peer's data listener (sending side of one session)."""
+    """Our connection to a peer's data listener (sending side of one session).
+
+    ``resolving`` (a host name, looked up on a helper thread) -> ``connecting`` (waiting for
+    the non-blocking connect) -> ``established``. Frames queue meanwhile. If it is never
+    established (bad name, refused, unreachable, no answer within ``link_timeout_s``), the
+    channel marks the session's data address unusable and stream transfers use the link.
+    """
 
     def __init__(self, chan: DataChannel, session: Session) -> None:
         self.chan, self.session = chan, session
-        host, port = split_host_port(session.data_address, "data address")
-        self.sock = _socket_for(host)
-        err = self.sock.connect_ex((host, port))
-        if err not in (0, errno.EINPROGRESS):
-            self.sock.close()
-            raise OSError(err, f"data channel to {session.data_address}: {errno.errorcode[err]}")
-        self.fd = self.sock.fileno()
+        self.host, self.port = split_host_port(session.data_address, "data address")
+        self.sock: socket.socket | None = None
+        self.fd = -1
         self.queue: deque[Pending] = deque()
         self.offset = 0  # bytes of queue[0] already written
         self.flags = 0
         self.closed = False
+        self.established = False
+        self.deadline = time.monotonic() + chan.core.config.link_timeout_s
+        if is_ip(self.host):
+            self.connect(self.host)
+        else:
+            chan.resolve(self)
+
+    def connect(self, ip: str) -> None:
+        """Start the non-blocking connect to ``ip``."""
+        if self.closed:
+            return
+        self.sock = _socket_for(ip)
+        err = self.sock.connect_ex((ip, self.port))
+        self.fd = self.sock.fileno()
+        self.chan.outs[self.fd] = self
+        if err not in (0, errno.EINPROGRESS):
+            self.fail(f"connect: {errno.errorcode.get(err, err)}")
+            return
+        self._want(zmq.POLLOUT)  # writable once connected (or failed)
+
+    def fail(self, reason: str) -> None:
+        """Never established: this data address is unusable for the session."""
+        self.close(f"could not connect: {reason}")
+        self.chan.unusable(self.session, f"{self.session.data_address}: {reason}")
 
     def enqueue(self, parts: Sequence[Part], owner: OutTransfer | None) -> None:
         """Queue one frame and write what the kernel takes now (dropped once closed)."""
@@ -96,6 +125,8 @@ class DataOut:
 
     def flush(self) -> None:
         """Write queued frames until the kernel would block; close on a socket error."""
+        if not self.established or self.sock is None:
+            return
         while self.queue and not self.closed:
             bufs: list[memoryview] = []
             skip = self.offset
@@ -112,6 +143,7 @@ class DataOut:
                 break
             except OSError as exc:
                 self.close(f"send failed: {exc}")
+                self.chan.peer_closed(self.session)
                 return
             self.offset += n
             while self.queue and self.offset >= self.queue[0].size:
@@ -130,6 +162,15 @@ class DataOut:
         owner.queued = 0
 
     def on_event(self, events: int) -> None:
+        assert self.sock is not None
+        if not self.established:
+            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                self.fail(errno.errorcode.get(err, str(err)))
+                return
+            if not events & zmq.POLLOUT:
+                return
+            self.established = True
         if events & zmq.POLLOUT:
             self.flush()
         if events & zmq.POLLIN and not self.closed:
@@ -140,6 +181,7 @@ class DataOut:
             except OSError:
                 pass
             self.close("peer closed the data connection")
+            self.chan.peer_closed(self.session)
 
     def _want(self, flags: int) -> None:
         if flags != self.flags and not self.closed:
@@ -155,7 +197,8 @@ class DataOut:
         if self.flags:
             self.chan.core.poller.unregister(self.fd)
         self.chan.outs.pop(self.fd, None)
-        self.sock.close()
+        if self.sock is not None:
+            self.sock.close()
         for frame in self.queue:
             if frame.owner is not None:
                 frame.owner.queued -= frame.size
@@ -175,11 +218,18 @@ class DataChannel:
         self.listener.bind((cfg.host, cfg.data_port))
         self.listener.listen(64)
         port = self.listener.getsockname()[1]
-        self.address = f"[{cfg.host}]:{port}" if ":" in cfg.host else f"{cfg.host}:{port}"
+        self.address = join_host_port(cfg.advertise_host or cfg.host, port)
         self.fd = self.listener.fileno()
         core.poller.register(self.fd, zmq.POLLIN)
         self.ins: dict[int, DataIn] = {}
         self.outs: dict[int, DataOut] = {}
+        #: Outgoing connections not established yet (checked against their deadline).
+        self.connecting: list[DataOut] = []
+        #: Told when a session's data address proves unusable (the sender falls back).
+        self.on_unusable: Callable[[Session], None] | None = None
+        #: Told when a peer closes our data connection (is the session still known there?).
+        self.on_peer_closed: Callable[[Session], None] | None = None
+        self._resolver: concurrent.futures.ThreadPoolExecutor | None = None
 
     def owns(self, fd: int) -> bool:
         """True if ``fd`` is the listener or one of our connections."""
@@ -196,9 +246,10 @@ class DataChannel:
 
     def close_fd(self, fd: int) -> None:
         """Close the connection on ``fd`` (after a failure handling it)."""
-        conn = self.ins.get(fd) or self.outs.get(fd)
-        if conn is not None:
-            conn.close("internal error")
+        if fd in self.ins:
+            self.ins[fd].close("internal error")
+        elif fd in self.outs:
+            self.outs[fd].close("internal error")
 
     def _accept(self) -> None:
         for _ in range(16):
@@ -225,18 +276,67 @@ class DataChannel:
 
     def send(self, session: Session, parts: list[Part], owner: OutTransfer | None) -> bool:
         """Queue one frame to ``session``'s peer, connecting first if needed."""
+        if session.data_failed:
+            return False
         conn = session.data_out
         if conn is None or conn.closed:
             try:
                 conn = DataOut(self, session)
             except (OSError, TransferError) as exc:
-                log.debug("engine %s: %s", self.core.engine_id, exc)
+                self.unusable(session, str(exc))
+                return False
+            if conn.closed:
                 return False
             session.data_out = conn
-            self.outs[conn.fd] = conn
-            conn.enqueue(dataframe.preface(session.token), None)
+            self.connecting.append(conn)
+            proof = auth.data_proof(session.token, session.peer_id)
+            conn.enqueue(dataframe.preface(proof), None)
         conn.enqueue(parts, owner)
         return not conn.closed
+
+    def resolve(self, conn: DataOut) -> None:
+        """Look ``conn``'s host name up on a helper thread, then connect (I/O thread)."""
+        if self._resolver is None:
+            self._resolver = concurrent.futures.ThreadPoolExecutor(1, "resolve")
+        fut = self._resolver.submit(socket.getaddrinfo, conn.host, conn.port, 0, socket.SOCK_STREAM)
+
+        def done(f: concurrent.futures.Future[Any]) -> None:
+            with contextlib.suppress(TransferError):  # the engine closed meanwhile
+                self.core.call(lambda: self._resolved(conn, f))
+
+        fut.add_done_callback(done)
+
+    def _resolved(self, conn: DataOut, fut: concurrent.futures.Future[Any]) -> None:
+        try:
+            infos = fut.result()
+        except OSError as exc:
+            conn.fail(f"cannot resolve {conn.host!r}: {exc}")
+            return
+        if not infos:
+            conn.fail(f"no address for {conn.host!r}")
+            return
+        conn.connect(str(infos[0][4][0]))
+
+    def peer_closed(self, session: Session) -> None:
+        """The peer closed an established data connection (it may have restarted)."""
+        if self.on_peer_closed is not None:
+            self.on_peer_closed(session)
+
+    def unusable(self, session: Session, reason: str) -> None:
+        """``session``'s data address cannot be connected: streams fall back to the link."""
+        if session.data_failed:
+            return
+        session.data_failed = True
+        self.core.metrics.data_fallbacks_total += 1
+        log.warning(
+            "engine %s: data channel to %s unusable (%s); streaming over the link",
+            self.core.engine_id,
+            session.peer_id,
+            reason,
+        )
+        if self.on_unusable is not None:  # after this step: the sender may be mid-attempt
+            callback = self.on_unusable
+            self.core.at(0.0, lambda: callback(session))
 
     def cancel(self, ot: OutTransfer) -> None:
         """Drop the queued frames of a transfer that ended (not ACKed)."""
@@ -252,7 +352,14 @@ class DataChannel:
             conn.close("session dropped")
 
     def tick(self, now: float) -> None:
-        """Close data connections that did not authenticate within the link timeout."""
+        """Give up on connections not established in time; close data connections that did
+        not authenticate within the link timeout."""
+        for out in list(self.connecting):
+            if out.established or out.closed:
+                self.connecting.remove(out)
+            elif now > out.deadline:
+                self.connecting.remove(out)
+                out.fail("no connection within the link timeout")
         limit = self.core.config.link_timeout_s
         for conn in [c for c in self.ins.values() if c.session is None]:
             if now - conn.opened > limit:
@@ -267,3 +374,5 @@ class DataChannel:
             conn.close("engine closed")
         self.core.poller.unregister(self.fd)
         self.listener.close()
+        if self._resolver is not None:
+            self._resolver.shutdown(wait=False, cancel_futures=True)

@@ -94,7 +94,7 @@ class TransferEngine:
             return fut
 
         def start() -> None:
-            core.sender.addresses[peer_id] = address
+            core.linker.addresses[peer_id] = address
             core.linker.connect(peer_id, address, fut)
 
         core.call(start)
@@ -103,19 +103,22 @@ class TransferEngine:
     def set_peer_address(self, peer_id: str, address: str) -> None:
         """Where ``peer_id`` listens (``tcp://host:port``); returns at once.
 
-        The next push or pull to ``peer_id`` links there by itself when no session is up.
-        Raises PARAM_INVALID for an address that does not parse.
+        Call it with the router's view before each request (a no-op while unchanged): when
+        the address differs from the current link's (the peer restarted elsewhere), that
+        session is dropped and a new link starts at once; transfers waiting on it resume on
+        the new one. With no session up, the link starts now too. Raises PARAM_INVALID for an
+        address that does not parse.
         """
         parse_endpoint(address)
         core = self._core
-        core.call(lambda: core.sender.addresses.__setitem__(peer_id, address))
+        core.call(lambda: core.linker.moved(peer_id, address))
 
     def unlink(self, peer_id: str) -> None:
         """Drop every session with ``peer_id``; its transfers fail or time out."""
         core = self._core
 
         def stop() -> None:
-            core.sender.addresses.pop(peer_id, None)
+            core.linker.addresses.pop(peer_id, None)
             for table in (core.out_sessions, core.in_sessions):
                 s = table.get(peer_id)
                 if s is not None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from transfer import dataframe, layout, wire
+from transfer import auth, dataframe, layout, wire
 from transfer.dataframe import FrameHeader
 from transfer.errors import TransferError
 from transfer.session import Session
@@ -193,7 +193,8 @@ class DataIn:
             raise wire.FrameError("unexpected_handshake", "second preface")
         core = self.core
         for session in (*core.in_sessions.values(), *core.out_sessions.values()):
-            if session.alive and hmac.compare_digest(session.token, token):
+            expected = auth.data_proof(session.token, core.engine_id)
+            if session.alive and hmac.compare_digest(expected, token):
                 self.session = session
                 core.metrics.data_links_total += 1
                 return

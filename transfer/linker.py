@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from transfer import auth, wire
-from transfer.addresses import parse_endpoint, split_host_port
+from transfer.addresses import parse_endpoint, reachable, split_host_port
 from transfer.errors import StatusCode, TransferError
 from transfer.session import Link, Session
 
@@ -27,6 +27,8 @@ class Linker:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.pending: OrderedDict[bytes, tuple[dict[str, Any], bytes]] = OrderedDict()
+        #: Where each peer listens, as last told (link, link_async, set_peer_address).
+        self.addresses: dict[str, str] = {}
 
     # ---- client side --------------------------------------------------------------------
     def connect(
@@ -107,21 +109,46 @@ class Linker:
         self._fail_link(link, code, h["msg"])
 
     def relink(self, session: Session) -> None:
-        """Replace an outbound session's connection (after a timeout); no-op for inbound."""
+        """Replace an outbound session's connection (after a timeout); no-op for inbound.
+
+        Links to the peer's latest known address, which may have changed meanwhile."""
         if session.link is None:
             return
         self.drop(session, "re-link")
-        self.connect(session.peer_id, session.link.address, None)
+        address = self.addresses.get(session.peer_id, session.link.address)
+        self.connect(session.peer_id, address, None)
+
+    def moved(self, peer_id: str, address: str) -> None:
+        """``peer_id`` listens at ``address`` now: link there unless already linked there."""
+        self.addresses[peer_id] = address
+        core = self.core
+        current = core.out_sessions.get(peer_id)
+        if current is not None and current.alive and current.link is not None:
+            if current.link.address == address:
+                return
+            self.drop(current, f"peer moved to {address}")
+        for link in list(core.links.values()):
+            if link.peer_id == peer_id and link.session is None:
+                if link.address == address:
+                    return  # already linking there
+                self._close_link(link)  # a handshake with where it used to be
+        self.connect(peer_id, address, None)
 
     # ---- both sides ---------------------------------------------------------------------
     def on_handshake(
-        self, msg_type: str, h: dict[str, Any], identity: bytes | None, link: Link | None
+        self,
+        msg_type: str,
+        h: dict[str, Any],
+        identity: bytes | None,
+        link: Link | None,
+        peer_ip: str = "",
     ) -> None:
-        """Route a handshake frame to the side that expects it."""
+        """Route a handshake frame to the side that expects it (``peer_ip``: where an
+        inbound connection comes from, for a peer that advertises a wildcard host)."""
         if identity is not None and msg_type == "hello":
             self._on_hello(identity, h)
         elif identity is not None and msg_type == "auth":
-            self._on_auth(identity, h)
+            self._on_auth(identity, h, peer_ip)
         elif link is not None and msg_type == "challenge":
             self._on_challenge(link, h)
         elif link is not None and msg_type == "welcome":
@@ -168,6 +195,7 @@ class Linker:
             core.metrics.reject(exc.reason)
             self._fail_link(link, StatusCode.FRAME_INVALID, f"bad welcome: {exc}")
             return
+        data_address = reachable(h["da"], parse_endpoint(link.address)[0])
         session = Session(
             hello["eid"],
             hello["role"],
@@ -176,7 +204,7 @@ class Linker:
             regions,
             h["token"],
             link=link,
-            data_address=h["da"],
+            data_address=data_address,
         )
         link.session = session
         old = core.out_sessions.get(session.peer_id)
@@ -202,7 +230,7 @@ class Linker:
         )
         self._router_send(identity, reply)
 
-    def _on_auth(self, identity: bytes, h: dict[str, Any]) -> None:
+    def _on_auth(self, identity: bytes, h: dict[str, Any], peer_ip: str) -> None:
         core = self.core
         pending = self.pending.pop(identity, None)
         if pending is None:
@@ -238,7 +266,7 @@ class Linker:
             regions,
             token,
             identity=identity,
-            data_address=h["da"],
+            data_address=reachable(h["da"], peer_ip),
         )
         old = core.in_sessions.get(session.peer_id)
         if old is not None:

@@ -65,6 +65,8 @@ class Metrics:
     auth_failures_total: int = 0
     #: Data connections that presented a live session's token.
     data_links_total: int = 0
+    #: Peers whose data channel could not be reached, so streams went over the link.
+    data_fallbacks_total: int = 0
     faults_injected_total: int = 0
     #: Exceptions (bugs) contained on the I/O thread: each failed one command, timer or frame.
     internal_errors_total: int = 0
@@ -94,6 +96,7 @@ class Metrics:
                 "link_failures_total": self.link_failures_total,
                 "auth_failures_total": self.auth_failures_total,
                 "data_links_total": self.data_links_total,
+                "data_fallbacks_total": self.data_fallbacks_total,
                 "faults_injected_total": self.faults_injected_total,
                 "internal_errors_total": self.internal_errors_total,
                 "latency_bucket_bounds": list(LATENCY_BUCKETS),

@@ -43,7 +43,6 @@ class Sender:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.active: dict[str, OutTransfer] = {}
-        self.addresses: dict[str, str] = {}
         self._next_check = 0.0
         self._streams = itertools.count(1)
 
@@ -67,7 +66,7 @@ class Sender:
         core, now = self.core, time.monotonic()
         session = core.session_for(ot.handle.peer)
         if session is None:
-            address = self.addresses.get(ot.handle.peer)
+            address = core.linker.addresses.get(ot.handle.peer)
             if address is None:
                 self._fail(
                     ot,
@@ -131,7 +130,10 @@ class Sender:
             mode=ot.transport,
         )
         ot.via_data = (
-            ot.transport == "tcp" and core.datachan is not None and bool(session.data_address)
+            ot.transport == "tcp"
+            and core.datachan is not None
+            and bool(session.data_address)
+            and not session.data_failed
         )
         if ot.via_data:
             ot.stream = ot.stream or next(self._streams)
@@ -344,6 +346,14 @@ class Sender:
         for ot in list(self.active.values()):
             if ot.phase == "link" and ot.handle.peer == peer and ot.closing is None:
                 (self._retry if err.recoverable else self._fail)(ot, err)
+
+    def on_data_unusable(self, session: Session) -> None:
+        """The peer's data channel cannot be reached: stream transfers on it go over the
+        link instead, now rather than after their attempt times out."""
+        err = TransferError(StatusCode.LINK_FAILED, "data channel unreachable: using the link")
+        for ot in list(self.active.values()):
+            if ot.session is session and ot.via_data and ot.closing is None:
+                self._retry(ot, err)
 
     def on_session_lost(self, session: Session, reason: str) -> None:
         """Transfers on a dropped session wait for a new link until their attempt times out."""

@@ -47,6 +47,8 @@ class Session:
     data_address: str = ""
     #: Our data connection to the peer (:class:`transfer.datachan.DataOut`), opened lazily.
     data_out: Any = None
+    #: The data address could not be connected to: stream transfers use the link.
+    data_failed: bool = False
 
     @property
     def outbound(self) -> bool:

@@ -40,6 +40,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "welcome": {"token": _BIN, "host": _STR, "pid": _INT, "da": _STR, "regions": _LIST},
     "regions": {"regions": _LIST},
     "bye": {},
+    "ping": {},
     # transfers
     "begin": {
         "x": _STR,
