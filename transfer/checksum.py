@@ -84,3 +84,14 @@ def digest(algo: str, data: Buffer) -> int:
 def digest_parts(algo: str, parts: Iterable[Buffer]) -> int:
     """Checksum of the concatenation of ``parts`` (without concatenating them)."""
     return _STREAMS[algo](parts)
+
+
+def requested(choice: bool | str | None, configured: str) -> str | None:
+    """A push's ``checksum=`` argument as an algorithm name ("off"; None: the default)."""
+    if choice is None:
+        return None
+    if choice is False:
+        return "off"
+    if choice is True:
+        return configured
+    return choice

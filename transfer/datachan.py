@@ -30,22 +30,21 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
 from transfer import auth, dataframe
 from transfer.addresses import is_ip, join_host_port, split_host_port
+from transfer.config import EngineConfig
 from transfer.errors import TransferError
 from transfer.intake import DataIn
+from transfer.loop import IOLoop
+from transfer.metrics import Metrics
+from transfer.outbox import FrameOwner, Part
 from transfer.session import Session
 
-if TYPE_CHECKING:
-    from transfer.core import Core
-    from transfer.movers import OutTransfer
-
 log = logging.getLogger(__name__)
-Part = bytes | memoryview
 #: Unauthenticated data connections kept at once (oldest closed first).
 MAX_UNAUTHENTICATED = 64
 #: Buffers handed to one ``sendmsg``.
@@ -57,7 +56,7 @@ class Pending:
     """One queued frame; ``owner`` holds source views until the kernel took every byte."""
 
     parts: list[memoryview]
-    owner: OutTransfer | None
+    owner: FrameOwner | None
     size: int
 
 
@@ -88,7 +87,7 @@ class DataOut:
         self.flags = 0
         self.closed = False
         self.established = False
-        self.deadline = time.monotonic() + chan.core.config.link_timeout_s
+        self.deadline = time.monotonic() + chan.config.link_timeout_s
         if is_ip(self.host):
             self.connect(self.host)
         else:
@@ -112,7 +111,7 @@ class DataOut:
         self.close(f"could not connect: {reason}")
         self.chan.unusable(self.session, f"{self.session.data_address}: {reason}")
 
-    def enqueue(self, parts: Sequence[Part], owner: OutTransfer | None) -> None:
+    def enqueue(self, parts: Sequence[Part], owner: FrameOwner | None) -> None:
         """Queue one frame and write what the kernel takes now (dropped once closed)."""
         if self.closed:
             return
@@ -153,7 +152,7 @@ class DataOut:
                     frame.owner.queued -= frame.size
         self._want(zmq.POLLIN | (zmq.POLLOUT if self.queue else 0))
 
-    def cancel(self, owner: OutTransfer) -> None:
+    def cancel(self, owner: FrameOwner) -> None:
         """Forget ``owner``'s queued frames (closing the connection if one is half written)."""
         if self.queue and self.offset and self.queue[0].owner is owner:
             self.close("a cancelled transfer's frame was half written")
@@ -185,7 +184,7 @@ class DataOut:
 
     def _want(self, flags: int) -> None:
         if flags != self.flags and not self.closed:
-            self.chan.core.poller.register(self.fd, flags)
+            self.chan.loop.watch(self.fd, flags, self.chan.guarded(self, self.on_event))
             self.flags = flags
 
     def close(self, reason: str) -> None:
@@ -195,7 +194,7 @@ class DataOut:
         self.closed = True
         log.debug("data channel to %s closed: %s", self.session.peer_id, reason)
         if self.flags:
-            self.chan.core.poller.unregister(self.fd)
+            self.chan.loop.unwatch(self.fd)
         self.chan.outs.pop(self.fd, None)
         if self.sock is not None:
             self.sock.close()
@@ -210,17 +209,24 @@ class DataOut:
 class DataChannel:
     """The data listener of one engine and all its data connections (I/O thread only)."""
 
-    def __init__(self, core: Core) -> None:
-        self.core = core
-        cfg = core.config
-        self.listener = _socket_for(cfg.host)
+    def __init__(
+        self,
+        config: EngineConfig,
+        loop: IOLoop,
+        metrics: Metrics,
+        engine_id: str,
+        accept: Callable[[socket.socket, Callable[[DataIn], None]], DataIn],
+    ) -> None:
+        self.config, self.loop, self.metrics, self.engine_id = config, loop, metrics, engine_id
+        self._new_intake = accept
+        self.listener = _socket_for(config.host)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind((cfg.host, cfg.data_port))
+        self.listener.bind((config.host, config.data_port))
         self.listener.listen(64)
         port = self.listener.getsockname()[1]
-        self.address = join_host_port(cfg.advertise_host or cfg.host, port)
+        self.address = join_host_port(config.advertise_host or config.host, port)
         self.fd = self.listener.fileno()
-        core.poller.register(self.fd, zmq.POLLIN)
+        loop.watch(self.fd, zmq.POLLIN, lambda events: self._accept())
         self.ins: dict[int, DataIn] = {}
         self.outs: dict[int, DataOut] = {}
         #: Outgoing connections not established yet (checked against their deadline).
@@ -231,25 +237,22 @@ class DataChannel:
         self.on_peer_closed: Callable[[Session], None] | None = None
         self._resolver: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def owns(self, fd: int) -> bool:
-        """True if ``fd`` is the listener or one of our connections."""
-        return fd == self.fd or fd in self.ins or fd in self.outs
+    def guarded(
+        self, conn: DataIn | DataOut, handler: Callable[[int], None]
+    ) -> Callable[[int], None]:
+        """``handler`` for one connection's events: a failure there closes that connection
+        only (and is counted), never the I/O thread."""
 
-    def on_event(self, fd: int, events: int) -> None:
-        """Poll readiness on one of our sockets."""
-        if fd == self.fd:
-            self._accept()
-        elif fd in self.ins:
-            self.ins[fd].on_readable()
-        elif fd in self.outs:
-            self.outs[fd].on_event(events)
+        def run(events: int) -> None:
+            try:
+                handler(events)
+            except Exception:
+                log.exception("engine %s: data connection failed", self.engine_id)
+                self.metrics.internal_errors_total += 1
+                self.metrics.reject("internal_error")
+                conn.close("internal error")
 
-    def close_fd(self, fd: int) -> None:
-        """Close the connection on ``fd`` (after a failure handling it)."""
-        if fd in self.ins:
-            self.ins[fd].close("internal error")
-        elif fd in self.outs:
-            self.outs[fd].close("internal error")
+        return run
 
     def _accept(self) -> None:
         for _ in range(16):
@@ -258,23 +261,23 @@ class DataChannel:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # EMFILE and friends: keep serving what we have
-                log.warning("engine %s: data accept failed: %s", self.core.engine_id, exc)
+                log.warning("engine %s: data accept failed: %s", self.engine_id, exc)
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = DataIn(self.core, sock, self._closed_in)
+            conn = self._new_intake(sock, self._closed_in)
             self.ins[conn.fd] = conn
-            self.core.poller.register(conn.fd, zmq.POLLIN)
+            self.loop.watch(conn.fd, zmq.POLLIN, self.guarded(conn, _reader(conn)))
             waiting = [c for c in self.ins.values() if c.session is None]
             for stale in waiting[: max(0, len(waiting) - MAX_UNAUTHENTICATED)]:
-                self.core.metrics.reject("data_unauthenticated")
+                self.metrics.reject("data_unauthenticated")
                 stale.close("too many unauthenticated data connections")
 
     def _closed_in(self, conn: DataIn) -> None:
-        self.core.poller.unregister(conn.fd)
+        self.loop.unwatch(conn.fd)
         self.ins.pop(conn.fd, None)
 
-    def send(self, session: Session, parts: list[Part], owner: OutTransfer | None) -> bool:
+    def send(self, session: Session, parts: list[Part], owner: FrameOwner | None) -> bool:
         """Queue one frame to ``session``'s peer, connecting first if needed."""
         if session.data_failed:
             return False
@@ -302,7 +305,7 @@ class DataChannel:
 
         def done(f: concurrent.futures.Future[Any]) -> None:
             with contextlib.suppress(TransferError):  # the engine closed meanwhile
-                self.core.call(lambda: self._resolved(conn, f))
+                self.loop.call(lambda: self._resolved(conn, f))
 
         fut.add_done_callback(done)
 
@@ -327,22 +330,22 @@ class DataChannel:
         if session.data_failed:
             return
         session.data_failed = True
-        self.core.metrics.data_fallbacks_total += 1
+        self.metrics.data_fallbacks_total += 1
         log.warning(
             "engine %s: data channel to %s unusable (%s); streaming over the link",
-            self.core.engine_id,
+            self.engine_id,
             session.peer_id,
             reason,
         )
         if self.on_unusable is not None:  # after this step: the sender may be mid-attempt
             callback = self.on_unusable
-            self.core.at(0.0, lambda: callback(session))
+            self.loop.at(0.0, lambda: callback(session))
 
-    def cancel(self, ot: OutTransfer) -> None:
+    def cancel(self, out: FrameOwner) -> None:
         """Drop the queued frames of a transfer that ended (not ACKed)."""
-        session = ot.session
+        session = out.session
         if session is not None and session.data_out is not None:
-            session.data_out.cancel(ot)
+            session.data_out.cancel(out)
 
     def close_session(self, session: Session) -> None:
         """The session ended: close its connections both ways."""
@@ -360,10 +363,10 @@ class DataChannel:
             elif now > out.deadline:
                 self.connecting.remove(out)
                 out.fail("no connection within the link timeout")
-        limit = self.core.config.link_timeout_s
+        limit = self.config.link_timeout_s
         for conn in [c for c in self.ins.values() if c.session is None]:
             if now - conn.opened > limit:
-                self.core.metrics.reject("data_unauthenticated")
+                self.metrics.reject("data_unauthenticated")
                 conn.close("no preface in time")
 
     def shutdown(self) -> None:
@@ -372,7 +375,14 @@ class DataChannel:
             out.close("engine closed")
         for conn in list(self.ins.values()):
             conn.close("engine closed")
-        self.core.poller.unregister(self.fd)
+        self.loop.unwatch(self.fd)
         self.listener.close()
         if self._resolver is not None:
             self._resolver.shutdown(wait=False, cancel_futures=True)
+
+
+def _reader(conn: DataIn) -> Callable[[int], None]:
+    def read(events: int) -> None:
+        conn.on_readable()
+
+    return read

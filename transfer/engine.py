@@ -4,16 +4,18 @@ Decode side (receiver)::
 
     eng = TransferEngine("decode-0", Role.DECODE)
     eng.register_region(KVRegion.allocate("kv", 30, 1024, (16, 3, 64), shared=True))
-    h = eng.reserve("req-1", block_ids=[3, 4, 9])     # hand h.blocks to the prefill worker
+    h = eng.reserve("req-1", block_ids=[3, 4, 9], writer="prefill-0")  # hand h.blocks over
     ... eng.progress() / h.wait() ...                   # DONE once every layer committed
     eng.release("req-1")                                # after use, timeout or abort
 
 Prefill side (sender), streaming layer ranges as they are computed::
 
-    eng.link("decode-0", address)
+    eng.set_peer_address("decode-0", address)           # never blocks; links by itself
     for l0, l1 in layer_chunks:
         hs.append(eng.push_blocks("decode-0", src_block_ids, blocks, layers=(l0, l1)))
     ... when all hs are terminal, free the source blocks (h.released says why) ...
+
+The grants (writer, offers), leases and health calls are described in ``transfer/README.md``.
 """
 
 from __future__ import annotations
@@ -24,16 +26,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from transfer import wire
 from transfer.addresses import parse_endpoint
+from transfer.checksum import requested as checksum_requested
 from transfer.config import EngineConfig, Role
 from transfer.core import Core
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import Callback, RemoteBlocks, TransferHandle, TransferState
-from transfer.movers import OutTransfer
-from transfer.receiver import PendingPull
+from transfer.movers import new_push
+from transfer.pulls import new_pull
 from transfer.region import KVRegion
 
 
@@ -47,17 +48,18 @@ class TransferEngine:
         self.role = Role(role)
         self.config = config or EngineConfig()
         self._core = Core(engine_id, self.role, self.config)
+        self._loop = self._core.loop
         self._ids = itertools.count()
 
     @property
     def address(self) -> str:
-        """ZMQ endpoint peers pass to :meth:`link` (``tcp://host:port``)."""
+        """ZMQ endpoint peers pass to :meth:`link` (``tcp://host:port``, advertised host)."""
         return self._core.address
 
     @property
     def data_address(self) -> str:
         """``host:port`` of the data channel listener ("" when ``data_channel`` is off)."""
-        return self._core.data_address
+        return self._core.me.data_address
 
     # ---- links --------------------------------------------------------------------------
     def link(self, peer_id: str, address: str, timeout: float | None = None) -> None:
@@ -70,9 +72,8 @@ class TransferEngine:
         :meth:`set_peer_address` instead, which never block.
         """
         wait = timeout if timeout is not None else self.config.link_timeout_s
-        fut = self.link_async(peer_id, address)
         try:
-            fut.result(wait + 1.0)
+            self.link_async(peer_id, address).result(wait + 1.0)
         except concurrent.futures.TimeoutError:
             raise TransferError(
                 StatusCode.LINK_FAILED, f"{peer_id} at {address}: timed out"
@@ -85,7 +86,7 @@ class TransferEngine:
         :meth:`link` would raise (a bad address fails it immediately). Also remembers the
         address, as :meth:`set_peer_address` does.
         """
-        core = self._core
+        linker = self._core.linker
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
         try:
             parse_endpoint(address)
@@ -94,10 +95,10 @@ class TransferEngine:
             return fut
 
         def start() -> None:
-            core.linker.addresses[peer_id] = address
-            core.linker.connect(peer_id, address, fut)
+            linker.addresses[peer_id] = address
+            linker.connect(peer_id, address, fut)
 
-        core.call(start)
+        self._loop.call(start)
         return fut
 
     def set_peer_address(self, peer_id: str, address: str) -> None:
@@ -110,31 +111,21 @@ class TransferEngine:
         address that does not parse.
         """
         parse_endpoint(address)
-        core = self._core
-        core.call(lambda: core.linker.moved(peer_id, address))
+        linker = self._core.linker
+        self._loop.call(lambda: linker.moved(peer_id, address))
 
     def unlink(self, peer_id: str) -> None:
         """Drop every session with ``peer_id``; its transfers fail or time out."""
-        core = self._core
-
-        def stop() -> None:
-            core.linker.addresses.pop(peer_id, None)
-            for table in (core.out_sessions, core.in_sessions):
-                s = table.get(peer_id)
-                if s is not None:
-                    core.send(s, "bye", wire.encode("bye", s.token))
-                    core.linker.drop(s, "unlink")
-
-        core.call_wait(stop, self.config.link_timeout_s)
+        linker = self._core.linker
+        self._loop.call_wait(lambda: linker.unlink(peer_id), self.config.link_timeout_s)
 
     def peers(self) -> list[str]:
         """Ids of peers with a live session."""
-        core = self._core
-        return sorted({*core.out_sessions, *core.in_sessions})
+        return self._core.linker.peers()
 
     # ---- regions and reservations -------------------------------------------------------
     def register_region(self, region: KVRegion) -> None:
-        """Make ``region`` available for pushes (as destination) and pulls (as source)."""
+        """Make ``region`` available for pushes (as destination) and offers (as source)."""
         core = self._core
         region.claim(self.engine_id)
 
@@ -145,7 +136,7 @@ class TransferEngine:
             core.ledger.add_region(region)
             core.linker.announce_regions()
 
-        core.call_wait(add, 10.0)
+        self._loop.call_wait(add, 10.0)
 
     def region(self, name: str = "kv") -> KVRegion:
         """A registered region."""
@@ -174,23 +165,17 @@ class TransferEngine:
         answer to our pull); any other peer is refused with NOT_GRANTED and counted in
         ``frames_rejected["not_granted"]``. None lets any authenticated peer write them.
         """
-        self._core.check_open()
+        self._loop.check_open()
         reg = self.region(region)
         handle = TransferHandle(f"{self.engine_id}/recv/{request_id}", "recv", "", request_id)
         handle._cancel = self._release_handle
         if callback is not None:
             handle.add_done_callback(callback)
         deadline = time.monotonic() + (timeout_s or self.config.transfer_timeout_s)
-        self._core.ledger.reserve(
-            reg,
-            request_id,
-            list(block_ids),
-            range(*self._layers(reg, layers)),
-            handle,
-            deadline,
-            writer,
-        )
-        handle.nbytes = len(block_ids) * reg.block_bytes * len(reg.tensor_range(layers))
+        layer_range = range(*reg.layer_bounds(layers))
+        ids = list(block_ids)
+        self._core.ledger.reserve(reg, request_id, ids, layer_range, handle, deadline, writer)
+        handle.nbytes = len(ids) * reg.block_bytes * len(reg.tensor_range(layers))
         return handle
 
     def _release_handle(self, handle: TransferHandle) -> None:
@@ -203,15 +188,15 @@ class TransferEngine:
         writer still holds a grant on them.
         """
         core = self._core
-        res, wait = core.ledger.release(request_id)
-        if res is not None:
+        reservation, wait = core.ledger.release(request_id)
+        if reservation is not None:
             err = TransferError(StatusCode.CANCELLED, f"request {request_id!r} released")
 
             def drop() -> None:
-                core.receiver.release(res)
-                core.finish(res.handle, TransferState.CANCELLED, err)
+                core.receiver.release(reservation)
+                self._loop.finish(reservation.handle, TransferState.CANCELLED, err)
 
-            core.call(drop)
+            self._loop.call(drop)
         return wait
 
     # ---- transfers ----------------------------------------------------------------------
@@ -233,55 +218,36 @@ class TransferEngine:
     ) -> TransferHandle:
         """Copy our blocks ``src_blocks`` (layers ``[l0, l1)``) into the peer's ``dst``.
 
-        Returns at once. Keep the source blocks until the handle is terminal; ``released``
-        then says whether the ACK or the lease ended the hold. ``transfer_id`` makes the push
-        idempotent across caller retries; ``checksum`` overrides the configured default
-        (True/False or an algorithm name); ``transport`` forces one (``"tcp"``, ``"shm"``).
+        Returns at once (linking first if needed). Keep the source blocks until the handle
+        is terminal; ``released`` then says whether the ACK or the lease ended the hold.
+        ``transfer_id`` makes the push idempotent across caller retries; ``checksum``
+        overrides the configured default (True/False or an algorithm name); ``transport``
+        forces one (``"tcp"``, ``"shm"``, ``"local"``).
         """
         reg = self.region(region)
-        src = list(src_blocks)
-        reg.check_blocks(src, "source")
-        l0, l1 = self._layers(reg, layers)
-        if not src:
-            raise TransferError(StatusCode.PARAM_INVALID, "no source blocks")
-        ntok = num_tokens if num_tokens is not None else len(src) * reg.block_size
-        if not 0 < ntok <= len(src) * reg.block_size:
-            raise TransferError(
-                StatusCode.PARAM_INVALID, f"num_tokens={ntok} for {len(src)} blocks"
-            )
-        xid = transfer_id or f"{self.engine_id}/{dst.request_id}/{l0}-{l1}/{next(self._ids)}"
-        nbytes = len(src) * reg.block_bytes * len(reg.tensor_range((l0, l1)))
-        handle = TransferHandle(xid, "push", peer, dst.request_id, nbytes=nbytes)
-        handle._cancel = lambda h: self._core.call(lambda: self._core.sender.cancel(h))
-        if callback is not None:
-            handle.add_done_callback(callback)
-        algo: str | None
-        if checksum is None:
-            algo = None
-        elif checksum is False:
-            algo = "off"
-        elif checksum is True:
-            algo = self.config.checksum_algo
-        else:
-            algo = checksum
-        now = time.monotonic()
-        deadline = now + (timeout_s or self.config.transfer_timeout_s)
-        lease = now + (lease_s or self.config.lease_s)
-        ot = OutTransfer(
-            handle,
-            reg,
-            torch.tensor(src, dtype=torch.long),
-            dst,
-            (l0, l1),
-            ntok,
-            algo,
-            transport,
-            deadline,
-            lease,
+        first, last = reg.layer_bounds(layers)
+        transfer_id = (
+            transfer_id or f"{self.engine_id}/{dst.request_id}/{first}-{last}/{next(self._ids)}"
         )
-        ot.lease_s = lease_s or self.config.lease_s
-        self._core.call(lambda: self._core.sender.start(ot))
-        return handle
+        out = new_push(
+            transfer_id,
+            peer,
+            reg,
+            list(src_blocks),
+            dst,
+            (first, last),
+            num_tokens,
+            checksum_requested(checksum, self.config.checksum_algo),
+            transport,
+            timeout_s or self.config.transfer_timeout_s,
+            lease_s or self.config.lease_s,
+        )
+        sender = self._core.sender
+        out.handle._cancel = lambda h: self._loop.call(lambda: sender.cancel(h))
+        if callback is not None:
+            out.handle.add_done_callback(callback)
+        self._loop.call(lambda: sender.start(out))
+        return out.handle
 
     def pull_blocks(
         self,
@@ -305,49 +271,28 @@ class TransferEngine:
         ``dst`` comes from our own :meth:`reserve`. The peer serves the pull as a push (leased
         by its offer); the handle is DONE once the data committed here.
         """
-        offer_request, offer_epoch = "", 0
-        if isinstance(src_blocks, RemoteBlocks):
-            offer_request, offer_epoch = src_blocks.request_id, src_blocks.epoch
-            src_region, src_blocks = src_blocks.region, src_blocks.block_ids
-        core = self._core
         reg = self.region(dst.region)
-        l0, l1 = self._layers(reg, layers)
-        xid = transfer_id or f"{self.engine_id}/pull/{dst.request_id}/{l0}-{l1}/{next(self._ids)}"
-        ttl = timeout_s or self.config.transfer_timeout_s
-        nbytes = len(src_blocks) * reg.block_bytes * len(reg.tensor_range((l0, l1)))
-        handle = TransferHandle(xid, "pull", peer, dst.request_id, nbytes=nbytes, blocks=dst)
+        first, last = reg.layer_bounds(layers)
+        transfer_id = transfer_id or (
+            f"{self.engine_id}/pull/{dst.request_id}/{first}-{last}/{next(self._ids)}"
+        )
+        pull = new_pull(
+            transfer_id,
+            peer,
+            reg,
+            src_blocks,
+            src_region,
+            dst,
+            (first, last),
+            num_tokens,
+            timeout_s or self.config.transfer_timeout_s,
+            self.config.ack_timeout_s,
+        )
         if callback is not None:
-            handle.add_done_callback(callback)
-        fields: dict[str, Any] = {
-            "x": xid,
-            "rid": dst.request_id,
-            "ep": dst.epoch,
-            "reg": dst.region,
-            "dst": list(dst.block_ids),
-            "sreg": src_region,
-            "src": list(src_blocks),
-            "oreq": offer_request,
-            "oep": offer_epoch,
-            "lay": [l0, l1],
-            "ntok": num_tokens,
-            "ttl": float(ttl),
-        }
-        now = time.monotonic()
-        pull = PendingPull(handle, fields, now + ttl, now + self.config.ack_timeout_s)
-
-        def start() -> None:
-            session = core.session_for(peer)
-            if session is None:
-                core.finish(
-                    handle,
-                    TransferState.FAILED,
-                    TransferError(StatusCode.NOT_LINKED, f"no link to {peer!r}"),
-                )
-                return
-            core.receiver.start_pull(session, pull)
-
-        core.call(start)
-        return handle
+            pull.handle.add_done_callback(callback)
+        puller = self._core.puller
+        self._loop.call(lambda: puller.start(pull))
+        return pull.handle
 
     def offer(
         self,
@@ -373,8 +318,8 @@ class TransferEngine:
         reg.check_blocks(ids, "offered")
         if not ids:
             raise TransferError(StatusCode.PARAM_INVALID, "no blocks to offer")
-        l0, l1 = self._layers(reg, layers)
-        nbytes = len(ids) * reg.block_bytes * len(reg.tensor_range((l0, l1)))
+        first, last = reg.layer_bounds(layers)
+        nbytes = len(ids) * reg.block_bytes * len(reg.tensor_range((first, last)))
         handle = TransferHandle(f"{self.engine_id}/offer/{request_id}", "offer", reader, request_id)
         handle.nbytes = nbytes
         handle._cancel = lambda h: self.withdraw(h.request_id)
@@ -382,7 +327,7 @@ class TransferEngine:
             handle.add_done_callback(callback)
         lease = lease_s or self.config.lease_s
         self._core.offers.add(
-            reg.name, request_id, ids, reader, range(l0, l1), lease, handle, time.monotonic()
+            reg.name, request_id, ids, reader, range(first, last), lease, handle, time.monotonic()
         )
         return handle
 
@@ -391,10 +336,10 @@ class TransferEngine:
 
         The offer's handle turns CANCELLED once nothing reads its blocks any more.
         """
-        core = self._core
-        core.call(lambda: core.pulls.withdraw(request_id))
+        pulls = self._core.pulls
+        self._loop.call(lambda: pulls.withdraw(request_id))
 
-    # ---- leases ---------------------------------------------------------------------------
+    # ---- leases -------------------------------------------------------------------------
     def renew(self, request_id: str, seconds: float | None = None) -> None:
         """Keep what this engine holds for ``request_id`` alive (call it on each heartbeat).
 
@@ -402,15 +347,14 @@ class TransferEngine:
         deadline of our reservation, the leases of our pushes and our offer for that request.
         Never shortens anything; a request that holds nothing here is ignored.
         """
-        core = self._core
-        now = time.monotonic()
+        core, now = self._core, time.monotonic()
         core.ledger.renew(request_id, now, seconds)
 
         def extend() -> None:
             core.sender.renew(request_id, now, seconds)
             core.pulls.renew(request_id, now, seconds)
 
-        core.call(extend)
+        self._loop.call(extend)
 
     def renew_remote(self, peer: str, blocks: RemoteBlocks) -> None:
         """Ask ``peer`` to keep its reservation or offer ``blocks`` alive (fire and forget).
@@ -422,18 +366,18 @@ class TransferEngine:
         core = self._core
 
         def send() -> None:
-            session = core.session_for(peer)
+            session = core.linker.session_for(peer)
             if session is not None:
                 header = wire.encode("renew", session.token, rid=blocks.request_id, ep=blocks.epoch)
-                core.send(session, "renew", header)
+                core.outbox.send(session, "renew", header)
 
-        core.call(send)
+        self._loop.call(send)
 
-    # ---- progress, metrics, lifecycle ---------------------------------------------------
+    # ---- progress, health, metrics, lifecycle -------------------------------------------
     def progress(self) -> list[TransferHandle]:
         """Handles that finished since the last call; runs their callbacks here. Non-blocking."""
         done = []
-        completed = self._core.completed
+        completed = self._loop.completed
         while completed:
             handle = completed.popleft()
             handle._run_callbacks()
@@ -444,42 +388,27 @@ class TransferEngine:
 
     def healthy(self) -> bool:
         """True while the engine's I/O thread runs; False once closed or after it died."""
-        core = self._core
-        return core.thread.is_alive() and not core.closing
+        return self._loop.thread.is_alive() and not self._loop.closing
 
     def health(self) -> dict[str, Any]:
         """``healthy``, ``closed``, ``error`` (why the I/O thread died, or None) and
         ``internal_errors`` (bugs contained on the I/O thread so far) for the worker's
         health report: a worker whose transfer engine is unhealthy is not healthy."""
-        core = self._core
         return {
             "healthy": self.healthy(),
-            "closed": core.closing,
-            "error": core.fatal,
-            "internal_errors": core.metrics.internal_errors_total,
+            "closed": self._loop.closing,
+            "error": self._loop.fatal,
+            "internal_errors": self._core.metrics.internal_errors_total,
         }
 
     def metrics(self) -> dict[str, Any]:
         """Snapshot for the Prometheus exporter (plain dicts and numbers)."""
-        core = self._core
-        return core.metrics.snapshot(
-            engine_id=self.engine_id,
-            peers=len(self.peers()),
-            transfers_active=len(core.sender.active) + len(core.receiver.active),
-            held_blocks=sum(len(ids) for ids in self._held_ids().values()),
-            reserved_blocks=sum(core.ledger.reserved_blocks().values()),
-        )
+        return self._core.metrics_snapshot()
 
     def held_blocks(self) -> dict[str, int]:
         """Source blocks still held by unfinished sends and live offers, per region."""
-        held = self._core.call_wait(self._held_ids, 10.0)
+        held = self._loop.call_wait(self._core.held_ids, 10.0)
         return {name: len(ids) for name, ids in held.items()}
-
-    def _held_ids(self) -> dict[str, set[int]]:
-        held = self._core.sender.held_ids()
-        for name, ids in self._core.offers.held_ids().items():
-            held.setdefault(name, set()).update(ids)
-        return held
 
     def reserved_blocks(self) -> dict[str, int]:
         """Destination blocks still reserved, per region (0 after every release)."""
@@ -487,24 +416,17 @@ class TransferEngine:
 
     def close(self, close_regions: bool = True) -> None:
         """Stop the engine; unfinished handles fail with ENGINE_CLOSED."""
-        core = self._core
-        if core.closing:
-            return
-        core.call(lambda: setattr(core, "closing", True))
-        core.thread.join(10.0)
+        loop = self._loop
+        if not loop.closing:
+            loop.call(lambda: setattr(loop, "closing", True))
+        loop.thread.join(10.0)
         self.progress()
         if close_regions:
-            for region in core.regions.values():
-                region.close()
+            for region in self._core.regions.values():
+                region.close()  # idempotent
 
     def __enter__(self) -> TransferEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @staticmethod
-    def _layers(reg: KVRegion, layers: tuple[int, int] | None) -> tuple[int, int]:
-        rng = reg.tensor_range(layers)
-        tpl = reg.tensors_per_layer
-        return rng.start // tpl, rng.stop // tpl

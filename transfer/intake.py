@@ -16,24 +16,24 @@ not validate closes the connection.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from transfer import auth, dataframe, layout, wire
+from transfer import dataframe, layout, wire
+from transfer.config import EngineConfig
 from transfer.dataframe import FrameHeader
-from transfer.errors import TransferError
+from transfer.errors import StatusCode, TransferError
+from transfer.incoming import InTransfer
+from transfer.ledger import Ledger
+from transfer.metrics import Metrics
+from transfer.receiver import Receiver
 from transfer.session import Session
-
-if TYPE_CHECKING:
-    from transfer.core import Core
-    from transfer.receiver import InTransfer
 
 log = logging.getLogger(__name__)
 #: Bytes read from one connection per loop iteration before polling again.
@@ -46,8 +46,19 @@ _SCRATCH = bytearray(1 << 20)
 class DataIn:
     """One accepted data connection (receiving side)."""
 
-    def __init__(self, core: Core, sock: socket.socket, on_closed: Callable[[DataIn], None]):
-        self.core, self.sock, self._on_closed = core, sock, on_closed
+    def __init__(
+        self,
+        sock: socket.socket,
+        config: EngineConfig,
+        metrics: Metrics,
+        receiver: Receiver,
+        ledger: Ledger,
+        find_session: Callable[[bytes], Session | None],
+        on_closed: Callable[[DataIn], None],
+    ) -> None:
+        self.sock, self.config, self.metrics = sock, config, metrics
+        self.receiver, self.ledger = receiver, ledger
+        self._find_session, self._on_closed = find_session, on_closed
         self.fd = sock.fileno()
         self.opened = time.monotonic()
         self.session: Session | None = None
@@ -66,7 +77,7 @@ class DataIn:
     def on_readable(self) -> None:
         """Read what the socket has (bounded), handling every frame completed."""
         moved = 0
-        max_payload = self.core.config.max_frame_bytes
+        max_payload = self.config.max_frame_bytes
         while moved < READ_BUDGET and not self.closed:
             try:
                 if self.frame is None:
@@ -84,7 +95,7 @@ class DataIn:
             except (BlockingIOError, InterruptedError):
                 return
             except wire.FrameError as exc:
-                self.core.metrics.reject(exc.reason)
+                self.metrics.reject(exc.reason)
                 self.close(f"bad frame header: {exc}")
                 return
             except OSError as exc:
@@ -95,131 +106,125 @@ class DataIn:
                 return
             moved += n
 
-    def _read_body(self, f: FrameHeader) -> int:
-        left = f.length - self._got
-        it = self._direct
-        if it is not None:
-            ledger = self.core.ledger
-            with ledger.lock:  # a live reservation still owns the blocks for this read
-                if it.res.alive:
-                    assert self._body is not None
-                    n = self.sock.recv_into(self._body[self._got :])
-                    self._got += n
-                    return n
-                try:
-                    ledger.check(it.region.name, *it.fingerprint, it.dst_np)
-                except TransferError as err:
-                    self.core.receiver.reject_stale(it, err)
-            self._direct = self._body = None  # the rest of the chunk is dropped
+    def _read_body(self, frame: FrameHeader) -> int:
+        incoming = self._direct
+        if incoming is not None:
+            body = self._body
+            assert body is not None
+
+            def read() -> int:  # into the blocks, while the reservation still owns them
+                return self.sock.recv_into(body[self._got :])
+
+            try:
+                n = self.ledger.write_if_current(incoming.reservation, read)
+                self._got += n
+                return n
+            except TransferError as err:
+                self.receiver.reject_stale(incoming, err)
+                self._direct = self._body = None  # the rest of the chunk is dropped
         if self._body is not None:
             n = self.sock.recv_into(self._body[self._got :])
         else:
+            left = frame.length - self._got
             n = self.sock.recv_into(memoryview(_SCRATCH)[: min(left, len(_SCRATCH))])
         self._got += n
         return n
 
     # ---- frames -------------------------------------------------------------------------
-    def _start(self, f: FrameHeader) -> None:
-        self.frame, self._got, self._body, self._direct = f, 0, None, None
-        if self.session is None and f.kind != dataframe.PREFACE:
-            self.core.metrics.reject("data_unauthenticated")
+    def _start(self, frame: FrameHeader) -> None:
+        self.frame, self._got, self._body, self._direct = frame, 0, None, None
+        if self.session is None and frame.kind != dataframe.PREFACE:
+            self.metrics.reject("data_unauthenticated")
             raise wire.FrameError("unauthenticated", "data connection without preface")
-        if f.kind != dataframe.DATA:
-            self._body = self._buffer(f.length)
+        if frame.kind != dataframe.DATA:
+            self._body = self._buffer(frame.length)
             return
         try:
-            self._start_data(f)
+            self._start_data(frame)
         except wire.FrameError as exc:
-            self.core.metrics.reject(exc.reason)
+            self.metrics.reject(exc.reason)
 
-    def _start_data(self, f: FrameHeader) -> None:
-        tm = self.core.metrics.of("tcp")
-        xid = self.streams.get(f.stream)
-        if xid is None:
-            raise wire.FrameError("unknown_transfer", f"stream {f.stream}")
+    def _start_data(self, frame: FrameHeader) -> None:
+        transfer_id = self.streams.get(frame.stream)
+        if transfer_id is None:
+            raise wire.FrameError("unknown_transfer", f"stream {frame.stream}")
         assert self.session is not None
-        it = self.core.receiver.owned(self.session, xid)
-        if it is None:
+        incoming = self.receiver.owned(self.session, transfer_id)
+        if incoming is None:
             return
-        s, ti, lo, hi = f.seq, f.ti, f.lo, f.hi
-        if it.mode != "tcp" or not (
-            0 <= s < it.nf and ti in it.tensors and 0 <= lo < hi <= it.nsrc and hi - lo <= it.bpc
-        ):
-            raise wire.FrameError("bad_field", "data location")
-        if f.length != (hi - lo) * it.src_block_bytes:
-            raise wire.FrameError("bad_size", f"{f.length} bytes for {hi - lo} blocks")
-        it.last_seen = time.monotonic()
-        if it.good[s]:
-            tm.duplicates_total += 1
+        seq, tensor, lo, hi = frame.seq, frame.ti, frame.lo, frame.hi
+        if not self.receiver.check_chunk(incoming, seq, tensor, lo, hi, frame.length):
             return
-        view = _destination(it, ti, lo, hi)
+        view = _destination(incoming, tensor, lo, hi)
         if view is None:
-            self._body = self._buffer(f.length)
+            self._body = self._buffer(frame.length)
             return
-        with self.core.ledger.lock:
-            try:
-                self.core.ledger.check(it.region.name, *it.fingerprint, it.dst_np)
-            except TransferError as err:
-                self.core.receiver.reject_stale(it, err)
-                return
-        self._body, self._direct = view, it
+        if not incoming.reservation.alive:
+            self.receiver.reject_stale(incoming, _released(incoming))
+            return
+        self._body, self._direct = view, incoming
 
-    def _finish(self, f: FrameHeader) -> None:
+    def _finish(self, frame: FrameHeader) -> None:
         body = self._body
         try:
-            if f.kind == dataframe.PREFACE:
+            if frame.kind == dataframe.PREFACE:
                 assert body is not None
                 self._on_preface(bytes(body))
-            elif f.kind == dataframe.MESSAGE:
+            elif frame.kind == dataframe.MESSAGE:
                 assert body is not None
-                self._on_message(f, body)
+                self._on_message(frame, body)
             elif body is not None and self._direct is not None:
-                self.core.receiver.landed(self._direct, f.seq, body, f.digest)
+                self.receiver.landed(self._direct, frame.seq, body, frame.digest)
             elif body is not None:
-                xid = self.streams.get(f.stream, "")
-                h = {"x": xid, "s": f.seq, "ti": f.ti, "lo": f.lo, "hi": f.hi, "d": f.digest}
+                msg = {
+                    "x": self.streams.get(frame.stream, ""),
+                    "s": frame.seq,
+                    "ti": frame.ti,
+                    "lo": frame.lo,
+                    "hi": frame.hi,
+                    "d": frame.digest,
+                }
                 assert self.session is not None
-                self.core.receiver.on_data(self.session, h, body)
+                self.receiver.on_data(self.session, msg, body)
         except wire.FrameError as exc:
-            self.core.metrics.reject(exc.reason)
+            self.metrics.reject(exc.reason)
         except Exception:  # never let one frame kill the I/O thread
-            log.exception("engine %s: data frame failed", self.core.engine_id)
-            self.core.metrics.reject("internal_error")
+            log.exception("data frame failed")
+            self.metrics.internal_errors_total += 1
+            self.metrics.reject("internal_error")
         finally:
             self._body = self._direct = None
 
-    def _on_preface(self, token: bytes) -> None:
+    def _on_preface(self, proof: bytes) -> None:
         if self.session is not None:
             raise wire.FrameError("unexpected_handshake", "second preface")
-        core = self.core
-        for session in (*core.in_sessions.values(), *core.out_sessions.values()):
-            expected = auth.data_proof(session.token, core.engine_id)
-            if session.alive and hmac.compare_digest(expected, token):
-                self.session = session
-                core.metrics.data_links_total += 1
-                return
-        core.metrics.reject("data_unauthenticated")
-        self.close("unknown session token")
+        session = self._find_session(proof)
+        if session is None:
+            self.metrics.reject("data_unauthenticated")
+            self.close("unknown session token")
+            return
+        self.session = session
+        self.metrics.data_links_total += 1
 
-    def _on_message(self, f: FrameHeader, body: memoryview) -> None:
+    def _on_message(self, frame: FrameHeader, body: memoryview) -> None:
         session = self.session
         assert session is not None
         if not session.alive:
             self.close("session ended")
             return
-        msg_type, h = wire.decode(body, 1)
-        if msg_type not in ("begin", "end") or not hmac.compare_digest(h["sid"], session.token):
+        msg_type, msg = wire.decode(body, 1)
+        if msg_type not in ("begin", "end") or msg["sid"] != session.token:
             raise wire.FrameError("unauthenticated", f"{msg_type} on the data channel")
         if msg_type == "end":
-            self.core.receiver.on_end(session, h)
+            self.receiver.on_end(session, msg)
             return
-        if h["mode"] != "tcp":
+        if msg["mode"] != "tcp":
             raise wire.FrameError("bad_field", "begin.mode on the data channel")
-        self.streams[f.stream] = h["x"]
-        self.streams.move_to_end(f.stream)
+        self.streams[frame.stream] = msg["x"]
+        self.streams.move_to_end(frame.stream)
         while len(self.streams) > MAX_STREAMS:
             self.streams.popitem(last=False)
-        self.core.receiver.on_begin(session, h)
+        self.receiver.on_begin(session, msg)
 
     def _buffer(self, n: int) -> memoryview:
         """The first ``n`` bytes of the reusable staging buffer (grown, never shrunk)."""
@@ -232,26 +237,33 @@ class DataIn:
         if self.closed:
             return
         self.closed = True
-        log.debug("engine %s: data connection closed: %s", self.core.engine_id, reason)
+        log.debug("data connection closed: %s", reason)
         self._on_closed(self)
         self.sock.close()
 
 
-def _destination(it: InTransfer, ti: int, lo: int, hi: int) -> memoryview | None:
-    """Bytes of destination blocks ``dst[lo:hi]`` of tensor ``ti`` if a chunk can land there."""
-    t = it.region.tensors[ti]
+def _released(incoming: InTransfer) -> TransferError:
+    blocks = incoming.reservation.blocks
+    return TransferError(
+        StatusCode.STALE_EPOCH, f"request {blocks.request_id!r} epoch {blocks.epoch} was released"
+    )
+
+
+def _destination(incoming: InTransfer, tensor: int, lo: int, hi: int) -> memoryview | None:
+    """Bytes of destination blocks ``dst[lo:hi]`` of ``tensor`` if a chunk can land there."""
+    target = incoming.region.tensors[tensor]
     if (
-        t.device.type != "cpu"
-        or t.dtype != it.src_dtype
-        or int(t.shape[1]) != it.src_shape[0]
-        or not t.is_contiguous()
+        target.device.type != "cpu"
+        or target.dtype != incoming.src_dtype
+        or int(target.shape[1]) != incoming.src_block_shape[0]
+        or not target.is_contiguous()
     ):
         return None
-    ids = it.dst_np[lo:hi]
+    ids = incoming.dst_array[lo:hi]
     first = int(ids[0])
-    if not it.dst_run and not (
+    if not incoming.dst_run and not (
         int(ids[-1]) - first == hi - lo - 1 and bool((np.diff(ids) == 1).all())
     ):
         return None
-    out: Any = layout.as_bytes(t[first : first + hi - lo])
+    out: Any = layout.as_bytes(target[first : first + hi - lo])
     return out

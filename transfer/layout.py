@@ -43,12 +43,12 @@ def blocks_per_chunk(block_bytes: int, chunk_bytes: int, nblocks: int | None = N
     return -(-nblocks // nchunks)
 
 
-def plan(tensors: range, nblocks: int, bpc: int) -> list[Chunk]:
+def plan(tensors: range, nblocks: int, blocks_per_chunk: int) -> list[Chunk]:
     """Chunks covering ``nblocks`` blocks of every tensor in ``tensors``."""
     chunks: list[Chunk] = []
     for ti in tensors:
-        for lo in range(0, nblocks, bpc):
-            chunks.append(Chunk(len(chunks), ti, lo, min(lo + bpc, nblocks)))
+        for lo in range(0, nblocks, blocks_per_chunk):
+            chunks.append(Chunk(len(chunks), ti, lo, min(lo + blocks_per_chunk, nblocks)))
     return chunks
 
 
@@ -113,11 +113,16 @@ def scatter(
 
 
 def _token_positions(
-    dst_ids: torch.Tensor, lo: int, n: int, src_block_size: int, dst_block_size: int, ntok: int
+    dst_ids: torch.Tensor,
+    lo: int,
+    n: int,
+    src_block_size: int,
+    dst_block_size: int,
+    num_tokens: int,
 ) -> torch.Tensor:
     """Rows of the destination's token view that source blocks ``[lo, lo+n)`` fill."""
     t0 = lo * src_block_size
-    t1 = max(min(t0 + n * src_block_size, ntok), t0)
+    t1 = max(min(t0 + n * src_block_size, num_tokens), t0)
     tokens = torch.arange(t0, t1)
     return dst_ids[tokens // dst_block_size] * dst_block_size + tokens % dst_block_size
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -27,6 +29,7 @@ from transfer.region import KVRegion
 
 FREE = 0
 DEAD = -1
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -46,21 +49,22 @@ class Reservation:
 
 
 class Ledger:
-    """Reservations, epochs, grants and committed transfer ids (thread-safe)."""
+    """Reservations, epochs, grants and committed transfer ids (thread-safe: the lock is
+    taken inside; callers that write blocks do it through :meth:`write_if_current`)."""
 
     def __init__(self, dedup_capacity: int) -> None:
-        self.lock = threading.RLock()
+        self._lock = threading.RLock()
         self._owner: dict[str, np.ndarray] = {}
         self._fence: dict[str, np.ndarray] = {}
         self._epochs = EpochSource()
-        self.by_request: dict[str, Reservation] = {}
-        self.grants: dict[str, tuple[str, list[int], float]] = {}
-        self.committed: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._by_request: dict[str, Reservation] = {}
+        self._grants: dict[str, tuple[str, list[int], float]] = {}
+        self._committed: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._capacity = dedup_capacity
 
     def add_region(self, region: KVRegion) -> None:
         """Start tracking the blocks of a newly registered region."""
-        with self.lock:
+        with self._lock:
             self._owner[region.name] = np.zeros(region.num_blocks, dtype=np.int64)
             self._fence[region.name] = np.zeros(region.num_blocks, dtype=np.float64)
 
@@ -77,8 +81,8 @@ class Ledger:
         """Own ``block_ids`` for ``request_id`` under a fresh epoch, writable by ``writer``."""
         region.check_blocks(block_ids, "destination")
         ids = np.asarray(block_ids, dtype=np.int64)
-        with self.lock:
-            if request_id in self.by_request:
+        with self._lock:
+            if request_id in self._by_request:
                 raise TransferError(
                     StatusCode.REPEAT_REQUEST, f"request {request_id!r} already has a reservation"
                 )
@@ -103,7 +107,7 @@ class Ledger:
             handle.blocks = blocks
             timeout = max(deadline - time.monotonic(), 0.0)
             res = Reservation(blocks, handle, frozenset(layers), deadline, writer, timeout)
-            self.by_request[request_id] = res
+            self._by_request[request_id] = res
             return res
 
     def check(
@@ -118,8 +122,8 @@ class Ledger:
 
         With ``writer``, also NOT_GRANTED unless that peer may write the reservation.
         """
-        with self.lock:
-            res = self.by_request.get(request_id)
+        with self._lock:
+            res = self._by_request.get(request_id)
             owner = self._owner.get(region)
             if owner is None:
                 raise TransferError(StatusCode.KV_CACHE_NOT_EXIST, f"no region {region!r}")
@@ -141,6 +145,55 @@ class Ledger:
                 )
             return res
 
+    def write_if_current(self, res: Reservation, write: Callable[[], T]) -> T:
+        """Run ``write`` (which writes ``res``'s blocks) only while ``res`` still owns them,
+        holding the lock so that :meth:`release` cannot free the blocks in between;
+        STALE_EPOCH (nothing written) otherwise."""
+        with self._lock:
+            if not res.alive:
+                raise TransferError(
+                    StatusCode.STALE_EPOCH,
+                    f"request {res.blocks.request_id!r} epoch {res.blocks.epoch} was released",
+                )
+            return write()
+
+    def commit_if_current(
+        self, transfer_id: str, fingerprint: tuple[str, int], res: Reservation, layers: range
+    ) -> bool:
+        """Commit a verified transfer while ``res`` is live (STALE_EPOCH otherwise): remember
+        its id, mark its layers received. True if that completed the reservation."""
+        with self._lock:
+            if not res.alive:
+                raise TransferError(
+                    StatusCode.STALE_EPOCH,
+                    f"request {res.blocks.request_id!r} epoch {res.blocks.epoch} was released",
+                )
+            self._committed[transfer_id] = fingerprint
+            while len(self._committed) > self._capacity:
+                self._committed.popitem(last=False)
+            self._grants.pop(transfer_id, None)
+            res.layers_done.update(layers)
+            return res.expected <= res.layers_done
+
+    def committed(self, transfer_id: str) -> tuple[str, int] | None:
+        """``(request id, epoch)`` a transfer id was committed for, if it was."""
+        with self._lock:
+            return self._committed.get(transfer_id)
+
+    def overdue(self, now: float) -> list[Reservation]:
+        """Live, incomplete reservations whose deadline passed."""
+        with self._lock:
+            return [
+                r
+                for r in self._by_request.values()
+                if r.alive and not r.handle.done() and now > r.deadline
+            ]
+
+    def reservations(self) -> list[Reservation]:
+        """Every reservation not released yet."""
+        with self._lock:
+            return list(self._by_request.values())
+
     def renew(
         self,
         request_id: str,
@@ -154,8 +207,8 @@ class Ledger:
         With ``epoch`` and ``writer`` (a peer's renewal), only that epoch's reservation and
         only for its writer; NOT_GRANTED for another writer. False if nothing is live.
         """
-        with self.lock:
-            res = self.by_request.get(request_id)
+        with self._lock:
+            res = self._by_request.get(request_id)
             if res is None or not res.alive or res.handle.done():
                 return False
             if epoch is not None and res.blocks.epoch != epoch:
@@ -169,7 +222,7 @@ class Ledger:
 
     def kill(self, res: Reservation) -> None:
         """Keep the blocks owned but refuse every further write (after a timeout)."""
-        with self.lock:
+        with self._lock:
             res.alive = False
             owner = self._owner[res.blocks.region]
             ids = np.asarray(res.blocks.block_ids, dtype=np.int64)
@@ -178,8 +231,8 @@ class Ledger:
     def release(self, request_id: str) -> tuple[Reservation | None, float]:
         """Free the request's blocks; returns it and seconds until they may be reused."""
         now = time.monotonic()
-        with self.lock:
-            res = self.by_request.pop(request_id, None)
+        with self._lock:
+            res = self._by_request.pop(request_id, None)
             if res is None:
                 return None, 0.0
             res.alive = False
@@ -188,36 +241,24 @@ class Ledger:
             owner = self._owner[region]
             owner[ids] = FREE
             wait = 0.0
-            for _xid, (g_region, g_ids, until) in self.grants.items():
+            for _transfer_id, (g_region, g_ids, until) in self._grants.items():
                 if g_region == region and until > now and set(g_ids) & set(res.blocks.block_ids):
                     fence = self._fence[region]
                     fence[ids] = np.maximum(fence[ids], until)
                     wait = max(wait, until - now)
             return res, wait
 
-    def grant(self, xid: str, region: str, ids: list[int], until: float) -> None:
+    def grant(self, transfer_id: str, region: str, ids: list[int], until: float) -> None:
         """Record a direct-write window on ``ids``."""
-        with self.lock:
-            self.grants[xid] = (region, ids, until)
+        with self._lock:
+            self._grants[transfer_id] = (region, ids, until)
 
-    def end_grant(self, xid: str) -> None:
+    def end_grant(self, transfer_id: str) -> None:
         """The direct writer is done (or gone)."""
-        with self.lock:
-            self.grants.pop(xid, None)
-
-    def commit(
-        self, xid: str, fingerprint: tuple[str, int], res: Reservation, layers: range
-    ) -> bool:
-        """Remember ``xid`` as applied; mark layers received. True if the request is complete."""
-        with self.lock:
-            self.committed[xid] = fingerprint
-            while len(self.committed) > self._capacity:
-                self.committed.popitem(last=False)
-            self.grants.pop(xid, None)
-            res.layers_done.update(layers)
-            return res.expected <= res.layers_done
+        with self._lock:
+            self._grants.pop(transfer_id, None)
 
     def reserved_blocks(self) -> dict[str, int]:
         """Blocks currently owned by reservations, per region (for leak checks)."""
-        with self.lock:
+        with self._lock:
             return {name: int((owner != FREE).sum()) for name, owner in self._owner.items()}

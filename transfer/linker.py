@@ -1,57 +1,116 @@
-"""Linking: the authenticated handshake (see :mod:`transfer.auth`), re-links and teardown."""
+"""Links and sessions: the authenticated handshake (:mod:`transfer.auth`), re-links, teardown.
+
+The linker owns every session table (links we opened, sessions both ways, pending
+handshakes, where each peer listens) and publishes what happens to them: ``on_linked``
+(a session is up: transfers waiting for it resume), ``on_lost`` (a session is gone: its
+data connections close, its transfers wait for a new one) and ``on_link_failed`` (a
+handshake failed). Nobody else changes the tables; they ask :meth:`Linker.session_for`.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
-import time
+import hmac
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
 from transfer import auth, wire
-from transfer.addresses import parse_endpoint, reachable, split_host_port
+from transfer.addresses import parse_endpoint, reachable
+from transfer.config import EngineConfig
 from transfer.errors import StatusCode, TransferError
-from transfer.session import Link, Session
-
-if TYPE_CHECKING:
-    from transfer.core import Core
+from transfer.loop import IOLoop
+from transfer.metrics import Metrics
+from transfer.outbox import Outbox
+from transfer.session import Identity, Link, Session
 
 #: Handshakes in progress on the listening side, at most (oldest evicted).
 MAX_PENDING_HELLOS = 256
+Frames = list[zmq.Frame]
 
 
 class Linker:
-    """Owns outbound links and the server side of the handshake."""
+    """Sessions of one engine (I/O thread only, except the read-only lookups)."""
 
-    def __init__(self, core: Core) -> None:
-        self.core = core
-        self.pending: OrderedDict[bytes, tuple[dict[str, Any], bytes]] = OrderedDict()
+    def __init__(
+        self,
+        me: Identity,
+        config: EngineConfig,
+        loop: IOLoop,
+        outbox: Outbox,
+        metrics: Metrics,
+        describe_regions: Callable[[], list[dict[str, Any]]],
+        deliver: Callable[[Frames, Link], None],
+    ) -> None:
+        self.me, self.config, self.loop, self.outbox, self.metrics = (
+            me,
+            config,
+            loop,
+            outbox,
+            metrics,
+        )
+        self._describe_regions, self._deliver = describe_regions, deliver
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._links: dict[zmq.Socket[bytes], Link] = {}
+        self._outbound: dict[str, Session] = {}
+        self._inbound: dict[str, Session] = {}
+        self._by_identity: dict[bytes, Session] = {}
+        self._pending: OrderedDict[bytes, tuple[dict[str, Any], bytes]] = OrderedDict()
         #: Where each peer listens, as last told (link, link_async, set_peer_address).
         self.addresses: dict[str, str] = {}
+        self.on_linked: list[Callable[[Session], None]] = []
+        self.on_lost: list[Callable[[Session, str], None]] = []
+        self.on_link_failed: list[Callable[[str, TransferError], None]] = []
 
-    # ---- client side --------------------------------------------------------------------
+    # ---- lookups ------------------------------------------------------------------------
+    def session_for(self, peer: str) -> Session | None:
+        """The live session to ``peer`` (the one we opened first)."""
+        for table in (self._outbound, self._inbound):
+            session = table.get(peer)
+            if session is not None and session.alive:
+                return session
+        return None
+
+    def by_identity(self, identity: bytes) -> Session | None:
+        """The session a peer opened to our ROUTER from connection ``identity``."""
+        return self._by_identity.get(identity)
+
+    def sessions(self) -> list[Session]:
+        """Every live session."""
+        return [s for s in (*self._outbound.values(), *self._inbound.values()) if s.alive]
+
+    def peers(self) -> list[str]:
+        """Ids of peers with a session."""
+        return sorted({*self._outbound, *self._inbound})
+
+    def by_data_proof(self, proof: bytes) -> Session | None:
+        """The session a data connection's preface names (see :func:`auth.data_proof`)."""
+        for session in self.sessions():
+            if hmac.compare_digest(auth.data_proof(session.token, self.me.engine_id), proof):
+                return session
+        return None
+
+    # ---- opening links ------------------------------------------------------------------
     def connect(
-        self, peer_id: str, address: str, waiter: concurrent.futures.Future[None] | None
+        self, peer_id: str, address: str, waiter: concurrent.futures.Future[None] | None = None
     ) -> None:
         """Start (or join) a handshake with the engine listening at ``address``."""
-        core = self.core
-        for link in core.links.values():
+        for link in self._links.values():
             if link.peer_id == peer_id and link.address == address and link.session is None:
                 if waiter is not None:
                     link.waiters.append(waiter)
                 return  # a handshake is already running
-        current = core.out_sessions.get(peer_id)
-        if current is not None and current.alive and waiter is not None:
-            assert current.link is not None
-            if current.link.address == address:
-                waiter.set_result(None)
-                return
-        sock: zmq.Socket[bytes] = core.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, core.config.max_frame_bytes + wire.MAX_HEADER_BYTES)
+        current = self._outbound.get(peer_id)
+        linked = current is not None and current.alive and current.link is not None
+        if linked and waiter is not None and current.link.address == address:  # type: ignore[union-attr]
+            waiter.set_result(None)
+            return
+        sock: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
+        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
+            sock.setsockopt(option, value)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes + wire.MAX_HEADER_BYTES)
         try:
             parse_endpoint(address)
             sock.connect(address)
@@ -62,83 +121,91 @@ class Linker:
                 if isinstance(exc, TransferError)
                 else TransferError(StatusCode.LINK_FAILED, f"cannot connect to {address!r}: {exc}")
             )
-            core.metrics.link_failures_total += 1
+            self.metrics.link_failures_total += 1
             if waiter is not None and not waiter.done():
                 waiter.set_exception(err)
-            core.sender.on_link_failed(peer_id, err)
+            self._publish_failure(peer_id, err)
             return
-        deadline = time.monotonic() + core.config.link_timeout_s
-        link = Link(peer_id, address, sock, auth.new_nonce(), deadline)
+        link = Link(peer_id, address, sock, auth.new_nonce())
         if waiter is not None:
             link.waiters.append(waiter)
-        core.links[sock] = link
-        core.poller.register(sock, zmq.POLLIN)
-        hello = wire.encode("hello", eid=core.engine_id, role=core.role.value, nonce=link.nonce)
+        self._links[sock] = link
+        self.loop.watch(sock, zmq.POLLIN, lambda events: self._drain(link))
+        hello = wire.encode("hello", eid=self.me.engine_id, role=self.me.role, nonce=link.nonce)
         sock.send(hello, zmq.NOBLOCK)
-        core.at(core.config.link_timeout_s, lambda: self._expire(link))
-
-    def _expire(self, link: Link) -> None:
-        if link.session is None and link.socket in self.core.links:
-            self.core.metrics.link_failures_total += 1
-            self._fail_link(
-                link,
-                StatusCode.LINK_FAILED,
-                f"no answer from {link.address} within the link timeout",
-            )
-
-    def _fail_link(self, link: Link, code: StatusCode, msg: str) -> None:
-        self._close_link(link)
-        err = TransferError(code, f"link to {link.peer_id or link.address}: {msg}")
-        for w in link.waiters:
-            if not w.done():
-                w.set_exception(err)
-        link.waiters.clear()
-        self.core.sender.on_link_failed(link.peer_id, err)
-
-    def _close_link(self, link: Link) -> None:
-        if self.core.links.pop(link.socket, None) is not None:
-            self.core.poller.unregister(link.socket)
-            link.socket.close(0)
-
-    def on_link_error(self, link: Link, h: dict[str, Any]) -> None:
-        """An ERROR answered our handshake (e.g. AUTH_FAILED)."""
-        code = StatusCode.from_number(h["code"])
-        if code is StatusCode.AUTH_FAILED:
-            self.core.metrics.auth_failures_total += 1
-        self.core.metrics.link_failures_total += 1
-        self._fail_link(link, code, h["msg"])
-
-    def relink(self, session: Session) -> None:
-        """Replace an outbound session's connection (after a timeout); no-op for inbound.
-
-        Links to the peer's latest known address, which may have changed meanwhile."""
-        if session.link is None:
-            return
-        self.drop(session, "re-link")
-        address = self.addresses.get(session.peer_id, session.link.address)
-        self.connect(session.peer_id, address, None)
+        self.loop.at(self.config.link_timeout_s, lambda: self._expire(link))
 
     def moved(self, peer_id: str, address: str) -> None:
         """``peer_id`` listens at ``address`` now: link there unless already linked there."""
         self.addresses[peer_id] = address
-        core = self.core
-        current = core.out_sessions.get(peer_id)
+        current = self._outbound.get(peer_id)
         if current is not None and current.alive and current.link is not None:
             if current.link.address == address:
                 return
             self.drop(current, f"peer moved to {address}")
-        for link in list(core.links.values()):
+        for link in list(self._links.values()):
             if link.peer_id == peer_id and link.session is None:
                 if link.address == address:
                     return  # already linking there
                 self._close_link(link)  # a handshake with where it used to be
-        self.connect(peer_id, address, None)
+        self.connect(peer_id, address)
 
-    # ---- both sides ---------------------------------------------------------------------
+    def relink(self, session: Session) -> None:
+        """Replace an outbound session's connection (to the peer's latest known address);
+        a no-op for sessions the peer opened."""
+        if session.link is None:
+            return
+        self.drop(session, "re-link")
+        self.connect(session.peer_id, self.addresses.get(session.peer_id, session.link.address))
+
+    def unlink(self, peer_id: str) -> None:
+        """Say goodbye to ``peer_id`` and drop every session with it."""
+        self.addresses.pop(peer_id, None)
+        for table in (self._outbound, self._inbound):
+            session = table.get(peer_id)
+            if session is not None:
+                self.outbox.send(session, "bye", wire.encode("bye", session.token))
+                self.drop(session, "unlink")
+
+    def _drain(self, link: Link) -> None:
+        for _ in range(256):
+            if link.socket not in self._links:
+                return  # closed while handling an earlier message
+            try:
+                frames = link.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:
+                return
+            self._deliver(frames, link)
+            del frames  # drop the payload now: ZMQ then reuses one buffer
+
+    def _expire(self, link: Link) -> None:
+        if link.session is None and link.socket in self._links:
+            self.metrics.link_failures_total += 1
+            self._fail_link(link, StatusCode.LINK_FAILED, "no answer within the link timeout")
+
+    def _fail_link(self, link: Link, code: StatusCode, msg: str) -> None:
+        self._close_link(link)
+        err = TransferError(code, f"link to {link.peer_id or link.address}: {msg}")
+        for waiter in link.waiters:
+            if not waiter.done():
+                waiter.set_exception(err)
+        link.waiters.clear()
+        self._publish_failure(link.peer_id, err)
+
+    def _publish_failure(self, peer_id: str, err: TransferError) -> None:
+        for listener in self.on_link_failed:
+            listener(peer_id, err)
+
+    def _close_link(self, link: Link) -> None:
+        if self._links.pop(link.socket, None) is not None:
+            self.loop.unwatch(link.socket)
+            link.socket.close(0)
+
+    # ---- the handshake ------------------------------------------------------------------
     def on_handshake(
         self,
         msg_type: str,
-        h: dict[str, Any],
+        msg: dict[str, Any],
         identity: bytes | None,
         link: Link | None,
         peer_ip: str = "",
@@ -146,212 +213,186 @@ class Linker:
         """Route a handshake frame to the side that expects it (``peer_ip``: where an
         inbound connection comes from, for a peer that advertises a wildcard host)."""
         if identity is not None and msg_type == "hello":
-            self._on_hello(identity, h)
+            self._on_hello(identity, msg)
         elif identity is not None and msg_type == "auth":
-            self._on_auth(identity, h, peer_ip)
+            self._on_auth(identity, msg, peer_ip)
         elif link is not None and msg_type == "challenge":
-            self._on_challenge(link, h)
+            self._on_challenge(link, msg)
         elif link is not None and msg_type == "welcome":
-            self._on_welcome(link, h)
+            self._on_welcome(link, msg)
         else:
-            self.core.metrics.reject("unexpected_handshake")
+            self.metrics.reject("unexpected_handshake")
 
-    def _on_challenge(self, link: Link, h: dict[str, Any]) -> None:
-        core = self.core
-        if link.session is not None or link.peer_hello is not None:
-            core.metrics.reject("unexpected_handshake")
-            return
-        expected = auth.server_proof(
-            core.config.secret, link.nonce, h["nonce"], core.engine_id, h["eid"]
+    def on_link_error(self, link: Link, msg: dict[str, Any]) -> None:
+        """An ERROR answered our handshake (e.g. AUTH_FAILED)."""
+        code = StatusCode.from_number(msg["code"])
+        if code is StatusCode.AUTH_FAILED:
+            self.metrics.auth_failures_total += 1
+        self.metrics.link_failures_total += 1
+        self._fail_link(link, code, msg["msg"])
+
+    def on_session_error(self, session: Session, msg: dict[str, Any]) -> None:
+        """A session-level error (NOT_LINKED: the peer restarted and forgot us): re-link."""
+        if StatusCode.from_number(msg["code"]) is StatusCode.NOT_LINKED and session.outbound:
+            self.relink(session)
+
+    def _on_hello(self, identity: bytes, msg: dict[str, Any]) -> None:
+        server_nonce = auth.new_nonce()
+        self._pending[identity] = (msg, server_nonce)
+        while len(self._pending) > MAX_PENDING_HELLOS:
+            self._pending.popitem(last=False)
+        me = self.me
+        proof = auth.server_proof(
+            self.config.secret, msg["nonce"], server_nonce, msg["eid"], me.engine_id
         )
-        if not auth.verify(expected, h["proof"]):
-            core.metrics.auth_failures_total += 1
+        reply = wire.encode(
+            "challenge", eid=me.engine_id, role=me.role, nonce=server_nonce, proof=proof
+        )
+        self._reply(identity, reply)
+
+    def _on_challenge(self, link: Link, msg: dict[str, Any]) -> None:
+        if link.session is not None or link.peer_hello is not None:
+            self.metrics.reject("unexpected_handshake")
+            return
+        secret, me = self.config.secret, self.me.engine_id
+        expected = auth.server_proof(secret, link.nonce, msg["nonce"], me, msg["eid"])
+        if not auth.verify(expected, msg["proof"]):
+            self.metrics.auth_failures_total += 1
             self._fail_link(link, StatusCode.AUTH_FAILED, "peer failed to prove the secret")
             return
-        if link.peer_id and h["eid"] != link.peer_id:
-            self._fail_link(
-                link,
-                StatusCode.LINK_FAILED,
-                f"expected engine {link.peer_id!r}, found {h['eid']!r}",
-            )
+        if link.peer_id and msg["eid"] != link.peer_id:
+            found = f"expected engine {link.peer_id!r}, found {msg['eid']!r}"
+            self._fail_link(link, StatusCode.LINK_FAILED, found)
             return
-        link.peer_hello = h
-        proof = auth.client_proof(
-            core.config.secret, link.nonce, h["nonce"], core.engine_id, h["eid"]
-        )
+        link.peer_hello = msg
+        proof = auth.client_proof(secret, link.nonce, msg["nonce"], me, msg["eid"])
         # the peer proved the secret: only now say who we are and what we hold
         link.socket.send(wire.encode("auth", proof=proof, **self._about_me()), zmq.NOBLOCK)
 
-    def _on_welcome(self, link: Link, h: dict[str, Any]) -> None:
-        core = self.core
-        hello = link.peer_hello
-        if hello is None or link.session is not None:
-            core.metrics.reject("unexpected_handshake")
-            return
-        try:
-            regions = self.parse_regions(h["regions"])
-            check_data_address(h["da"])
-        except wire.FrameError as exc:
-            core.metrics.reject(exc.reason)
-            self._fail_link(link, StatusCode.FRAME_INVALID, f"bad welcome: {exc}")
-            return
-        data_address = reachable(h["da"], parse_endpoint(link.address)[0])
-        session = Session(
-            hello["eid"],
-            hello["role"],
-            h["host"],
-            h["pid"],
-            regions,
-            h["token"],
-            link=link,
-            data_address=data_address,
-        )
-        link.session = session
-        old = core.out_sessions.get(session.peer_id)
-        if old is not None and old is not session:
-            self.drop(old, "replaced by a new link")
-        core.out_sessions[session.peer_id] = session
-        core.metrics.links_total += 1
-        for w in link.waiters:
-            if not w.done():
-                w.set_result(None)
-        link.waiters.clear()
-        core.sender.on_linked(session)
-
-    def _on_hello(self, identity: bytes, h: dict[str, Any]) -> None:
-        core = self.core
-        nonce_s = auth.new_nonce()
-        self.pending[identity] = (h, nonce_s)
-        while len(self.pending) > MAX_PENDING_HELLOS:
-            self.pending.popitem(last=False)
-        proof = auth.server_proof(core.config.secret, h["nonce"], nonce_s, h["eid"], core.engine_id)
-        reply = wire.encode(
-            "challenge", eid=core.engine_id, role=core.role.value, nonce=nonce_s, proof=proof
-        )
-        self._router_send(identity, reply)
-
-    def _on_auth(self, identity: bytes, h: dict[str, Any], peer_ip: str) -> None:
-        core = self.core
-        pending = self.pending.pop(identity, None)
+    def _on_auth(self, identity: bytes, msg: dict[str, Any], peer_ip: str) -> None:
+        pending = self._pending.pop(identity, None)
         if pending is None:
-            core.metrics.reject("unexpected_handshake")
+            self.metrics.reject("unexpected_handshake")
             return
-        hello, nonce_s = pending
+        hello, server_nonce = pending
         expected = auth.client_proof(
-            core.config.secret, hello["nonce"], nonce_s, hello["eid"], core.engine_id
+            self.config.secret, hello["nonce"], server_nonce, hello["eid"], self.me.engine_id
         )
-        if not auth.verify(expected, h["proof"]):
-            core.metrics.auth_failures_total += 1
-            core.metrics.reject("auth_failed")
-            msg = "authentication failed: the link secrets differ"
-            self._router_send(
-                identity, wire.encode("error", x="", code=StatusCode.AUTH_FAILED.number, msg=msg)
-            )
+        if not auth.verify(expected, msg["proof"]):
+            self.metrics.auth_failures_total += 1
+            self.metrics.reject("auth_failed")
+            self._refuse(identity, StatusCode.AUTH_FAILED, "the link secrets differ")
             return
         try:
-            regions = self.parse_regions(h["regions"])
-            check_data_address(h["da"])
+            regions = wire.region_descriptions(msg["regions"])
+            data_address = reachable(wire.data_address(msg["da"]), peer_ip)
         except wire.FrameError as exc:
-            core.metrics.reject(exc.reason)
-            code = StatusCode.FRAME_INVALID.number
-            reply = wire.encode("error", x="", code=code, msg=f"link refused: {exc}")
-            self._router_send(identity, reply)
+            self.metrics.reject(exc.reason)
+            self._refuse(identity, StatusCode.FRAME_INVALID, f"link refused: {exc}")
             return
         token = auth.new_nonce()
         session = Session(
             hello["eid"],
             hello["role"],
-            h["host"],
-            h["pid"],
+            msg["host"],
+            msg["pid"],
             regions,
             token,
             identity=identity,
-            data_address=reachable(h["da"], peer_ip),
+            data_address=data_address,
         )
-        old = core.in_sessions.get(session.peer_id)
+        old = self._inbound.get(session.peer_id)
         if old is not None:
             self.drop(old, "peer re-linked")
-        core.in_sessions[session.peer_id] = session
-        core.in_by_identity[identity] = session
-        core.metrics.links_total += 1
-        self._router_send(identity, wire.encode("welcome", token=token, **self._about_me()))
-        core.sender.on_linked(session)
+        self._inbound[session.peer_id] = session
+        self._by_identity[identity] = session
+        self._reply(identity, wire.encode("welcome", token=token, **self._about_me()))
+        self._up(session)
 
-    def on_session_error(self, session: Session, h: dict[str, Any]) -> None:
-        """A session-level error (e.g. NOT_LINKED after the peer restarted): re-link."""
-        if StatusCode.from_number(h["code"]) is StatusCode.NOT_LINKED and session.outbound:
-            self.relink(session)
+    def _on_welcome(self, link: Link, msg: dict[str, Any]) -> None:
+        hello = link.peer_hello
+        if hello is None or link.session is not None:
+            self.metrics.reject("unexpected_handshake")
+            return
+        try:
+            regions = wire.region_descriptions(msg["regions"])
+            dialled = parse_endpoint(link.address)[0]
+            data_address = reachable(wire.data_address(msg["da"]), dialled)
+        except wire.FrameError as exc:
+            self.metrics.reject(exc.reason)
+            self._fail_link(link, StatusCode.FRAME_INVALID, f"bad welcome: {exc}")
+            return
+        session = Session(
+            hello["eid"],
+            hello["role"],
+            msg["host"],
+            msg["pid"],
+            regions,
+            msg["token"],
+            link=link,
+            data_address=data_address,
+        )
+        link.session = session
+        old = self._outbound.get(session.peer_id)
+        if old is not None and old is not session:
+            self.drop(old, "replaced by a new link")
+        self._outbound[session.peer_id] = session
+        for waiter in link.waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        link.waiters.clear()
+        self._up(session)
 
-    def drop(self, session: Session, reason: str) -> None:
-        """Forget a session and close its connection (pending frames are discarded)."""
-        core = self.core
-        session.alive = False
-        if core.out_sessions.get(session.peer_id) is session:
-            del core.out_sessions[session.peer_id]
-        if core.in_sessions.get(session.peer_id) is session:
-            del core.in_sessions[session.peer_id]
-        if session.identity is not None:
-            core.in_by_identity.pop(session.identity, None)
-        if session.link is not None:
-            self._close_link(session.link)
-        session.mapped.clear()
-        if core.datachan is not None:
-            core.datachan.close_session(session)
-        core.sender.on_session_lost(session, reason)
+    def _up(self, session: Session) -> None:
+        self.metrics.links_total += 1
+        for listener in self.on_linked:
+            listener(session)
 
     def _about_me(self) -> dict[str, Any]:
         """What an authenticated peer learns about us: host, pid, data address, regions."""
-        core = self.core
+        me = self.me
         return {
-            "host": core.host,
-            "pid": core.pid,
-            "da": core.data_address,
-            "regions": self.my_regions(),
+            "host": me.host,
+            "pid": me.pid,
+            "da": me.data_address,
+            "regions": self._describe_regions(),
         }
 
-    def my_regions(self) -> list[dict[str, Any]]:
-        """Descriptions of our registered regions, for peers."""
-        return [r.describe() for r in self.core.regions.values()]
+    def _refuse(self, identity: bytes, code: StatusCode, msg: str) -> None:
+        self._reply(identity, wire.encode("error", x="", code=code.number, msg=msg))
 
+    def _reply(self, identity: bytes, header: bytes) -> None:
+        if not self.outbox.to_identity(identity, header):
+            self._pending.pop(identity, None)
+
+    # ---- sessions -----------------------------------------------------------------------
     def announce_regions(self) -> None:
         """Tell every peer about a region registered after linking."""
-        for s in list(self.core.out_sessions.values()) + list(self.core.in_sessions.values()):
-            self.core.send(s, "regions", wire.encode("regions", s.token, regions=self.my_regions()))
+        regions = self._describe_regions()
+        for session in self.sessions():
+            header = wire.encode("regions", session.token, regions=regions)
+            self.outbox.send(session, "regions", header)
 
-    @staticmethod
-    def parse_regions(raw: list[Any]) -> dict[str, dict[str, Any]]:
-        """Validate peers' region descriptions."""
-        out: dict[str, dict[str, Any]] = {}
-        for desc in raw[:64]:
-            if not isinstance(desc, dict) or not isinstance(desc.get("name"), str):
-                raise wire.FrameError("bad_field", "regions")
-            if not isinstance(desc.get("shm"), (str, type(None))):
-                raise wire.FrameError("bad_field", "regions.shm")
-            for key in ("dt", "dev"):
-                if not isinstance(desc.get(key), str):
-                    raise wire.FrameError("bad_field", f"regions.{key}")
-            for key in ("nl", "tpl", "nb"):
-                value = desc.get(key)
-                if type(value) is not int or value < 1:
-                    raise wire.FrameError("bad_field", f"regions.{key}")
-            shape = desc.get("shape")
-            if not isinstance(shape, list) or not shape:
-                raise wire.FrameError("bad_field", "regions.shape")
-            wire.int_list(shape, "regions.shape")
-            out[desc["name"]] = desc
-        return out
+    def drop(self, session: Session, reason: str) -> None:
+        """Forget a session and close its connection (pending frames are discarded)."""
+        if not session.alive and session not in (*self._outbound.values(), *self._inbound.values()):
+            return
+        session.alive = False
+        if self._outbound.get(session.peer_id) is session:
+            del self._outbound[session.peer_id]
+        if self._inbound.get(session.peer_id) is session:
+            del self._inbound[session.peer_id]
+        if session.identity is not None:
+            self._by_identity.pop(session.identity, None)
+        if session.link is not None:
+            self._close_link(session.link)
+        session.mapped.clear()
+        for listener in self.on_lost:
+            listener(session, reason)
 
-    def _router_send(self, identity: bytes, header: bytes) -> None:
-        try:
-            self.core.router.send_multipart([identity, header], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            self.pending.pop(identity, None)
-
-
-def check_data_address(address: str) -> None:
-    """A peer's advertised data address must be empty (none) or ``host:port``."""
-    if address:
-        try:
-            split_host_port(address, "data address")
-        except TransferError as exc:
-            raise wire.FrameError("bad_field", exc.message) from None
+    def close(self) -> None:
+        """Say goodbye on every session and close every link (engine shutdown)."""
+        for session in self.sessions():
+            self.outbox.send(session, "bye", wire.encode("bye", session.token))
+        for link in list(self._links.values()):
+            self._close_link(link)

@@ -74,11 +74,11 @@ class Metrics:
 
     def of(self, transport: str) -> TransportMetrics:
         """Counters of ``transport`` (created on first use)."""
-        tm = self.transports.get(transport)
-        if tm is None:
+        counters = self.transports.get(transport)
+        if counters is None:
             with self.lock:
-                tm = self.transports.setdefault(transport, TransportMetrics())
-        return tm
+                counters = self.transports.setdefault(transport, TransportMetrics())
+        return counters
 
     def reject(self, reason: str) -> None:
         """Count one rejected frame."""
@@ -89,7 +89,7 @@ class Metrics:
         """A deep copy as plain dicts and numbers, plus the given gauges."""
         with self.lock:
             return {
-                "transports": {name: asdict(tm) for name, tm in self.transports.items()},
+                "transports": {name: asdict(c) for name, c in self.transports.items()},
                 "frames_rejected": dict(self.frames_rejected),
                 "frames_rejected_total": sum(self.frames_rejected.values()),
                 "links_total": self.links_total,

@@ -11,20 +11,20 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import zmq
 
 from transfer import checksum, dataframe, layout, wire
 from transfer.devices import to_host
-from transfer.errors import TransferError
+from transfer.errors import StatusCode, TransferError
+from transfer.faults import FaultInjector
 from transfer.handle import RemoteBlocks, TransferHandle, TransferState
+from transfer.hashing import Hasher
+from transfer.metrics import TransportMetrics
+from transfer.outbox import Outbox
 from transfer.region import KVRegion
 from transfer.session import Session
-
-if TYPE_CHECKING:
-    from transfer.core import Core
 
 #: Bytes moved per transfer per loop iteration before polling the sockets again.
 PUMP_BYTES = 16 << 20
@@ -50,7 +50,7 @@ class OutTransfer:
     session: Session | None = None
     algo: str | None = None
     chunks: list[layout.Chunk] = field(default_factory=list)
-    bpc: int = 1
+    blocks_per_chunk: int = 1
     queue: deque[int] = field(default_factory=deque)
     phase: str = "link"
     attempt_until: float = 0.0
@@ -86,52 +86,98 @@ class OutTransfer:
         return sum(n for _, n in self.trackers) + self.queued
 
 
-def pump_stream(core: Core, ot: OutTransfer) -> bool:
-    """Send a bounded slice of chunks; True once every chunk has been handed to ZMQ."""
-    session = ot.session
+def new_push(
+    transfer_id: str,
+    peer: str,
+    region: KVRegion,
+    src: list[int],
+    dst: RemoteBlocks,
+    layers: tuple[int, int],
+    num_tokens: int | None,
+    checksum_algo: str | None,
+    transport: str | None,
+    timeout_s: float,
+    lease_s: float,
+) -> OutTransfer:
+    """A validated push of ``src`` (layers ``[first, last)``) into ``dst``, not started yet."""
+    region.check_blocks(src, "source")
+    if not src:
+        raise TransferError(StatusCode.PARAM_INVALID, "no source blocks")
+    tokens = num_tokens if num_tokens is not None else len(src) * region.block_size
+    if not 0 < tokens <= len(src) * region.block_size:
+        raise TransferError(StatusCode.PARAM_INVALID, f"num_tokens={tokens} for {len(src)} blocks")
+    nbytes = len(src) * region.block_bytes * len(region.tensor_range(layers))
+    handle = TransferHandle(transfer_id, "push", peer, dst.request_id, nbytes=nbytes)
+    now = time.monotonic()
+    src_ids = torch.tensor(src, dtype=torch.long)
+    return OutTransfer(
+        handle,
+        region,
+        src_ids,
+        dst,
+        layers,
+        tokens,
+        checksum_algo,
+        transport,
+        now + timeout_s,
+        now + lease_s,
+        lease_s=lease_s,
+    )
+
+
+def pump_stream(out: OutTransfer, outbox: Outbox, counters: TransportMetrics) -> bool:
+    """Send a bounded slice of chunks; True once every chunk has been handed over."""
+    session = out.session
     assert session is not None
-    safe_views = core.injector is None
-    if ot.src_run is None:
-        ot.src_run = layout.is_run(ot.src_ids)
+    safe_views = not outbox.faults_on
+    if out.src_run is None:
+        out.src_run = layout.is_run(out.src_ids)
     moved = 0
-    while ot.queue and moved < PUMP_BYTES and ot.inflight < WINDOW_BYTES:
-        seq = ot.queue[0]
-        c = ot.chunks[seq]
-        data = layout.gather(ot.region.tensors[c.ti], ot.src_ids[c.lo : c.hi], ot.src_run)
+    while out.queue and moved < PUMP_BYTES and out.inflight < WINDOW_BYTES:
+        seq = out.queue[0]
+        chunk = out.chunks[seq]
+        data = layout.gather(
+            out.region.tensors[chunk.ti], out.src_ids[chunk.lo : chunk.hi], out.src_run
+        )
         if not safe_views and data.device.type == "cpu":
             data = data.clone()
-        host = to_host(data)
-        buf = layout.as_bytes(host)
-        digest = checksum.digest(ot.algo, buf) if ot.algo else None
-        if ot.via_data:
-            header = dataframe.data(ot.stream, seq, c.ti, c.lo, c.hi, len(buf), digest)
-            owner = ot if safe_views else None
-            sent = core.send(session, "data", header, buf, via_data=True, owner=owner)
+        buf = layout.as_bytes(to_host(data))
+        digest = checksum.digest(out.algo, buf) if out.algo else None
+        if out.via_data:
+            header = dataframe.data(out.stream, seq, chunk.ti, chunk.lo, chunk.hi, len(buf), digest)
+            owner = out if safe_views else None
+            sent = outbox.send(session, "data", header, buf, via_data=True, owner=owner)
         else:
             header = wire.encode(
                 "data",
                 session.token,
-                x=ot.handle.transfer_id,
+                x=out.handle.transfer_id,
                 s=seq,
-                ti=c.ti,
-                lo=c.lo,
-                hi=c.hi,
+                ti=chunk.ti,
+                lo=chunk.lo,
+                hi=chunk.hi,
                 d=digest,
             )
-            sent = core.send(session, "data", header, buf, track=safe_views)
+            sent = outbox.send(session, "data", header, buf, track=safe_views)
         if sent is False:
             return False  # not connected (yet): the attempt timer decides
         if isinstance(sent, zmq.MessageTracker):
-            ot.trackers.append((sent, len(buf)))
-        ot.queue.popleft()
+            out.trackers.append((sent, len(buf)))
+        out.queue.popleft()
         moved += len(buf)
-        core.metrics.of(ot.transport).bytes_sent_total += len(buf)
-        if ot.phase != "send":
+        counters.bytes_sent_total += len(buf)
+        if out.phase != "send":
             return False  # the session went away under a fault; the attempt timer decides
-    return not ot.queue
+    return not out.queue
 
 
-def pump_direct(core: Core, ot: OutTransfer) -> list[int] | None:
+def pump_direct(
+    out: OutTransfer,
+    hasher: Hasher,
+    injector: FaultInjector | None,
+    counters: TransportMetrics,
+    drop: Callable[[Session, str], None],
+) -> list[int] | None:
     """Copy a bounded slice into the mapped destination; the chunks' digests once done.
 
     Every chunk is copied only while the receiver's grant is open (checked before each
@@ -140,47 +186,47 @@ def pump_direct(core: Core, ot: OutTransfer) -> list[int] | None:
     thread meanwhile; the receiver recomputes it from its blocks before it commits.
     Returns None while chunks remain or the grant ran out (the caller checks which).
     """
-    assert ot.session is not None and ot.dst_tensors is not None
-    if ot.dst_ids is None:
-        ot.dst_ids = torch.tensor(ot.dst.block_ids, dtype=torch.long)
+    assert out.session is not None and out.dst_tensors is not None
+    if out.dst_ids is None:
+        out.dst_ids = torch.tensor(out.dst.block_ids, dtype=torch.long)
     moved = 0
-    while ot.queue and moved < PUMP_BYTES:
-        fault = core.injector.match("direct") if core.injector is not None else None
+    while out.queue and moved < PUMP_BYTES:
+        fault = injector.match("direct") if injector is not None else None
         if fault is not None and fault.kind == "delay":
             time.sleep(fault.delay_s)  # the writer is descheduled mid-transfer
-        if time.monotonic() > ot.grant_until:
+        if time.monotonic() > out.grant_until:
             return None
-        seq = ot.queue.popleft()
-        if fault is not None and fault.kind == "reorder" and ot.queue:
-            ot.queue.append(seq)
+        seq = out.queue.popleft()
+        if fault is not None and fault.kind == "reorder" and out.queue:
+            out.queue.append(seq)
             continue
         if fault is not None and fault.kind == "disconnect":
-            core.linker.drop(ot.session, "fault: disconnect")
+            drop(out.session, "fault: disconnect")
             return None
-        moved += _copy_chunk(core, ot, seq, fault.kind if fault is not None else None)
-    if ot.queue:
+        nbytes = _copy_chunk(out, seq, hasher, fault.kind if fault is not None else None)
+        moved += nbytes
+        counters.bytes_sent_total += nbytes
+    if out.queue:
         return None
-    if not ot.algo:
+    if not out.algo:
         return []
-    return [ot.digests[seq].result() for seq in range(len(ot.chunks))]
+    return [out.digests[seq].result() for seq in range(len(out.chunks))]
 
 
-def _copy_chunk(core: Core, ot: OutTransfer, seq: int, fault: str | None) -> int:
-    assert ot.dst_tensors is not None and ot.dst_ids is not None
-    c = ot.chunks[seq]
-    dst = ot.dst_tensors[c.ti]
-    block_size = ot.region.block_size
-    data = layout.gather(ot.region.tensors[c.ti], ot.src_ids[c.lo : c.hi])
+def _copy_chunk(out: OutTransfer, seq: int, hasher: Hasher, fault: str | None) -> int:
+    assert out.dst_tensors is not None and out.dst_ids is not None
+    chunk = out.chunks[seq]
+    dst = out.dst_tensors[chunk.ti]
+    block_size = out.region.block_size
+    data = layout.gather(out.region.tensors[chunk.ti], out.src_ids[chunk.lo : chunk.hi])
     data = data.to(device=dst.device, dtype=dst.dtype)
-    if ot.algo and seq not in ot.digests:
-        image = layout.sent_image(data, c.lo, block_size, int(dst.shape[1]), ot.num_tokens)
-        ot.digests[seq] = core.hasher.submit(ot.algo, image)
+    if out.algo and seq not in out.digests:
+        image = layout.sent_image(data, chunk.lo, block_size, int(dst.shape[1]), out.num_tokens)
+        out.digests[seq] = hasher.submit(out.algo, image)
     if fault == "corrupt":  # the copy lands one damaged byte (the digest is of the truth)
         data = data.clone()
         data.view(-1)[:1].view(torch.uint8)[0] ^= 0x5A
     if fault != "drop":
         for _ in range(2 if fault == "duplicate" else 1):
-            layout.scatter(dst, ot.dst_ids, data, c.lo, block_size, ot.num_tokens)
-    nbytes = data.numel() * data.element_size()
-    core.metrics.of(ot.transport).bytes_sent_total += nbytes
-    return int(nbytes)
+            layout.scatter(dst, out.dst_ids, data, chunk.lo, block_size, out.num_tokens)
+    return int(data.numel() * data.element_size())

@@ -1,57 +1,184 @@
-"""Serving peers' pulls under offers: validate, authorize, push our blocks back.
+"""Pulls, both sides: asking a peer for blocks it offered us, and serving such requests.
 
-The puller (usually decode) reserved its destination blocks and names blocks we offered it
-(:mod:`transfer.offers`); we run an ordinary push for it (same ACK, retries), leased until
-the offer's lease ends, whose handle surfaces in our ``progress()`` with
-``kind == "serve_pull"``. Repeated pull requests for an id in flight are ignored; a repeat
-after completion is answered by the puller's receiver as a duplicate.
+The puller (usually decode) reserves its destination blocks and sends PULL naming the
+source's offer (:mod:`transfer.offers`); it resends PULL until the data commits or its
+deadline passes. The source authorizes the request against the offer and runs an ordinary
+push for it (same ACK, retries), leased until the offer's lease ends, whose handle surfaces
+in its ``progress()`` with ``kind == "serve_pull"``. Repeated pull requests for an id in
+flight are ignored; a repeat after completion is answered by the puller as a duplicate::
+
+    puller                                   source
+      PULL {x, offer rid+epoch, src, dst} ──> authorize (NOT_GRANTED: ERROR, counted)
+                                          <── BEGIN / DATA / END  (a push, transfer id x)
+      commit -> pull DONE                 ──> ACK -> serve_pull DONE -> offer DONE when
+                                                  every offered layer was served
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from transfer import wire
+from transfer.config import EngineConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import RemoteBlocks, TransferHandle, TransferState
+from transfer.linker import Linker
+from transfer.loop import IOLoop
+from transfer.metrics import Metrics
 from transfer.movers import OutTransfer
 from transfer.offers import Offer, OfferBook
+from transfer.outbox import Outbox
+from transfer.region import KVRegion
+from transfer.sender import Sender
 from transfer.session import Session
 
-if TYPE_CHECKING:
-    from transfer.core import Core
+
+@dataclass(slots=True, eq=False)
+class PendingPull:
+    """A pull we asked a peer to serve; resent until the data commits or the deadline."""
+
+    handle: TransferHandle
+    fields: dict[str, Any]
+    deadline: float
+    resend_at: float
+
+
+def new_pull(
+    transfer_id: str,
+    peer: str,
+    region: KVRegion,
+    src: RemoteBlocks | Sequence[int],
+    src_region: str,
+    dst: RemoteBlocks,
+    layers: tuple[int, int],
+    num_tokens: int | None,
+    timeout_s: float,
+    resend_s: float,
+) -> PendingPull:
+    """A pull of the peer's offer ``src`` into our reservation ``dst`` (plain ids name no
+    offer: the peer refuses them), not sent yet."""
+    offer_request, offer_epoch = "", 0
+    if isinstance(src, RemoteBlocks):
+        offer_request, offer_epoch = src.request_id, src.epoch
+        src_region, src = src.region, src.block_ids
+    nbytes = len(src) * region.block_bytes * len(region.tensor_range(layers))
+    handle = TransferHandle(transfer_id, "pull", peer, dst.request_id, nbytes=nbytes, blocks=dst)
+    fields: dict[str, Any] = {
+        "x": transfer_id,
+        "rid": dst.request_id,
+        "ep": dst.epoch,
+        "reg": dst.region,
+        "dst": list(dst.block_ids),
+        "sreg": src_region,
+        "src": list(src),
+        "oreq": offer_request,
+        "oep": offer_epoch,
+        "lay": list(layers),
+        "ntok": num_tokens,
+        "ttl": float(timeout_s),
+    }
+    now = time.monotonic()
+    return PendingPull(handle, fields, now + timeout_s, now + resend_s)
+
+
+class Puller:
+    """Pulls this engine asked for (I/O thread only)."""
+
+    def __init__(self, config: EngineConfig, loop: IOLoop, outbox: Outbox, links: Linker) -> None:
+        self.config, self.loop, self.outbox, self.links = config, loop, outbox, links
+        self.pending: dict[str, PendingPull] = {}
+
+    def start(self, pull: PendingPull) -> None:
+        """Send the pull request (NOT_LINKED without a session to the peer)."""
+        session = self.links.session_for(pull.handle.peer)
+        if session is None:
+            err = TransferError(StatusCode.NOT_LINKED, f"no link to {pull.handle.peer!r}")
+            self.loop.finish(pull.handle, TransferState.FAILED, err)
+            return
+        self.pending[pull.handle.transfer_id] = pull
+        pull.handle.state = TransferState.IN_FLIGHT
+        self.outbox.send(session, "pull", wire.encode("pull", session.token, **pull.fields))
+
+    def committed(self, transfer_id: str) -> None:
+        """The push answering one of our pulls committed here: the pull is DONE."""
+        pull = self.pending.pop(transfer_id, None)
+        if pull is not None:
+            self.loop.finish(pull.handle, TransferState.DONE)
+
+    def on_error(self, msg: dict[str, Any]) -> bool:
+        """An ERROR about one of our pulls (a final one fails it); True if it was one."""
+        pull = self.pending.get(msg["x"])
+        if pull is None:
+            return False
+        code = StatusCode.from_number(msg["code"])
+        if not code.recoverable:
+            del self.pending[msg["x"]]
+            self.loop.finish(pull.handle, TransferState.FAILED, TransferError(code, msg["msg"]))
+        return True
+
+    def tick(self, now: float) -> None:
+        """Resend pulls not answered yet; time out the ones past their deadline."""
+        for transfer_id, pull in list(self.pending.items()):
+            if now > pull.deadline:
+                del self.pending[transfer_id]
+                err = TransferError(StatusCode.TIMEOUT, f"pull {transfer_id!r} not served in time")
+                self.loop.finish(pull.handle, TransferState.TIMED_OUT, err)
+            elif now > pull.resend_at:
+                pull.resend_at = now + self.config.ack_timeout_s
+                session = self.links.session_for(pull.handle.peer)
+                if session is not None:
+                    header = wire.encode("pull", session.token, **pull.fields)
+                    self.outbox.send(session, "pull", header)
+
+    def abort_all(self, err: TransferError) -> None:
+        """Engine shutdown."""
+        for pull in self.pending.values():
+            self.loop.finish(pull.handle, TransferState.FAILED, err)
+        self.pending.clear()
 
 
 class PullServer:
-    """Offers and the pushes that serve them (I/O thread, except :meth:`OfferBook.add`)."""
+    """Our offers and the pushes that serve them (I/O thread, except :meth:`OfferBook.add`)."""
 
-    def __init__(self, core: Core, offers: OfferBook) -> None:
-        self.core = core
-        self.offers = offers
+    def __init__(
+        self,
+        config: EngineConfig,
+        loop: IOLoop,
+        outbox: Outbox,
+        sender: Sender,
+        offers: OfferBook,
+        regions: dict[str, KVRegion],
+        metrics: Metrics,
+    ) -> None:
+        self.config, self.loop, self.outbox, self.sender = config, loop, outbox, sender
+        self.offers, self.regions, self.metrics = offers, regions, metrics
 
-    def serve(self, session: Session, h: dict[str, Any]) -> None:
+    def serve(self, session: Session, msg: dict[str, Any]) -> None:
         """A peer asks us to push our offered blocks ``src`` into its reserved blocks."""
-        core, xid = self.core, h["x"]
-        if xid in core.sender.active:
+        transfer_id = msg["x"]
+        if transfer_id in self.sender.active:
             return  # the pull request was repeated; we are already serving it
         now = time.monotonic()
         try:
-            region = core.regions.get(h["sreg"])
+            region = self.regions.get(msg["sreg"])
             if region is None:
-                raise TransferError(StatusCode.KV_CACHE_NOT_EXIST, f"no region {h['sreg']!r}")
-            src = wire.int_list(h["src"], "src")
+                raise TransferError(StatusCode.KV_CACHE_NOT_EXIST, f"no region {msg['sreg']!r}")
+            src = wire.int_list(msg["src"], "src")
             region.check_blocks(src, "source")
-            lay = h["lay"] or [0, region.num_layers]
-            if len(lay) != 2 or not all(type(v) is int for v in lay):
-                raise TransferError(StatusCode.PARAM_INVALID, f"bad layer range {lay!r}")
-            layers = (lay[0], lay[1])
-            ntensors = len(region.tensor_range(layers))
-            dst = RemoteBlocks(h["rid"], h["ep"], tuple(wire.int_list(h["dst"], "dst")), h["reg"])
+            layer_range = msg["lay"] or [0, region.num_layers]
+            if len(layer_range) != 2 or not all(type(v) is int for v in layer_range):
+                raise TransferError(StatusCode.PARAM_INVALID, f"bad layer range {layer_range!r}")
+            layers = (layer_range[0], layer_range[1])
+            num_tensors = len(region.tensor_range(layers))
+            dst_ids = tuple(wire.int_list(msg["dst"], "dst"))
+            dst = RemoteBlocks(msg["rid"], msg["ep"], dst_ids, msg["reg"])
             offer = self.offers.authorize(
-                session.peer_id, h["oreq"], h["oep"], region.name, src, range(*layers), now
+                session.peer_id, msg["oreq"], msg["oep"], region.name, src, range(*layers), now
             )
         except (TransferError, wire.FrameError) as exc:
             err = (
@@ -60,35 +187,36 @@ class PullServer:
                 else TransferError(StatusCode.PARAM_INVALID, str(exc))
             )
             if err.code is StatusCode.NOT_GRANTED:
-                core.metrics.reject("not_granted")
-            header = wire.encode(
-                "error", session.token, x=xid, code=err.code.number, msg=err.message
-            )
-            core.send(session, "error", header)
+                self.metrics.reject("not_granted")
+            code, text = err.code.number, err.message
+            header = wire.encode("error", session.token, x=transfer_id, code=code, msg=text)
+            self.outbox.send(session, "error", header)
             return
-        ttl = min(max(float(h["ttl"]), 0.0), core.config.transfer_timeout_s)
-        nbytes = len(src) * region.block_bytes * ntensors
-        handle = TransferHandle(xid, "serve_pull", session.peer_id, dst.request_id, nbytes=nbytes)
-        handle._cancel = core.sender.cancel
-        ntok = h["ntok"] if h["ntok"] is not None else len(src) * region.block_size
+        ttl = min(max(float(msg["ttl"]), 0.0), self.config.transfer_timeout_s)
+        nbytes = len(src) * region.block_bytes * num_tensors
+        handle = TransferHandle(
+            transfer_id, "serve_pull", session.peer_id, dst.request_id, nbytes=nbytes
+        )
+        handle._cancel = self.sender.cancel
+        tokens = msg["ntok"] if msg["ntok"] is not None else len(src) * region.block_size
         out = OutTransfer(
             handle,
             region,
             torch.tensor(src, dtype=torch.long),
             dst,
             layers,
-            ntok,
+            tokens,
             None,
             None,
             min(now + ttl, offer.lease_until),
             offer.lease_until,
         )
-        out.on_closed = lambda state: self._served(offer, xid, state)
-        self.offers.serving(offer, xid, handle, range(*layers))
-        core.sender.start(out)
+        out.on_closed = lambda state: self._served(offer, transfer_id, state)
+        self.offers.serving(offer, transfer_id, handle, range(*layers))
+        self.sender.start(out)
 
-    def _served(self, offer: Offer, xid: str, state: TransferState) -> None:
-        if self.offers.served(offer, xid, state is TransferState.DONE):
+    def _served(self, offer: Offer, transfer_id: str, state: TransferState) -> None:
+        if self.offers.served(offer, transfer_id, state is TransferState.DONE):
             self.offers.end(offer.ticket.request_id, TransferState.DONE, None)
         self._settle(offer)
 
@@ -104,8 +232,8 @@ class PullServer:
         offer = self.offers.renew(request_id, now, seconds, epoch, reader)
         if offer is None:
             return False
-        for xid in list(offer.serving):
-            self.core.sender.extend_lease(xid, offer.lease_until)
+        for transfer_id in list(offer.serving):
+            self.sender.extend_lease(transfer_id, offer.lease_until)
         return True
 
     def withdraw(self, request_id: str) -> None:
@@ -127,15 +255,15 @@ class PullServer:
 
     def _stop(self, offer: Offer) -> None:
         for handle, _ in list(offer.serving.values()):
-            self.core.sender.cancel(handle)
+            self.sender.cancel(handle)
         self._settle(offer)
 
     def _settle(self, offer: Offer) -> None:
         """Finish an ended offer's handle once no serving push can read its blocks."""
         if offer.ending is not None and self.offers.finished(offer):
-            self.core.finish(offer.handle, *offer.ending)
+            self.loop.finish(offer.handle, *offer.ending)
 
     def abort_all(self, err: TransferError) -> None:
         """Engine shutdown."""
         for offer in self.offers.ended() + self.offers.expired(float("inf")):
-            self.core.finish(offer.handle, TransferState.FAILED, err)
+            self.loop.finish(offer.handle, TransferState.FAILED, err)

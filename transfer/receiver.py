@@ -1,444 +1,320 @@
-"""Receiving side: validates transfers into reserved blocks, verifies, applies, ACKs.
+"""Receiving side: validates transfers into reserved blocks, verifies, commits, ACKs.
 
 Nothing from the network is written anywhere before it passed, in order: frame validation
-(:mod:`transfer.wire`), the session check, the reservation/epoch check (:mod:`transfer.ledger`),
-shape and size checks, and the chunk's checksum. A transfer id is applied at most once:
-after its commit, repeats are answered with ``ACK(dup=True)`` and nothing is written.
+(:mod:`transfer.wire`), the session check, BEGIN's validation against the region and the
+reservation it names, which must be granted to that peer (:mod:`transfer.incoming`), the
+chunk's place in the plan and its checksum. Writes happen through the ledger, which refuses
+them once the reservation was released. A transfer id is committed at most once: repeats
+are answered with ``ACK(dup=True)`` and nothing is written::
+
+    BEGIN  ─> accept_begin ─> [direct] GRANT {until}   [stream] wait for chunks
+    DATA   ─> planned? ours? checksum ok? ─> write_if_current ─> good[seq] = 1
+    END    ─> every chunk good (direct: recompute the digests from our blocks)?
+              no  -> ACK {code, bad=[seq...]}  (the sender resends those)
+              yes -> commit_if_current -> ACK ok -> reservation DONE once every layer came
 """
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-import numpy as np
-import torch
-
-from transfer import checksum, layout, transports, wire
+from transfer import checksum, layout, wire
+from transfer.config import EngineConfig
 from transfer.errors import StatusCode, TransferError
-from transfer.handle import TransferHandle, TransferState
+from transfer.handle import TransferState
 from transfer.hashing import tensor_digest
-from transfer.ledger import Reservation
-from transfer.region import KVRegion, parse_dtype
-from transfer.session import Session
+from transfer.incoming import DIRECT, InTransfer, accept_begin
+from transfer.ledger import Ledger, Reservation
+from transfer.loop import IOLoop
+from transfer.metrics import Metrics
+from transfer.outbox import Outbox
+from transfer.region import KVRegion
+from transfer.session import Identity, Session
 
-if TYPE_CHECKING:
-    from transfer.core import Core
-
-
-@dataclass(slots=True, eq=False)
-class InTransfer:
-    """State of one incoming transfer."""
-
-    xid: str
-    session: Session
-    res: Reservation
-    region: KVRegion
-    dst_ids: torch.Tensor
-    dst_np: np.ndarray
-    src_dtype: torch.dtype
-    src_shape: tuple[int, ...]
-    src_block_bytes: int
-    tensors: range
-    layers: range
-    nsrc: int
-    ntok: int
-    nf: int
-    bpc: int
-    algo: str | None
-    mode: str
-    fingerprint: tuple[str, int]
-    good: bytearray
-    #: ``layout.is_run(dst_ids)``: chunks land with one slice copy each.
-    dst_run: bool
-    bad_checksum: set[int] = field(default_factory=set)
-    last_seen: float = field(default_factory=time.monotonic)
-    started: float = field(default_factory=time.monotonic)
-    nbytes: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class PendingPull:
-    """A pull we asked a peer to serve; resent until the data commits or the deadline."""
-
-    handle: TransferHandle
-    fields: dict[str, Any]
-    deadline: float
-    resend_at: float
+Fingerprint = tuple[str, int]
 
 
 class Receiver:
-    """All incoming transfers and pending pulls of one engine (I/O thread only)."""
+    """All incoming transfers of one engine (I/O thread only)."""
 
-    def __init__(self, core: Core) -> None:
-        self.core = core
+    def __init__(
+        self,
+        me: Identity,
+        config: EngineConfig,
+        loop: IOLoop,
+        outbox: Outbox,
+        ledger: Ledger,
+        regions: dict[str, KVRegion],
+        metrics: Metrics,
+    ) -> None:
+        self.me, self.config, self.loop, self.outbox = me, config, loop, outbox
+        self.ledger, self.regions, self.metrics = ledger, regions, metrics
         self.active: dict[str, InTransfer] = {}
-        self.pulls: dict[str, PendingPull] = {}
+        #: Told the id of every transfer committed here (a pull we asked for may be done).
+        self.on_committed: Callable[[str], None] = lambda transfer_id: None
         self._next_tick = 0.0
 
-    def _reply_error(self, session: Session, xid: str, err: TransferError) -> None:
+    # ---- replies ------------------------------------------------------------------------
+    def _refuse(self, session: Session, transfer_id: str, err: TransferError) -> None:
         if err.code is StatusCode.STALE_EPOCH:
-            self.core.metrics.of("tcp").stale_epoch_rejections_total += 1
+            self.metrics.of("tcp").stale_epoch_rejections_total += 1
         elif err.code is StatusCode.NOT_GRANTED:
-            self.core.metrics.reject("not_granted")
-        header = wire.encode("error", session.token, x=xid, code=err.code.number, msg=err.message)
-        self.core.send(session, "error", header)
+            self.metrics.reject("not_granted")
+        code, text = err.code.number, err.message
+        header = wire.encode("error", session.token, x=transfer_id, code=code, msg=text)
+        self.outbox.send(session, "error", header)
 
     def _ack(
         self,
         session: Session,
-        xid: str,
+        transfer_id: str,
         code: StatusCode = StatusCode.SUCCESS,
-        msg: str = "",
+        text: str = "",
         bad: list[int] | None = None,
         dup: bool = False,
     ) -> None:
         header = wire.encode(
-            "ack", session.token, x=xid, code=code.number, msg=msg, bad=bad or [], dup=dup
+            "ack", session.token, x=transfer_id, code=code.number, msg=text, bad=bad or [], dup=dup
         )
-        self.core.send(session, "ack", header)
+        self.outbox.send(session, "ack", header)
 
     # ---- begin --------------------------------------------------------------------------
-    def on_begin(self, session: Session, h: dict[str, Any]) -> None:
+    def on_begin(self, session: Session, msg: dict[str, Any]) -> None:
         """Validate a new transfer against our reservation; grant direct writers a window."""
-        xid, fp = h["x"], (h["rid"], h["ep"])
-        seen = self.core.ledger.committed.get(xid)
+        transfer_id, fingerprint = msg["x"], (msg["rid"], msg["ep"])
+        seen = self.ledger.committed(transfer_id)
         if seen is not None:
-            self.core.metrics.of(
-                h["mode"] if h["mode"] in transports.DIRECT else "tcp"
-            ).duplicates_total += 1
-            if seen == fp:
-                self._ack(session, xid, dup=True)
+            mode = msg["mode"] if msg["mode"] in DIRECT else "tcp"
+            self.metrics.of(mode).duplicates_total += 1
+            if seen == fingerprint:
+                self._ack(session, transfer_id, dup=True)
             else:
-                self._reply_error(
-                    session,
-                    xid,
-                    TransferError(
-                        StatusCode.REPEAT_REQUEST,
-                        f"transfer id {xid!r} was used for another request",
-                    ),
+                err = TransferError(
+                    StatusCode.REPEAT_REQUEST, f"transfer id {transfer_id!r} was another request's"
                 )
+                self._refuse(session, transfer_id, err)
             return
-        it = self.active.get(xid)
+        incoming = self.active.get(transfer_id)
         try:
-            if it is not None and it.session.peer_id != session.peer_id:
+            if incoming is not None and incoming.peer != session.peer_id:
                 raise TransferError(
-                    StatusCode.NOT_GRANTED, f"transfer id {xid!r} belongs to another peer"
+                    StatusCode.NOT_GRANTED, f"transfer id {transfer_id!r} belongs to another peer"
                 )
-            if it is not None and it.fingerprint != fp:
-                raise TransferError(StatusCode.REPEAT_REQUEST, f"transfer id {xid!r} is in use")
-            if it is None:
-                it = self._validate(session, h)
-                self.active[xid] = it
+            if incoming is not None and incoming.fingerprint != fingerprint:
+                raise TransferError(
+                    StatusCode.REPEAT_REQUEST, f"transfer id {transfer_id!r} in use"
+                )
+            if incoming is None:
+                incoming = accept_begin(
+                    msg, session, self.me, self.regions, self.ledger, self.config.max_frame_bytes
+                )
+                self.active[transfer_id] = incoming
         except TransferError as err:
-            self._reply_error(session, xid, err)
+            self._refuse(session, transfer_id, err)
             return
-        it.session, it.last_seen = session, time.monotonic()  # a retry may come on a new link
-        if it.mode in transports.DIRECT:
+        incoming.session, incoming.last_seen = session, time.monotonic()  # may be a new link
+        if incoming.mode in DIRECT:
             # an absolute deadline on our monotonic clock (direct writers share this host):
             # a grant that reaches the writer late is worth only what is left of it
-            ttl = self.core.config.grant_s
+            ttl = self.config.grant_s
             until = time.monotonic() + ttl
-            self.core.ledger.grant(xid, it.region.name, it.dst_np.tolist(), until)
-            header = wire.encode("grant", session.token, x=xid, ttl=ttl, until=until)
-            self.core.send(session, "grant", header)
+            blocks = incoming.dst_array.tolist()
+            self.ledger.grant(transfer_id, incoming.region.name, blocks, until)
+            header = wire.encode("grant", session.token, x=transfer_id, ttl=ttl, until=until)
+            self.outbox.send(session, "grant", header)
 
-    def _validate(self, session: Session, h: dict[str, Any]) -> InTransfer:
-        core = self.core
-        region = core.regions.get(h["reg"])
-        if region is None:
-            raise TransferError(StatusCode.KV_CACHE_NOT_EXIST, f"no region {h['reg']!r} here")
-        try:
-            dst = wire.int_list(h["dst"], "dst")
-            shape = tuple(wire.int_list(h["shape"], "shape"))
-            lay = wire.int_list(h["lay"], "lay")
-        except wire.FrameError as exc:
-            raise TransferError(StatusCode.PARAM_INVALID, str(exc)) from None
-        region.check_blocks(dst, "destination")
-        if len(lay) != 2:
-            raise TransferError(StatusCode.PARAM_INVALID, f"layer range {lay!r}")
-        tensors = region.tensor_range((lay[0], lay[1]))
-        src_dtype = parse_dtype(h["dt"])
-        bs, nsrc, ntok, nf, bpc = h["bs"], h["nsrc"], h["ntok"], h["nf"], h["bpc"]
-        problems = []
-        if h["tpl"] != region.tensors_per_layer:
-            problems.append(f"tensors per layer {h['tpl']} != {region.tensors_per_layer}")
-        if (
-            len(shape) != len(region.block_shape)
-            or shape[0] != bs
-            or shape[1:] != region.block_shape[1:]
-        ):
-            problems.append(f"block shape {shape} incompatible with {region.block_shape}")
-        if not 0 < ntok <= nsrc * bs or bpc < 1:
-            problems.append(f"{ntok} tokens in {nsrc} blocks of {bs}")
-        elif bs == region.block_size and len(dst) != nsrc:
-            problems.append(f"{nsrc} source blocks for {len(dst)} destination blocks")
-        elif bs != region.block_size and len(dst) < math.ceil(ntok / region.block_size):
-            problems.append(f"{len(dst)} destination blocks cannot hold {ntok} tokens")
-        if bpc >= 1 and nf != len(tensors) * math.ceil(nsrc / bpc):
-            problems.append(f"frame count {nf}")
-        block_bytes = math.prod(shape) * torch.empty((), dtype=src_dtype).element_size()
-        if bpc * block_bytes > core.config.max_frame_bytes and h["mode"] == "tcp":
-            problems.append(f"chunks of {bpc * block_bytes} bytes exceed max_frame_bytes")
-        if h["ck"] is not None and h["ck"] not in checksum.available():
-            problems.append(f"checksum {h['ck']!r} not installed here")
-        mode = h["mode"]
-        if mode not in ("tcp", "shm", "local"):
-            problems.append(f"transport {mode!r} not accepted")
-        elif mode != "tcp" and session.host != core.host:
-            problems.append("direct transport from another host")
-        elif mode == "shm" and region.shm_token is None:
-            problems.append(f"region {region.name!r} is not in shared memory")
-        elif mode == "local" and session.pid != core.pid:
-            problems.append("local transport from another process")
-        if problems:
-            raise TransferError(StatusCode.PARAM_INVALID, "; ".join(problems))
-        dst_np = np.asarray(dst, dtype=np.int64)
-        res = core.ledger.check(region.name, h["rid"], h["ep"], dst_np, writer=session.peer_id)
-        return InTransfer(
-            h["x"],
-            session,
-            res,
-            region,
-            torch.from_numpy(dst_np),
-            dst_np,
-            src_dtype,
-            shape,
-            block_bytes,
-            tensors,
-            range(lay[0], lay[1]),
-            nsrc,
-            ntok,
-            nf,
-            bpc,
-            h["ck"],
-            mode,
-            (h["rid"], h["ep"]),
-            bytearray(nf),
-            bool(dst_np.size <= 1 or (np.diff(dst_np) == 1).all()),
-        )
-
-    # ---- data and end -------------------------------------------------------------------
-    def on_data(self, session: Session, h: dict[str, Any], payload: memoryview) -> None:
-        """Verify and apply one chunk of a stream transfer."""
-        xid = h["x"]
-        it = self.owned(session, xid)
-        if it is None:
-            return
-        s, ti, lo, hi = h["s"], h["ti"], h["lo"], h["hi"]
-        if it.mode != "tcp" or not (
-            0 <= s < it.nf and ti in it.tensors and 0 <= lo < hi <= it.nsrc and hi - lo <= it.bpc
-        ):
-            raise wire.FrameError("bad_field", "data location")
-        if len(payload) != (hi - lo) * it.src_block_bytes:
-            raise wire.FrameError("bad_size", f"{len(payload)} bytes for {hi - lo} blocks")
-        it.last_seen = time.monotonic()
-        tm = self.core.metrics.of("tcp")
-        if it.good[s]:
-            tm.duplicates_total += 1
-            return
-        if it.algo is not None and (h["d"] is None or checksum.digest(it.algo, payload) != h["d"]):
-            tm.checksum_failures_total += 1
-            it.bad_checksum.add(s)
-            return
-        chunk = layout.from_bytes(payload, it.src_dtype, (hi - lo, *it.src_shape))
-        # the lock spans check and write: release() cannot free the blocks in between
-        with self.core.ledger.lock:
-            try:
-                self.core.ledger.check(it.region.name, *it.fingerprint, it.dst_np)
-            except TransferError as err:
-                self._drop(it)
-                self._reply_error(session, xid, err)
-                return
-            layout.scatter(
-                it.region.tensors[ti], it.dst_ids, chunk, lo, it.src_shape[0], it.ntok, it.dst_run
-            )
-        it.good[s] = 1
-        it.bad_checksum.discard(s)
-        it.nbytes += len(payload)
-        tm.bytes_received_total += len(payload)
-
-    def owned(self, session: Session, xid: str) -> InTransfer | None:
-        """The incoming transfer ``xid`` if ``session``'s peer is the one sending it."""
-        it = self.active.get(xid)
-        if it is not None and it.session.peer_id == session.peer_id:
-            return it
-        if it is not None:
-            self.core.metrics.reject("not_granted")
-        elif xid in self.core.ledger.committed:
-            self.core.metrics.of("tcp").duplicates_total += 1
+    # ---- chunks -------------------------------------------------------------------------
+    def owned(self, session: Session, transfer_id: str) -> InTransfer | None:
+        """The incoming transfer if ``session``'s peer is the one sending it (counted and
+        None otherwise, or when it already committed)."""
+        incoming = self.active.get(transfer_id)
+        if incoming is not None and incoming.peer == session.peer_id:
+            return incoming
+        if incoming is not None:
+            self.metrics.reject("not_granted")
+        elif self.ledger.committed(transfer_id) is not None:
+            self.metrics.of("tcp").duplicates_total += 1
         else:
-            self.core.metrics.reject("unknown_transfer")
+            self.metrics.reject("unknown_transfer")
         return None
 
-    def landed(self, it: InTransfer, s: int, data: memoryview, digest: int | None) -> None:
-        """Chunk ``s`` was read straight into its destination blocks: verify it there."""
-        tm = self.core.metrics.of("tcp")
-        if it.algo is not None and (digest is None or checksum.digest(it.algo, data) != digest):
-            tm.checksum_failures_total += 1
-            it.good[s] = 0  # the blocks hold these bytes now, whatever came before
-            it.bad_checksum.add(s)
+    def check_chunk(
+        self, incoming: InTransfer, seq: int, tensor: int, lo: int, hi: int, size: int
+    ) -> bool:
+        """Validate a chunk's place and size (FrameError); False for a duplicate."""
+        if incoming.mode != "tcp" or not incoming.is_planned(seq, tensor, lo, hi):
+            raise wire.FrameError("bad_field", "data location")
+        if size != (hi - lo) * incoming.src_block_bytes:
+            raise wire.FrameError("bad_size", f"{size} bytes for {hi - lo} blocks")
+        incoming.last_seen = time.monotonic()
+        if incoming.good[seq]:
+            self.metrics.of("tcp").duplicates_total += 1
+            return False
+        return True
+
+    def on_data(self, session: Session, msg: dict[str, Any], payload: memoryview) -> None:
+        """Verify, then write one chunk that came as a ZMQ frame (or into staging)."""
+        incoming = self.owned(session, msg["x"])
+        if incoming is None:
             return
-        it.good[s] = 1
-        it.bad_checksum.discard(s)
-        it.nbytes += len(data)
-        tm.bytes_received_total += len(data)
+        seq, tensor, lo, hi = msg["s"], msg["ti"], msg["lo"], msg["hi"]
+        if not self.check_chunk(incoming, seq, tensor, lo, hi, len(payload)):
+            return
+        algo, digest = incoming.algo, msg["d"]
+        if algo is not None and (digest is None or checksum.digest(algo, payload) != digest):
+            self.metrics.of("tcp").checksum_failures_total += 1
+            incoming.bad_checksum.add(seq)
+            return
+        shape = (hi - lo, *incoming.src_block_shape)
+        chunk = layout.from_bytes(payload, incoming.src_dtype, shape)
 
-    def reject_stale(self, it: InTransfer, err: TransferError) -> None:
-        """The reservation behind ``it`` is gone: forget the transfer, tell the sender."""
-        self._drop(it)
-        self._reply_error(it.session, it.xid, err)
-
-    def on_end(self, session: Session, h: dict[str, Any]) -> None:
-        """All chunks sent: verify completeness (and direct-write digests), then commit."""
-        xid = h["x"]
-        it = self.active.get(xid)
-        if it is not None and it.session.peer_id != session.peer_id:
-            self._reply_error(
-                session, xid, TransferError(StatusCode.NOT_GRANTED, f"{xid!r} is not yours")
+        def write() -> None:
+            layout.scatter(
+                incoming.region.tensors[tensor],
+                incoming.dst_ids,
+                chunk,
+                lo,
+                incoming.src_block_shape[0],
+                incoming.num_tokens,
+                incoming.dst_run,
             )
+
+        try:
+            self.ledger.write_if_current(incoming.reservation, write)
+        except TransferError as err:
+            self.reject_stale(incoming, err)
             return
-        if it is None:
-            seen = self.core.ledger.committed.get(xid)
-            if seen is not None:
-                self._ack(session, xid, dup=True)
+        self._good(incoming, seq, len(payload))
+
+    def landed(self, incoming: InTransfer, seq: int, data: memoryview, digest: int | None) -> None:
+        """Chunk ``seq`` was read straight into its destination blocks: verify it there."""
+        algo = incoming.algo
+        if algo is not None and (digest is None or checksum.digest(algo, data) != digest):
+            self.metrics.of("tcp").checksum_failures_total += 1
+            incoming.good[seq] = 0  # the blocks hold these bytes now, whatever came before
+            incoming.bad_checksum.add(seq)
+            return
+        self._good(incoming, seq, len(data))
+
+    def _good(self, incoming: InTransfer, seq: int, nbytes: int) -> None:
+        incoming.good[seq] = 1
+        incoming.bad_checksum.discard(seq)
+        incoming.nbytes += nbytes
+        self.metrics.of("tcp").bytes_received_total += nbytes
+
+    def reject_stale(self, incoming: InTransfer, err: TransferError) -> None:
+        """The reservation behind ``incoming`` is gone: forget the transfer, tell the sender."""
+        self._forget(incoming)
+        self._refuse(incoming.session, incoming.transfer_id, err)
+
+    # ---- end ----------------------------------------------------------------------------
+    def on_end(self, session: Session, msg: dict[str, Any]) -> None:
+        """All chunks sent: verify completeness (direct writes: their digests), then commit."""
+        transfer_id = msg["x"]
+        incoming = self.active.get(transfer_id)
+        if incoming is not None and incoming.peer != session.peer_id:
+            err = TransferError(StatusCode.NOT_GRANTED, f"{transfer_id!r} is not yours")
+            self._refuse(session, transfer_id, err)
+            return
+        if incoming is None:
+            if self.ledger.committed(transfer_id) is not None:
+                self._ack(session, transfer_id, dup=True)
             else:
-                self._reply_error(
-                    session,
-                    xid,
-                    TransferError(
-                        StatusCode.INCOMPLETE, f"unknown transfer {xid!r}: send begin again"
-                    ),
+                err = TransferError(
+                    StatusCode.INCOMPLETE, f"unknown transfer {transfer_id!r}: send begin again"
                 )
+                self._refuse(session, transfer_id, err)
             return
-        tm = self.core.metrics.of(it.mode)
-        if it.mode in transports.DIRECT:
-            self.core.ledger.end_grant(xid)
-            bad = self._check_direct(it, h["ds"])
+        counters = self.metrics.of(incoming.mode)
+        if incoming.mode in DIRECT:
+            self.ledger.end_grant(transfer_id)
+            bad = self._check_direct(incoming, msg["ds"])
             if bad:
-                tm.checksum_failures_total += 1
-                self._ack(session, xid, StatusCode.CHECKSUM_MISMATCH, "direct write mismatch", bad)
+                counters.checksum_failures_total += 1
+                code = StatusCode.CHECKSUM_MISMATCH
+                self._ack(session, transfer_id, code, "direct write mismatch", bad)
                 return
         else:
-            missing = [s for s in range(it.nf) if not it.good[s]]
+            missing = [s for s in range(incoming.num_chunks) if not incoming.good[s]]
             if missing:
-                code = StatusCode.CHECKSUM_MISMATCH if it.bad_checksum else StatusCode.INCOMPLETE
-                self._ack(
-                    session, xid, code, f"{len(missing)} of {it.nf} chunks missing or bad", missing
+                code = (
+                    StatusCode.CHECKSUM_MISMATCH if incoming.bad_checksum else StatusCode.INCOMPLETE
                 )
+                text = f"{len(missing)} of {incoming.num_chunks} chunks missing or bad"
+                self._ack(session, transfer_id, code, text, missing)
                 return
-        with self.core.ledger.lock:
-            try:
-                self.core.ledger.check(it.region.name, *it.fingerprint, it.dst_np)
-            except TransferError as err:
-                self._drop(it)
-                self._reply_error(session, xid, err)
-                return
-            del self.active[xid]
-            complete = self.core.ledger.commit(xid, it.fingerprint, it.res, it.layers)
-        if it.mode in transports.DIRECT:
-            it.nbytes = it.nsrc * it.src_block_bytes * len(it.tensors)
-            tm.bytes_received_total += it.nbytes
-        tm.transfers_received_total += 1
-        tm.observe(it.nbytes, time.monotonic() - it.started)
-        self._ack(session, xid)
+        try:
+            complete = self.ledger.commit_if_current(
+                transfer_id, incoming.fingerprint, incoming.reservation, incoming.layers
+            )
+        except TransferError as err:
+            self.reject_stale(incoming, err)
+            return
+        del self.active[transfer_id]
+        if incoming.mode in DIRECT:
+            incoming.nbytes = (
+                incoming.num_src_blocks * incoming.src_block_bytes * len(incoming.tensors)
+            )
+            counters.bytes_received_total += incoming.nbytes
+        counters.transfers_received_total += 1
+        counters.observe(incoming.nbytes, time.monotonic() - incoming.started)
+        self._ack(session, transfer_id)
         if complete:
-            self.core.finish(it.res.handle, TransferState.DONE)
-        pull = self.pulls.pop(xid, None)
-        if pull is not None:
-            self.core.finish(pull.handle, TransferState.DONE)
+            self.loop.finish(incoming.reservation.handle, TransferState.DONE)
+        self.on_committed(transfer_id)
 
-    def _check_direct(self, it: InTransfer, digests: list[Any] | None) -> list[int]:
+    def _check_direct(self, incoming: InTransfer, digests: list[Any] | None) -> list[int]:
         """Chunks whose destination bytes do not match the writer's digests."""
-        if it.algo is None:
+        if incoming.algo is None:
             return []
-        chunks = layout.plan(it.tensors, it.nsrc, it.bpc)
+        chunks = layout.plan(incoming.tensors, incoming.num_src_blocks, incoming.blocks_per_chunk)
         if digests is None or len(digests) != len(chunks):
             return [c.seq for c in chunks]
         bad = []
-        for c, expected in zip(chunks, digests, strict=True):
+        for chunk, expected in zip(chunks, digests, strict=True):
             image = layout.landed_image(
-                it.region.tensors[c.ti],
-                it.dst_ids,
-                c.lo,
-                c.hi - c.lo,
-                it.src_shape[0],
-                it.ntok,
-                it.dst_run,
+                incoming.region.tensors[chunk.ti],
+                incoming.dst_ids,
+                chunk.lo,
+                chunk.hi - chunk.lo,
+                incoming.src_block_shape[0],
+                incoming.num_tokens,
+                incoming.dst_run,
             )
-            if tensor_digest(it.algo, image) != expected:
-                bad.append(c.seq)
+            if tensor_digest(incoming.algo, image) != expected:
+                bad.append(chunk.seq)
         return bad
 
-    def _drop(self, it: InTransfer) -> None:
-        self.active.pop(it.xid, None)
-        self.core.ledger.end_grant(it.xid)
+    def _forget(self, incoming: InTransfer) -> None:
+        self.active.pop(incoming.transfer_id, None)
+        self.ledger.end_grant(incoming.transfer_id)
 
-    # ---- pulls, errors, timers ----------------------------------------------------------
-    def start_pull(self, session: Session, pull: PendingPull) -> None:
-        """Send a pull request and wait for the peer's push to commit."""
-        self.pulls[pull.handle.transfer_id] = pull
-        pull.handle.state = TransferState.IN_FLIGHT
-        self.core.send(session, "pull", wire.encode("pull", session.token, **pull.fields))
-
-    def on_error(self, h: dict[str, Any]) -> bool:
-        """An ERROR about one of our pulls; True if it was one."""
-        pull = self.pulls.get(h["x"])
-        if pull is None:
-            return False
-        code = StatusCode.from_number(h["code"])
-        if not code.recoverable:
-            del self.pulls[h["x"]]
-            self.core.finish(pull.handle, TransferState.FAILED, TransferError(code, h["msg"]))
-        return True
-
-    def release(self, res: Reservation) -> None:
+    # ---- reservations and deadlines -----------------------------------------------------
+    def release(self, reservation: Reservation) -> None:
         """Forget transfers into a released reservation (their frames become stale)."""
-        for it in [it for it in self.active.values() if it.res is res]:
-            self._drop(it)
+        for incoming in [i for i in self.active.values() if i.reservation is reservation]:
+            self._forget(incoming)
 
     def tick(self, now: float) -> None:
-        """Deadlines: reservations, pulls, abandoned incoming transfers."""
+        """Deadlines: reservations that waited too long, abandoned incoming transfers."""
         if now < self._next_tick:
             return
         self._next_tick = now + 0.01
-        core = self.core
-        for res in list(core.ledger.by_request.values()):
-            if res.alive and not res.handle.done() and now > res.deadline:
-                core.ledger.kill(res)
-                core.finish(
-                    res.handle,
-                    TransferState.TIMED_OUT,
-                    TransferError(
-                        StatusCode.TIMEOUT,
-                        f"request {res.blocks.request_id!r}: KV not received in "
-                        "time; its blocks now refuse late writes, release() them",
-                    ),
-                )
-        for xid, pull in list(self.pulls.items()):
-            if now > pull.deadline:
-                del self.pulls[xid]
-                core.finish(
-                    pull.handle,
-                    TransferState.TIMED_OUT,
-                    TransferError(StatusCode.TIMEOUT, f"pull {xid!r} not served in time"),
-                )
-            elif now > pull.resend_at:
-                pull.resend_at = now + core.config.ack_timeout_s
-                session = core.session_for(pull.handle.peer)
-                if session is not None:
-                    header = wire.encode("pull", session.token, **pull.fields)
-                    self.core.send(session, "pull", header)
-        for it in list(self.active.values()):
-            if now - it.last_seen > core.config.transfer_timeout_s:
-                self._drop(it)
+        for reservation in self.ledger.overdue(now):
+            self.ledger.kill(reservation)
+            err = TransferError(
+                StatusCode.TIMEOUT,
+                f"request {reservation.blocks.request_id!r}: KV not received in time; its "
+                "blocks now refuse late writes, release() them",
+            )
+            self.loop.finish(reservation.handle, TransferState.TIMED_OUT, err)
+        for incoming in list(self.active.values()):
+            if now - incoming.last_seen > self.config.transfer_timeout_s:
+                self._forget(incoming)
 
     def abort_all(self, err: TransferError) -> None:
-        """Engine shutdown."""
-        for pull in self.pulls.values():
-            self.core.finish(pull.handle, TransferState.FAILED, err)
-        self.pulls.clear()
-        for res in list(self.core.ledger.by_request.values()):
-            self.core.finish(res.handle, TransferState.FAILED, err)
+        """Engine shutdown: every reservation fails."""
+        for reservation in self.ledger.reservations():
+            self.loop.finish(reservation.handle, TransferState.FAILED, err)

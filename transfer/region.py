@@ -173,6 +173,11 @@ class KVRegion:
             )
         return range(l0 * self.tensors_per_layer, l1 * self.tensors_per_layer)
 
+    def layer_bounds(self, layers: tuple[int, int] | None) -> tuple[int, int]:
+        """``layers`` validated (all layers when None), as ``(first, last)``."""
+        tensors = self.tensor_range(layers)
+        return tensors.start // self.tensors_per_layer, tensors.stop // self.tensors_per_layer
+
     def check_blocks(self, ids: list[int], what: str) -> None:
         """Raise KV_CACHE_NOT_EXIST unless every id is a valid block index."""
         bad = [i for i in ids if not 0 <= i < self.num_blocks]

@@ -8,7 +8,9 @@ Phases of one attempt (see the handle diagram in :mod:`transfer.handle`)::
     no answer by attempt_until / recoverable error -> backoff -> (re-link) -> link ...
 
 The source blocks stay held until the ACK, a non-recoverable error, the deadline or the
-lease, and until ZMQ released every zero-copy frame that still points into them.
+lease, and until ZMQ released every zero-copy frame that still points into them. The
+sender learns about sessions from the linker's events (``on_linked``, ``on_lost``,
+``on_link_failed``) and asks it for sessions and re-links; it never touches the tables.
 """
 
 from __future__ import annotations
@@ -17,17 +19,21 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from transfer import checksum, dataframe, layout, movers, transports, wire
+from transfer.config import EngineConfig
 from transfer.errors import StatusCode, TransferError
+from transfer.faults import FaultInjector
 from transfer.handle import TransferHandle, TransferState
+from transfer.hashing import Hasher
+from transfer.linker import Linker
+from transfer.loop import IOLoop
+from transfer.metrics import Metrics, TransportMetrics
 from transfer.movers import WINDOW_BYTES, OutTransfer
+from transfer.outbox import Outbox
 from transfer.region import dtype_name
-from transfer.session import Session
-
-if TYPE_CHECKING:
-    from transfer.core import Core
+from transfer.session import Identity, Session
 
 log = logging.getLogger(__name__)
 
@@ -35,386 +41,389 @@ log = logging.getLogger(__name__)
 MIN_RATE = 100e6
 #: Safety margin kept before a direct-write grant ends.
 GRANT_MARGIN_S = 0.25
+#: How often deadlines are checked (seconds).
+CHECK_EVERY_S = 0.005
 
 
 class Sender:
     """All outgoing transfers of one engine (I/O thread only)."""
 
-    def __init__(self, core: Core) -> None:
-        self.core = core
+    def __init__(
+        self,
+        me: Identity,
+        config: EngineConfig,
+        loop: IOLoop,
+        outbox: Outbox,
+        links: Linker,
+        metrics: Metrics,
+        hasher: Hasher,
+        injector: FaultInjector | None,
+    ) -> None:
+        self.me, self.config, self.loop, self.outbox, self.links = me, config, loop, outbox, links
+        self.metrics, self.hasher, self.injector = metrics, hasher, injector
         self.active: dict[str, OutTransfer] = {}
         self._next_check = 0.0
         self._streams = itertools.count(1)
+        links.on_linked.append(self.on_linked)
+        links.on_lost.append(self.on_session_lost)
+        links.on_link_failed.append(self.on_link_failed)
+
+    def _counters(self, out: OutTransfer) -> TransportMetrics:
+        return self.metrics.of(out.transport or "tcp")
 
     # ---- starting -----------------------------------------------------------------------
-    def start(self, ot: OutTransfer) -> None:
+    def start(self, out: OutTransfer) -> None:
         """Begin a transfer created by ``push_blocks`` or by a peer's pull."""
-        xid = ot.handle.transfer_id
-        if xid in self.active:
-            self.core.finish(
-                ot.handle,
-                TransferState.FAILED,
-                TransferError(
-                    StatusCode.REPEAT_REQUEST, f"transfer id {xid!r} is already in flight"
-                ),
+        transfer_id = out.handle.transfer_id
+        if transfer_id in self.active:
+            err = TransferError(
+                StatusCode.REPEAT_REQUEST, f"transfer id {transfer_id!r} is already in flight"
             )
+            self.loop.finish(out.handle, TransferState.FAILED, err)
             return
-        self.active[xid] = ot
-        self._attempt(ot)
+        self.active[transfer_id] = out
+        self._attempt(out)
 
-    def _attempt(self, ot: OutTransfer) -> None:
-        core, now = self.core, time.monotonic()
-        session = core.session_for(ot.handle.peer)
+    def _attempt(self, out: OutTransfer) -> None:
+        now, peer = time.monotonic(), out.handle.peer
+        session = self.links.session_for(peer)
         if session is None:
-            address = core.linker.addresses.get(ot.handle.peer)
+            address = self.links.addresses.get(peer)
             if address is None:
-                self._fail(
-                    ot,
-                    TransferError(
-                        StatusCode.NOT_LINKED, f"no link to {ot.handle.peer!r}; call link() first"
-                    ),
-                )
+                why = f"no link to {peer!r}; call link() or set_peer_address() first"
+                self._fail(out, TransferError(StatusCode.NOT_LINKED, why))
                 return
-            ot.phase, ot.attempt_until = "link", now + core.config.link_timeout_s
-            core.linker.connect(ot.handle.peer, address, None)
+            out.phase, out.attempt_until = "link", now + self.config.link_timeout_s
+            self.links.connect(peer, address)
             return
-        desc = session.regions.get(ot.dst.region)
-        if desc is None:  # maybe registered after the link and its announcement is in flight
-            ot.handle.attempts += 1
-            self._retry(
-                ot,
-                TransferError(
-                    StatusCode.KV_CACHE_NOT_EXIST,
-                    f"peer {session.peer_id!r} has no region {ot.dst.region!r}",
-                ),
-            )
+        description = session.regions.get(out.dst.region)
+        if description is None:  # maybe registered after the link; its announcement is coming
+            out.handle.attempts += 1
+            why = f"peer {session.peer_id!r} has no region {out.dst.region!r}"
+            self._retry(out, TransferError(StatusCode.KV_CACHE_NOT_EXIST, why))
             return
         try:
-            ot.transport = transports.choose(
-                core.config.transports, ot.forced, session, core.host, ot.region, desc
+            out.transport = transports.choose(
+                self.config.transports, out.forced, session, self.me.host, out.region, description
             )
         except ValueError as exc:
-            self._fail(ot, TransferError(StatusCode.PARAM_INVALID, str(exc)))
+            self._fail(out, TransferError(StatusCode.PARAM_INVALID, str(exc)))
             return
-        ot.session = session
-        ot.handle.attempts += 1
-        if ot.handle.state is TransferState.PENDING:
-            ot.handle.state = TransferState.IN_FLIGHT
-            core.metrics.of(ot.transport).transfers_started_total += 1
-        direct = ot.transport in transports.DIRECT
-        ot.algo = self._algo(ot, direct)
-        n = ot.src_ids.numel()
-        tensors = ot.region.tensor_range(ot.layers)
+        out.session = session
+        out.handle.attempts += 1
+        if out.handle.state is TransferState.PENDING:
+            out.handle.state = TransferState.IN_FLIGHT
+            self._counters(out).transfers_started_total += 1
+        direct = out.transport in transports.DIRECT
+        out.algo = self._algo(out, direct)
+        num_blocks = out.src_ids.numel()
         # direct copies are chunked too: the grant window is checked before every chunk
-        ot.bpc = layout.blocks_per_chunk(ot.region.block_bytes, core.config.chunk_bytes, n)
-        ot.chunks = layout.plan(tensors, n, ot.bpc)
-        ot.queue = deque(range(len(ot.chunks)))
+        out.blocks_per_chunk = layout.blocks_per_chunk(
+            out.region.block_bytes, self.config.chunk_bytes, num_blocks
+        )
+        out.chunks = layout.plan(
+            out.region.tensor_range(out.layers), num_blocks, out.blocks_per_chunk
+        )
+        out.queue = deque(range(len(out.chunks)))
         header = wire.encode(
             "begin",
             session.token,
-            x=ot.handle.transfer_id,
-            rid=ot.dst.request_id,
-            ep=ot.dst.epoch,
-            reg=ot.dst.region,
-            dst=list(ot.dst.block_ids),
-            nsrc=n,
-            dt=dtype_name(ot.region.dtype),
-            bs=ot.region.block_size,
-            tpl=ot.region.tensors_per_layer,
-            shape=list(ot.region.block_shape),
-            lay=list(ot.layers),
-            ntok=ot.num_tokens,
-            nf=len(ot.chunks),
-            bpc=ot.bpc,
-            ck=ot.algo,
-            mode=ot.transport,
+            x=out.handle.transfer_id,
+            rid=out.dst.request_id,
+            ep=out.dst.epoch,
+            reg=out.dst.region,
+            dst=list(out.dst.block_ids),
+            nsrc=num_blocks,
+            dt=dtype_name(out.region.dtype),
+            bs=out.region.block_size,
+            tpl=out.region.tensors_per_layer,
+            shape=list(out.region.block_shape),
+            lay=list(out.layers),
+            ntok=out.num_tokens,
+            nf=len(out.chunks),
+            bpc=out.blocks_per_chunk,
+            ck=out.algo,
+            mode=out.transport,
         )
-        ot.via_data = (
-            ot.transport == "tcp"
-            and core.datachan is not None
+        out.via_data = (
+            out.transport == "tcp"
+            and self.outbox.datachan is not None
             and bool(session.data_address)
             and not session.data_failed
         )
-        if ot.via_data:
-            ot.stream = ot.stream or next(self._streams)
-            ot.begin = header
-            self._send_in_band(ot, "begin", header)
+        if out.via_data:
+            out.stream = out.stream or next(self._streams)
+            out.begin = header
+            self._send_in_band(out, "begin", header)
         else:
-            core.send(session, "begin", header)
-        ot.phase = "grant" if direct else "send"
-        ot.attempt_until = now + core.config.ack_timeout_s + ot.handle.nbytes / MIN_RATE
+            self.outbox.send(session, "begin", header)
+        out.phase = "grant" if direct else "send"
+        out.attempt_until = now + self.config.ack_timeout_s + out.handle.nbytes / MIN_RATE
 
-    def _send_in_band(self, ot: OutTransfer, msg_type: str, header: bytes) -> None:
+    def _send_in_band(self, out: OutTransfer, msg_type: str, header: bytes) -> None:
         """BEGIN / END on the data channel, in order with the chunks they frame."""
-        if ot.session is None:
+        if out.session is None:
             return  # the session went away; the attempt timer decides
-        frame = dataframe.message(ot.stream, header)
-        self.core.send(ot.session, msg_type, frame, header, via_data=True)
+        frame = dataframe.message(out.stream, header)
+        self.outbox.send(out.session, msg_type, frame, header, via_data=True)
 
-    def _algo(self, ot: OutTransfer, direct: bool) -> str | None:
-        cfg = self.core.config
-        if ot.requested_algo == "off":
+    def _algo(self, out: OutTransfer, direct: bool) -> str | None:
+        if out.requested_algo == "off":
             return None
-        if ot.requested_algo is not None:
-            return checksum.resolve(ot.requested_algo)
-        return checksum.resolve(cfg.checksum_algo) if cfg.checksums_on(direct) else None
+        if out.requested_algo is not None:
+            return checksum.resolve(out.requested_algo)
+        on = self.config.checksums_on(direct)
+        return checksum.resolve(self.config.checksum_algo) if on else None
 
     # ---- moving bytes -------------------------------------------------------------------
-    def wait_hint(self) -> float | None:
-        """0 if bytes can move now, a short nap if only ZMQ's queue is full, else None."""
+    def busy_hint(self) -> float | None:
+        """0 if bytes can move now, a short nap if only the send window is full, else None."""
         hint = None
-        for ot in self.active.values():
-            if ot.queue and ot.phase == "direct":
+        for out in self.active.values():
+            if out.queue and out.phase == "direct":
                 return 0.0
-            if ot.queue and ot.phase == "send":
-                if ot.inflight < WINDOW_BYTES:
+            if out.queue and out.phase == "send":
+                if out.inflight < WINDOW_BYTES:
                     return 0.0
                 hint = 0.001
         return hint
 
     def pump(self) -> None:
         """Move a bounded slice of every runnable transfer; check deadlines."""
-        for ot in list(self.active.values()):
+        for out in list(self.active.values()):
             try:
-                if ot.phase == "send" and movers.pump_stream(self.core, ot):
-                    self._send_end(ot, None)
-                elif ot.phase == "direct":
-                    if time.monotonic() > ot.grant_until:
-                        self._retry(
-                            ot, TransferError(StatusCode.TIMEOUT, "direct-write grant ran out")
-                        )
-                        continue
-                    digests = movers.pump_direct(self.core, ot)
-                    if digests is not None:
-                        self._send_end(ot, digests or None)
-            except Exception as exc:  # a bug or a device error: fail this transfer, not the engine
-                log.exception("transfer %s failed", ot.handle.transfer_id)
-                code = (
-                    StatusCode.OUT_OF_MEMORY if "out of memory" in str(exc) else StatusCode.INTERNAL
-                )
-                self._fail(ot, TransferError(code, f"{type(exc).__name__}: {exc}"))
+                self._move(out)
+            except Exception as exc:  # a bug or a device error: fail this transfer only
+                log.exception("transfer %s failed", out.handle.transfer_id)
+                oom = "out of memory" in str(exc)
+                code = StatusCode.OUT_OF_MEMORY if oom else StatusCode.INTERNAL
+                self._fail(out, TransferError(code, f"{type(exc).__name__}: {exc}"))
         now = time.monotonic()
         if now >= self._next_check:
-            self._next_check = now + 0.005
-            for ot in list(self.active.values()):
-                self._check(ot, now)
+            self._next_check = now + CHECK_EVERY_S
+            for out in list(self.active.values()):
+                self._check(out, now)
 
-    def _send_end(self, ot: OutTransfer, digests: list[int] | None) -> None:
-        assert ot.session is not None
+    def _move(self, out: OutTransfer) -> None:
+        if out.phase == "send" and movers.pump_stream(out, self.outbox, self._counters(out)):
+            self._send_end(out, None)
+        elif out.phase == "direct":
+            if time.monotonic() > out.grant_until:
+                self._retry(out, TransferError(StatusCode.TIMEOUT, "direct-write grant ran out"))
+                return
+            digests = movers.pump_direct(
+                out, self.hasher, self.injector, self._counters(out), self.links.drop
+            )
+            if digests is not None:
+                self._send_end(out, digests or None)
+
+    def _send_end(self, out: OutTransfer, digests: list[int] | None) -> None:
+        assert out.session is not None
         header = wire.encode(
-            "end", ot.session.token, x=ot.handle.transfer_id, nf=len(ot.chunks), ds=digests
+            "end", out.session.token, x=out.handle.transfer_id, nf=len(out.chunks), ds=digests
         )
-        if ot.via_data:
-            self._send_in_band(ot, "end", header)
+        if out.via_data:
+            self._send_in_band(out, "end", header)
         else:
-            self.core.send(ot.session, "end", header)
-        ot.phase = "ack"
-        ot.attempt_until = time.monotonic() + self.core.config.ack_timeout_s
+            self.outbox.send(out.session, "end", header)
+        out.phase = "ack"
+        out.attempt_until = time.monotonic() + self.config.ack_timeout_s
 
     # ---- answers ------------------------------------------------------------------------
-    def on_reply(self, session: Session, msg_type: str, h: dict[str, Any]) -> None:
+    def on_reply(self, session: Session, msg_type: str, msg: dict[str, Any]) -> None:
         """GRANT, ACK or ERROR about one of our transfers."""
-        ot = self.active.get(h["x"])
-        if ot is None or ot.closing is not None or session.peer_id != ot.handle.peer:
+        out = self.active.get(msg["x"])
+        if out is None or out.closing is not None or session.peer_id != out.handle.peer:
             return  # late answer to a finished transfer
-        code = StatusCode.from_number(h["code"]) if "code" in h else StatusCode.SUCCESS
         if msg_type == "grant":
-            if ot.phase != "grant" or ot.transport not in transports.DIRECT:
-                return
-            try:
-                desc = session.regions[ot.dst.region]
-                ot.dst_tensors = transports.open_destination(ot.transport, session, desc)
-            except (TransferError, OSError, KeyError) as exc:
-                err = (
-                    exc
-                    if isinstance(exc, TransferError)
-                    else TransferError(
-                        StatusCode.KV_CACHE_NOT_EXIST, f"cannot open peer region: {exc}"
-                    )
-                )
-                self._fail(ot, err)
-                return
-            # The receiver's own deadline (same host, same monotonic clock), bounded by the
-            # window's length counted from now in case the clocks disagree after all.
-            now = time.monotonic()
-            until = min(float(h["until"]), now + float(h["ttl"])) - GRANT_MARGIN_S
-            if until <= now:
-                self._retry(ot, TransferError(StatusCode.TIMEOUT, "grant arrived too late"))
-                return
-            ot.grant_until, ot.phase = until, "direct"
+            self._on_grant(out, session, msg)
             return
+        code = StatusCode.from_number(msg["code"])
         if code is StatusCode.SUCCESS:
-            if h.get("dup"):
-                self.core.metrics.of(ot.transport).duplicates_total += 1
-            self._close(ot, TransferState.DONE, None, "ack")
+            if msg_type == "ack" and msg["dup"]:
+                self._counters(out).duplicates_total += 1
+            self._close(out, TransferState.DONE, None, "ack")
             return
-        err = TransferError(code, f"peer {session.peer_id!r}: {h['msg']}")
-        bad = h.get("bad") or []
+        err = TransferError(code, f"peer {session.peer_id!r}: {msg['msg']}")
+        bad = msg.get("bad") or []
         if code is StatusCode.CHECKSUM_MISMATCH:
-            self.core.metrics.of(ot.transport or "tcp").checksum_failures_total += 1
-        if msg_type == "ack" and code.recoverable and bad and ot.transport == "tcp":
-            if not self._count_retry(ot, err):
-                return
-            ot.queue = deque(s for s in wire.int_list(bad, "bad", len(ot.chunks)))
-            if ot.via_data:  # the data connection may be new: name the stream again
-                self._send_in_band(ot, "begin", ot.begin)
-            ot.phase = "send"
-            ot.attempt_until = time.monotonic() + self.core.config.ack_timeout_s
-            return
-        if code.recoverable:
-            self._retry(ot, err)
+            self._counters(out).checksum_failures_total += 1
+        if msg_type == "ack" and code.recoverable and bad and out.transport == "tcp":
+            self._resend(out, bad, err)
+        elif code.recoverable:
+            self._retry(out, err)
         else:
-            self._fail(ot, err)
+            self._fail(out, err)
 
-    def _count_retry(self, ot: OutTransfer, err: TransferError) -> bool:
-        self.core.metrics.of(ot.transport or "tcp").retries_total += 1
-        if ot.handle.attempts >= self.core.config.retry.attempts:
-            self._fail(ot, err)
-            return False
-        ot.handle.attempts += 1
-        return True
+    def _on_grant(self, out: OutTransfer, session: Session, msg: dict[str, Any]) -> None:
+        if out.phase != "grant" or out.transport not in transports.DIRECT:
+            return
+        try:
+            description = session.regions[out.dst.region]
+            out.dst_tensors = transports.open_destination(out.transport, session, description)
+        except (TransferError, OSError, KeyError) as exc:
+            err = (
+                exc
+                if isinstance(exc, TransferError)
+                else TransferError(StatusCode.KV_CACHE_NOT_EXIST, f"cannot open peer region: {exc}")
+            )
+            self._fail(out, err)
+            return
+        # The receiver's own deadline (same host, same monotonic clock), bounded by the
+        # window's length counted from now in case the clocks disagree after all.
+        now = time.monotonic()
+        until = min(float(msg["until"]), now + float(msg["ttl"])) - GRANT_MARGIN_S
+        if until <= now:
+            self._retry(out, TransferError(StatusCode.TIMEOUT, "grant arrived too late"))
+            return
+        out.grant_until, out.phase = until, "direct"
 
-    def _retry(self, ot: OutTransfer, err: TransferError) -> None:
+    def _resend(self, out: OutTransfer, bad: list[Any], err: TransferError) -> None:
+        """The receiver NACKed some chunks of a stream: send just those again."""
+        self._counters(out).retries_total += 1
+        if out.handle.attempts >= self.config.retry.attempts:
+            self._fail(out, err)
+            return
+        out.handle.attempts += 1
+        out.queue = deque(wire.int_list(bad, "bad", len(out.chunks)))
+        if out.via_data:  # the data connection may be new: name the stream again
+            self._send_in_band(out, "begin", out.begin)
+        out.phase = "send"
+        out.attempt_until = time.monotonic() + self.config.ack_timeout_s
+
+    def _retry(self, out: OutTransfer, err: TransferError) -> None:
         """Back off, re-link when the link looks dead, then start a new attempt."""
-        if ot.handle.attempts >= self.core.config.retry.attempts:
-            self._fail(ot, err)
+        if out.handle.attempts >= self.config.retry.attempts:
+            self._fail(out, err)
             return
-        self.core.metrics.of(ot.transport or "tcp").retries_total += 1
+        self._counters(out).retries_total += 1
         relink = err.code in (StatusCode.TIMEOUT, StatusCode.NOT_LINKED)
-        if relink and ot.session is not None and ot.session.alive and ot.session.outbound:
-            self.core.metrics.of(ot.transport or "tcp").relinks_total += 1
-            self.core.linker.relink(ot.session)
-        ot.phase, ot.session, ot.dst_tensors, ot.last_error = "backoff", None, None, err
-        ot.retry_at = time.monotonic() + self.core.config.retry.delay(ot.handle.attempts)
+        session = out.session
+        if relink and session is not None and session.alive and session.outbound:
+            self._counters(out).relinks_total += 1
+            self.links.relink(session)
+        out.phase, out.session, out.dst_tensors, out.last_error = "backoff", None, None, err
+        out.retry_at = time.monotonic() + self.config.retry.delay(out.handle.attempts)
 
-    def _check(self, ot: OutTransfer, now: float) -> None:
-        if ot.closing is not None:
-            if ot.inflight == 0:
-                self._release(ot)
+    def _check(self, out: OutTransfer, now: float) -> None:
+        if out.closing is not None:
+            if out.inflight == 0:
+                self._release(out)
             return
-        if now > ot.lease_until:
-            self.core.metrics.of(ot.transport or "tcp").lease_expiries_total += 1
+        if now > out.lease_until:
+            self._counters(out).lease_expiries_total += 1
+            why = "no ACK before the lease on the source blocks expired"
+            err = TransferError(StatusCode.LEASE_EXPIRED, why)
+            self._close(out, TransferState.TIMED_OUT, err, "lease_expired")
+        elif now > out.deadline:
+            last = f"; last error: {out.last_error.message}" if out.last_error else ""
+            why = f"not acknowledged within its deadline (phase {out.phase}){last}"
             self._close(
-                ot,
-                TransferState.TIMED_OUT,
-                TransferError(
-                    StatusCode.LEASE_EXPIRED, "no ACK before the lease on the source blocks expired"
-                ),
-                "lease_expired",
+                out, TransferState.TIMED_OUT, TransferError(StatusCode.TIMEOUT, why), "timeout"
             )
-        elif now > ot.deadline:
-            last = f"; last error: {ot.last_error.message}" if ot.last_error else ""
-            self._close(
-                ot,
-                TransferState.TIMED_OUT,
-                TransferError(
-                    StatusCode.TIMEOUT,
-                    f"not acknowledged within its deadline (phase {ot.phase}){last}",
-                ),
-                "timeout",
-            )
-        elif ot.phase == "backoff" and now >= ot.retry_at:
-            self._attempt(ot)
-        elif ot.phase != "backoff" and now > ot.attempt_until:
-            self._retry(ot, TransferError(StatusCode.TIMEOUT, f"no answer in phase {ot.phase}"))
+        elif out.phase == "backoff" and now >= out.retry_at:
+            self._attempt(out)
+        elif out.phase != "backoff" and now > out.attempt_until:
+            self._retry(out, TransferError(StatusCode.TIMEOUT, f"no answer in phase {out.phase}"))
 
+    # ---- leases -------------------------------------------------------------------------
     def renew(self, request_id: str, now: float, seconds: float | None = None) -> int:
         """Extend the source-block leases of our pushes for ``request_id``; how many."""
         count = 0
-        for ot in self.active.values():
-            if ot.handle.request_id == request_id and ot.closing is None:
-                ot.lease_until = max(ot.lease_until, now + (seconds or ot.lease_s))
+        for out in self.active.values():
+            if out.handle.request_id == request_id and out.closing is None:
+                out.lease_until = max(out.lease_until, now + (seconds or out.lease_s))
                 count += 1
         return count
 
     def extend_lease(self, transfer_id: str, until: float) -> None:
         """Move one transfer's lease (and deadline) to ``until`` (a renewed offer's)."""
-        ot = self.active.get(transfer_id)
-        if ot is not None and ot.closing is None:
-            ot.lease_until = max(ot.lease_until, until)
-            ot.deadline = max(ot.deadline, until)
+        out = self.active.get(transfer_id)
+        if out is not None and out.closing is None:
+            out.lease_until = max(out.lease_until, until)
+            out.deadline = max(out.deadline, until)
 
-    # ---- links --------------------------------------------------------------------------
+    # ---- link events --------------------------------------------------------------------
     def on_linked(self, session: Session) -> None:
         """A (re-)link completed: resume transfers waiting for it."""
-        for ot in list(self.active.values()):
-            if ot.phase == "link" and ot.handle.peer == session.peer_id and ot.closing is None:
-                self._attempt(ot)
+        for out in list(self.active.values()):
+            if out.phase == "link" and out.handle.peer == session.peer_id and out.closing is None:
+                self._attempt(out)
 
     def on_link_failed(self, peer: str, err: TransferError) -> None:
         """A handshake failed: transfers waiting for it retry (or fail if non-recoverable)."""
-        for ot in list(self.active.values()):
-            if ot.phase == "link" and ot.handle.peer == peer and ot.closing is None:
-                (self._retry if err.recoverable else self._fail)(ot, err)
+        for out in list(self.active.values()):
+            if out.phase == "link" and out.handle.peer == peer and out.closing is None:
+                (self._retry if err.recoverable else self._fail)(out, err)
 
     def on_data_unusable(self, session: Session) -> None:
         """The peer's data channel cannot be reached: stream transfers on it go over the
         link instead, now rather than after their attempt times out."""
         err = TransferError(StatusCode.LINK_FAILED, "data channel unreachable: using the link")
-        for ot in list(self.active.values()):
-            if ot.session is session and ot.via_data and ot.closing is None:
-                self._retry(ot, err)
+        for out in list(self.active.values()):
+            if out.session is session and out.via_data and out.closing is None:
+                self._retry(out, err)
 
     def on_session_lost(self, session: Session, reason: str) -> None:
         """Transfers on a dropped session wait for a new link until their attempt times out."""
-        for ot in self.active.values():
-            if ot.session is session and ot.closing is None:
-                ot.session, ot.phase = None, "link"
+        for out in self.active.values():
+            if out.session is session and out.closing is None:
+                out.session, out.phase = None, "link"
 
     # ---- ending -------------------------------------------------------------------------
-    def _fail(self, ot: OutTransfer, err: TransferError) -> None:
-        state = (
-            TransferState.CANCELLED if err.code is StatusCode.CANCELLED else TransferState.FAILED
-        )
-        self._close(ot, state, err, "cancelled" if state is TransferState.CANCELLED else "failed")
+    def _fail(self, out: OutTransfer, err: TransferError) -> None:
+        cancelled = err.code is StatusCode.CANCELLED
+        state = TransferState.CANCELLED if cancelled else TransferState.FAILED
+        self._close(out, state, err, "cancelled" if cancelled else "failed")
 
     def _close(
-        self, ot: OutTransfer, state: TransferState, err: TransferError | None, released: str
+        self, out: OutTransfer, state: TransferState, err: TransferError | None, released: str
     ) -> None:
-        tm = self.core.metrics.of(ot.transport or "tcp")
+        counters = self._counters(out)
         if state is TransferState.DONE:
-            tm.transfers_done_total += 1
-            tm.observe(ot.handle.nbytes, time.monotonic() - ot.handle.created)
+            counters.transfers_done_total += 1
+            counters.observe(out.handle.nbytes, time.monotonic() - out.handle.created)
         elif state is TransferState.TIMED_OUT:
-            tm.transfers_timed_out_total += 1
+            counters.transfers_timed_out_total += 1
         else:
-            tm.transfers_failed_total += 1
-        ot.closing, ot.phase = (state, err, released), "closing"
-        ot.queue.clear()
-        if ot.queued and self.core.datachan is not None:
-            self.core.datachan.cancel(ot)
+            counters.transfers_failed_total += 1
+        out.closing, out.phase = (state, err, released), "closing"
+        out.queue.clear()
+        if out.queued:
+            self.outbox.cancel_queued(out)
+        session = out.session
         if (
-            ot.inflight
-            and ot.session is not None
-            and ot.session.outbound
+            out.inflight
+            and session is not None
+            and session.outbound
             and state is not TransferState.DONE
         ):
-            self.core.linker.relink(ot.session)  # discard queued zero-copy frames
-        if ot.inflight == 0:
-            self._release(ot)
+            self.links.relink(session)  # discard queued zero-copy frames
+        if out.inflight == 0:
+            self._release(out)
 
-    def _release(self, ot: OutTransfer) -> None:
-        assert ot.closing is not None
-        self.active.pop(ot.handle.transfer_id, None)
-        self.core.finish(ot.handle, *ot.closing)
-        if ot.on_closed is not None:
-            ot.on_closed(ot.closing[0])
+    def _release(self, out: OutTransfer) -> None:
+        assert out.closing is not None
+        self.active.pop(out.handle.transfer_id, None)
+        self.loop.finish(out.handle, *out.closing)
+        if out.on_closed is not None:
+            out.on_closed(out.closing[0])
 
     def cancel(self, handle: TransferHandle) -> None:
         """Caller-requested cancel."""
-        ot = self.active.get(handle.transfer_id)
-        if ot is not None and ot.closing is None:
-            self._fail(ot, TransferError(StatusCode.CANCELLED, "cancelled by the caller"))
+        out = self.active.get(handle.transfer_id)
+        if out is not None and out.closing is None:
+            self._fail(out, TransferError(StatusCode.CANCELLED, "cancelled by the caller"))
 
     def abort_all(self, err: TransferError) -> None:
         """Engine shutdown."""
-        for ot in list(self.active.values()):
-            self.core.finish(ot.handle, TransferState.FAILED, err, "failed")
+        for out in list(self.active.values()):
+            self.loop.finish(out.handle, TransferState.FAILED, err, "failed")
         self.active.clear()
 
     def held_ids(self) -> dict[str, set[int]]:
         """Source blocks held by unfinished transfers, per region (for leak checks)."""
         held: dict[str, set[int]] = {}
-        for ot in list(self.active.values()):  # also read from caller threads
-            held.setdefault(ot.region.name, set()).update(ot.src_ids.tolist())
+        for out in list(self.active.values()):  # also read from caller threads
+            held.setdefault(out.region.name, set()).update(out.src_ids.tolist())
         return held

@@ -3,11 +3,36 @@
 from __future__ import annotations
 
 import concurrent.futures
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import zmq
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who an engine is, as peers learn it (the host, pid and data address only after
+    mutual authentication)."""
+
+    engine_id: str
+    role: str
+    #: This machine and boot (:func:`host_id`): peers on the same one may share /dev/shm.
+    host: str
+    pid: int
+    #: ``host:port`` of our data listener ("" without one).
+    data_address: str
+
+
+def host_id() -> str:
+    """Identifies this machine (and boot), so peers can tell they share /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 @dataclass(slots=True, eq=False)
@@ -18,7 +43,6 @@ class Link:
     address: str
     socket: zmq.Socket[bytes]
     nonce: bytes
-    deadline: float
     waiters: list[concurrent.futures.Future[None]] = field(default_factory=list)
     session: Session | None = None
     peer_hello: dict[str, Any] | None = None

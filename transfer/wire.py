@@ -17,6 +17,9 @@ from typing import Any
 
 import msgpack
 
+from transfer.addresses import split_host_port
+from transfer.errors import TransferError
+
 VERSION = 2
 MAX_HEADER_BYTES = 1 << 20
 CRC_BYTES = 4
@@ -163,3 +166,36 @@ def int_list(value: list[Any], name: str, limit: int | None = None) -> list[int]
 
 
 _MISSING = object()
+
+
+def region_descriptions(raw: list[Any]) -> dict[str, dict[str, Any]]:
+    """Validate a peer's region descriptions (``KVRegion.describe()``), by name."""
+    out: dict[str, dict[str, Any]] = {}
+    for desc in raw[:64]:
+        if not isinstance(desc, dict) or not isinstance(desc.get("name"), str):
+            raise FrameError("bad_field", "regions")
+        if not isinstance(desc.get("shm"), (str, type(None))):
+            raise FrameError("bad_field", "regions.shm")
+        for key in ("dt", "dev"):
+            if not isinstance(desc.get(key), str):
+                raise FrameError("bad_field", f"regions.{key}")
+        for key in ("nl", "tpl", "nb"):
+            value = desc.get(key)
+            if type(value) is not int or value < 1:
+                raise FrameError("bad_field", f"regions.{key}")
+        shape = desc.get("shape")
+        if not isinstance(shape, list) or not shape:
+            raise FrameError("bad_field", "regions.shape")
+        int_list(shape, "regions.shape")
+        out[desc["name"]] = desc
+    return out
+
+
+def data_address(address: str) -> str:
+    """A peer's advertised data address: empty (it has none) or ``host:port``."""
+    if address:
+        try:
+            split_host_port(address, "data address")
+        except TransferError as exc:
+            raise FrameError("bad_field", exc.message) from None
+    return address

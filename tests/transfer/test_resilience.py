@@ -116,7 +116,7 @@ def test_a_dead_io_thread_is_reported_not_hidden(
     def die() -> None:
         raise SystemExit("simulated fatal fault on the I/O thread")
 
-    eng._core.call(die)  # nothing public can do this: that is the point of the test
+    eng._core.loop.call(die)  # nothing public can do this: that is the point of the test
     deadline = time.monotonic() + 5
     while eng.healthy():
         assert time.monotonic() < deadline
@@ -138,8 +138,8 @@ def test_a_failing_command_or_timer_does_not_kill_the_thread(
     def bug() -> None:
         raise RuntimeError("a bug in one command")
 
-    eng._core.call(bug)
-    eng._core.call(lambda: eng._core.at(0.0, bug))
+    eng._core.loop.call(bug)
+    eng._core.loop.call(lambda: eng._core.loop.at(0.0, bug))
     _push_works(eng, receiver, "after-bug")
     assert eng.healthy()
     assert eng.health()["internal_errors"] >= 2

@@ -1,0 +1,162 @@
+"""One incoming transfer: what its BEGIN announced, validated against our region and ledger.
+
+Nothing a peer sends is used before :func:`accept_begin` checked it: the region exists, the
+block ids are in range, shapes, dtypes, block and token counts are consistent, the chunk
+plan matches, the transport may be used from where the peer is, and the reservation named
+by ``(request id, epoch)`` is live and granted to this very peer (NOT_GRANTED otherwise).
+Every later chunk must then be exactly the chunk the plan puts at its sequence number.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from transfer import checksum, wire
+from transfer.errors import StatusCode, TransferError
+from transfer.ledger import Ledger, Reservation
+from transfer.region import KVRegion, parse_dtype
+from transfer.session import Identity, Session
+
+DIRECT = frozenset({"local", "shm"})
+
+
+@dataclass(slots=True, eq=False)
+class InTransfer:
+    """State of one incoming transfer (all attempts of it)."""
+
+    transfer_id: str
+    session: Session
+    reservation: Reservation
+    region: KVRegion
+    dst_ids: torch.Tensor
+    dst_array: np.ndarray
+    src_dtype: torch.dtype
+    src_block_shape: tuple[int, ...]
+    src_block_bytes: int
+    tensors: range
+    layers: range
+    num_src_blocks: int
+    num_tokens: int
+    num_chunks: int
+    blocks_per_chunk: int
+    algo: str | None
+    mode: str
+    #: ``(request id, epoch)`` of the reservation it writes.
+    fingerprint: tuple[str, int]
+    #: 1 for every chunk received and verified.
+    good: bytearray
+    #: ``layout.is_run(dst_ids)``: chunks land with one slice copy each.
+    dst_run: bool
+    bad_checksum: set[int] = field(default_factory=set)
+    last_seen: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.monotonic)
+    nbytes: int = 0
+
+    @property
+    def peer(self) -> str:
+        """The engine sending it (the only one whose frames count for it)."""
+        return self.session.peer_id
+
+    def is_planned(self, seq: int, tensor: int, lo: int, hi: int) -> bool:
+        """True if chunk ``seq`` is exactly blocks ``[lo, hi)`` of ``tensor`` in the plan
+        (so a damaged location can never land a chunk somewhere else)."""
+        if not 0 <= seq < self.num_chunks:
+            return False
+        per_tensor = math.ceil(self.num_src_blocks / self.blocks_per_chunk)
+        start = (seq % per_tensor) * self.blocks_per_chunk
+        return (
+            tensor == self.tensors.start + seq // per_tensor
+            and lo == start
+            and hi == min(start + self.blocks_per_chunk, self.num_src_blocks)
+        )
+
+
+def accept_begin(
+    msg: dict[str, Any],
+    session: Session,
+    me: Identity,
+    regions: dict[str, KVRegion],
+    ledger: Ledger,
+    max_frame_bytes: int,
+) -> InTransfer:
+    """Validate a BEGIN from ``session``; the new :class:`InTransfer` or a TransferError."""
+    region = regions.get(msg["reg"])
+    if region is None:
+        raise TransferError(StatusCode.KV_CACHE_NOT_EXIST, f"no region {msg['reg']!r} here")
+    try:
+        dst = wire.int_list(msg["dst"], "dst")
+        shape = tuple(wire.int_list(msg["shape"], "shape"))
+        layer_range = wire.int_list(msg["lay"], "lay")
+    except wire.FrameError as exc:
+        raise TransferError(StatusCode.PARAM_INVALID, str(exc)) from None
+    region.check_blocks(dst, "destination")
+    if len(layer_range) != 2:
+        raise TransferError(StatusCode.PARAM_INVALID, f"layer range {layer_range!r}")
+    layers = range(layer_range[0], layer_range[1])
+    tensors = region.tensor_range((layers.start, layers.stop))
+    src_dtype = parse_dtype(msg["dt"])
+    block_size, num_src, num_tokens = msg["bs"], msg["nsrc"], msg["ntok"]
+    num_chunks, per_chunk, mode = msg["nf"], msg["bpc"], msg["mode"]
+    block_bytes = math.prod(shape) * torch.empty((), dtype=src_dtype).element_size()
+    problems = []
+    if msg["tpl"] != region.tensors_per_layer:
+        problems.append(f"tensors per layer {msg['tpl']} != {region.tensors_per_layer}")
+    if (
+        len(shape) != len(region.block_shape)
+        or shape[0] != block_size
+        or shape[1:] != region.block_shape[1:]
+    ):
+        problems.append(f"block shape {shape} incompatible with {region.block_shape}")
+    if not 0 < num_tokens <= num_src * block_size or per_chunk < 1:
+        problems.append(f"{num_tokens} tokens in {num_src} blocks of {block_size}")
+    elif block_size == region.block_size and len(dst) != num_src:
+        problems.append(f"{num_src} source blocks for {len(dst)} destination blocks")
+    elif block_size != region.block_size and len(dst) * region.block_size < num_tokens:
+        problems.append(f"{len(dst)} destination blocks cannot hold {num_tokens} tokens")
+    if per_chunk >= 1 and num_chunks != len(tensors) * math.ceil(num_src / per_chunk):
+        problems.append(f"chunk count {num_chunks}")
+    if per_chunk * block_bytes > max_frame_bytes and mode == "tcp":
+        problems.append(f"chunks of {per_chunk * block_bytes} bytes exceed max_frame_bytes")
+    if msg["ck"] is not None and msg["ck"] not in checksum.available():
+        problems.append(f"checksum {msg['ck']!r} not installed here")
+    if mode not in ("tcp", *DIRECT):
+        problems.append(f"transport {mode!r} not accepted")
+    elif mode != "tcp" and session.host != me.host:
+        problems.append("direct transport from another host")
+    elif mode == "shm" and region.shm_token is None:
+        problems.append(f"region {region.name!r} is not in shared memory")
+    elif mode == "local" and session.pid != me.pid:
+        problems.append("local transport from another process")
+    if problems:
+        raise TransferError(StatusCode.PARAM_INVALID, "; ".join(problems))
+    dst_array = np.asarray(dst, dtype=np.int64)
+    fingerprint = (msg["rid"], msg["ep"])
+    reservation = ledger.check(region.name, *fingerprint, dst_array, writer=session.peer_id)
+    return InTransfer(
+        msg["x"],
+        session,
+        reservation,
+        region,
+        torch.from_numpy(dst_array),
+        dst_array,
+        src_dtype,
+        shape,
+        block_bytes,
+        tensors,
+        layers,
+        num_src,
+        num_tokens,
+        num_chunks,
+        per_chunk,
+        msg["ck"],
+        mode,
+        fingerprint,
+        bytearray(num_chunks),
+        bool(dst_array.size <= 1 or (np.diff(dst_array) == 1).all()),
+    )
