@@ -98,7 +98,7 @@ def _passthrough(command: str, argv: list[str]) -> int:
     elif argv[:1] == ["pd"]:
         from hetero_pd.bench.pd import main as run
     elif argv[:1] == ["transfer"]:
-        from hetero_pd.bench_transfer import main as run
+        from hetero_pd.bench.transfer import main as run
     elif argv[:1] == ["kv"]:
         from hetero_pd.bench.kv import main as run
     elif argv[:1] == ["edge"]:

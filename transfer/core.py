@@ -63,7 +63,7 @@ class Core:
         self.regions: dict[str, KVRegion] = {}
         self.ledger = Ledger(config.dedup_capacity)
         self.offers = OfferBook()
-        self.hasher = Hasher(engine_id)
+        self.hasher = Hasher(engine_id, self.loop.call)
         injector = FaultInjector(config.faults) if config.faults else None
         self.router = self._listen(config)
         self.outbox = Outbox(self.loop, self.router, self.metrics, injector)
@@ -91,7 +91,14 @@ class Core:
         )
         self.outbox.on_broken = self.linker.drop
         self.receiver = Receiver(
-            self.me, config, self.loop, self.outbox, self.ledger, self.regions, self.metrics
+            self.me,
+            config,
+            self.loop,
+            self.outbox,
+            self.ledger,
+            self.regions,
+            self.metrics,
+            self.hasher,
         )
         self.sender = Sender(
             self.me,

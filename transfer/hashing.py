@@ -1,36 +1,61 @@
-"""Checksums off the I/O thread: one helper thread per engine hashes chunks in the background.
+"""Checksums off the I/O thread: helper threads hash chunks in the background.
 
-xxh3 (and crc32c, zlib's crc32) release the GIL on large buffers, so hashing on the helper
-overlaps the I/O thread's copies and socket writes instead of adding to them. A job keeps
-its tensor alive until hashed.
+xxh3 (and crc32c, zlib's crc32) release the GIL on large buffers, so hashing here overlaps
+the I/O thread's copies, socket writes and reads instead of adding to them. A job keeps its
+buffer alive until hashed; :meth:`Hasher.then` delivers the result back on the I/O thread.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
 
 from transfer import checksum, layout
 from transfer.devices import to_host
+from transfer.errors import TransferError
+
+#: Helper threads per engine: enough to keep up with one core's copies, no more.
+THREADS = 2
+Buffer = bytes | bytearray | memoryview
 
 
 class Hasher:
-    """Background checksums (one worker thread, started lazily)."""
+    """Background checksums (threads started lazily)."""
 
-    def __init__(self, name: str) -> None:
-        self._name = name
+    def __init__(self, name: str, deliver: Callable[[Callable[[], None]], None]) -> None:
+        """``deliver(fn)`` runs ``fn`` on the I/O thread (``IOLoop.call``)."""
+        self._name, self._deliver = name, deliver
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(THREADS, f"hash-{self._name}")
+        return self._pool
 
     def submit(self, algo: str, data: torch.Tensor) -> Future[int]:
         """Checksum of ``data``'s bytes (a contiguous copy is made only if needed)."""
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, f"hash-{self._name}")
-        return self._pool.submit(tensor_digest, algo, data)
+        return self._executor().submit(tensor_digest, algo, data)
+
+    def submit_bytes(self, algo: str, data: Buffer) -> Future[int]:
+        """Checksum of a byte buffer."""
+        return self._executor().submit(checksum.digest, algo, data)
+
+    def then(self, fut: Future[int], fn: Callable[[int | None], None]) -> None:
+        """Run ``fn(digest)`` on the I/O thread once ``fut`` is done (None if it failed)."""
+
+        def done(f: Future[int]) -> None:
+            value = None if f.cancelled() or f.exception() is not None else f.result()
+            with contextlib.suppress(TransferError):  # the engine closed meanwhile
+                self._deliver(lambda: fn(value))
+
+        fut.add_done_callback(done)
 
     def close(self) -> None:
-        """Stop the helper (pending jobs still run)."""
+        """Stop the helpers (jobs not started are dropped)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -54,6 +54,12 @@ class InTransfer:
     #: ``layout.is_run(dst_ids)``: chunks land with one slice copy each.
     dst_run: bool
     bad_checksum: set[int] = field(default_factory=set)
+    #: Chunks whose checksum the hashing threads are computing (frames for them: dropped).
+    verifying: set[int] = field(default_factory=set)
+    #: An END that arrived while chunks were being verified (handled once they are).
+    pending_end: tuple[Session, dict[str, Any]] | None = None
+    #: Direct writes: the chunks found bad by the check this END started (None: not done).
+    direct_verdict: list[int] | None = None
     last_seen: float = field(default_factory=time.monotonic)
     started: float = field(default_factory=time.monotonic)
     nbytes: int = 0

@@ -6,6 +6,7 @@ the bytes of one attempt go out, a bounded slice per call so the I/O loop stays 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from transfer import checksum, dataframe, layout, wire
+from transfer import dataframe, layout, wire
 from transfer.devices import to_host
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
@@ -30,6 +31,8 @@ from transfer.session import Session
 PUMP_BYTES = 16 << 20
 #: Zero-copy bytes a stream transfer may have queued in ZMQ at once.
 WINDOW_BYTES = 64 << 20
+#: Stream chunks whose digests are computed ahead of sending, on the hashing threads.
+PREFETCH_CHUNKS = 2
 
 
 @dataclass(slots=True, eq=False)
@@ -77,6 +80,10 @@ class OutTransfer:
     digests: dict[int, Future[int]] = field(default_factory=dict)
     #: Seconds one renewal extends the lease by (the lease it started with).
     lease_s: float = 0.0
+    #: Stream chunks ready to send: their bytes and (with checksums) their digest's future.
+    prepared: dict[int, tuple[memoryview, Future[int] | None]] = field(default_factory=dict)
+    #: True while the next chunk waits for its digest (the hashing thread wakes the loop).
+    waiting_digest: bool = False
 
     @property
     def inflight(self) -> int:
@@ -125,27 +132,33 @@ def new_push(
     )
 
 
-def pump_stream(out: OutTransfer, outbox: Outbox, counters: TransportMetrics) -> bool:
-    """Send a bounded slice of chunks; True once every chunk has been handed over."""
+def pump_stream(
+    out: OutTransfer, outbox: Outbox, counters: TransportMetrics, hasher: Hasher
+) -> bool:
+    """Send a bounded slice of chunks; True once every chunk has been handed over.
+
+    Chunk digests are computed a few chunks ahead on the hashing threads, so hashing
+    overlaps the socket writes; a chunk whose digest is not ready yet waits (the hashing
+    thread wakes the loop when it is).
+    """
     session = out.session
     assert session is not None
-    safe_views = not outbox.faults_on
     if out.src_run is None:
         out.src_run = layout.is_run(out.src_ids)
     moved = 0
     while out.queue and moved < PUMP_BYTES and out.inflight < WINDOW_BYTES:
+        _prepare(out, hasher, not outbox.faults_on)
         seq = out.queue[0]
+        buf, pending = out.prepared[seq]
+        if pending is not None and not pending.done():
+            out.waiting_digest = True
+            return False
+        digest = pending.result() if pending is not None else None
+        del out.prepared[seq]
         chunk = out.chunks[seq]
-        data = layout.gather(
-            out.region.tensors[chunk.ti], out.src_ids[chunk.lo : chunk.hi], out.src_run
-        )
-        if not safe_views and data.device.type == "cpu":
-            data = data.clone()
-        buf = layout.as_bytes(to_host(data))
-        digest = checksum.digest(out.algo, buf) if out.algo else None
         if out.via_data:
             header = dataframe.data(out.stream, seq, chunk.ti, chunk.lo, chunk.hi, len(buf), digest)
-            owner = out if safe_views else None
+            owner = None if outbox.faults_on else out
             sent = outbox.send(session, "data", header, buf, via_data=True, owner=owner)
         else:
             header = wire.encode(
@@ -158,8 +171,9 @@ def pump_stream(out: OutTransfer, outbox: Outbox, counters: TransportMetrics) ->
                 hi=chunk.hi,
                 d=digest,
             )
-            sent = outbox.send(session, "data", header, buf, track=safe_views)
+            sent = outbox.send(session, "data", header, buf, track=not outbox.faults_on)
         if sent is False:
+            out.prepared[seq] = (buf, pending)
             return False  # not connected (yet): the attempt timer decides
         if isinstance(sent, zmq.MessageTracker):
             out.trackers.append((sent, len(buf)))
@@ -169,6 +183,29 @@ def pump_stream(out: OutTransfer, outbox: Outbox, counters: TransportMetrics) ->
         if out.phase != "send":
             return False  # the session went away under a fault; the attempt timer decides
     return not out.queue
+
+
+def _prepare(out: OutTransfer, hasher: Hasher, safe_views: bool) -> None:
+    """Bytes (and digests, on the hashing threads) of the next few queued chunks."""
+    for seq in itertools.islice(out.queue, PREFETCH_CHUNKS):
+        if seq in out.prepared:
+            continue
+        chunk = out.chunks[seq]
+        data = layout.gather(
+            out.region.tensors[chunk.ti], out.src_ids[chunk.lo : chunk.hi], out.src_run
+        )
+        if not safe_views and data.device.type == "cpu":
+            data = data.clone()  # faults may send it later or twice: never a view
+        buf = layout.as_bytes(to_host(data))
+        pending = None
+        if out.algo:
+            pending = hasher.submit_bytes(out.algo, buf)
+            hasher.then(pending, lambda digest: _ready(out))
+        out.prepared[seq] = (buf, pending)
+
+
+def _ready(out: OutTransfer) -> None:
+    out.waiting_digest = False  # runs on the I/O thread: the next pump sends the chunk
 
 
 def pump_direct(

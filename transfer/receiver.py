@@ -24,7 +24,7 @@ from transfer import checksum, layout, wire
 from transfer.config import EngineConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import TransferState
-from transfer.hashing import tensor_digest
+from transfer.hashing import Hasher
 from transfer.incoming import DIRECT, InTransfer, accept_begin
 from transfer.ledger import Ledger, Reservation
 from transfer.loop import IOLoop
@@ -48,9 +48,10 @@ class Receiver:
         ledger: Ledger,
         regions: dict[str, KVRegion],
         metrics: Metrics,
+        hasher: Hasher,
     ) -> None:
         self.me, self.config, self.loop, self.outbox = me, config, loop, outbox
-        self.ledger, self.regions, self.metrics = ledger, regions, metrics
+        self.ledger, self.regions, self.metrics, self.hasher = ledger, regions, metrics, hasher
         self.active: dict[str, InTransfer] = {}
         #: Told the id of every transfer committed here (a pull we asked for may be done).
         self.on_committed: Callable[[str], None] = lambda transfer_id: None
@@ -149,7 +150,7 @@ class Receiver:
         if size != (hi - lo) * incoming.src_block_bytes:
             raise wire.FrameError("bad_size", f"{size} bytes for {hi - lo} blocks")
         incoming.last_seen = time.monotonic()
-        if incoming.good[seq]:
+        if incoming.good[seq] or seq in incoming.verifying:
             self.metrics.of("tcp").duplicates_total += 1
             return False
         return True
@@ -189,14 +190,44 @@ class Receiver:
         self._good(incoming, seq, len(payload))
 
     def landed(self, incoming: InTransfer, seq: int, data: memoryview, digest: int | None) -> None:
-        """Chunk ``seq`` was read straight into its destination blocks: verify it there."""
+        """Chunk ``seq`` was read straight into its destination blocks: verify it there, on
+        a hashing thread (frames for ``seq`` are dropped until that is done)."""
         algo = incoming.algo
-        if algo is not None and (digest is None or checksum.digest(algo, data) != digest):
-            self.metrics.of("tcp").checksum_failures_total += 1
-            incoming.good[seq] = 0  # the blocks hold these bytes now, whatever came before
-            incoming.bad_checksum.add(seq)
+        if algo is None:
+            self._good(incoming, seq, len(data))
             return
-        self._good(incoming, seq, len(data))
+        incoming.good[seq] = 0  # the blocks hold these bytes now, whatever came before
+        if digest is None:
+            self._bad(incoming, seq)
+            return
+        incoming.verifying.add(seq)
+        nbytes = len(data)
+
+        def verdict(value: int | None) -> None:
+            if not self._still_verifying(incoming, seq):
+                return
+            if value == digest:
+                self._good(incoming, seq, nbytes)
+            else:
+                self._bad(incoming, seq)
+            self._resume_end(incoming)
+
+        self.hasher.then(self.hasher.submit_bytes(algo, data), verdict)
+
+    def _still_verifying(self, incoming: InTransfer, seq: int) -> bool:
+        incoming.verifying.discard(seq)
+        return self.active.get(incoming.transfer_id) is incoming
+
+    def _resume_end(self, incoming: InTransfer) -> None:
+        """Handle an END that waited for verifications, once none is left."""
+        if not incoming.verifying and incoming.pending_end is not None:
+            (session, msg), incoming.pending_end = incoming.pending_end, None
+            self.on_end(session, msg)
+
+    def _bad(self, incoming: InTransfer, seq: int) -> None:
+        self.metrics.of("tcp").checksum_failures_total += 1
+        incoming.good[seq] = 0
+        incoming.bad_checksum.add(seq)
 
     def _good(self, incoming: InTransfer, seq: int, nbytes: int) -> None:
         incoming.good[seq] = 1
@@ -227,10 +258,18 @@ class Receiver:
                 )
                 self._refuse(session, transfer_id, err)
             return
+        if incoming.verifying:  # wait for the hashing threads, then come back here
+            incoming.pending_end = (session, msg)
+            return
         counters = self.metrics.of(incoming.mode)
         if incoming.mode in DIRECT:
-            self.ledger.end_grant(transfer_id)
-            bad = self._check_direct(incoming, msg["ds"])
+            if incoming.direct_verdict is None:
+                self.ledger.end_grant(transfer_id)  # the writer is done: no more writes
+                self._check_direct(incoming, msg["ds"])
+                if incoming.verifying:
+                    incoming.pending_end = (session, msg)
+                    return
+            bad, incoming.direct_verdict = incoming.direct_verdict or [], None
             if bad:
                 counters.checksum_failures_total += 1
                 code = StatusCode.CHECKSUM_MISMATCH
@@ -265,14 +304,18 @@ class Receiver:
             self.loop.finish(incoming.reservation.handle, TransferState.DONE)
         self.on_committed(transfer_id)
 
-    def _check_direct(self, incoming: InTransfer, digests: list[Any] | None) -> list[int]:
-        """Chunks whose destination bytes do not match the writer's digests."""
+    def _check_direct(self, incoming: InTransfer, digests: list[Any] | None) -> None:
+        """Start comparing our blocks with the writer's digests, chunk by chunk on the
+        hashing threads; ``direct_verdict`` lists the bad chunks once all are checked."""
         if incoming.algo is None:
-            return []
+            incoming.direct_verdict = []
+            return
         chunks = layout.plan(incoming.tensors, incoming.num_src_blocks, incoming.blocks_per_chunk)
         if digests is None or len(digests) != len(chunks):
-            return [c.seq for c in chunks]
-        bad = []
+            incoming.direct_verdict = [c.seq for c in chunks]
+            return
+        bad: list[int] = []
+        incoming.verifying = {c.seq for c in chunks}
         for chunk, expected in zip(chunks, digests, strict=True):
             image = layout.landed_image(
                 incoming.region.tensors[chunk.ti],
@@ -283,9 +326,17 @@ class Receiver:
                 incoming.num_tokens,
                 incoming.dst_run,
             )
-            if tensor_digest(incoming.algo, image) != expected:
-                bad.append(chunk.seq)
-        return bad
+
+            def verdict(value: int | None, seq: int = chunk.seq, want: Any = expected) -> None:
+                if not self._still_verifying(incoming, seq):
+                    return
+                if value != want:
+                    bad.append(seq)
+                if not incoming.verifying:
+                    incoming.direct_verdict = sorted(bad)
+                    self._resume_end(incoming)
+
+            self.hasher.then(self.hasher.submit(incoming.algo, image), verdict)
 
     def _forget(self, incoming: InTransfer) -> None:
         self.active.pop(incoming.transfer_id, None)

@@ -125,6 +125,7 @@ class Sender:
             out.region.tensor_range(out.layers), num_blocks, out.blocks_per_chunk
         )
         out.queue = deque(range(len(out.chunks)))
+        out.prepared.clear()
         header = wire.encode(
             "begin",
             session.token,
@@ -182,7 +183,7 @@ class Sender:
         for out in self.active.values():
             if out.queue and out.phase == "direct":
                 return 0.0
-            if out.queue and out.phase == "send":
+            if out.queue and out.phase == "send" and not out.waiting_digest:
                 if out.inflight < WINDOW_BYTES:
                     return 0.0
                 hint = 0.001
@@ -205,7 +206,9 @@ class Sender:
                 self._check(out, now)
 
     def _move(self, out: OutTransfer) -> None:
-        if out.phase == "send" and movers.pump_stream(out, self.outbox, self._counters(out)):
+        if out.phase == "send" and movers.pump_stream(
+            out, self.outbox, self._counters(out), self.hasher
+        ):
             self._send_end(out, None)
         elif out.phase == "direct":
             if time.monotonic() > out.grant_until:
@@ -286,6 +289,7 @@ class Sender:
             return
         out.handle.attempts += 1
         out.queue = deque(wire.int_list(bad, "bad", len(out.chunks)))
+        out.prepared.clear()
         if out.via_data:  # the data connection may be new: name the stream again
             self._send_in_band(out, "begin", out.begin)
         out.phase = "send"
@@ -389,6 +393,7 @@ class Sender:
             counters.transfers_failed_total += 1
         out.closing, out.phase = (state, err, released), "closing"
         out.queue.clear()
+        out.prepared.clear()
         if out.queued:
             self.outbox.cancel_queued(out)
         session = out.session

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hetero_pd.bench_transfer import main
+from hetero_pd.bench.transfer import main
 
 KEYS = {
     "shm_gbps",
@@ -20,8 +20,14 @@ KEYS = {
 
 
 def test_bench_transfer_quick(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--tokens", "256", "--repeats", "1"]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    result = json.loads(last)
+    assert main(["--tokens", "256", "--repeats", "1", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
     assert set(result) >= KEYS
     assert all(result[k] > 0 for k in KEYS - {"checksum_overhead"})
+    assert result["runs"] == 2
+    for ratio in ("tcp_vs_raw_zmq", "shm_vs_memcpy", "checksum_overhead"):
+        low, high = result["spread"][ratio]
+        assert low <= result[ratio] <= high
+        assert f"{ratio}: median" in out
+    assert result["cpu"]["model"] and "cpu:" in out

@@ -2,15 +2,20 @@
 
 Two processes on this host: this one sends, a spawned child receives. For each token count
 the default model's KV (30 layers x K,V x 3 KV heads x 64 dims, block size 16, float32) is
-pushed through our shm and tcp transports, and the same bytes through a raw tensor copy and
-a raw pyzmq PUSH/PULL (4 MiB zero-copy frames). The last stdout line is one JSON object.
+pushed through our shm and tcp transports as shipped (checksums on), tcp once more without
+checksums, and the same bytes through a raw tensor copy and a raw pyzmq PUSH/PULL (4 MiB
+zero-copy frames), interleaved. ``--repeat N`` runs the whole measurement N times and reports
+the median and the spread of each ratio against its goal (tcp_vs_raw_zmq >= 0.8,
+shm_vs_memcpy >= 0.5, checksum_overhead <= 0.15). The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 from multiprocessing.connection import Connection
@@ -24,6 +29,7 @@ from transfer.layout import as_bytes
 
 LAYERS, KV, HEADS, HEAD_DIM, BLOCK = 30, 2, 3, 64, 16
 CHUNK = 4 << 20
+_tags = itertools.count()
 
 
 def _receiver(conn: Connection, num_blocks: int, secret: bytes) -> None:
@@ -60,8 +66,14 @@ def _receiver(conn: Connection, num_blocks: int, secret: bytes) -> None:
 
 
 def _push(
-    engine: TransferEngine, conn: Connection, n: int, transport: str, checksum: bool, tag: str
+    engine: TransferEngine,
+    conn: Connection,
+    n: int,
+    transport: str,
+    checksum: bool | None,
+    tag: str,
 ) -> float:
+    """One push of ``n`` blocks; ``checksum`` None: as shipped (on)."""
     conn.send(("reserve", (tag, n)))
     blocks = RemoteBlocks.from_wire(conn.recv())
     t0 = time.perf_counter()
@@ -94,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         default=[1024, 4096, 8192],
         help="token counts to move (default: 1024 4096 8192; up to 32768)",
     )
-    ap.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
+    ap.add_argument("--repeats", type=int, default=3, help="pushes per measurement (median)")
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="whole runs; reports the median and spread"
+    )
     args = ap.parse_args(argv)
     max_blocks = max(-(-t // BLOCK) for t in args.tokens)
     secret = b"bench"
@@ -105,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = TransferEngine("bench-p", "prefill", EngineConfig(secret=secret))
     push: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.SNDHWM, 0)
-    rows: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
     try:
         if not parent.poll(60):
             raise RuntimeError("receiver process did not start")
@@ -116,15 +131,19 @@ def main(argv: list[str] | None = None) -> int:
             t.uniform_()
         engine.register_region(src)
         engine.link("bench-d", address)
-        for tokens in args.tokens:
-            rows.append(_measure(engine, parent, push, src, tokens, args.repeats))
-            r = rows[-1]
-            print(
-                f"{tokens:>6} tokens {r['mb']:8.1f} MB  shm {r['shm']:6.2f}  tcp {r['tcp']:6.2f}"
-                f"  tcp(no ck) {r['tcp_nock']:6.2f}  memcpy {r['memcpy']:6.2f}"
-                f"  raw zmq {r['raw_zmq']:6.2f}  GB/s",
-                flush=True,
-            )
+        for run in range(args.repeat):
+            rows = []
+            for tokens in args.tokens:
+                rows.append(_measure(engine, parent, push, src, tokens, args.repeats))
+                r = rows[-1]
+                print(
+                    f"run {run + 1}: {tokens:>6} tokens {r['mb']:8.1f} MB  shm {r['shm']:6.2f}"
+                    f"  tcp {r['tcp']:6.2f}  tcp(no ck) {r['tcp_nock']:6.2f}"
+                    f"  memcpy {r['memcpy']:6.2f}  raw zmq {r['raw_zmq']:6.2f}  GB/s",
+                    flush=True,
+                )
+            runs.append(_summarize(rows))
+            print(json.dumps(runs[-1]), flush=True)
         parent.send(("stop", None))
     finally:
         push.close(0)
@@ -132,9 +151,51 @@ def main(argv: list[str] | None = None) -> int:
         proc.join(10)
         if proc.is_alive():
             proc.kill()
-    summary = _summarize(rows)
+    summary = _combine(runs)
+    for ratio, goal in GOALS.items():
+        low, high = summary["spread"][ratio]
+        print(
+            f"{ratio:>18}: median {summary[ratio]:.3f}  spread {low:.3f}..{high:.3f}"
+            f"  goal {goal}  ({len(runs)} runs)",
+            flush=True,
+        )
+    print(f"cpu: {summary['cpu']['model']}  ({summary['cpu']['features']})", flush=True)
     print(json.dumps(summary))
     return 0
+
+
+#: Each ratio's goal, as printed.
+GOALS = {"tcp_vs_raw_zmq": ">= 0.8", "shm_vs_memcpy": ">= 0.5", "checksum_overhead": "<= 0.15"}
+
+
+def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of every number over the runs, the spread of each ratio, the CPU."""
+    out: dict[str, Any] = dict(runs[-1])
+    for key, value in runs[-1].items():
+        if isinstance(value, float):
+            out[key] = round(statistics.median(r[key] for r in runs), 3)
+    out["spread"] = {k: [min(r[k] for r in runs), max(r[k] for r in runs)] for k in GOALS}
+    out["runs"] = len(runs)
+    out["cpu"] = _cpu()
+    return out
+
+
+def _cpu() -> dict[str, str]:
+    """CPU model and the SIMD features that matter here (from /proc/cpuinfo)."""
+    model, flags = "unknown", set[str]()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("sse4_2", "avx2", "avx512f", "avx512bw", "amx_tile", "amx_bf16")
+    features = " ".join(f for f in wanted if f in flags) or "none of " + ", ".join(wanted)
+    return {"model": model, "features": features, "cores": str(os.cpu_count())}
 
 
 def _measure(
@@ -150,12 +211,13 @@ def _measure(
     flat_src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
     flat_dst = torch.empty_like(flat_src)
     times: dict[str, list[float]] = {k: [] for k in ("shm", "tcp", "tcp_nock", "memcpy", "raw_zmq")}
-    _push(engine, conn, n, "shm", False, "warm-shm")
-    _push(engine, conn, n, "tcp", True, "warm-tcp")
+    tag = next(_tags)
+    _push(engine, conn, n, "shm", None, f"warm-shm-{tag}")
+    _push(engine, conn, n, "tcp", None, f"warm-tcp-{tag}")
     for i in range(repeats):  # interleaved, so drift hits every variant alike
-        times["shm"].append(_push(engine, conn, n, "shm", False, f"s{tokens}-{i}"))
-        times["tcp"].append(_push(engine, conn, n, "tcp", True, f"t{tokens}-{i}"))
-        times["tcp_nock"].append(_push(engine, conn, n, "tcp", False, f"n{tokens}-{i}"))
+        times["shm"].append(_push(engine, conn, n, "shm", None, f"s{tag}-{i}"))
+        times["tcp"].append(_push(engine, conn, n, "tcp", None, f"t{tag}-{i}"))
+        times["tcp_nock"].append(_push(engine, conn, n, "tcp", False, f"n{tag}-{i}"))
         t0 = time.perf_counter()
         flat_dst.copy_(flat_src)
         times["memcpy"].append(time.perf_counter() - t0)
