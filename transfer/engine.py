@@ -410,6 +410,10 @@ class TransferEngine:
         held = self._loop.call_wait(self._core.held_ids, 10.0)
         return {name: len(ids) for name, ids in held.items()}
 
+    def check_integrity(self) -> None:
+        """Raise INTERNAL if the ledger's block ownership is inconsistent (tests, idle)."""
+        self._core.ledger.check_integrity()
+
     def reserved_blocks(self) -> dict[str, int]:
         """Destination blocks still reserved, per region (0 after every release)."""
         return self._core.ledger.reserved_blocks()

@@ -258,6 +258,29 @@ class Ledger:
         with self._lock:
             self._grants.pop(transfer_id, None)
 
+    def check_integrity(self) -> None:
+        """Raise INTERNAL unless every owned block belongs to exactly one listed reservation
+        (its epoch, or DEAD after a timeout) and every listed reservation owns its blocks."""
+        with self._lock:
+            claimed: dict[str, set[int]] = {name: set() for name in self._owner}
+            for res in self._by_request.values():
+                region, ids = res.blocks.region, set(res.blocks.block_ids)
+                owner = self._owner[region][list(ids)]
+                mark = res.blocks.epoch if res.alive else DEAD
+                if claimed[region] & ids or not bool((owner == mark).all()):
+                    raise TransferError(
+                        StatusCode.INTERNAL,
+                        f"ledger: blocks of {res.blocks.request_id!r} are not owned by it",
+                    )
+                claimed[region] |= ids
+            for name, owner in self._owner.items():
+                owned = set(np.flatnonzero(owner != FREE).tolist())
+                if owned != claimed[name]:
+                    stray = sorted(owned ^ claimed[name])[:8]
+                    raise TransferError(
+                        StatusCode.INTERNAL, f"ledger: blocks {stray} of {name!r} leaked"
+                    )
+
     def reserved_blocks(self) -> dict[str, int]:
         """Blocks currently owned by reservations, per region (for leak checks)."""
         with self._lock:

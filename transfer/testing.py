@@ -152,6 +152,7 @@ def _command(
         for t in reg.tensors:
             t.zero_()
     elif op == "counts":
+        engine.check_integrity()
         out = {
             "held": sum(engine.held_blocks().values()),
             "reserved": sum(engine.reserved_blocks().values()),

@@ -40,10 +40,10 @@ def make_engine() -> Iterator[Callable[..., TransferEngine]]:
     """Build parent-side engines (closed at teardown) with a region filled with seed 99."""
     engines: list[TransferEngine] = []
 
-    def build(**overrides: object) -> TransferEngine:
+    def build(shared: bool = False, **overrides: object) -> TransferEngine:
         spec = {**FAST, **overrides}
         eng = TransferEngine(f"prefill-{next(_ids)}", "prefill", make_config(spec))
-        region = KVRegion.allocate("kv", 4, 64, (16, 2, 8))
+        region = KVRegion.allocate("kv", 4, 64, (16, 2, 8), shared=shared)
         fill(region, 99)
         eng.register_region(region)
         engines.append(eng)

@@ -1,74 +1,95 @@
-"""Injected faults between two processes: identical bytes or the right error, in time."""
+"""Injected faults on every transport: identical bytes or the right error, in time, nothing
+leaked. The matrix runs in one process (all four data paths); the tests below it use real
+processes (a mute or lossy receiver); peers killed mid-transfer are in test_ownership."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
-from transfer import RemoteBlocks, TransferEngine, TransferState
-from transfer.testing import PeerProcess, blocks_digest
+from transfer import KVRegion, RemoteBlocks, TransferEngine, TransferState
+from transfer.testing import PeerProcess, blocks_digest, fill, make_config
 
 from .conftest import FAST, REGION
 
 SRC = [2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
 DST = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
 
-RECOVERED = [
-    ("drop", "data", 3),
-    ("delay", "data", 2),
-    ("duplicate", "data", 2),
-    ("reorder", "data", 2),
-    ("corrupt", "data", 3),
-    ("disconnect", "data", 4),
-    ("drop", "begin", 1),
-    ("drop", "end", 1),
-    ("corrupt", "begin", 1),
-    ("duplicate", "end", 1),
-    ("reorder", "begin", 1),
+#: transport -> (forced transport, sender config, the message type its data moves as)
+TRANSPORTS = {
+    "local": ("local", {}, "direct"),
+    "shm": ("shm", {}, "direct"),
+    "tcp": ("tcp", {}, "data"),  # the data channel
+    "tcp-link": ("tcp", {"data_channel": False}, "data"),  # chunks as ZMQ frames
+}
+KINDS = ("drop", "delay", "duplicate", "reorder", "corrupt", "disconnect")
+#: Faults on control frames (nth=1), for every transport.
+CONTROL = (
+    ("drop", "begin"),
+    ("drop", "end"),
+    ("duplicate", "end"),
+    ("corrupt", "begin"),
+    ("reorder", "begin"),
+    ("delay", "end"),
+)
+MATRIX = [(t, k, TRANSPORTS[t][2], 2) for t in TRANSPORTS for k in KINDS] + [
+    (t, k, m, 1) for t in TRANSPORTS for k, m in CONTROL
 ]
 
 
-@pytest.mark.parametrize(("kind", "msg_type", "nth"), RECOVERED)
-def test_tcp_fault_recovers(
-    receiver: PeerProcess,
-    make_engine: Callable[..., TransferEngine],
+@pytest.fixture
+def make_pair() -> Iterator[Callable[..., tuple[TransferEngine, TransferEngine]]]:
+    """A prefill engine (faults on its frames) linked to a decode engine in this process."""
+    made: list[TransferEngine] = []
+
+    def build(sender: dict[str, Any]) -> tuple[TransferEngine, TransferEngine]:
+        n = len(made)
+        p = TransferEngine(f"p-fault-{n}", "prefill", make_config({**FAST, **sender}))
+        d = TransferEngine(f"d-fault-{n}", "decode", make_config(FAST))
+        made.extend((p, d))
+        src = KVRegion.allocate("kv", 4, 64, (16, 2, 8))
+        fill(src, 17)
+        p.register_region(src)
+        d.register_region(KVRegion.allocate("kv", 4, 64, (16, 2, 8), shared=True))
+        p.link(d.engine_id, d.address)
+        return p, d
+
+    try:
+        yield build
+    finally:
+        for eng in made:
+            eng.close()
+
+
+@pytest.mark.parametrize(("transport", "kind", "msg_type", "nth"), MATRIX)
+def test_fault_matrix_recovers_exactly(
+    make_pair: Callable[..., tuple[TransferEngine, TransferEngine]],
+    transport: str,
     kind: str,
     msg_type: str,
     nth: int,
 ) -> None:
+    """One fault of every kind on every transport: identical bytes, in time, nothing leaked."""
+    forced, sender, _ = TRANSPORTS[transport]
     rule = {"kind": kind, "msg_type": msg_type, "nth": nth, "delay_s": 0.2}
-    eng = make_engine(faults=[rule])
-    eng.link(receiver.engine_id, receiver.address)
-    rid = f"fault-{kind}-{msg_type}"
-    blocks = RemoteBlocks.from_wire(receiver.call("reserve", rid=rid, ids=DST))
+    p, d = make_pair({**sender, "faults": [rule]})
+    recv = d.reserve("matrix", DST, writer=p.engine_id)
+    assert recv.blocks is not None
     t0 = time.monotonic()
-    h = eng.push_blocks(receiver.engine_id, SRC, blocks, transport="tcp", timeout_s=8)
+    h = p.push_blocks(d.engine_id, SRC, recv.blocks, transport=forced, timeout_s=8)
     assert h.wait(10) is TransferState.DONE, h.error
     assert time.monotonic() - t0 < 8
-    assert receiver.call("digest", ids=DST) == blocks_digest(eng.region(), SRC)
-    assert eng.metrics()["faults_injected_total"] >= 1
-    receiver.call("release", rid=rid)
-    assert receiver.call("counts")["reserved"] == 0
-    assert eng.held_blocks() == {}
-
-
-@pytest.mark.parametrize(
-    ("kind", "msg_type"),
-    [("drop", "end"), ("disconnect", "end"), ("drop", "begin"), ("delay", "end")],
-)
-def test_shm_fault_recovers(
-    receiver: PeerProcess, make_engine: Callable[..., TransferEngine], kind: str, msg_type: str
-) -> None:
-    eng = make_engine(faults=[{"kind": kind, "msg_type": msg_type, "nth": 1, "delay_s": 0.2}])
-    eng.link(receiver.engine_id, receiver.address)
-    rid = f"shm-{kind}-{msg_type}"
-    blocks = RemoteBlocks.from_wire(receiver.call("reserve", rid=rid, ids=DST))
-    h = eng.push_blocks(receiver.engine_id, SRC, blocks, transport="shm", checksum=True)
-    assert h.wait(10) is TransferState.DONE, h.error
-    assert receiver.call("digest", ids=DST) == blocks_digest(eng.region(), SRC)
-    receiver.call("release", rid=rid)
+    assert recv.wait(5) is TransferState.DONE
+    assert blocks_digest(d.region(), DST) == blocks_digest(p.region(), SRC)
+    assert p.metrics()["faults_injected_total"] >= 1
+    d.release("matrix")
+    d.check_integrity()
+    assert d.reserved_blocks() == {"kv": 0}
+    assert p.held_blocks() == {}
+    assert p.healthy() and d.healthy()
 
 
 def test_corruption_without_retries_fails_loudly(

@@ -1,9 +1,12 @@
-"""Ownership across failures: killed peers, stale epochs, repeated transfer ids, no leaks."""
+"""Ownership across failures: peers killed mid-transfer on every transport, stale epochs,
+repeated transfer ids, no leaks."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
+import pytest
 
 from transfer import KVRegion, RemoteBlocks, TransferEngine, TransferState
 from transfer.region import sweep_stale_shm
@@ -14,14 +17,27 @@ from .conftest import FAST, REGION
 SRC, DST = [1, 2, 3, 4], [40, 41, 42, 43]
 
 
-def test_receiver_killed_mid_transfer(make_engine: Callable[..., TransferEngine]) -> None:
+#: transport -> (forced transport, extra sender config)
+KILLABLE = {
+    "tcp": ("tcp", {}),
+    "tcp-link": ("tcp", {"data_channel": False}),
+    "shm": ("shm", {}),
+}
+
+
+@pytest.mark.parametrize("transport", sorted(KILLABLE))
+def test_receiver_killed_mid_transfer(
+    make_engine: Callable[..., TransferEngine], transport: str
+) -> None:
     """The decode process dies before the ACK: the push ends inside its deadline, blocks freed."""
-    eng = make_engine(faults=[{"kind": "delay", "msg_type": "end", "nth": 1, "delay_s": 0.5}])
-    with PeerProcess("decode-doomed", FAST, REGION) as peer:
+    forced, extra = KILLABLE[transport]
+    delay_end = [{"kind": "delay", "msg_type": "end", "nth": 1, "delay_s": 0.5}]
+    eng = make_engine(faults=delay_end, **extra)
+    with PeerProcess(f"decode-doomed-{transport}", FAST, REGION) as peer:
         eng.link(peer.engine_id, peer.address)
         blocks = RemoteBlocks.from_wire(peer.call("reserve", rid="doomed", ids=DST))
         t0 = time.monotonic()
-        h = eng.push_blocks(peer.engine_id, SRC, blocks, transport="tcp", timeout_s=3)
+        h = eng.push_blocks(peer.engine_id, SRC, blocks, transport=forced, timeout_s=3)
         peer.kill()
         assert sweep_stale_shm() >= 1  # the dead peer's /dev/shm region is reclaimed
         state = h.wait(6)
@@ -30,30 +46,56 @@ def test_receiver_killed_mid_transfer(make_engine: Callable[..., TransferEngine]
         assert h.error is not None and h.error.code.name in ("TIMEOUT", "LINK_FAILED", "NOT_LINKED")
         assert h.released in ("timeout", "failed")
         assert eng.held_blocks() == {}
+        assert eng.healthy()
 
 
+def test_local_receiver_closed_mid_transfer(make_engine: Callable[..., TransferEngine]) -> None:
+    """In one process the peer engine shuts down mid-push: same outcome as a killed process."""
+    eng = make_engine(faults=[{"kind": "delay", "msg_type": "end", "nth": 1, "delay_s": 0.5}])
+    doomed = make_engine(shared=True)
+    eng.link(doomed.engine_id, doomed.address)
+    recv = doomed.reserve("doomed-local", DST, writer=eng.engine_id)
+    assert recv.blocks is not None
+    t0 = time.monotonic()
+    h = eng.push_blocks(doomed.engine_id, SRC, recv.blocks, transport="local", timeout_s=3)
+    doomed.close()
+    assert h.wait(6) in (TransferState.TIMED_OUT, TransferState.FAILED)
+    assert time.monotonic() - t0 < 5
+    assert recv.state is TransferState.FAILED  # never DONE: nothing was committed
+    assert eng.held_blocks() == {}
+    assert eng.healthy()
+
+
+@pytest.mark.parametrize("transport", sorted(KILLABLE))
 def test_sender_killed_reservation_times_out_and_refuses_late_writes(
-    make_engine: Callable[..., TransferEngine],
+    make_engine: Callable[..., TransferEngine], transport: str
 ) -> None:
     """The prefill process dies mid-push: the reservation times out; later writes are refused."""
-    eng = make_engine()
+    forced, extra = KILLABLE[transport]
+    eng = make_engine(shared=True)
     recv = eng.reserve("orphan", DST, timeout_s=1.5)
     assert recv.blocks is not None
-    sender_cfg = {**FAST, "faults": [{"kind": "drop", "msg_type": "end", "nth": 1, "count": 99}]}
-    with PeerProcess("prefill-doomed", sender_cfg, {**REGION, "shared": False}) as peer:
+    drop_end = [{"kind": "drop", "msg_type": "end", "nth": 1, "count": 99}]
+    sender_cfg = {**FAST, **extra, "faults": drop_end}
+    with PeerProcess(
+        f"prefill-doomed-{transport}", sender_cfg, {**REGION, "shared": False}
+    ) as peer:
         peer.call("link", peer=eng.engine_id, address=eng.address)
-        peer.call("push", peer=eng.engine_id, src=SRC, dst=recv.blocks.to_wire(), transport="tcp")
+        wire_dst = recv.blocks.to_wire()
+        peer.call("push", peer=eng.engine_id, src=SRC, dst=wire_dst, transport=forced)
         assert recv.wait(5) is TransferState.TIMED_OUT
         assert recv.error is not None and recv.error.code.name == "TIMEOUT"
         peer.kill()
     # a late push into the timed-out reservation (same epoch) is refused
-    late = make_engine()
+    late = make_engine(**extra)
     late.link(eng.engine_id, eng.address)
-    h = late.push_blocks(eng.engine_id, SRC, recv.blocks, transport="tcp")
+    h = late.push_blocks(eng.engine_id, SRC, recv.blocks, transport=forced)
     assert h.wait(5) is TransferState.FAILED
     assert h.error is not None and h.error.code.name == "STALE_EPOCH"
+    eng.check_integrity()
     assert eng.release("orphan") == 0.0
     assert eng.reserved_blocks() == {"kv": 0}
+    eng.check_integrity()
 
 
 def test_released_blocks_reject_old_epoch(
