@@ -291,16 +291,7 @@ class Linker:
             self._refuse(identity, StatusCode.FRAME_INVALID, f"link refused: {exc}")
             return
         token = auth.new_nonce()
-        session = Session(
-            hello["eid"],
-            hello["role"],
-            msg["host"],
-            msg["pid"],
-            regions,
-            token,
-            identity=identity,
-            data_address=data_address,
-        )
+        session = _session(hello, msg, regions, token, data_address, identity=identity)
         old = self._inbound.get(session.peer_id)
         if old is not None:
             self.drop(old, "peer re-linked")
@@ -322,16 +313,7 @@ class Linker:
             self.metrics.reject(exc.reason)
             self._fail_link(link, StatusCode.FRAME_INVALID, f"bad welcome: {exc}")
             return
-        session = Session(
-            hello["eid"],
-            hello["role"],
-            msg["host"],
-            msg["pid"],
-            regions,
-            msg["token"],
-            link=link,
-            data_address=data_address,
-        )
+        session = _session(hello, msg, regions, msg["token"], data_address, link=link)
         link.session = session
         old = self._outbound.get(session.peer_id)
         if old is not None and old is not session:
@@ -396,3 +378,26 @@ class Linker:
             self.outbox.send(session, "bye", wire.encode("bye", session.token))
         for link in list(self._links.values()):
             self._close_link(link)
+
+
+def _session(
+    hello: dict[str, Any],
+    about: dict[str, Any],
+    regions: dict[str, dict[str, Any]],
+    token: bytes,
+    data_address: str,
+    identity: bytes | None = None,
+    link: Link | None = None,
+) -> Session:
+    """A session from the peer's HELLO / CHALLENGE (who) and AUTH / WELCOME (about it)."""
+    return Session(
+        hello["eid"],
+        hello["role"],
+        about["host"],
+        about["pid"],
+        regions,
+        token,
+        identity=identity,
+        link=link,
+        data_address=data_address,
+    )

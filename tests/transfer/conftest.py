@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -53,4 +54,32 @@ def make_engine() -> Iterator[Callable[..., TransferEngine]]:
         yield build
     finally:
         for eng in engines:
+            eng.close()
+
+
+Pair = tuple[TransferEngine, TransferEngine]
+
+
+@pytest.fixture
+def make_pair() -> Iterator[Callable[..., Pair]]:
+    """A prefill engine linked to a decode engine (region in /dev/shm), both in this process,
+    so every transport (local, shm, tcp) can run between them; closed at teardown."""
+    made: list[TransferEngine] = []
+
+    def build(sender: dict[str, Any] | None = None, receiver: dict[str, Any] | None = None) -> Pair:
+        n = next(_ids)
+        p = TransferEngine(f"p-pair-{n}", "prefill", make_config({**FAST, **(sender or {})}))
+        d = TransferEngine(f"d-pair-{n}", "decode", make_config({**FAST, **(receiver or {})}))
+        made.extend((p, d))
+        src = KVRegion.allocate("kv", 4, 64, (16, 2, 8))
+        fill(src, 3)
+        p.register_region(src)
+        d.register_region(KVRegion.allocate("kv", 4, 64, (16, 2, 8), shared=True))
+        p.link(d.engine_id, d.address)
+        return p, d
+
+    try:
+        yield build
+    finally:
+        for eng in made:
             eng.close()

@@ -4,43 +4,17 @@ inside the receiver's absolute grant window; leases and reservations renewed whi
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from transfer import KVRegion, StatusCode, TransferEngine, TransferState
-from transfer.testing import blocks_digest, fill, make_config
+from transfer.testing import blocks_digest
 
-from .conftest import FAST
+from .conftest import Pair
 
 SRC, DST = [1, 2, 3, 4, 5, 6], [40, 41, 42, 43, 44, 45]
-
-Pair = tuple[TransferEngine, TransferEngine]
-
-
-@pytest.fixture
-def make_pair() -> Iterator[Callable[..., Pair]]:
-    """A prefill and a decode engine in this process (decode region in /dev/shm), linked."""
-    made: list[TransferEngine] = []
-
-    def build(sender: dict[str, object] | None = None, receiver: dict[str, object] | None = None):
-        n = len(made)
-        p = TransferEngine(f"p-direct-{n}", "prefill", make_config({**FAST, **(sender or {})}))
-        d = TransferEngine(f"d-direct-{n}", "decode", make_config({**FAST, **(receiver or {})}))
-        made.extend((p, d))
-        src = KVRegion.allocate("kv", 4, 64, (16, 2, 8))
-        fill(src, 3)
-        p.register_region(src)
-        d.register_region(KVRegion.allocate("kv", 4, 64, (16, 2, 8), shared=True))
-        p.link(d.engine_id, d.address)
-        return p, d
-
-    try:
-        yield build
-    finally:
-        for eng in made:
-            eng.close()
 
 
 def _checksum_failures(eng: TransferEngine, transport: str) -> int:

@@ -5,13 +5,12 @@ processes (a mute or lossy receiver); peers killed mid-transfer are in test_owne
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 
-from transfer import KVRegion, RemoteBlocks, TransferEngine, TransferState
-from transfer.testing import PeerProcess, blocks_digest, fill, make_config
+from transfer import RemoteBlocks, TransferEngine, TransferState
+from transfer.testing import PeerProcess, blocks_digest
 
 from .conftest import FAST, REGION
 
@@ -40,30 +39,6 @@ MATRIX = [(t, k, TRANSPORTS[t][2], 2) for t in TRANSPORTS for k in KINDS] + [
 ]
 
 
-@pytest.fixture
-def make_pair() -> Iterator[Callable[..., tuple[TransferEngine, TransferEngine]]]:
-    """A prefill engine (faults on its frames) linked to a decode engine in this process."""
-    made: list[TransferEngine] = []
-
-    def build(sender: dict[str, Any]) -> tuple[TransferEngine, TransferEngine]:
-        n = len(made)
-        p = TransferEngine(f"p-fault-{n}", "prefill", make_config({**FAST, **sender}))
-        d = TransferEngine(f"d-fault-{n}", "decode", make_config(FAST))
-        made.extend((p, d))
-        src = KVRegion.allocate("kv", 4, 64, (16, 2, 8))
-        fill(src, 17)
-        p.register_region(src)
-        d.register_region(KVRegion.allocate("kv", 4, 64, (16, 2, 8), shared=True))
-        p.link(d.engine_id, d.address)
-        return p, d
-
-    try:
-        yield build
-    finally:
-        for eng in made:
-            eng.close()
-
-
 @pytest.mark.parametrize(("transport", "kind", "msg_type", "nth"), MATRIX)
 def test_fault_matrix_recovers_exactly(
     make_pair: Callable[..., tuple[TransferEngine, TransferEngine]],
@@ -75,7 +50,7 @@ def test_fault_matrix_recovers_exactly(
     """One fault of every kind on every transport: identical bytes, in time, nothing leaked."""
     forced, sender, _ = TRANSPORTS[transport]
     rule = {"kind": kind, "msg_type": msg_type, "nth": nth, "delay_s": 0.2}
-    p, d = make_pair({**sender, "faults": [rule]})
+    p, d = make_pair(sender={**sender, "faults": [rule]})
     recv = d.reserve("matrix", DST, writer=p.engine_id)
     assert recv.blocks is not None
     t0 = time.monotonic()
