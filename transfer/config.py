@@ -7,8 +7,6 @@ import os
 from dataclasses import dataclass, field, fields
 
 from transfer.addresses import valid_host
-from transfer.auth import check_secret
-from transfer.errors import TransferError
 from transfer.faults import FaultPlan
 
 
@@ -83,8 +81,9 @@ class EngineConfig:
     dedup_capacity: int = 65536
     #: Faults injected into this engine's outgoing frames (tests only).
     faults: FaultPlan | None = None
-    #: Refuse to start with an empty ``secret`` unless ``host`` is loopback-only
-    #: (:func:`transfer.auth.check_secret`); serving sets it for every deployment.
+    #: The engine refuses to start with an empty ``secret`` unless ``host`` is loopback-only
+    #: (:func:`transfer.auth.check_secret`; checked by ``TransferEngine``, not here, so a
+    #: config serialised without its secret still loads).
     require_secret: bool = False
 
     def checksums_on(self, direct: bool) -> bool:
@@ -103,11 +102,6 @@ class EngineConfig:
                 f"EngineConfig.advertise_host {self.advertise_host!r}: a host name or "
                 "address without a port"
             )
-        if self.require_secret:
-            try:
-                check_secret(self.host, self.secret)
-            except TransferError as exc:
-                raise ValueError(f"EngineConfig.secret: {exc.message}") from None
         unknown = set(self.transports) - {"local", "cuda_ipc", "shm", "tcp"}
         if unknown:
             raise ValueError(f"EngineConfig.transports: unknown transport(s) {sorted(unknown)}")

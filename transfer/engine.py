@@ -28,6 +28,7 @@ from typing import Any
 
 from transfer import wire
 from transfer.addresses import parse_endpoint
+from transfer.auth import check_secret
 from transfer.checksum import requested as checksum_requested
 from transfer.config import EngineConfig, Role
 from transfer.core import Core
@@ -47,6 +48,8 @@ class TransferEngine:
         self.engine_id = engine_id
         self.role = Role(role)
         self.config = config or EngineConfig()
+        if self.config.require_secret:
+            check_secret(self.config.host, self.config.secret)
         self._core = Core(engine_id, self.role, self.config)
         self._loop = self._core.loop
         self._ids = itertools.count()

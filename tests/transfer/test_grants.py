@@ -226,6 +226,10 @@ def test_empty_secret_refused_off_loopback() -> None:
         with pytest.raises(TransferError) as info:
             check_secret(host, b"")
         assert info.value.code is StatusCode.PARAM_INVALID and host in info.value.message
-    with pytest.raises(ValueError, match="secret"):
-        EngineConfig(host="0.0.0.0", require_secret=True)
-    EngineConfig(host="0.0.0.0")  # still allowed unless required (serving decides)
+    required = EngineConfig(host="0.0.0.0", require_secret=True)  # loads without its secret
+    with pytest.raises(TransferError) as info:
+        TransferEngine("open", "decode", required)
+    assert info.value.code is StatusCode.PARAM_INVALID
+    TransferEngine(
+        "closed", "decode", EngineConfig(host="0.0.0.0", secret=b"k", require_secret=True)
+    ).close()
