@@ -142,16 +142,22 @@ class Handoff:
             return decode, None
         self.metrics.decision("disaggregated")
         tried: set[str] = set()
+        reserved = False
         for attempt in range(self.cfg.max_retries + 1):
-            blocks = await self._reserve(decode)
             live = self.live("prefill", split_layer=self.layer)
             # Another prefill worker if there is one, else the same one again; never a dead
             # one (nothing would ever answer for it).
             candidates = [w for w in live if w.id not in tried] or live
             if not candidates:
                 break
+            # The prefill worker is chosen first: the reservation names it as the one
+            # writer of its blocks.
             worker, _ = chooser.pick(candidates, self.prompt_ids)
             tried.add(worker.id)
+            if reserved:  # a retry: a fresh reservation, a new epoch for the new writer
+                decode.try_send(P.Abort(rid=rid))
+            blocks = await self._reserve(decode, writer=worker.id)
+            reserved = True
             self._enlist(worker)
             self._charge(worker, self.prompt_len)
             self._send(
@@ -193,9 +199,10 @@ class Handoff:
             if policy == "recompute" or attempt == self.cfg.max_retries:
                 break
             self.metrics.decision("retry")
-            decode.try_send(P.Abort(rid=rid))  # a fresh reservation: a new epoch for the retry
         self.metrics.decision("recompute")
-        self._send(decode, P.KvFailed(rid=rid))
+        # The reservation falls back to computing the prompt; with none (no prefill worker
+        # left before the first one), the prompt is computed there from the start.
+        self._send(decode, P.KvFailed(rid=rid) if reserved else P.Generate(**self._fields()))
         self._charge(decode, uncached)
         return decode, None
 
@@ -234,11 +241,11 @@ class Handoff:
         except WorkerUnreachable as e:
             raise RouterError(503, str(e), "worker_unreachable", 2.0) from None
 
-    async def _reserve(self, decode: WorkerClient) -> P.Blocks:
+    async def _reserve(self, decode: WorkerClient, writer: str) -> P.Blocks:
         deadline = time.monotonic() + self.cfg.reserve_timeout_s
         delay = 0.05
         while True:
-            self._send(decode, P.Reserve(**self._fields()))
+            self._send(decode, P.Reserve(**self._fields(), writer=writer))
             while True:
                 left = max(deadline - time.monotonic(), 0.01)
                 wid, msg = await next_message(self.queue, left, self.rid)

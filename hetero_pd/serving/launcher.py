@@ -79,7 +79,7 @@ def worker_config(
         transfer_timeout_s=t.timeout_s,
         grant_s=t.grant_s,
         transports=t.transports,
-        checksum_stream=t.checksum,
+        checksum=t.checksum,  # every transport (shm and direct writes too)
         faults=FaultPlan(tuple(FaultRule(**rule) for rule in rules)) if rules else None,
     )
     return WorkerConfig(

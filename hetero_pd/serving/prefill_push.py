@@ -50,6 +50,15 @@ class PushTracker:
     def is_pushing(self, rid: str) -> bool:
         return rid in self._pushes
 
+    def renew_reservations(self) -> None:
+        """Asks each decode worker to keep the reservation of a prompt we are still queueing
+        or computing (called on every heartbeat), so that a long prefill never outlives it.
+        Once a push is under way the decode worker's own deadline counts again: it stops
+        waiting for a hand-off that stalls, and one of a prefill worker that died."""
+        for push in self._pushes.values():
+            if not push.started and push.error is None:
+                self.transfer.renew_remote(push.peer, push.dest)
+
     def layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:
         """Pushes layer i of every prompt that completes in this step right after layer i."""
         finishing = [

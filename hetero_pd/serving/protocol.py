@@ -209,6 +209,9 @@ class Reserve(_Msg, tag="reserve", kw_only=True, frozen=True):
     params: WireParams
     priority: Annotated[int, Meta(ge=-(2**31), lt=2**31)] = 0
     edge: EdgePrompt | None = None
+    #: The prefill worker (its transfer engine id) that alone may write the reserved blocks;
+    #: the router picks it before it reserves. Any other peer is refused with NOT_GRANTED.
+    writer: Annotated[str, Meta(min_length=1, max_length=256)]
 
 
 class Prefill(_Msg, tag="prefill", kw_only=True, frozen=True):

@@ -38,6 +38,7 @@ from hetero_pd.serving.control_auth import CurveKeys
 from hetero_pd.serving.control_server import ControlServer
 from hetero_pd.serving.worker_config import WorkerConfig
 from hetero_pd.serving.worker_requests import RequestBook
+from transfer import EngineConfig as TransferConfig
 from transfer import KVRegion, TransferEngine
 
 log = logging.getLogger("hetero_pd.worker")
@@ -54,9 +55,10 @@ class Worker:
     def __init__(self, cfg: WorkerConfig, secret: bytes) -> None:
         self.cfg = cfg
         self.id = cfg.worker_id
-        transfer_cfg = replace(cfg.transfer, secret=secrets.derive(secret, "transfer"))
         role = {"prefill": "prefill", "decode": "decode"}.get(cfg.role, "mixed")
-        self.transfer: TransferEngine = TransferEngine(cfg.worker_id, role, transfer_cfg)
+        self.transfer: TransferEngine = TransferEngine(
+            cfg.worker_id, role, transfer_config(cfg, secret)
+        )
         self.region: KVRegion | None = None
         self.engine: LLMEngine = LLMEngine(
             replace(cfg.engine, role=cfg.role), kv_allocator=self._allocate
@@ -98,7 +100,7 @@ class Worker:
         e = self.engine
         return P.WorkerInfo(
             address=self.address,
-            transfer_address=self._advertised(self.transfer.address),
+            transfer_address=self.transfer.address,  # advertised by the engine itself
             model=str(e.config.model),
             device=str(e.device),
             max_model_len=e.max_model_len,
@@ -235,6 +237,7 @@ class Worker:
             draining=self.draining or self.switch_to is not None,
             kv_fallbacks=self.book.kv_fallbacks,
             frames_rejected=self.control.rejected,
+            transfer_healthy=self.transfer.healthy(),
             transfer_faults_injected=int(transfer.get("faults_injected_total", 0)),
             transfer={
                 name: P.TransportCounters.of(counters)
@@ -242,6 +245,7 @@ class Worker:
             },
         )
         self.control.broadcast(P.Heartbeat(worker=self.id, load=report), only_idle=True)
+        self.book.pushes.renew_reservations()
         self.control.flush()
         if self.cfg.alive_file:
             Path(self.cfg.alive_file).touch()
@@ -261,6 +265,19 @@ class Worker:
     def close(self) -> None:
         self.transfer.close()
         self.control.close()
+
+
+def transfer_config(cfg: WorkerConfig, secret: bytes) -> TransferConfig:
+    """The transfer engine's config as deployed, with the transfer key derived from the
+    deployment secret (so an empty key never starts) and the worker's advertised host for
+    its link and data channel unless the transfer section names its own."""
+    t = cfg.transfer
+    return replace(
+        t,
+        secret=secrets.derive(secrets.check(secret), "transfer"),
+        require_secret=True,
+        advertise_host=t.advertise_host or cfg.advertise_host,
+    )
 
 
 def run(cfg: WorkerConfig) -> int:

@@ -157,7 +157,7 @@ class WorkerClient:
             match msg:
                 case P.Heartbeat(load=load):
                     self.load = load
-                    self.alive = not load.draining and not self.gone
+                    self.alive = self.usable
                 case P.Ready(role=role, info=info):
                     self.role, self.info = role, info
                     self.alive, self.gone = True, False
@@ -187,8 +187,13 @@ class WorkerClient:
     def _came_back(self, silent: float) -> bool:
         # Only a message heard after it was marked dead brings it back.
         recent = silent < self.heartbeat_timeout_s and self.last_seen > self.dead_at
-        usable = self._ready.is_set() and not self.gone and not self.load.draining
-        return not self.alive and usable and recent
+        return not self.alive and self._ready.is_set() and self.usable and recent
+
+    @property
+    def usable(self) -> bool:
+        """Not gone, not draining, and its transfer engine works (a worker whose transfer
+        engine died can neither send nor receive KV: no request is routed to it)."""
+        return not self.gone and not self.load.draining and self.load.transfer_healthy
 
     def mark_gone(self, why: str) -> None:
         """The worker will not answer again (its process exited, or it said bye)."""

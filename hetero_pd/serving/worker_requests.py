@@ -64,7 +64,6 @@ class RequestBook:
         self.pushes = PushTracker(transfer, engine, self._on_push_result)
         self.requests: dict[str, WorkerRequest] = {}
         self.children: dict[str, str] = {}  # engine id of completion 1.. of n -> request id
-        self.linked: dict[str, str] = {}  # peer worker id -> transfer address linked
         #: Reserved prompts whose KV never arrived whole, so this worker computed them.
         self.kv_fallbacks = 0
 
@@ -162,7 +161,11 @@ class RequestBook:
         layers = (start, self.engine.model_config.num_layers) if start else None
         try:
             handle = self.transfer.reserve(
-                msg.rid, block_ids, timeout_s=self.remote_kv_timeout_s, layers=layers
+                msg.rid,
+                block_ids,
+                timeout_s=self.remote_kv_timeout_s,
+                layers=layers,
+                writer=msg.writer,
             )
         except TransferError as e:
             self.engine.abort_request(msg.rid)
@@ -175,12 +178,12 @@ class RequestBook:
     def _prefill(self, owner: bytes, msg: P.Prefill, params: Any) -> None:
         peer, address = msg.dest_worker, msg.dest_address
         check_endpoint(address)
-        if self.linked.get(peer) != address:  # a new peer, or one restarted elsewhere
-            try:
-                self.transfer.link(peer, address)
-            except TransferError as e:
-                raise RequestError.of_transfer(e) from None
-            self.linked[peer] = address
+        # The router's current view of the peer: a no-op while unchanged; a decode worker
+        # restarted elsewhere is re-linked at once. Never blocks this loop.
+        try:
+            self.transfer.set_peer_address(peer, address)
+        except TransferError as e:
+            raise RequestError.of_transfer(e) from None
         dest = RemoteBlocks.from_wire(msgspec.structs.asdict(msg.dest_blocks))
         self._add(msg, params)
         self.pushes.expect(msg.rid, peer, dest)

@@ -79,7 +79,7 @@ def control_seeds(rng: random.Random) -> list[bytes]:
         P.Hello(),
         P.Check(),
         P.Generate(rid=rid, prompt_ids=[1, 2, 3, 4], params=params),
-        P.Reserve(rid=rid, prompt_ids=[1] * 40, params=params),
+        P.Reserve(rid=rid, prompt_ids=[1] * 40, params=params, writer="prefill-0"),
         P.Prefill(
             rid=rid,
             prompt_ids=[1, 2],

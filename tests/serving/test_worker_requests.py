@@ -110,7 +110,7 @@ def book() -> tuple[RequestBook, RecordingEngine, RecordingTransfer, list[tuple[
 
 
 def reserve(rid: str) -> P.Reserve:
-    return P.Reserve(rid=rid, prompt_ids=[1, 2, 3], params=PARAMS)
+    return P.Reserve(rid=rid, prompt_ids=[1, 2, 3], params=PARAMS, writer="prefill-0")
 
 
 def test_reserved_then_landed_then_finished(book: Any) -> None:
