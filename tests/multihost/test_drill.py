@@ -94,13 +94,6 @@ def test_a_decode_pod_killed_under_load(cluster: Cluster, tiny_texts: Texts) -> 
     cluster.wait_workers({"decode-0"}, pids=before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 11 (transfer): each prefill worker's first push to the replaced decode "
-    "process waits the 5 s ACK timeout on its old link before re-linking (measured "
-    "5.0-7.4 s); remove once a restarted peer is re-linked at once",
-)
 def test_a_replaced_decode_pod_takes_transfers_without_a_timeout(
     cluster: Cluster, tiny_texts: Texts
 ) -> None:
