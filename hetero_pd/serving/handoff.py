@@ -154,12 +154,14 @@ class Handoff:
             # writer of its blocks.
             worker, _ = chooser.pick(candidates, self.prompt_ids)
             tried.add(worker.id)
+            # Charged before the first await: requests arriving together must see each
+            # other's prompts in the backlog, or each would find the prefill worker idle.
+            self._charge(worker, self.prompt_len)
             if reserved:  # a retry: a fresh reservation, a new epoch for the new writer
                 decode.try_send(P.Abort(rid=rid))
             blocks = await self._reserve(decode, writer=worker.id)
             reserved = True
             self._enlist(worker)
-            self._charge(worker, self.prompt_len)
             self._send(
                 worker,
                 P.Prefill(
