@@ -235,3 +235,30 @@ def test_cluster_router_reconnects_to_a_replaced_worker_pod(tiny_llama_dir: Path
 
     first, second = asyncio.run(scenario())
     assert first != second
+
+
+def test_a_worker_whose_transfer_engine_died_exits_to_be_restarted(tiny_llama_dir: Path) -> None:
+    """Its transfer engine's I/O thread gone for good (injected here: a fatal exception on
+    that thread), a worker finishes what it can and exits non-zero, so its supervisor (or
+    Kubernetes) restarts it; before, it stayed up with every transfer failing."""
+    from hetero_pd.serving.worker import Worker
+
+    cfg = WorkerConfig("prefill-0", "prefill", small_engine(tiny_llama_dir))
+    worker = Worker(cfg, SECRET.encode())
+    try:
+        assert worker.transfer.healthy()
+
+        def fatal() -> None:  # the fault: not an Exception, so no step contains it
+            raise SystemExit("injected: the transfer I/O thread ends")
+
+        worker.transfer._loop.call(fatal)
+        deadline = time.monotonic() + 30
+        while worker.transfer.healthy():
+            assert time.monotonic() < deadline, "the I/O thread did not end"
+            time.sleep(0.01)
+        worker._heartbeat(time.monotonic())
+        assert worker.draining
+        assert worker.fault is not None and "injected" in worker.fault
+        worker.serve_forever()  # nothing in flight: it ends at once
+    finally:
+        worker.close()
