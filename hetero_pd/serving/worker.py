@@ -36,9 +36,8 @@ from hetero_pd.models.fingerprint import split_fingerprint
 from hetero_pd.serving import protocol as P
 from hetero_pd.serving.control_auth import CurveKeys
 from hetero_pd.serving.control_server import ControlServer
-from hetero_pd.serving.worker_config import WorkerConfig
+from hetero_pd.serving.worker_config import WorkerConfig, transfer_config
 from hetero_pd.serving.worker_requests import RequestBook
-from transfer import EngineConfig as TransferConfig
 from transfer import KVRegion, TransferEngine
 
 log = logging.getLogger("hetero_pd.worker")
@@ -79,6 +78,8 @@ class Worker:
         self.switch_to: Role | None = None  # a role switch waits until the worker is idle
         self.draining: bool = False
         self.stopped: bool = False
+        #: Why this worker must be replaced (it exits non-zero once drained), or None.
+        self.fault: str | None = None
         self._last_heartbeat: float = 0.0
 
     def _allocate(
@@ -245,6 +246,12 @@ class Worker:
             },
         )
         self.control.broadcast(P.Heartbeat(worker=self.id, load=report), only_idle=True)
+        if not report.transfer_healthy and self.fault is None:
+            # Its I/O thread is gone for good: finish what needs no transfer, then exit so
+            # the supervisor (or Kubernetes) starts a worker that can move KV again.
+            self.fault = f"transfer engine stopped ({self.transfer.health()['error']})"
+            log.error("%s: %s; draining, then exiting to be restarted", self.id, self.fault)
+            self.draining = True
         self.book.pushes.renew_reservations()
         self.control.flush()
         if self.cfg.alive_file:
@@ -267,19 +274,6 @@ class Worker:
         self.control.close()
 
 
-def transfer_config(cfg: WorkerConfig, secret: bytes) -> TransferConfig:
-    """The transfer engine's config as deployed, with the transfer key derived from the
-    deployment secret (so an empty key never starts) and the worker's advertised host for
-    its link and data channel unless the transfer section names its own."""
-    t = cfg.transfer
-    return replace(
-        t,
-        secret=secrets.derive(secrets.check(secret), "transfer"),
-        require_secret=True,
-        advertise_host=t.advertise_host or cfg.advertise_host,
-    )
-
-
 def run(cfg: WorkerConfig) -> int:
     """Runs one worker in this process until SIGTERM/SIGINT (drain) or its launcher exits."""
     secret = secrets.from_env()
@@ -300,7 +294,7 @@ def run(cfg: WorkerConfig) -> int:
         worker.serve_forever()
     finally:
         worker.close()
-    return 0
+    return 1 if worker.fault else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import msgspec
 
+from hetero_pd import secrets
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.scheduler import Role
 from transfer import EngineConfig as TransferConfig
@@ -40,3 +41,16 @@ class WorkerConfig:
     @classmethod
     def from_json(cls, data: bytes | str) -> WorkerConfig:
         return msgspec.json.decode(data, type=cls)
+
+
+def transfer_config(cfg: WorkerConfig, secret: bytes) -> TransferConfig:
+    """The transfer engine's config as deployed, with the transfer key derived from the
+    deployment secret (so an empty key never starts) and the worker's advertised host for
+    its link and data channel unless the transfer section names its own."""
+    t = cfg.transfer
+    return replace(
+        t,
+        secret=secrets.derive(secrets.check(secret), "transfer"),
+        require_secret=True,
+        advertise_host=t.advertise_host or cfg.advertise_host,
+    )

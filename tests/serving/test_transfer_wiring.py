@@ -123,8 +123,7 @@ def test_a_worker_advertises_its_host_for_transfers_and_derives_their_key() -> N
     reachable name for its link and data channel, and links only with the key derived
     from the deployment secret (required: an empty key never starts)."""
     from hetero_pd.config import EngineConfig
-    from hetero_pd.serving.worker import transfer_config
-    from hetero_pd.serving.worker_config import WorkerConfig
+    from hetero_pd.serving.worker_config import WorkerConfig, transfer_config
     from transfer import EngineConfig as TransferConfig
 
     secret = secrets.generate().encode()
