@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hetero_pd.config import DTYPE_CHOICES
 from hetero_pd.deploy.schema import Deployment, parse_deployment
 from hetero_pd.deploy.source import ConfigError
 from hetero_pd.models.fetch import KNOWN_MODELS, ModelNotFoundError, check_model_dir
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 #: flag -> key of the deployment it sets (engine options keep the engine's names).
 ENGINE_FLAGS = {
     "max_model_len": "--max-model-len",
@@ -194,7 +194,7 @@ def deployment_for_model(target: str, args: argparse.Namespace) -> Deployment:
     raw: dict[str, Any] = {
         "version": 1,
         "model": model,
-        "dtype": auto_dtype(args.dtype or "auto"),
+        "dtype": concrete_dtype(args.dtype or "auto", model, device),
         "workers": workers,
         "engine": engine,
         "router": {
@@ -208,12 +208,15 @@ def deployment_for_model(target: str, args: argparse.Namespace) -> Deployment:
         raise ValueError("\n".join(_flag_message(i.key, i.message) for i in e.issues)) from e
 
 
-def auto_dtype(dtype: str) -> str:
-    """`--dtype auto` -> the engine's own choice for it (hetero_pd.config owns dtypes)."""
-    from hetero_pd.config import DTYPES, parse_dtype
+def concrete_dtype(dtype: str, model: str, device: str) -> str:
+    """`--dtype auto` -> what an engine on `device` picks for this checkpoint (a deployment
+    names one dtype for all its workers; hetero_pd.config owns the choice)."""
+    from hetero_pd.config import resolve_dtype
+    from hetero_pd.models.config import ModelConfig
+    from hetero_pd.models.fetch import resolve_model
 
-    chosen = parse_dtype(dtype)
-    return next(name for name, value in DTYPES.items() if value == chosen)
+    saved = ModelConfig.from_dir(resolve_model(model)).checkpoint_dtype if dtype == "auto" else None
+    return resolve_dtype(dtype, device, saved).name
 
 
 def _flag_message(key: str, message: str) -> str:
