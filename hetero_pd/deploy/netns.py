@@ -27,6 +27,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ NETNS_DIR = Path("/var/run/netns")
 ETC_NETNS = Path("/etc/netns")
 #: Labs alive now (one folder per pid) and the mount points they had to create.
 STATE_DIR = Path("/run/hetero-pd-netns")
+PARK = STATE_DIR / "park"  # where a process's software waits while a mount covers it
 CLONE_NEWNET = 0x40000000
 TOOLS = ("ip", "unshare", "mount", "hostname", "sh")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -175,6 +177,15 @@ class Lab:
         h = self.hosts[host]
         mount, sh = _tool("mount"), _tool("sh")
         steps = [f"{mount} -t tmpfs -o size={shm_bytes},mode=1777 shm /dev/shm"]
+        # A pod's /tmp emptyDir would hide a checkout or venv that lives under /tmp: they
+        # are parked on a tmpfs of this mount namespace and bound back over the new mount.
+        keep = _hidden_by(mounts)
+        if keep:
+            _make_mount_point(str(PARK), is_file=False)
+            steps.append(f"{mount} -t tmpfs -o size=1m park {PARK}")
+        for i, path in enumerate(keep):
+            spot = shlex.quote(f"{PARK}/{i}")
+            steps.append(f"{_tool('mkdir')} {spot} && {mount} --bind {shlex.quote(path)} {spot}")
         for m in mounts:
             _make_mount_point(m.target, bool(m.source) and Path(m.source).is_file())
             if m.source:
@@ -183,6 +194,12 @@ class Lab:
                     steps.append(f"{mount} -o remount,bind,ro {shlex.quote(m.target)}")
             else:
                 steps.append(f"{mount} -t tmpfs -o mode=1777 tmp {shlex.quote(m.target)}")
+        for i, path in enumerate(keep):
+            spot, where = shlex.quote(f"{PARK}/{i}"), shlex.quote(path)
+            steps.append(f"{_tool('mkdir')} -p {where} && {mount} --bind {spot} {where}")
+            steps.append(f"{_tool('umount')} {spot}")
+        if keep:
+            steps.append(f"{_tool('umount')} {PARK}")
         steps.append(f"{_tool('hostname')} {shlex.quote(hostname or host)}")
         script = " && ".join(steps) + ' && exec "$@"'
         cmd = [_tool("ip"), "netns", "exec", h.netns, _tool("unshare"), "--uts", "--mount"]
@@ -334,6 +351,16 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _hidden_by(mounts: Sequence[Mount]) -> list[str]:
+    """The folders this Python and hetero_pd run from that one of `mounts` would cover."""
+    import hetero_pd
+
+    needed = {Path(sys.prefix), Path(hetero_pd.__file__).resolve().parents[1]}
+    needed = {p for p in needed if not any(q in p.parents for q in needed)}
+    covered = [Path(m.target) for m in mounts]
+    return sorted(str(p) for p in needed if any(t == p or t in p.parents for t in covered))
 
 
 def _tool(name: str) -> str:

@@ -100,7 +100,7 @@ workers:
   - {{role: prefill, count: 2}}
   - {{role: decode}}
 engine: {{num_threads: 1, max_num_seqs: 16, num_kv_blocks: 256, max_model_len: 512}}
-supervisor: {{backoff_s: 0.2, stop_grace_s: 10}}
+supervisor: {{backoff_s: 0.2, stop_grace_s: 3}}
 """
     )
     return path
@@ -139,7 +139,7 @@ def _workers(url: str) -> dict[str, Any]:
     return fetch_health(url)[1]["workers"]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(420)  # its waits have DEADLINE_S each; a busy CI box is slow
 def test_killed_worker_is_restarted_under_load_and_sigterm_leaves_nothing(
     served: tuple[subprocess.Popen[str], str], tiny_llama_dir: Path
 ) -> None:
@@ -171,5 +171,5 @@ def test_killed_worker_is_restarted_under_load_and_sigterm_leaves_nothing(
 
 
 def _restarted(url: str, old_pid: int) -> bool:
-    w = _workers(url)["prefill-0"]
-    return bool(w["alive"]) and w["pid"] != old_pid
+    w = _workers(url).get("prefill-0")  # absent while its new process says hello
+    return w is not None and bool(w["alive"]) and w["pid"] != old_pid
