@@ -75,34 +75,17 @@ MODEL_DIR="$(PYTHONPATH="${REPO}${PYTHONPATH:+:$PYTHONPATH}" "$HPD_PY" -c \
   "$MODEL")"
 log "model ${MODEL}: ${MODEL_DIR}"
 
-# --- the server: a process group of its own; whatever happens, stop it -----------------
-SERVER_PID=""
-cleanup() {
-  if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill -TERM -- "-$SERVER_PID" 2>/dev/null || kill -TERM "$SERVER_PID" 2>/dev/null || true
-    for _ in $(seq 1 30); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
-    kill -KILL -- "-$SERVER_PID" 2>/dev/null || true
-  fi
-  SERVER_PID=""
-}
-trap cleanup EXIT
-trap 'cleanup; exit 130' INT TERM
-
-PORT="$("$HPD_PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+# shellcheck source=scripts/servers.sh
+source "${REPO}/scripts/servers.sh"  # SERVER_PIDS, stop_servers, free_port, wait_healthy
+PORT="$(free_port)"
 API_KEY="$("$HPD_PY" -c 'import secrets; print(secrets.token_hex(16))')"
 URL="http://127.0.0.1:${PORT}"
 log "starting hetero-pd serve ${MODEL} at ${URL} (log: ${OUT}/server.log)"
-HETERO_PD_API_KEY="" PYTHONPATH="${REPO}${PYTHONPATH:+:$PYTHONPATH}" setsid "$HPD_PY" -m hetero_pd.cli \
-  serve "$MODEL" --host 127.0.0.1 --port "$PORT" --api-key "$API_KEY" --dtype float32 \
-  --served-model-name "$MODEL" >"${OUT}/server.log" 2>&1 &
-SERVER_PID=$!
-waited=0
-until curl -sf -o /dev/null "${URL}/health"; do
-  kill -0 "$SERVER_PID" 2>/dev/null || { tail -n 40 "${OUT}/server.log" >&2; die "server exited"; }
-  ((waited >= START_TIMEOUT)) && { tail -n 40 "${OUT}/server.log" >&2; die "no /health after ${START_TIMEOUT}s"; }
-  sleep 2
-  waited=$((waited + 2))
-done
+HETERO_PD_API_KEY="" PYTHONPATH="${REPO}${PYTHONPATH:+:$PYTHONPATH}" setsid "$HPD_PY" \
+  -m hetero_pd.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" --api-key "$API_KEY" \
+  --dtype float32 --served-model-name "$MODEL" >"${OUT}/server.log" 2>&1 &
+SERVER_PIDS+=("$!")
+wait_healthy "$URL" "$!" "${OUT}/server.log"
 
 COMMON=(--include_path "${REPO}/scripts/lm_eval" --tasks "$TASKS" --batch_size 1 --log_samples)
 [[ -z "$LIMIT" ]] || COMMON+=(--limit "$LIMIT")
@@ -113,7 +96,7 @@ OPENAI_API_KEY="$API_KEY" "${LM_EVAL_CMD[@]}" --model local-completions \
   --model_args "model=${MODEL},base_url=${URL}/v1/completions,tokenizer_backend=huggingface,tokenizer=${MODEL_DIR},num_concurrent=1,max_retries=1" \
   "${COMMON[@]}" --output_path "${OUT}/hetero-pd" >"${OUT}/hetero-pd.log" 2>&1 ||
   { tail -n 40 "${OUT}/hetero-pd.log" >&2; die "lm_eval local-completions failed; log: ${OUT}/hetero-pd.log"; }
-cleanup  # free the CPUs for transformers
+stop_servers  # free the CPUs for transformers
 
 log "lm_eval hf (transformers, float32)"
 "${LM_EVAL_CMD[@]}" --model hf --model_args "pretrained=${MODEL_DIR},dtype=float32" --device cpu \

@@ -134,35 +134,8 @@ command -v taskset >/dev/null || die "taskset not found (util-linux)"
 [[ "$MODE" == offline ]] || command -v curl >/dev/null || die "curl not found"
 mkdir -p "$OUT"
 
-# --- servers are process groups of their own; whatever happens, stop them --------------
-SERVER_PIDS=()
-cleanup() {
-  local pid
-  for pid in "${SERVER_PIDS[@]}"; do
-    if kill -0 "$pid" 2>/dev/null; then
-      kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
-      for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-      kill -KILL -- "-$pid" 2>/dev/null || true
-    fi
-  done
-  SERVER_PIDS=()
-}
-trap cleanup EXIT
-trap 'cleanup; exit 130' INT TERM
-
-free_port() {
-  "$HPD_PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-
-wait_healthy() {  # URL PID LOG
-  local url="$1" pid="$2" logfile="$3" waited=0
-  until curl -sf -o /dev/null "${url}/health"; do
-    kill -0 "$pid" 2>/dev/null || { tail -n 40 "$logfile" >&2; die "server exited; log: $logfile"; }
-    ((waited >= START_TIMEOUT)) && { tail -n 40 "$logfile" >&2; die "no /health at $url after ${START_TIMEOUT}s"; }
-    sleep 2
-    waited=$((waited + 2))
-  done
-}
+# shellcheck source=scripts/servers.sh
+source "${REPO}/scripts/servers.sh"  # SERVER_PIDS, stop_servers, free_port, wait_healthy
 
 bench() {  # LABEL URL
   local label="$1" url="$2"
@@ -262,7 +235,7 @@ run_vllm() {
   SERVER_PIDS+=("$!")
   wait_healthy "$url" "$!" "$logfile"
   bench vllm "$url"
-  cleanup
+  stop_servers
 }
 
 run_hetero_pd() {
@@ -280,7 +253,7 @@ run_hetero_pd() {
     log "hetero-pd at ${url} was started elsewhere: its dtype is its own, not ${DTYPE_RESOLVED}"
   fi
   bench hetero-pd "$url"
-  cleanup
+  stop_servers
 }
 
 # --- offline: vLLM's LLM.generate vs hetero-pd's engine on one workload ----------------
