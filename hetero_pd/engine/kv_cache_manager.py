@@ -88,10 +88,11 @@ class KVCacheManager:
             parent = chain_hash(parent, tokens)
             yield parent, tokens
 
-    def find_cached_prefix(self, req: Request) -> list[int] | None:
+    def find_cached_prefix(self, req: Request, onload: bool = True) -> list[int] | None:
         """Blocks holding a prefix of the prompt; the last prompt token is always recomputed
         so that the request has logits to sample from. None while part of the prefix is
-        being brought up from the KV tiers: the request must wait."""
+        being brought up from the KV tiers: the request must wait. With `onload` False only
+        the device's blocks count (never None): a request that cannot wait for the tiers."""
         if not self.enable_prefix_caching or req.prompt_hidden is not None:
             return []  # an edge prompt's token ids are placeholders
         if req.params.prompt_logprobs is not None:
@@ -103,7 +104,7 @@ class KVCacheManager:
         for block_hash, tokens in blocks:
             block_id = self.pool.lookup(block_hash, tokens)
             if block_id is None:
-                rest = [(block_hash, tokens), *blocks] if self.tiers is not None else []
+                rest = [(block_hash, tokens), *blocks] if self.tiers and onload else []
                 if rest and self._onload(req, hits, rest):
                     return None
                 break

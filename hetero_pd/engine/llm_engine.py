@@ -196,12 +196,15 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        reuse_prefix: bool = False,
     ) -> list[int]:
         """Decode role: reserves KV blocks for a prompt another worker prefills; returns them.
+        With `reuse_prefix` the first `cached_tokens(request_id)` tokens' blocks come from
+        this engine's prefix cache: only the rest need to arrive.
 
         Raises NoFreeBlocksError when the cache cannot hold the prompt now."""
         req = self._new_request(prompt_token_ids, params, request_id, priority)
-        block_ids = self.scheduler.add_remote(req)
+        block_ids = self.scheduler.add_remote(req, reuse_prefix)
         self._track(req)
         return block_ids
 
@@ -317,6 +320,10 @@ class LLMEngine:
         if req.generator is not None and not req.params.greedy:
             advance_generator(req.generator, self.model_config.vocab_size)
         return self._make_output(req, first_token_id)
+
+    def cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens of a request whose KV this engine's prefix cache served."""
+        return self.scheduler.get(request_id).num_cached_tokens
 
     def remote_kv_failed(self, request_id: str) -> None:
         """The KV never arrived: prefill the prompt here (the recompute policy)."""

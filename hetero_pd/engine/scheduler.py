@@ -81,14 +81,20 @@ class Scheduler:
         self.requests[req.request_id] = req
         bisect.insort(self.waiting, req, key=Request.sort_key)
 
-    def add_remote(self, req: Request) -> list[int]:
+    def add_remote(self, req: Request, reuse_prefix: bool = False) -> list[int]:
         """Reserves blocks for a prompt whose KV another worker computes; returns block ids.
+        With `reuse_prefix`, the prompt's prefix found in this worker's device prefix cache
+        (`find_cached_prefix`'s full blocks, never the last token's) is held like a local
+        hit and only the rest is reserved: `req.num_cached_tokens` of its KV is already here.
 
         Raises NoFreeBlocksError when the blocks are not there now (back-pressure)."""
         if self.config.role == "prefill":
             raise ValueError("a prefill-role engine does not accept remote KV")
         self._check_fits(req)
-        if not self.kv.allocate_new(req, [], req.num_prompt_tokens):
+        # Only device blocks: the KV is on its way, so the request cannot wait for the tiers.
+        cached = (self.kv.find_cached_prefix(req, onload=False) or []) if reuse_prefix else []
+        num_cached = len(cached) * self.kv.block_size
+        if not self.kv.allocate_new(req, cached, req.num_prompt_tokens - num_cached):
             raise NoFreeBlocksError(
                 f"request {req.request_id}: no room for {req.num_prompt_tokens} tokens of KV "
                 f"({self.kv.num_free_blocks} blocks free)"

@@ -159,7 +159,7 @@ class Handoff:
             self._charge(worker, self.prompt_len)
             if reserved:  # a retry: a fresh reservation, a new epoch for the new writer
                 decode.try_send(P.Abort(rid=rid))
-            blocks = await self._reserve(decode, writer=worker.id)
+            blocks, cached_tokens = await self._reserve(decode, worker)
             reserved = True
             self._enlist(worker)
             self._send(
@@ -169,6 +169,7 @@ class Handoff:
                     dest_worker=decode.id,
                     dest_address=decode.info.transfer_address,
                     dest_blocks=blocks,
+                    skip_tokens=cached_tokens,
                 ),
             )
             try:
@@ -243,11 +244,17 @@ class Handoff:
         except WorkerUnreachable as e:
             raise RouterError(503, str(e), "worker_unreachable", 2.0) from None
 
-    async def _reserve(self, decode: WorkerClient, writer: str) -> P.Blocks:
+    async def _reserve(self, decode: WorkerClient, writer: WorkerClient) -> tuple[P.Blocks, int]:
+        """Reserves the prompt's blocks on `decode` for `writer`; returns them and how many
+        of the prompt's first tokens decode's prefix cache serves (their KV is not sent).
+        The prefix is reused only when both workers' KV blocks are the same size."""
         deadline = time.monotonic() + self.cfg.reserve_timeout_s
         delay = 0.05
+        block_size = decode.info.block_size
+        reuse = self.edge is None and block_size > 0 and block_size == writer.info.block_size
+        reserve = P.Reserve(**self._fields(), writer=writer.id, reuse_prefix=reuse)
         while True:
-            self._send(decode, P.Reserve(**self._fields(), writer=writer))
+            self._send(decode, reserve)
             while True:
                 left = max(deadline - time.monotonic(), 0.01)
                 wid, msg = await next_message(self.queue, left, self.rid)
@@ -256,7 +263,7 @@ class Handoff:
                 if isinstance(msg, WorkerGone):
                     raise RouterError(503, f"decode worker {wid} died", "worker_died")
                 if isinstance(msg, P.Reserved):
-                    return msg.blocks
+                    return msg.blocks, self._check_cached(msg, reuse, block_size)
                 if isinstance(msg, P.Error):
                     break
             if msg.code not in BACKPRESSURE:
@@ -265,6 +272,17 @@ class Handoff:
                 raise RouterError(429, "no KV cache room on the decode workers", "overloaded", 1.0)
             await asyncio.sleep(delay)  # back-pressure: decode is full, wait for room
             delay = min(delay * 2, 1.0)
+
+    def _check_cached(self, msg: P.Reserved, reuse: bool, block_size: int) -> int:
+        cached = msg.cached_tokens
+        if cached and (not reuse or cached % block_size or cached >= self.prompt_len):
+            raise RouterError(
+                502,
+                f"decode worker answered cached_tokens={cached} for a {self.prompt_len}-token "
+                f"prompt (reuse asked: {reuse}, block size {block_size})",
+                "bad_worker_reply",
+            )
+        return cached
 
     async def _await_prefill(self, prefill: WorkerClient, decode: WorkerClient) -> Outcome:
         deadline = time.monotonic() + self.cfg.prefill_timeout_s

@@ -25,6 +25,7 @@ ResultCallback = Callable[[str, int, TransferError | None, dict[str, Any]], None
 class _Push:
     peer: str
     dest: RemoteBlocks
+    skip_blocks: int = 0  # the prompt's first blocks, which the decode worker holds already
     handles: list[TransferHandle] = field(default_factory=list)
     first_token: int | None = None
     started: float = 0.0
@@ -44,8 +45,8 @@ class PushTracker:
     def active(self) -> bool:
         return bool(self._pushes)
 
-    def expect(self, rid: str, peer: str, dest: RemoteBlocks) -> None:
-        self._pushes[rid] = _Push(peer, dest)
+    def expect(self, rid: str, peer: str, dest: RemoteBlocks, skip_blocks: int = 0) -> None:
+        self._pushes[rid] = _Push(peer, dest, skip_blocks)
 
     def is_pushing(self, rid: str) -> bool:
         return rid in self._pushes
@@ -91,14 +92,15 @@ class PushTracker:
             return
         if not push.started:
             push.started = time.monotonic()
-        src = block_ids[: len(push.dest.block_ids)]
+        skip = push.skip_blocks
+        src = block_ids[skip : skip + len(push.dest.block_ids)]
         try:
             handle = self.transfer.push_blocks(
                 push.peer,
                 src,
                 push.dest,
                 layers=layers,
-                num_tokens=num_tokens,
+                num_tokens=num_tokens - skip * self.engine.config.block_size,
                 callback=lambda h: self._check(h.request_id),
             )
         except TransferError as e:

@@ -43,6 +43,8 @@ Name = Annotated[str, Meta(max_length=256)]
 Text = Annotated[str, Meta(max_length=16 * 2**20)]
 Message = Annotated[str, Meta(max_length=16384)]
 Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+#: A number of a prompt's tokens.
+PromptCount = Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
 Blob = Annotated[bytes, Meta(max_length=MAX_FRAME_BYTES)]
 Role = Literal["prefill", "decode", "both"]
 
@@ -212,6 +214,9 @@ class Reserve(_Msg, tag="reserve", kw_only=True, frozen=True):
     #: The prefill worker (its transfer engine id) that alone may write the reserved blocks;
     #: the router picks it before it reserves. Any other peer is refused with NOT_GRANTED.
     writer: Annotated[str, Meta(min_length=1, max_length=256)]
+    #: Serve the prompt's prefix from the decode worker's own prefix cache and reserve blocks
+    #: for the rest only (the router asks when both workers' KV blocks are the same size).
+    reuse_prefix: bool = False
 
 
 class Prefill(_Msg, tag="prefill", kw_only=True, frozen=True):
@@ -223,6 +228,10 @@ class Prefill(_Msg, tag="prefill", kw_only=True, frozen=True):
     dest_worker: Name
     dest_address: Name
     dest_blocks: Blocks
+    #: The first prompt tokens whose KV the decode worker already holds (Reserved's
+    #: cached_tokens): computed here but not pushed. A multiple of the block size, below the
+    #: prompt's length (checked by the worker).
+    skip_tokens: PromptCount = 0
 
 
 class Hidden(_Msg, tag="hidden", kw_only=True, frozen=True):
@@ -296,9 +305,12 @@ class Output(_Msg, tag="output", kw_only=True, frozen=True):
 
 
 class Reserved(_Msg, tag="reserved", kw_only=True, frozen=True):
+    """`blocks` hold the prompt's KV from token `cached_tokens` on; the tokens before it
+    are served by the decode worker's prefix cache (0 unless Reserve asked to reuse it)."""
+
     rid: Rid
     blocks: Blocks
-    cached_tokens: Count = 0
+    cached_tokens: PromptCount = 0
 
 
 class KvFallback(_Msg, tag="kv_fallback", kw_only=True, frozen=True):

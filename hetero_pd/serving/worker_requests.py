@@ -138,8 +138,9 @@ class RequestBook:
         edge = self._edge_prompt(msg.edge)
         if edge is None:
             if remote_kv:
+                reuse = isinstance(msg, P.Reserve) and msg.reuse_prefix
                 return self.engine.add_remote_request(
-                    list(msg.prompt_ids), params, msg.rid, msg.priority
+                    list(msg.prompt_ids), params, msg.rid, msg.priority, reuse_prefix=reuse
                 )
             self.engine.add_request(list(msg.prompt_ids), params, msg.rid, msg.priority)
             return None
@@ -156,6 +157,10 @@ class RequestBook:
         except NoFreeBlocksError as e:
             raise RequestError(P.ErrorCode.NO_FREE_BLOCKS, str(e)) from None
         assert block_ids is not None
+        # The prefix this worker's cache serves stays out of the reservation: only the
+        # rest's KV is written here.
+        cached = self.engine.cached_tokens(msg.rid) if msg.edge is None else 0
+        block_ids = block_ids[cached // self.engine.config.block_size :]
         start = self.engine.config.start_layer
         # A split engine has no KV below its start layer: only [start, L) will arrive.
         layers = (start, self.engine.model_config.num_layers) if start else None
@@ -173,7 +178,7 @@ class RequestBook:
         self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.RESERVED, handle=handle)
         assert handle.blocks is not None
         blocks = P.Blocks(**handle.blocks.to_wire())  # type: ignore[arg-type]
-        self.send(owner, P.Reserved(rid=msg.rid, blocks=blocks))
+        self.send(owner, P.Reserved(rid=msg.rid, blocks=blocks, cached_tokens=cached))
 
     def _prefill(self, owner: bytes, msg: P.Prefill, params: Any) -> None:
         peer, address = msg.dest_worker, msg.dest_address
@@ -185,9 +190,21 @@ class RequestBook:
         except TransferError as e:
             raise RequestError.of_transfer(e) from None
         dest = RemoteBlocks.from_wire(msgspec.structs.asdict(msg.dest_blocks))
+        skip_blocks = self._skip_blocks(msg)
         self._add(msg, params)
-        self.pushes.expect(msg.rid, peer, dest)
+        self.pushes.expect(msg.rid, peer, dest, skip_blocks)
         self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.PREFILLING)
+
+    def _skip_blocks(self, msg: P.Prefill) -> int:
+        """The prompt's first blocks the decode worker already holds (not pushed)."""
+        skip, bs = msg.skip_tokens, self.engine.config.block_size
+        if skip and (msg.edge is not None or skip % bs or skip >= len(msg.prompt_ids)):
+            raise ValueError(
+                f"request {msg.rid}: skip_tokens={skip} must be a multiple of the block size "
+                f"{bs} below the prompt's {len(msg.prompt_ids)} tokens (and 0 for an edge "
+                "prompt)"
+            )
+        return skip // bs
 
     def _edge_prompt(
         self, edge: P.EdgePrompt | None

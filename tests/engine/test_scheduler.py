@@ -432,3 +432,37 @@ def test_bad_scheduler_config() -> None:
         SchedulerConfig(role="both-ish")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_num_seqs must be > 0, got 0"):
         SchedulerConfig(max_num_seqs=0)
+
+
+def test_decode_role_reuses_its_cached_prefix_for_remote_kv() -> None:
+    """A remote prompt extending one computed here holds the cached full blocks (shared,
+    ref-counted) and reserves fresh blocks for the rest only; the last prompt token's block
+    is never served from the cache, even when every full block is cached."""
+    s = make_scheduler(role="decode", max_num_batched_tokens=64)
+    turn1 = make_request("t1", 10, max_tokens=1)
+    s.add_request(turn1)
+    list(run_to_end(s))  # blocks [1000..1003], [1004..1007] are now cached
+    longer = make_request("t2", 14, max_tokens=2)
+    blocks = s.add_remote(longer, reuse_prefix=True)
+    assert longer.num_cached_tokens == 8 and longer.num_computed_tokens == 8
+    assert len(blocks) == 4 and s.kv.pool.counts()[2] == 4
+    # The same 8 tokens as the whole prompt: only 1 full block may come from the cache.
+    exact = make_request("t3", 8, max_tokens=2)
+    s.add_remote(exact, reuse_prefix=True)
+    assert exact.num_cached_tokens == 4 and exact.block_ids[0] == blocks[0]
+    assert s.kv.pool.blocks[blocks[0]].ref_cnt == 2
+    s.remote_kv_ready("t2", 555)
+    s.remote_kv_failed("t3")  # falls back: recomputes with its cached block found again
+    list(run_to_end(s))
+    assert longer.output_token_ids[0] == 555 and len(exact.output_token_ids) == 2
+    assert_idle(s)
+
+
+def test_decode_role_reuse_off_reserves_the_whole_prompt() -> None:
+    s = make_scheduler(role="decode", max_num_batched_tokens=64)
+    s.add_request(make_request("t1", 10, max_tokens=1))
+    list(run_to_end(s))
+    again = make_request("t2", 14, max_tokens=1)
+    assert len(s.add_remote(again)) == 4 and again.num_cached_tokens == 0
+    s.abort("t2")
+    assert_idle(s)

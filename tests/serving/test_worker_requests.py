@@ -35,6 +35,7 @@ class RecordingEngine:
     class config:  # mirrors engine.config
         start_layer = 0
         role = "decode"
+        block_size = 4
 
     class model_config:
         num_layers = 2
@@ -49,7 +50,9 @@ class RecordingEngine:
         self.calls.append(("add", rid))
         self.live.add(rid)
 
-    def add_remote_request(self, ids: list[int], params: Any, rid: str, priority: int) -> list[int]:
+    def add_remote_request(
+        self, ids: list[int], params: Any, rid: str, priority: int, reuse_prefix: bool = False
+    ) -> list[int]:
         if self.full:
             raise NoFreeBlocksError(f"request {rid}: no room")
         self.calls.append(("reserve", rid))
@@ -62,6 +65,9 @@ class RecordingEngine:
         self.calls.append(("kv_ready", rid))
         self.landed_logprobs = (logprobs, prompt_logprobs)
         return output(rid, [first], finished=False)
+
+    def cached_tokens(self, rid: str) -> int:
+        return 0
 
     def remote_kv_failed(self, rid: str) -> None:
         self.calls.append(("recompute", rid))
