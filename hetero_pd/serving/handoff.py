@@ -1,9 +1,10 @@
 """How a request's prompt gets onto its decode worker, and what a failure does.
 
     router            decode D                 prefill P
-      |-- Reserve ------>| reserve blocks
-      |<-- Reserved -----| (block ids + epoch)
-      |-- Prefill (dest = D's blocks) ---------->| prefill, push KV (layer-wise optional)
+      |-- Reserve ------>| reserve blocks (after the prefix D's own cache holds)
+      |<-- Reserved -----| (block ids + epoch + cached tokens)
+      |-- Prefill (dest, skip = cached) -------->| prefill the whole prompt; push the
+      |                  |                       | KV of the blocks after `skip` tokens
       |                  |<======= KV blocks ====| checksum, ACK
       |<-- PrefillDone (first token) ------------| frees its blocks after the ACK
       |-- KvReady ------>| joins the decode batch (with the first token's and the

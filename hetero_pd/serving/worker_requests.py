@@ -183,6 +183,7 @@ class RequestBook:
     def _prefill(self, owner: bytes, msg: P.Prefill, params: Any) -> None:
         peer, address = msg.dest_worker, msg.dest_address
         check_endpoint(address)
+        skip_blocks = self._skip_blocks(msg)
         # The router's current view of the peer: a no-op while unchanged; a decode worker
         # restarted elsewhere is re-linked at once. Never blocks this loop.
         try:
@@ -190,7 +191,6 @@ class RequestBook:
         except TransferError as e:
             raise RequestError.of_transfer(e) from None
         dest = RemoteBlocks.from_wire(msgspec.structs.asdict(msg.dest_blocks))
-        skip_blocks = self._skip_blocks(msg)
         self._add(msg, params)
         self.pushes.expect(msg.rid, peer, dest, skip_blocks)
         self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.PREFILLING)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import pytest
 
 from hetero_pd import SamplingParams
@@ -45,6 +46,7 @@ class RecordingEngine:
         self.calls: list[tuple[str, str]] = []
         self.full = False
         self.live: set[str] = set()
+        self.cached = 0  # prompt tokens the prefix cache serves
 
     def add_request(self, ids: list[int], params: Any, rid: str, priority: int) -> None:
         self.calls.append(("add", rid))
@@ -67,7 +69,7 @@ class RecordingEngine:
         return output(rid, [first], finished=False)
 
     def cached_tokens(self, rid: str) -> int:
-        return 0
+        return self.cached
 
     def remote_kv_failed(self, rid: str) -> None:
         self.calls.append(("recompute", rid))
@@ -129,6 +131,45 @@ def test_reserved_then_landed_then_finished(book: Any) -> None:
     assert sent[-1][1].seq == 0 and sent[-1][1].token_ids == [9]
     b.on_output(output("r", [9, 10], finished=True))
     assert sent[-1][1].seq == 1 and "r" not in b.requests
+
+
+def test_reserved_blocks_leave_out_the_cached_prefix(book: Any) -> None:
+    b, engine, transfer, sent = book
+    engine.cached = 4  # one block of 4 tokens
+    b.start(A, P.Reserve(**{**msgspec.structs.asdict(reserve("r")), "reuse_prefix": True}))
+    assert transfer.handles["r"].blocks.block_ids == (2,)
+    assert sent[-1][1].cached_tokens == 4 and sent[-1][1].blocks.ids == [2]
+
+
+@pytest.mark.parametrize(
+    ("skip", "prompt_len", "edge"),
+    [(3, 8, False), (8, 8, False), (12, 8, False), (4, 8, True)],
+    ids=["not_a_block", "whole_prompt", "past_the_prompt", "edge"],
+)
+def test_prefill_skip_tokens_are_checked(book: Any, skip: int, prompt_len: int, edge: bool) -> None:
+    b, engine, _, sent = book
+    engine.config.role = "prefill"
+    try:
+        hidden = P.HiddenFrame(
+            version=1, dtype="float32", shape=[1, 8], scale=b"", data=bytes(32), outliers=0,
+            outlier_index=b"", outlier_value=b"",
+        )  # fmt: skip
+        msg = P.Prefill(
+            rid="p",
+            prompt_ids=list(range(prompt_len)),
+            params=PARAMS,
+            dest_worker="d",
+            dest_address="tcp://127.0.0.1:9",
+            dest_blocks=P.Blocks(rid="p", ep=1, ids=[1], reg="kv"),
+            skip_tokens=skip,
+            edge=P.EdgePrompt(layer=1, hidden=hidden) if edge else None,
+        )
+        b.start(A, msg)
+        assert sent[-1][1].code is P.ErrorCode.BAD_REQUEST
+        assert f"skip_tokens={skip} must be a multiple of the block size 4" in sent[-1][1].message
+        assert engine.calls == [] and b.requests == {}
+    finally:
+        engine.config.role = "decode"
 
 
 def test_kv_not_whole_at_kv_ready_falls_back(book: Any) -> None:
