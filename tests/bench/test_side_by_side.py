@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_names_no_package_index() -> None:
-    for path in (REPO / "scripts").iterdir():
+    for path in (p for p in (REPO / "scripts").rglob("*") if p.is_file()):
         text = path.read_text()
         for word in ("index-url", "find-links", "trusted-host", "pypi.org", "pytorch.org"):
             assert word not in text, f"{path.name} names a package index ({word})"
