@@ -88,7 +88,9 @@ def _run(cluster: Cluster, args: argparse.Namespace) -> bool:
         same = sum(a.text == e for a, e in zip(got, expected, strict=True))
         ok &= _check(f"greedy == single-process engine ({'streamed' if stream else 'whole'})",
                      same == len(prompts), f"{same}/{len(prompts)}")  # fmt: skip
-    rows = cluster.call(sequential, cluster.api, prompts, args.max_tokens)
+    # Prompts the decode worker has not seen: a cached prefix would not be sent again.
+    fresh = random_prompts([args.prompt_len] * args.requests, seed=8, vocab=_vocab(cluster))
+    rows = cluster.call(sequential, cluster.api, fresh, args.max_tokens)
     _numbers(rows)
     clean = all(transferred_cleanly(r) for r in rows)
     ok &= _check("every measured request prefilled remotely, KV over the link", clean, "")
