@@ -39,6 +39,7 @@ class HeldPrompts:
 
     class config:
         start_layer = 0
+        block_size = 16
 
     class model_config:
         num_layers = 3
