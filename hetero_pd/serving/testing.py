@@ -18,6 +18,8 @@ import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -235,3 +237,37 @@ def http_json(
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+@contextlib.contextmanager
+def serve_process(
+    argv: list[str], timeout_s: float, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`hetero-pd serve ARGV` as a user runs it (a subprocess); yields it and its base URL,
+    read from its banner. Killed on exit unless the caller already stopped it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hetero_pd.cli", "serve", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    url: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:  # keeps draining stdout so the server never blocks on it
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            m = re.search(r"serving .* at (http://\S+)/v1", line)
+            if m and not url:
+                url.append(m.group(1))
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(timeout_s), f"hetero-pd serve {' '.join(argv)} did not come up"
+        yield proc, url[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -6,9 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +14,7 @@ import openai
 import pytest
 
 from hetero_pd import LLM, SamplingParams
-from hetero_pd.serving.testing import metric_value
+from hetero_pd.serving.testing import metric_value, serve_process
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 120.0
@@ -28,34 +25,10 @@ def served(tiny_llama_dir: Path) -> Iterator[str]:
     argv = [str(tiny_llama_dir), "--port", "0", "--served-model-name", "tiny", "tiny-2"]
     argv += ["--api-key", "k", "--kv-cache-gb", "0.02", "--max-model-len", "256"]
     env = {**os.environ, "HETERO_PD_API_KEY": "from-env", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hetero_pd.cli", "serve", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    url: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            m = re.search(r"serving .* at (http://\S+)/v1", line)
-            if m and not url:
-                url.append(m.group(1))
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        assert ready.wait(DEADLINE_S), "hetero-pd serve did not come up"
-        yield url[0]
+    with serve_process(argv, DEADLINE_S, env) as (proc, url):
+        yield url
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 @pytest.mark.timeout(300)

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -21,6 +19,7 @@ from typing import Any
 import pytest
 
 from hetero_pd.deploy.status import fetch_health, format_status
+from hetero_pd.serving.testing import serve_process
 
 #: Generous: on two cores shared with other work, three workers took over 60 s to start.
 DEADLINE_S = 180.0
@@ -108,31 +107,8 @@ supervisor: {{backoff_s: 0.2, stop_grace_s: 3}}
 
 @pytest.fixture
 def served(deployment_file: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hetero_pd.cli", "serve", str(deployment_file)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    url: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            m = re.search(r"serving .* at (http://\S+)/v1", line)
-            if m and not url:
-                url.append(m.group(1))
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        assert ready.wait(DEADLINE_S), "the deployment did not come up"
-        yield proc, url[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+    with serve_process([str(deployment_file)], DEADLINE_S) as served:
+        yield served
 
 
 def _workers(url: str) -> dict[str, Any]:
