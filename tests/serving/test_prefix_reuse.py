@@ -126,3 +126,30 @@ def test_failed_suffix_transfer_recomputes_with_the_cached_prefix(
         assert chat.complete(turn2)[0] == reference(tiny_reference, turn2)[0]
         assert stack.metric(DECISIONS, decision="recompute") == 2
         stack.wait_idle()  # every block free again, pools consistent
+
+
+@pytest.mark.parametrize(
+    ("cached", "reuse", "ok"),
+    [(32, True, True), (0, False, True), (33, True, False), (48, True, False), (16, False, False)],
+)
+def test_the_router_refuses_a_decode_workers_claim_of_cached_tokens(
+    cached: int, reuse: bool, ok: bool
+) -> None:
+    """A decode worker's Reserved comes over the control socket: a cached-token count that is
+    not whole blocks, covers the prompt, or answers a Reserve that asked no reuse would make
+    the prefill worker skip KV the decode worker does not hold. It is a 502, never used."""
+    from types import SimpleNamespace
+
+    from hetero_pd.serving import protocol as P
+    from hetero_pd.serving.errors import RouterError
+    from hetero_pd.serving.handoff import Handoff
+
+    flow = SimpleNamespace(prompt_len=40)
+    blocks = P.Blocks(rid="r", ep=1, ids=[3], reg="decode-0")
+    msg = P.Reserved(rid="r", blocks=blocks, cached_tokens=cached)
+    if ok:
+        assert Handoff._check_cached(flow, msg, reuse, 16) == cached  # type: ignore[arg-type]
+    else:
+        with pytest.raises(RouterError) as e:
+            Handoff._check_cached(flow, msg, reuse, 16)  # type: ignore[arg-type]
+        assert (e.value.status, e.value.code) == (502, "bad_worker_reply")
