@@ -26,6 +26,8 @@ def _crc32_stream(parts: Iterable[Buffer]) -> int:
 
 
 _STREAMS["crc32"] = _crc32_stream
+#: crc-style checksums continue from a previous value: ``f(data, value)``.
+_CHAINED: dict[str, Callable[[Buffer, int], int]] = {"crc32": zlib.crc32}
 
 try:
     import xxhash
@@ -55,6 +57,7 @@ try:
         return int(value)
 
     _ALGOS["crc32c"] = _crc32c
+    _CHAINED["crc32c"] = lambda data, value: int(_crc32c_mod.crc32c(data, value))
     _STREAMS["crc32c"] = _crc32c_stream
 except ImportError:  # optional dependency
     pass
@@ -84,6 +87,35 @@ def digest(algo: str, data: Buffer) -> int:
 def digest_parts(algo: str, parts: Iterable[Buffer]) -> int:
     """Checksum of the concatenation of ``parts`` (without concatenating them)."""
     return _STREAMS[algo](parts)
+
+
+class Running:
+    """A checksum fed piece by piece: ``digest_parts`` of everything ``update``d so far.
+
+    Used to hash bytes right after they were copied or received, while they are still in
+    the cache, instead of reading them again from memory later.
+    """
+
+    __slots__ = ("_crc", "_state", "_xxh")
+
+    def __init__(self, algo: str) -> None:
+        if algo not in _ALGOS:
+            raise ValueError(f"checksum algorithm {algo!r} is not installed; have {available()}")
+        self._xxh = xxhash.xxh3_64() if algo == "xxh3" else None
+        self._crc = _CHAINED.get(algo)
+        self._state = 0
+
+    def update(self, data: Buffer) -> None:
+        """Add ``data`` (the next bytes, in order)."""
+        if self._xxh is not None:
+            self._xxh.update(data)
+        else:
+            assert self._crc is not None
+            self._state = self._crc(data, self._state)
+
+    def value(self) -> int:
+        """The checksum of all bytes added so far."""
+        return int(self._xxh.intdigest()) if self._xxh is not None else self._state
 
 
 def requested(choice: bool | str | None, configured: str) -> str | None:

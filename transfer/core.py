@@ -261,6 +261,8 @@ class Core:
         elif msg_type == "data":
             assert payload is not None
             self.receiver.on_data(session, msg, payload)
+        elif msg_type == "landed":
+            self.receiver.on_landed(session, msg)
         elif msg_type == "end":
             self.receiver.on_end(session, msg)
         elif msg_type == "pull":

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TypeVar
 
 import torch
 
@@ -20,7 +22,12 @@ from transfer.errors import TransferError
 
 #: Helper threads per engine: enough to keep up with one core's copies, no more.
 THREADS = 2
+#: Buffers up to this size are hashed at once on the calling thread: handing them to a
+#: helper and waking the I/O thread with the result costs more than hashing them (xxh3 runs
+#: at tens of GB/s on data the caller has just touched, so even a whole chunk takes ~0.1 ms).
+INLINE_BYTES = int(os.environ.get("HETERO_PD_HASH_INLINE_BYTES", 64 << 20))
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
 
 
 class Hasher:
@@ -38,14 +45,22 @@ class Hasher:
 
     def submit(self, algo: str, data: torch.Tensor) -> Future[int]:
         """Checksum of ``data``'s bytes (a contiguous copy is made only if needed)."""
+        if data.numel() * data.element_size() <= INLINE_BYTES:
+            return _done(tensor_digest, algo, data)
         return self._executor().submit(tensor_digest, algo, data)
 
     def submit_bytes(self, algo: str, data: Buffer) -> Future[int]:
         """Checksum of a byte buffer."""
+        if len(data) <= INLINE_BYTES:
+            return _done(checksum.digest, algo, data)
         return self._executor().submit(checksum.digest, algo, data)
 
     def then(self, fut: Future[int], fn: Callable[[int | None], None]) -> None:
-        """Run ``fn(digest)`` on the I/O thread once ``fut`` is done (None if it failed)."""
+        """Run ``fn(digest)`` on the I/O thread once ``fut`` is done (None if it failed): at
+        once when it already is (callers are on the I/O thread)."""
+        if fut.done():
+            fn(None if fut.cancelled() or fut.exception() is not None else fut.result())
+            return
 
         def done(f: Future[int]) -> None:
             value = None if f.cancelled() or f.exception() is not None else f.result()
@@ -58,6 +73,16 @@ class Hasher:
         """Stop the helpers (jobs not started are dropped)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _done(fn: Callable[[str, T], int], algo: str, data: T) -> Future[int]:
+    """``fn(algo, data)`` run here, as a finished future (an error is kept in it)."""
+    fut: Future[int] = Future()
+    try:
+        fut.set_result(fn(algo, data))
+    except Exception as err:  # delivered as a failed digest, as a helper thread would
+        fut.set_exception(err)
+    return fut
 
 
 def tensor_digest(algo: str, data: torch.Tensor) -> int:

@@ -60,6 +60,9 @@ class InTransfer:
     pending_end: tuple[Session, dict[str, Any]] | None = None
     #: Direct writes: the chunks found bad by the check this END started (None: not done).
     direct_verdict: list[int] | None = None
+    #: Direct writes: chunks verified when the writer said they landed, before END:
+    #: ``seq -> (the digest they were checked against, whether they matched)``.
+    early: dict[int, tuple[int, bool]] = field(default_factory=dict)
     last_seen: float = field(default_factory=time.monotonic)
     started: float = field(default_factory=time.monotonic)
     nbytes: int = 0

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from transfer import dataframe, layout, wire
+from transfer import checksum, dataframe, layout, wire
 from transfer.config import EngineConfig
 from transfer.dataframe import FrameHeader
 from transfer.errors import StatusCode, TransferError
@@ -71,6 +71,8 @@ class DataIn:
         self._got = 0
         self._body: memoryview | None = None  # where the body goes; None: scratch (dropped)
         self._direct: InTransfer | None = None  # set when the body lands in dst blocks
+        #: The landing body's checksum, fed as bytes arrive (still in the cache).
+        self._running: checksum.Running | None = None
         self._staging = bytearray(0)
 
     # ---- reading ------------------------------------------------------------------------
@@ -117,6 +119,8 @@ class DataIn:
 
             try:
                 n = self.ledger.write_if_current(incoming.reservation, read)
+                if self._running is not None:
+                    self._running.update(body[self._got : self._got + n])
                 self._got += n
                 return n
             except TransferError as err:
@@ -133,6 +137,7 @@ class DataIn:
     # ---- frames -------------------------------------------------------------------------
     def _start(self, frame: FrameHeader) -> None:
         self.frame, self._got, self._body, self._direct = frame, 0, None, None
+        self._running = None
         if self.session is None and frame.kind != dataframe.PREFACE:
             self.metrics.reject("data_unauthenticated")
             raise wire.FrameError("unauthenticated", "data connection without preface")
@@ -163,6 +168,8 @@ class DataIn:
             self.receiver.reject_stale(incoming, _released(incoming))
             return
         self._body, self._direct = view, incoming
+        if incoming.algo is not None and frame.digest is not None:
+            self._running = checksum.Running(incoming.algo)
 
     def _finish(self, frame: FrameHeader) -> None:
         body = self._body
@@ -174,7 +181,8 @@ class DataIn:
                 assert body is not None
                 self._on_message(frame, body)
             elif body is not None and self._direct is not None:
-                self.receiver.landed(self._direct, frame.seq, body, frame.digest)
+                computed = self._running.value() if self._running is not None else None
+                self.receiver.landed(self._direct, frame.seq, body, frame.digest, computed)
             elif body is not None:
                 msg = {
                     "x": self.streams.get(frame.stream, ""),
@@ -193,7 +201,7 @@ class DataIn:
             self.metrics.internal_errors_total += 1
             self.metrics.reject("internal_error")
         finally:
-            self._body = self._direct = None
+            self._body = self._direct = self._running = None
 
     def _on_preface(self, proof: bytes) -> None:
         if self.session is not None:

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from transfer import dataframe, layout, wire
+from transfer import checksum, dataframe, layout, wire
 from transfer.devices import to_host
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
 from transfer.handle import RemoteBlocks, TransferHandle, TransferState
-from transfer.hashing import Hasher
+from transfer.hashing import Hasher, tensor_digest
 from transfer.metrics import TransportMetrics
 from transfer.outbox import Outbox
 from transfer.region import KVRegion
@@ -33,6 +33,8 @@ PUMP_BYTES = 16 << 20
 WINDOW_BYTES = 64 << 20
 #: Stream chunks whose digests are computed ahead of sending, on the hashing threads.
 PREFETCH_CHUNKS = 2
+#: Direct copies hash what they copy in pieces of about this size (fits in a core's cache).
+PIECE_BYTES = 512 << 10
 
 
 @dataclass(slots=True, eq=False)
@@ -75,9 +77,11 @@ class OutTransfer:
     last_error: TransferError | None = None
     #: Called on the I/O thread once the transfer ended and released its source blocks.
     on_closed: Callable[[TransferState], None] | None = None
-    #: Direct writes: destination block ids as a tensor, and each chunk's digest (hashing).
+    #: Direct writes: destination block ids as a tensor (and whether they are a run), and
+    #: each chunk's digest (computed as it is first copied).
     dst_ids: torch.Tensor | None = None
-    digests: dict[int, Future[int]] = field(default_factory=dict)
+    dst_run: bool | None = None
+    digests: dict[int, int] = field(default_factory=dict)
     #: Seconds one renewal extends the lease by (the lease it started with).
     lease_s: float = 0.0
     #: Stream chunks ready to send: their bytes and (with checksums) their digest's future.
@@ -210,29 +214,33 @@ def _ready(out: OutTransfer) -> None:
 
 def pump_direct(
     out: OutTransfer,
-    hasher: Hasher,
     injector: FaultInjector | None,
     counters: TransportMetrics,
     drop: Callable[[Session, str], None],
+    landed: Callable[[list[int]], None],
 ) -> list[int] | None:
     """Copy a bounded slice into the mapped destination; the chunks' digests once done.
 
     Every chunk is copied only while the receiver's grant is open (checked before each
-    one; chunks are at most ``chunk_bytes``, so a copy never runs long past the check). The
-    digest of what each chunk should leave in the destination is computed on the hashing
-    thread meanwhile; the receiver recomputes it from its blocks before it commits.
+    one; chunks are at most ``chunk_bytes``, so a copy never runs long past the check). Each
+    chunk is hashed piece by piece as it is copied, while the piece is in the cache (the
+    digest is of what the chunk should leave in the destination); ``landed(seqs)`` is told
+    the chunks of each slice, so the receiver can verify them while the next slice copies.
     Returns None while chunks remain or the grant ran out (the caller checks which).
     """
     assert out.session is not None and out.dst_tensors is not None
     if out.dst_ids is None:
         out.dst_ids = torch.tensor(out.dst.block_ids, dtype=torch.long)
-    moved = 0
+        out.dst_run = layout.is_run(out.dst_ids)
+    if out.src_run is None:
+        out.src_run = layout.is_run(out.src_ids)
+    moved, done = 0, []
     while out.queue and moved < PUMP_BYTES:
         fault = injector.match("direct") if injector is not None else None
         if fault is not None and fault.kind == "delay":
             time.sleep(fault.delay_s)  # the writer is descheduled mid-transfer
         if time.monotonic() > out.grant_until:
-            return None
+            break
         seq = out.queue.popleft()
         if fault is not None and fault.kind == "reorder" and out.queue:
             out.queue.append(seq)
@@ -240,30 +248,55 @@ def pump_direct(
         if fault is not None and fault.kind == "disconnect":
             drop(out.session, "fault: disconnect")
             return None
-        nbytes = _copy_chunk(out, seq, hasher, fault.kind if fault is not None else None)
+        nbytes = _copy_chunk(out, seq, fault.kind if fault is not None else None)
         moved += nbytes
         counters.bytes_sent_total += nbytes
+        done.append(seq)
+    if done and out.algo:
+        landed(done)
     if out.queue:
         return None
     if not out.algo:
         return []
-    return [out.digests[seq].result() for seq in range(len(out.chunks))]
+    return [out.digests[seq] for seq in range(len(out.chunks))]
 
 
-def _copy_chunk(out: OutTransfer, seq: int, hasher: Hasher, fault: str | None) -> int:
+def _copy_chunk(out: OutTransfer, seq: int, fault: str | None) -> int:
+    """Copy chunk ``seq`` into the destination, hashing it (once) as it goes."""
     assert out.dst_tensors is not None and out.dst_ids is not None
     chunk = out.chunks[seq]
     dst = out.dst_tensors[chunk.ti]
     block_size = out.region.block_size
-    data = layout.gather(out.region.tensors[chunk.ti], out.src_ids[chunk.lo : chunk.hi])
+    ids = out.src_ids[chunk.lo : chunk.hi]
+    data = layout.gather(out.region.tensors[chunk.ti], ids, out.src_run)
     data = data.to(device=dst.device, dtype=dst.dtype)
-    if out.algo and seq not in out.digests:
+    nbytes = int(data.numel() * data.element_size())
+    hashed = out.algo is not None and seq not in out.digests
+    fused = (
+        hashed and fault is None and data.device.type == "cpu" and int(dst.shape[1]) == block_size
+    )
+    if fused:  # copy and hash piece by piece: each piece is hashed while in the cache
+        assert out.algo is not None
+        running = checksum.Running(out.algo)
+        step = max(1, PIECE_BYTES // max(out.region.block_bytes, 1))
+        for i in range(0, data.shape[0], step):
+            piece = data[i : i + step]
+            layout.scatter(
+                dst, out.dst_ids, piece, chunk.lo + i, block_size, out.num_tokens, out.dst_run
+            )
+            running.update(layout.as_bytes(piece))
+        out.digests[seq] = running.value()
+        return nbytes
+    if hashed:
+        assert out.algo is not None
         image = layout.sent_image(data, chunk.lo, block_size, int(dst.shape[1]), out.num_tokens)
-        out.digests[seq] = hasher.submit(out.algo, image)
+        out.digests[seq] = tensor_digest(out.algo, image)
     if fault == "corrupt":  # the copy lands one damaged byte (the digest is of the truth)
         data = data.clone()
         data.view(-1)[:1].view(torch.uint8)[0] ^= 0x5A
     if fault != "drop":
         for _ in range(2 if fault == "duplicate" else 1):
-            layout.scatter(dst, out.dst_ids, data, chunk.lo, block_size, out.num_tokens)
-    return int(data.numel() * data.element_size())
+            layout.scatter(
+                dst, out.dst_ids, data, chunk.lo, block_size, out.num_tokens, out.dst_run
+            )
+    return nbytes

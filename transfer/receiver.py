@@ -20,11 +20,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from transfer import checksum, layout, wire
 from transfer.config import EngineConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import TransferState
-from transfer.hashing import Hasher
+from transfer.hashing import Hasher, tensor_digest
 from transfer.incoming import DIRECT, InTransfer, accept_begin
 from transfer.ledger import Ledger, Reservation
 from transfer.loop import IOLoop
@@ -121,6 +123,7 @@ class Receiver:
             # a grant that reaches the writer late is worth only what is left of it
             ttl = self.config.grant_s
             until = time.monotonic() + ttl
+            incoming.early.clear()  # a new attempt writes every chunk again
             blocks = incoming.dst_array.tolist()
             self.ledger.grant(transfer_id, incoming.region.name, blocks, until)
             header = wire.encode("grant", session.token, x=transfer_id, ttl=ttl, until=until)
@@ -189,9 +192,17 @@ class Receiver:
             return
         self._good(incoming, seq, len(payload))
 
-    def landed(self, incoming: InTransfer, seq: int, data: memoryview, digest: int | None) -> None:
-        """Chunk ``seq`` was read straight into its destination blocks: verify it there, on
-        a hashing thread (frames for ``seq`` are dropped until that is done)."""
+    def landed(
+        self,
+        incoming: InTransfer,
+        seq: int,
+        data: memoryview,
+        digest: int | None,
+        computed: int | None = None,
+    ) -> None:
+        """Chunk ``seq`` was read straight into its destination blocks: verify it, with the
+        checksum ``computed`` as its bytes arrived or else there on a hashing thread (frames
+        for ``seq`` are dropped until that is done)."""
         algo = incoming.algo
         if algo is None:
             self._good(incoming, seq, len(data))
@@ -200,8 +211,14 @@ class Receiver:
         if digest is None:
             self._bad(incoming, seq)
             return
-        incoming.verifying.add(seq)
         nbytes = len(data)
+        if computed is not None:
+            if computed == digest:
+                self._good(incoming, seq, nbytes)
+            else:
+                self._bad(incoming, seq)
+            return
+        incoming.verifying.add(seq)
 
         def verdict(value: int | None) -> None:
             if not self._still_verifying(incoming, seq):
@@ -304,9 +321,39 @@ class Receiver:
             self.loop.finish(incoming.reservation.handle, TransferState.DONE)
         self.on_committed(transfer_id)
 
+    def on_landed(self, session: Session, msg: dict[str, Any]) -> None:
+        """A direct writer's chunks are in our blocks: verify them now, while it copies the
+        next ones (END then only checks what was not verified here, or changed digest)."""
+        incoming = self.owned(session, msg["x"])
+        if incoming is None or incoming.mode not in DIRECT or incoming.algo is None:
+            return
+        seqs = wire.int_list(msg["s"], "s", incoming.num_chunks)
+        digests = msg["ds"]
+        if len(seqs) > incoming.num_chunks or len(digests) != len(seqs):
+            raise wire.FrameError("bad_field", "landed.s")
+        if not all(type(d) is int and 0 <= d < 1 << 64 for d in digests):
+            raise wire.FrameError("bad_field", "landed.ds")
+        incoming.last_seen = time.monotonic()
+        chunks = layout.plan(incoming.tensors, incoming.num_src_blocks, incoming.blocks_per_chunk)
+        for seq, expected in zip(seqs, digests, strict=True):
+            value = tensor_digest(incoming.algo, self._landed_image(incoming, chunks[seq]))
+            incoming.early[seq] = (expected, value == expected)
+
+    def _landed_image(self, incoming: InTransfer, chunk: layout.Chunk) -> torch.Tensor:
+        return layout.landed_image(
+            incoming.region.tensors[chunk.ti],
+            incoming.dst_ids,
+            chunk.lo,
+            chunk.hi - chunk.lo,
+            incoming.src_block_shape[0],
+            incoming.num_tokens,
+            incoming.dst_run,
+        )
+
     def _check_direct(self, incoming: InTransfer, digests: list[Any] | None) -> None:
         """Start comparing our blocks with the writer's digests, chunk by chunk on the
-        hashing threads; ``direct_verdict`` lists the bad chunks once all are checked."""
+        hashing threads (chunks verified as they landed are not read again);
+        ``direct_verdict`` lists the bad chunks once all are checked."""
         if incoming.algo is None:
             incoming.direct_verdict = []
             return
@@ -315,17 +362,21 @@ class Receiver:
             incoming.direct_verdict = [c.seq for c in chunks]
             return
         bad: list[int] = []
-        incoming.verifying = {c.seq for c in chunks}
+        todo = []
         for chunk, expected in zip(chunks, digests, strict=True):
-            image = layout.landed_image(
-                incoming.region.tensors[chunk.ti],
-                incoming.dst_ids,
-                chunk.lo,
-                chunk.hi - chunk.lo,
-                incoming.src_block_shape[0],
-                incoming.num_tokens,
-                incoming.dst_run,
-            )
+            seen = incoming.early.get(chunk.seq)
+            if seen is not None and seen[0] == expected:
+                if not seen[1]:
+                    bad.append(chunk.seq)
+            else:
+                todo.append((chunk, expected))
+        incoming.early.clear()
+        if not todo:
+            incoming.direct_verdict = sorted(bad)
+            return
+        incoming.verifying = {chunk.seq for chunk, _ in todo}
+        for chunk, expected in todo:
+            image = self._landed_image(incoming, chunk)
 
             def verdict(value: int | None, seq: int = chunk.seq, want: Any = expected) -> None:
                 if not self._still_verifying(incoming, seq):

@@ -215,10 +215,24 @@ class Sender:
                 self._retry(out, TransferError(StatusCode.TIMEOUT, "direct-write grant ran out"))
                 return
             digests = movers.pump_direct(
-                out, self.hasher, self.injector, self._counters(out), self.links.drop
+                out,
+                self.injector,
+                self._counters(out),
+                self.links.drop,
+                lambda seqs: self._send_landed(out, seqs),
             )
             if digests is not None:
                 self._send_end(out, digests or None)
+
+    def _send_landed(self, out: OutTransfer, seqs: list[int]) -> None:
+        """Tell a direct write's receiver which chunks are in place (it verifies them now,
+        in parallel with our next copies, instead of all at END)."""
+        assert out.session is not None
+        digests = [out.digests[seq] for seq in seqs]
+        header = wire.encode(
+            "landed", out.session.token, x=out.handle.transfer_id, s=seqs, ds=digests
+        )
+        self.outbox.send(out.session, "landed", header)
 
     def _send_end(self, out: OutTransfer, digests: list[int] | None) -> None:
         assert out.session is not None

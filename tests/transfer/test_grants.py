@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -233,3 +234,50 @@ def test_empty_secret_refused_off_loopback() -> None:
     TransferEngine(
         "closed", "decode", EngineConfig(host="0.0.0.0", secret=b"k", require_secret=True)
     ).close()
+
+
+def _say_landed(eng: TransferEngine, peer: str, transfer_id: str, seqs: list[int], ds: list[int]):
+    """Send a raw LANDED from ``eng`` to ``peer`` (what a hostile linked engine could send)."""
+    core = eng._core  # nothing public sends a bare LANDED: that is the point of the test
+
+    def send() -> None:
+        session = core.linker.session_for(peer)
+        assert session is not None
+        header = wire.encode("landed", session.token, x=transfer_id, s=seqs, ds=ds)
+        core.outbox.send(session, "landed", header)
+
+    core.loop.call_wait(send, 5)
+
+
+def _wait_rejected(eng: TransferEngine, reason: str, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while _rejected(eng, reason) < count:
+        assert time.monotonic() < deadline, eng.metrics()["frames_rejected"]
+        time.sleep(0.01)
+
+
+def test_landed_claims_count_only_from_the_writer(
+    make_engine: Callable[..., TransferEngine],
+) -> None:
+    """Direct chunks are verified as their writer says they landed; another peer's claims
+    about the transfer, and malformed ones, are rejected and change no verdict."""
+    d = make_engine(shared=True)
+    slow_end = [{"kind": "delay", "msg_type": "end", "nth": 1, "delay_s": 2.0}]
+    a, b = make_engine(faults=slow_end, ack_timeout_s=6.0), make_engine()
+    for eng in (a, b):
+        eng.link(d.engine_id, d.address)
+    recv = d.reserve("landed", DST, writer=a.engine_id)
+    assert recv.blocks is not None
+    h = a.push_blocks(d.engine_id, SRC, recv.blocks, transport="shm")
+    _say_landed(a, d.engine_id, h.transfer_id, [0, 1], [1])  # ds shorter than s
+    _say_landed(a, d.engine_id, h.transfer_id, [10**6], [1])  # no such chunk
+    _say_landed(a, d.engine_id, h.transfer_id, [0], [1])  # well formed, not END's digest
+    _wait_rejected(d, "bad_field", 2)  # so the transfer is open at d (END is held back)
+    before = _rejected(d, "not_granted")
+    _say_landed(b, d.engine_id, h.transfer_id, [0], [12345])
+    _wait_rejected(d, "not_granted", before + 1)
+    assert h.wait(10) is TransferState.DONE, h.error
+    assert h.attempts == 1  # the false claim changed no verdict
+    assert recv.wait(5) is TransferState.DONE
+    assert blocks_digest(d.region(), DST) == blocks_digest(a.region(), SRC)
+    d.release(recv.request_id)
