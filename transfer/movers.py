@@ -35,6 +35,9 @@ WINDOW_BYTES = 64 << 20
 PREFETCH_CHUNKS = 2
 #: Direct copies hash what they copy in pieces of about this size (fits in a core's cache).
 PIECE_BYTES = 512 << 10
+#: A direct writer reports landed chunks (LANDED) every this many bytes: the receiver then
+#: verifies them while they are still in the shared cache and the next ones are copied.
+LANDED_BYTES = 4 << 20
 
 
 @dataclass(slots=True, eq=False)
@@ -225,7 +228,8 @@ def pump_direct(
     one; chunks are at most ``chunk_bytes``, so a copy never runs long past the check). Each
     chunk is hashed piece by piece as it is copied, while the piece is in the cache (the
     digest is of what the chunk should leave in the destination); ``landed(seqs)`` is told
-    the chunks of each slice, so the receiver can verify them while the next slice copies.
+    the chunks copied every ``LANDED_BYTES``, so the receiver verifies them while the next
+    ones are copied.
     Returns None while chunks remain or the grant ran out (the caller checks which).
     """
     assert out.session is not None and out.dst_tensors is not None
@@ -234,7 +238,7 @@ def pump_direct(
         out.dst_run = layout.is_run(out.dst_ids)
     if out.src_run is None:
         out.src_run = layout.is_run(out.src_ids)
-    moved, done = 0, []
+    moved, unreported, done = 0, 0, []
     while out.queue and moved < PUMP_BYTES:
         fault = injector.match("direct") if injector is not None else None
         if fault is not None and fault.kind == "delay":
@@ -252,6 +256,10 @@ def pump_direct(
         moved += nbytes
         counters.bytes_sent_total += nbytes
         done.append(seq)
+        unreported += nbytes
+        if unreported >= LANDED_BYTES and out.algo:  # verified while still in the L3 cache
+            landed(done)
+            done, unreported = [], 0
     if done and out.algo:
         landed(done)
     if out.queue:
