@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -126,3 +127,30 @@ def test_config_from_env_rejects_unknown_keys(monkeypatch: pytest.MonkeyPatch) -
     assert EngineConfig.from_env(lease_s=3.0).secret == b"from-env"
     with pytest.raises(ValueError, match="leese_s"):
         EngineConfig.from_env(leese_s=3.0)
+
+
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+def test_the_reservation_is_done_before_the_sender_hears_so(
+    pair: tuple[TransferEngine, TransferEngine],
+    monkeypatch: pytest.MonkeyPatch,
+    transport: str,
+) -> None:
+    """The sender's DONE (its ACK) goes to the router, which tells decode to run: by then
+    decode's reservation must read DONE, or decode recomputes KV it already has. A slow
+    ``finish`` on the receiver (a descheduled I/O thread) made the old order visible."""
+    p, d = pair
+    d.register_region(KVRegion.allocate("kv", 2, 16, (16, 2, 8), shared=True))
+    loop = d._core.loop  # nothing public can slow the I/O thread down: that is the point
+    finish = loop.finish
+
+    def slow_finish(*args: object, **kwargs: object) -> None:
+        time.sleep(0.3)
+        finish(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loop, "finish", slow_finish)
+    recv = d.reserve("order", [3, 4], writer=p.engine_id)
+    assert recv.blocks is not None
+    h = p.push_blocks(d.engine_id, [1, 2], recv.blocks, transport=transport)
+    assert h.wait(10) is TransferState.DONE, h.error
+    assert recv.state is TransferState.DONE  # no wait: it must already be
+    d.release("order")
