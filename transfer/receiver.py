@@ -316,9 +316,9 @@ class Receiver:
             counters.bytes_received_total += incoming.nbytes
         counters.transfers_received_total += 1
         counters.observe(incoming.nbytes, time.monotonic() - incoming.started)
-        self._ack(session, transfer_id)
-        if complete:
+        if complete:  # before the ACK: the sender's DONE may make decode run at once
             self.loop.finish(incoming.reservation.handle, TransferState.DONE)
+        self._ack(session, transfer_id)
         self.on_committed(transfer_id)
 
     def on_landed(self, session: Session, msg: dict[str, Any]) -> None:
