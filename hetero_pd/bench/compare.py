@@ -26,6 +26,7 @@ ROWS = (
     ("p50_ttft_ms", "TTFT p50 (ms)"),
     ("p99_ttft_ms", "TTFT p99 (ms)"),
     ("mean_tpot_ms", "TPOT mean (ms)"),
+    ("p50_tpot_ms", "TPOT p50 (ms)"),
     ("p99_tpot_ms", "TPOT p99 (ms)"),
     ("mean_itl_ms", "ITL mean (ms)"),
     ("p99_itl_ms", "ITL p99 (ms)"),

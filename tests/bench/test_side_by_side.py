@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "vllm_side_by_side.sh"
@@ -54,5 +55,22 @@ def test_serve_ratios_are_hetero_pd_over_vllm(tmp_path: Path) -> None:
     ).stdout  # fmt: skip
     res = json.loads(out.strip().splitlines()[-1])
     assert res["output_throughput_ratio"] == 1.5 and res["ttft_p99_ratio"] == 0.5
+    assert res["hetero_pd_output_throughput"] == 120.0 and res["vllm_p99_ttft_ms"] == 300.0
     assert res["tpot_p99_ratio"] is None  # absent on both sides
     assert res["mode"] == "serve" and res["dtype"] == "float32"
+
+
+def test_config_copy_sets_dtype_and_a_router_port(tmp_path: Path) -> None:
+    out = tmp_path / "local.yaml"
+    script = [sys.executable, str(REPO / "scripts" / "side_by_side.py"), "config"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run(
+        [*script, str(REPO / "configs" / "local.yaml"), "bfloat16", str(out), "--port", "4321"],
+        env=env, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    raw = yaml.safe_load(out.read_text())
+    assert raw["dtype"] == "bfloat16"
+    assert raw["router"]["port"] == 4321 and raw["router"]["host"] == "127.0.0.1"
+    assert (
+        raw["workers"] == yaml.safe_load((REPO / "configs" / "local.yaml").read_text())["workers"]
+    )
