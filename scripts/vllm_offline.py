@@ -4,18 +4,57 @@ Runs in vLLM's own virtual environment (it imports nothing from hetero-pd). Read
 workload that `side_by_side.py spec` wrote (token ids, so both sides see the same input) on
 stdin, warms up on its warm-up prompts, times one greedy `LLM.generate` of the measured
 prompts (EOS ignored, as hetero-pd's side does) and prints one JSON line in the shape of
-hetero_pd.bench.offline_side's result: its own peak RSS, and that of vLLM's engine core
-process when it runs in one (V1's default) and has ended.
+hetero_pd.bench.offline_side's result, with the peak RSS of its whole process tree.
+
+V1 runs the model in a worker process that is a child of the engine core process, itself a
+child of this one, and both are killed, not waited for, at shutdown: `RUSAGE_CHILDREN` never
+sees the worker (it reported 641 MB while the worker alone held 1.7 GB). So a thread samples
+the PSS of this process and all its descendants (psutil, one of vLLM's dependencies) every
+0.5 s and keeps the largest sum: PSS, so that libraries and shared memory mapped by all three
+processes count once, not three times.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import resource
 import sys
+import threading
 import time
 from typing import Any
+
+
+class TreePss:
+    """Largest summed PSS of this process and its descendants, sampled in a thread."""
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        import psutil
+
+        self._me, self._every, self.peak_mb = psutil.Process(), every_s, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> float:
+        import psutil
+
+        total = 0
+        for proc in [self._me, *self._me.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):  # ended between listing and reading
+                total += proc.memory_full_info().pss
+        return total / 2**20
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            self.peak_mb = max(self.peak_mb, self._sample())
+
+    def stop(self) -> float:
+        self.peak_mb = max(self.peak_mb, self._sample())
+        self._stop.set()
+        self._thread.join()
+        return self.peak_mb
 
 
 def generate(llm: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -30,6 +69,7 @@ def generate(llm: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 def main() -> int:
     spec = json.loads(sys.stdin.read())
+    tree = TreePss()
     from vllm import LLM
 
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=2048, seed=0)
@@ -39,6 +79,7 @@ def main() -> int:
     elapsed = time.perf_counter() - start
     dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    tree_peak = tree.stop()
     del llm  # vLLM's engine core may be a child process: once it ends, its peak is known
     gc.collect()
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -47,8 +88,9 @@ def main() -> int:
         "dtype": dtype,
         "elapsed_s": elapsed,
         "token_ids": token_ids,
-        "peak_rss_mb": round(peak, 1),
-        "engine_core_peak_rss_mb": round(children, 1),  # 0.0: none ended (or none ran)
+        "peak_rss_mb": round(tree_peak, 1),  # PSS of this process and its children, summed
+        "main_process_peak_rss_mb": round(peak, 1),
+        "waited_children_peak_rss_mb": round(children, 1),  # misses killed grandchildren
     }
     print(json.dumps(result))
     return 0

