@@ -63,6 +63,10 @@ class RouterSpec:
     elastic_prefill: bool = opt(
         True, doc="prefill on the decode worker when prefill is busier (see configs/README.md)"
     )
+    kv_overlap_weight: float = opt(1.0, lo=0.0, doc="kv_aware: weight of prompt blocks to compute")
+    prefix_pull_min_tokens: int = opt(
+        32, lo=0, doc="kv_aware: pull a prefix held elsewhere when it saves this many tokens"
+    )
     heartbeat_timeout_s: float = opt(5.0, lo=0.1)
     #: A streaming client that takes no data for this long is cut off and its request ended.
     write_timeout_s: float = opt(30.0, lo=0.1)

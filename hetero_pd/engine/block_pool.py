@@ -40,6 +40,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._by_hash: dict[int, int] = {}
         self._held: Counter[int] = Counter()  # block id -> holds
+        #: Changes whenever a hash enters or leaves the index (the router's report skips
+        #: a pool that did not change).
+        self.version = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -120,6 +123,7 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         self._by_hash[block_hash] = block_id
+        self.version += 1
 
     def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
         """A cached block with this hash, confirmed by comparing its token ids."""
@@ -141,6 +145,20 @@ class BlockPool:
         del self._by_hash[block.block_hash]
         block.block_hash = None
         block.token_ids = ()
+        self.version += 1
+
+    def cached_hashes(self, limit: int) -> list[int]:
+        """Hashes of at most `limit` cached blocks, most recently used first: blocks in use,
+        then evictable ones from the back of the eviction order."""
+        used = [b.block_hash for b in self.blocks if b.ref_cnt > 0 and b.block_hash is not None]
+        hashes = used[:limit]
+        for block_id in reversed(self._free):
+            if len(hashes) >= limit:
+                break
+            block_hash = self.blocks[block_id].block_hash
+            if block_hash is not None:
+                hashes.append(block_hash)
+        return hashes
 
     def counts(self) -> tuple[int, int, int]:
         """(free, cached, used) block counts."""

@@ -18,7 +18,7 @@ import weakref
 from array import array
 from collections.abc import Iterator
 
-from hetero_pd.engine.block_pool import BlockPool
+from hetero_pd.engine.block_pool import BlockPool, NoFreeBlocksError
 from hetero_pd.engine.kv_tiers import KVTiers, KVTierStats
 from hetero_pd.engine.kv_tiers.mover import Job, Offload
 from hetero_pd.engine.request import Request
@@ -244,6 +244,49 @@ class KVCacheManager:
                 admitted.append((block_id, block_hash, tokens))
         for block_id in self.tiers.offload(admitted) if admitted else []:
             self.pool.hold(block_id)
+
+    # -- sharing a prefix between workers (a pull: serving/prefix_pull.py) -------------------
+    def pin_prefix(self, token_ids: list[int], max_blocks: int) -> list[int]:
+        """Takes a reference on the device blocks holding the longest cached run of
+        `token_ids`' first (at most `max_blocks`) full blocks, so they are not evicted while
+        another worker reads them or this one writes after them; `unpin` gives it back."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        found: list[int] = []
+        parent = None
+        for i in range(min(len(token_ids) // bs, max_blocks)):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent = chain_hash(parent, tokens)
+            block_id = self.pool.lookup(parent, tokens)
+            if block_id is None:
+                break
+            found.append(block_id)
+        self.pool.touch(found)
+        return found
+
+    def take_blocks(self, n: int) -> list[int]:
+        """`n` fresh blocks referenced by the caller (NoFreeBlocksError when the pool has
+        not that many); `unpin` returns them."""
+        if not self._make_room(n):
+            raise NoFreeBlocksError(f"asked for {n} KV blocks, {self.num_free_blocks} free")
+        return self._new_blocks(n)
+
+    def publish_prefix(self, token_ids: list[int], first: int, block_ids: list[int]) -> None:
+        """Publishes `block_ids`, now holding the KV of `token_ids`' full blocks `first`,
+        `first + 1`, ..., in the prefix cache (a block another request published first is
+        left unpublished)."""
+        bs = self.block_size
+        parent = None
+        for i in range(first + len(block_ids)):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent = chain_hash(parent, tokens)
+            if i >= first:
+                self.pool.cache_block(block_ids[i - first], parent, tokens)
+
+    def unpin(self, block_ids: list[int]) -> None:
+        """Drops the reference `pin_prefix` or `take_blocks` took."""
+        self.pool.free_blocks(block_ids)
 
     def drain_tiers(self, timeout: float = 60.0) -> None:
         """Waits for every tier copy in flight (SSD reads and writes included) and applies

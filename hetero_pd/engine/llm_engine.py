@@ -61,6 +61,8 @@ class EngineLoad:
     kv_usage: float
     free_blocks: int
     used_blocks: int
+    #: Prompt tokens computed (not served by the prefix cache) since the engine started.
+    prompt_tokens_computed: int = 0
 
 
 @dataclass(slots=True)
@@ -131,6 +133,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._failures: list[RequestFailure] = []
         self._failed_steps = 0
+        self._prompt_tokens_computed = 0
         log.info("%s", self.describe())
 
     def describe(self) -> str:
@@ -413,6 +416,7 @@ class LLMEngine:
             kv_usage=round(self.kv.usage, 4),
             free_blocks=self.kv.num_free_blocks,
             used_blocks=self.kv.pool.counts()[2],
+            prompt_tokens_computed=self._prompt_tokens_computed,
         )
 
     def switch_role(self, role: Role) -> None:
@@ -438,6 +442,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out:
             return []
+        self._prompt_tokens_computed += sum(
+            max(0, min(c.num_tokens, c.request.num_prompt_tokens - c.request.num_computed_tokens))
+            for c in out.chunks
+        )
         try:
             outputs = self._run(out, layer_hook)
         except Exception as e:  # find out whether one request caused it

@@ -12,7 +12,16 @@
       |<-- Output ... ---| tokens stream to the client
 
 Short prompts (or a deployment of `both` workers) skip all that: D computes the prompt
-itself (conditional disaggregation). On a prefill failure the deployment's policy decides:
+itself (conditional disaggregation). With the kv_aware policy, when another worker H holds
+more of the prompt's prefix than the worker that computes it (P, or D itself), H offers
+those blocks and the computing worker pulls them before it computes the rest:
+
+    router --OfferPrefix(prefix, reader)--> H  pins the blocks, offers them (a grant)
+           <--PrefixOffered(ticket)-------- H
+    router --Prefill/Generate(pull=ticket)--> P pulls the blocks from H, publishes them in
+                                              its prefix cache, computes only the rest
+                                              (a failed pull: it computes them itself)
+ On a prefill failure the deployment's policy decides:
 `recompute` (D prefills itself), `retry` (a fresh reservation and another P), or `fail`.
 """
 
@@ -35,6 +44,8 @@ from transfer import StatusCode
 
 log = logging.getLogger("hetero_pd.router")
 T = TypeVar("T")
+#: How long a prefix holder has to answer OfferPrefix before the prompt is computed.
+OFFER_TIMEOUT_S = 2.0
 #: Decode-worker answers to `Reserve` that mean "not now": back off and ask again.
 BACKPRESSURE = (P.ErrorCode.NO_FREE_BLOCKS, P.ErrorCode.KV_FENCED)
 
@@ -138,7 +149,8 @@ class Handoff:
             self.prompt_len, cached, prefill, decode
         ):
             self.metrics.decision("colocated" if decode.role == "both" else "local_prefill")
-            self._send(decode, P.Generate(**self._fields()))
+            pull = await self._offer_prefix(decode, cached)
+            self._send(decode, P.Generate(**self._fields(), pull=pull))
             self._charge(decode, uncached)
             return decode, None
         self.metrics.decision("disaggregated")
@@ -153,7 +165,7 @@ class Handoff:
                 break
             # The prefill worker is chosen first: the reservation names it as the one
             # writer of its blocks.
-            worker, _ = chooser.pick(candidates, self.prompt_ids)
+            worker, worker_cached = chooser.pick(candidates, self.prompt_ids)
             tried.add(worker.id)
             # Charged before the first await: requests arriving together must see each
             # other's prompts in the backlog, or each would find the prefill worker idle.
@@ -163,6 +175,8 @@ class Handoff:
             blocks, cached_tokens = await self._reserve(decode, worker)
             reserved = True
             self._enlist(worker)
+            pull = await self._offer_prefix(worker, worker_cached) if attempt == 0 else None
+            chooser.record(worker, self.prompt_ids)
             self._send(
                 worker,
                 P.Prefill(
@@ -171,6 +185,7 @@ class Handoff:
                     dest_address=decode.info.transfer_address,
                     dest_blocks=blocks,
                     skip_tokens=cached_tokens,
+                    pull=pull,
                 ),
             )
             try:
@@ -273,6 +288,66 @@ class Handoff:
                 raise RouterError(429, "no KV cache room on the decode workers", "overloaded", 1.0)
             await asyncio.sleep(delay)  # back-pressure: decode is full, wait for room
             delay = min(delay * 2, 1.0)
+
+    async def _offer_prefix(self, reader: WorkerClient, cached: int) -> P.PrefixSource | None:
+        """Asks the worker holding the longest prefix of the prompt, when it holds at least
+        `prefix_pull_min_tokens` more than `reader` (`cached`), to offer those blocks to
+        `reader`; the ticket for `reader` to pull, or None (no holder, or no answer in
+        OFFER_TIMEOUT_S: `reader` computes the prefix)."""
+        cfg = self.chooser.cfg
+        bs = reader.info.block_size
+        if cfg.policy != "kv_aware" or not cfg.prefix_pull_min_tokens or self.edge is not None:
+            return None
+        others = [
+            w
+            for w in self.live("prefill", "decode", "both", split_layer=0)
+            if w is not reader and w.info.block_size == bs == cfg.block_size
+        ]
+        holder, tokens = self.chooser.holder(others, self.prompt_ids)
+        if holder is None or tokens - cached < cfg.prefix_pull_min_tokens:
+            return None
+        lease_s = cfg.prefix_pull_timeout_s + OFFER_TIMEOUT_S
+        offer = P.OfferPrefix(
+            rid=self.rid, prompt_ids=self.prompt_ids[:tokens], reader=reader.id, lease_s=lease_s
+        )
+        try:
+            holder.send(offer)
+        except WorkerUnreachable:
+            return None
+        reply = await self._answer_from(holder, OFFER_TIMEOUT_S)
+        if reply is None or reply.blocks is None or reply.tokens <= cached:
+            return None
+        if reply.tokens > tokens or reply.tokens != len(reply.blocks.ids) * bs:
+            log.warning("request %s: %s offered %s", self.rid, holder.id, reply)
+            return None
+        self.metrics.decision("prefix_pull")
+        return P.PrefixSource(
+            peer=holder.id,
+            address=holder.info.transfer_address,
+            blocks=reply.blocks,
+            tokens=reply.tokens,
+            timeout_s=cfg.prefix_pull_timeout_s,
+        )
+
+    async def _answer_from(self, holder: WorkerClient, timeout_s: float) -> P.PrefixOffered | None:
+        """`holder`'s PrefixOffered within `timeout_s`; other messages go back in the queue."""
+        deadline = time.monotonic() + timeout_s
+        others: list[tuple[str, Any]] = []
+        reply = None
+        try:
+            while reply is None and (left := deadline - time.monotonic()) > 0:
+                try:
+                    wid, msg = await get_within(self.queue, left)
+                except TimeoutError:
+                    break
+                if wid == holder.id and isinstance(msg, P.PrefixOffered):
+                    reply = msg
+                else:
+                    others.append((wid, msg))
+        finally:
+            for item in others:
+                self.queue.put_nowait(item)
+        return reply
 
     def _check_cached(self, msg: P.Reserved, reuse: bool, block_size: int) -> int:
         cached = msg.cached_tokens

@@ -1,18 +1,28 @@
-"""Routing policies: which worker prefills, which decodes, and whether to disaggregate."""
+"""Routing policies: which worker prefills, which decodes, and whether to disaggregate.
+
+    round_robin    turns, per candidate set
+    least_loaded   the smallest `load_score` (queued prompt tokens, running, in flight)
+    prefix_aware   the worker holding the longest prefix of the prompt, unless it is much
+                   busier than the least loaded one (SGLang's cache-aware router)
+    kv_aware       the smallest cost = kv_overlap_weight x prompt blocks it would compute
+                   + blocks of work it already has (NVIDIA Dynamo's KV router cost)
+
+The prefix policies read each worker's `HeldBlocks` (prefix_index.py): its reported prefix
+cache plus the prompts recently routed to it, hashed as the engine hashes them.
+"""
 
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
 from hetero_pd.engine.kv_cache_manager import prompt_block_hashes
 from hetero_pd.serving.worker_client import WorkerClient
 
-Policy = Literal["round_robin", "least_loaded", "prefix_aware"]
+Policy = Literal["round_robin", "least_loaded", "prefix_aware", "kv_aware"]
 FailurePolicy = Literal["recompute", "retry", "fail"]
-POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
 FAILURE_POLICIES = ("recompute", "retry", "fail")
 
 
@@ -31,25 +41,39 @@ class RoutingConfig:
     #: A decode worker with more of its KV cache in use than this takes no prompt itself.
     elastic_kv_limit: float = 0.85
     block_size: int = 16
+    #: kv_aware: weight of the prompt blocks a worker would compute against the blocks of
+    #: work it has (Dynamo's kv-overlap-score-weight): higher favours cache hits, lower
+    #: spreads load.
+    kv_overlap_weight: float = 1.0
+    #: kv_aware: when another worker holds at least this many more prompt tokens than the
+    #: one chosen to compute the prompt, the chosen one pulls them (0: never pull).
+    prefix_pull_min_tokens: int = 32
+    #: How long a pull may take before the puller computes the prefix itself.
+    prefix_pull_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"router policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.kv_overlap_weight < 0 or self.prefix_pull_min_tokens < 0:
+            raise ValueError(
+                "kv_overlap_weight and prefix_pull_min_tokens must be >= 0, got "
+                f"{self.kv_overlap_weight} and {self.prefix_pull_min_tokens}"
+            )
 
 
 class Chooser:
-    """Picks workers. The prefix-aware policy remembers which worker last served each
-    prompt block hash (an approximate radix index, as SGLang's cache-aware router) and
-    prefers the worker holding the longest prefix unless it is much busier."""
+    """Picks workers by the configured policy (see the module docstring)."""
 
-    def __init__(self, cfg: RoutingConfig, index_capacity: int = 100_000) -> None:
+    def __init__(self, cfg: RoutingConfig) -> None:
         self.cfg = cfg
         # One round-robin counter per candidate set: picking the decode worker must not
         # advance the prefill rotation (with one decoder and two prefillers, a shared counter
         # would send every prompt to the same prefill worker).
         self._rr: dict[tuple[str, ...], itertools.count[int]] = {}
-        self._owner: OrderedDict[int, str] = OrderedDict()
-        self._capacity = index_capacity
+
+    def hashes(self, prompt_ids: list[int] | None) -> list[int]:
+        """The prompt's full blocks' chained hashes, as the workers' engines hash them."""
+        return prompt_block_hashes(prompt_ids, self.cfg.block_size) if prompt_ids else []
 
     def pick(
         self, candidates: list[WorkerClient], prompt_ids: list[int] | None = None
@@ -57,39 +81,58 @@ class Chooser:
         """Returns (worker, number of prompt tokens it likely has cached)."""
         if not candidates:
             raise LookupError("no live worker")
-        if self.cfg.policy == "round_robin":
+        policy = self.cfg.policy
+        if policy == "round_robin":
             counter = self._rr.setdefault(tuple(w.id for w in candidates), itertools.count())
             return candidates[next(counter) % len(candidates)], 0
         least = min(candidates, key=lambda w: w.load_score)
-        if self.cfg.policy == "least_loaded" or not prompt_ids:
+        if policy == "least_loaded" or not prompt_ids:
             return least, 0
-        best, matched = self._longest_prefix(candidates, prompt_ids)
-        if best is not None and best.load_score <= 2 * least.load_score + 512:
-            return best, matched
+        hashes = self.hashes(prompt_ids)
+        matched = [w.held.matched(hashes) * self.cfg.block_size for w in candidates]
+        if policy == "kv_aware":
+            costs = [
+                self.cost(w, len(prompt_ids), m) for w, m in zip(candidates, matched, strict=True)
+            ]
+            i = min(range(len(candidates)), key=lambda i: (costs[i], candidates[i].load_score))
+            return candidates[i], matched[i]
+        i = max(range(len(candidates)), key=lambda i: matched[i])
+        best = candidates[i]
+        if matched[i] and best.load_score <= 2 * least.load_score + 512:
+            return best, matched[i]
         return least, 0
 
-    def _longest_prefix(
-        self, candidates: list[WorkerClient], prompt_ids: list[int]
+    def cost(self, worker: WorkerClient, prompt_len: int, cached_tokens: int) -> float:
+        """Dynamo's KV-aware cost, in blocks: weight x the prompt blocks `worker` would
+        compute + the blocks of work it has (queued prompt tokens and KV in use)."""
+        bs = self.cfg.block_size
+        prefill_blocks = (prompt_len - cached_tokens) / bs
+        active_blocks = worker.load.kv_usage * worker.info.num_blocks
+        return (
+            self.cfg.kv_overlap_weight * prefill_blocks
+            + worker.backlog_tokens / bs
+            + (active_blocks)
+        )
+
+    def holder(
+        self, workers: list[WorkerClient], prompt_ids: list[int]
     ) -> tuple[WorkerClient | None, int]:
-        by_id = {w.id: w for w in candidates}
-        best: WorkerClient | None = None
-        matched = 0
-        for i, h in enumerate(prompt_block_hashes(prompt_ids, self.cfg.block_size)):
-            owner = by_id.get(self._owner.get(h, ""))
-            if owner is None or (best is not None and owner is not best):
-                break
-            best, matched = owner, (i + 1) * self.cfg.block_size
-        return best, matched
+        """The worker holding the longest prefix of the prompt's blocks a pull may take
+        (never the block of the last token, which the engine always computes) and its
+        length in tokens; (None, 0) when none holds one."""
+        bs = self.cfg.block_size
+        hashes = self.hashes(prompt_ids)[: (len(prompt_ids) - 1) // bs]
+        best, most = None, 0
+        for w in workers:
+            n = w.held.matched(hashes)
+            if n > most:
+                best, most = w, n
+        return best, most * bs
 
     def record(self, worker: WorkerClient, prompt_ids: list[int]) -> None:
-        """Notes that `worker` now holds the KV of this prompt's full blocks."""
-        if self.cfg.policy != "prefix_aware":
-            return
-        for h in prompt_block_hashes(prompt_ids, self.cfg.block_size):
-            self._owner[h] = worker.id
-            self._owner.move_to_end(h)
-        while len(self._owner) > self._capacity:
-            self._owner.popitem(last=False)
+        """Notes that `worker` is about to hold the KV of this prompt's full blocks."""
+        if self.cfg.policy in ("prefix_aware", "kv_aware"):
+            worker.held.record(self.hashes(prompt_ids))
 
     def prefill_locally(
         self,

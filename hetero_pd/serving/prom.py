@@ -40,7 +40,15 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: disconnect or cancel), "rejected" when refused under overload (429), "error" otherwise.
 OUTCOMES = ("stop", "length", "abort", "rejected", "error")
 #: What the router's policy decided for a request (or for a failed KV transfer).
-DECISIONS = ("disaggregated", "local_prefill", "colocated", "retry", "recompute", "fail")
+DECISIONS = (
+    "disaggregated",
+    "local_prefill",
+    "colocated",
+    "retry",
+    "recompute",
+    "fail",
+    "prefix_pull",
+)
 
 #: 1 ms .. 120 s, denser where TTFT/TPOT targets usually sit (10 ms .. 2 s).
 LATENCY_BUCKETS = (

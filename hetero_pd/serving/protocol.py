@@ -1,9 +1,9 @@
 """The control protocol between the router and its workers: every message a declared type.
 
     router --(Hello | Generate | Reserve | Prefill | Hidden | KvReady | KvFailed | Abort
-              | Check | Shutdown | SwitchRole)--> worker
+              | Check | Shutdown | SwitchRole | OfferPrefix)--> worker
     worker --(Ready | Heartbeat | Output | Reserved | KvFallback | PrefillDone | Error
-              | Integrity | Bye)--> router
+              | Integrity | Bye | PrefixOffered)--> router
 
 A frame is one msgpack map `{"v": 2, "t": <tag>, ...fields}`, decoded by `Codec` into
 exactly one of these `msgspec.Struct`s: unknown fields, wrong types, out-of-range numbers,
@@ -18,6 +18,8 @@ engine's `StatusCode` number beside it when a KV transfer failed.
 from __future__ import annotations
 
 import enum
+import sys
+from array import array
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -46,6 +48,8 @@ Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 #: A number of a prompt's tokens.
 PromptCount = Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
 Blob = Annotated[bytes, Meta(max_length=MAX_FRAME_BYTES)]
+#: Most block hashes one heartbeat reports: bounds the router's index per worker.
+MAX_REPORTED_BLOCKS = 16384
 Role = Literal["prefill", "decode", "both"]
 
 
@@ -184,6 +188,53 @@ class WorkerLoad(_Struct, kw_only=True, frozen=True):
     transfer_faults_injected: Count = 0
     #: The transfer engine's counters by transport (local, shm, tcp, ...).
     transfer: Annotated[dict[Name, TransportCounters], Meta(max_length=16)] = {}
+    #: Prompt tokens this worker's engine computed (not served by its prefix cache), total.
+    prompt_tokens_computed: Count = 0
+    #: Prefix pulls from other workers: finished whole, their tokens, and failed ones
+    #: (whose prompts were computed here instead).
+    prefix_pulls: Count = 0
+    prefix_pulled_tokens: Count = 0
+    prefix_pull_failures: Count = 0
+
+
+class CachedBlocks(_Struct, kw_only=True, frozen=True):
+    """The chained hashes (`hetero_pd.engine.kv_cache_manager.chain_hash`, 64-bit) of the
+    full blocks in a worker's device prefix cache, most recently used first (at most
+    MAX_REPORTED_BLOCKS), as of the pool's `version`; packed little-endian, 8 bytes each."""
+
+    version: Count
+    packed: Annotated[bytes, Meta(max_length=8 * MAX_REPORTED_BLOCKS)]
+
+    def __post_init__(self) -> None:
+        if len(self.packed) % 8:
+            raise ValueError(f"packed block hashes are 8 bytes each, got {len(self.packed)}")
+
+    @classmethod
+    def of(cls, version: int, hashes: list[int]) -> CachedBlocks:
+        packed = array("Q", hashes)
+        if sys.byteorder != "little":
+            packed.byteswap()
+        return cls(version=version, packed=packed.tobytes())
+
+    @property
+    def hashes(self) -> list[int]:
+        unpacked = array("Q")
+        unpacked.frombytes(self.packed)
+        if sys.byteorder != "little":
+            unpacked.byteswap()
+        return unpacked.tolist()
+
+
+class PrefixSource(_Struct, kw_only=True, frozen=True):
+    """Where the KV of a prompt's first `tokens` tokens (whole blocks) can be pulled from:
+    worker `peer` (transfer engine at `address`) offered `blocks` to the receiving worker,
+    which pulls them within `timeout_s` or computes them itself."""
+
+    peer: Annotated[str, Meta(min_length=1, max_length=256)]
+    address: Name
+    blocks: Blocks
+    tokens: PromptCount
+    timeout_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = 10.0
 
 
 class TransferStats(_Struct, kw_only=True, frozen=True):
@@ -203,6 +254,8 @@ class Generate(_Msg, tag="generate", kw_only=True, frozen=True):
     params: WireParams
     priority: Annotated[int, Meta(ge=-(2**31), lt=2**31)] = 0
     edge: EdgePrompt | None = None
+    #: Pull the prompt's prefix KV from another worker before computing the rest.
+    pull: PrefixSource | None = None
 
 
 class Reserve(_Msg, tag="reserve", kw_only=True, frozen=True):
@@ -232,6 +285,8 @@ class Prefill(_Msg, tag="prefill", kw_only=True, frozen=True):
     #: cached_tokens): computed here but not pushed. A multiple of the block size, below the
     #: prompt's length (checked by the worker).
     skip_tokens: PromptCount = 0
+    #: Pull the prompt's prefix KV from another worker before computing the rest.
+    pull: PrefixSource | None = None
 
 
 class Hidden(_Msg, tag="hidden", kw_only=True, frozen=True):
@@ -259,6 +314,16 @@ class Abort(_Msg, tag="abort", kw_only=True, frozen=True):
     rid: Rid
 
 
+class OfferPrefix(_Msg, tag="offer_prefix", kw_only=True, frozen=True):
+    """Offer worker `reader` the KV of the longest run of `prompt_ids`' first blocks this
+    worker's prefix cache holds, pinned until pulled or `lease_s` passes (PrefixOffered)."""
+
+    rid: Rid
+    prompt_ids: TokenIds
+    reader: Annotated[str, Meta(min_length=1, max_length=256)]
+    lease_s: Annotated[float, Meta(gt=0.0, le=3600.0)]
+
+
 class Check(_Msg, tag="check", kw_only=True, frozen=True):
     pass
 
@@ -281,6 +346,8 @@ class Ready(_Msg, tag="ready", kw_only=True, frozen=True):
 class Heartbeat(_Msg, tag="heartbeat", kw_only=True, frozen=True):
     worker: Name
     load: WorkerLoad
+    #: The worker's prefix cache, when it changed (or now and then); None: as last reported.
+    cached: CachedBlocks | None = None
 
 
 class Output(_Msg, tag="output", kw_only=True, frozen=True):
@@ -311,6 +378,15 @@ class Reserved(_Msg, tag="reserved", kw_only=True, frozen=True):
     rid: Rid
     blocks: Blocks
     cached_tokens: PromptCount = 0
+
+
+class PrefixOffered(_Msg, tag="prefix_offered", kw_only=True, frozen=True):
+    """The answer to OfferPrefix: the offer's ticket for the prompt's first `tokens` tokens
+    (whole blocks), or `blocks` None and 0 tokens when nothing is held or offered."""
+
+    rid: Rid
+    blocks: Blocks | None = None
+    tokens: PromptCount = 0
 
 
 class KvFallback(_Msg, tag="kv_fallback", kw_only=True, frozen=True):
@@ -365,9 +441,19 @@ ToWorker = (
     | Check
     | Shutdown
     | SwitchRole
+    | OfferPrefix
 )
 ToRouter = (
-    Ready | Heartbeat | Output | Reserved | KvFallback | PrefillDone | Error | Integrity | Bye
+    Ready
+    | Heartbeat
+    | Output
+    | Reserved
+    | KvFallback
+    | PrefillDone
+    | Error
+    | Integrity
+    | Bye
+    | PrefixOffered
 )
 #: Messages that start a request on a worker.
 RequestStart = Generate | Reserve | Prefill

@@ -53,6 +53,8 @@ def router_config(dep: Deployment) -> RouterConfig:
             local_prefill_max_tokens=r.local_prefill_max_tokens,
             elastic_prefill=r.elastic_prefill,
             block_size=int(dep.engine.get("block_size", 16)),
+            kv_overlap_weight=r.kv_overlap_weight,
+            prefix_pull_min_tokens=r.prefix_pull_min_tokens,
         ),
         failure_policy=r.failure_policy,  # type: ignore[arg-type]
         max_inflight=r.max_inflight,

@@ -2,9 +2,9 @@
 wired to its KV cache.
 
     router --(Hello | Generate | Reserve | Prefill | Hidden | KvReady | KvFailed | Abort
-              | Check | Shutdown | SwitchRole)--> worker
+              | Check | Shutdown | SwitchRole | OfferPrefix)--> worker
     worker --(Ready | Heartbeat | Output | Reserved | KvFallback | PrefillDone | Error
-              | Integrity | Bye)--> router
+              | Integrity | Bye | PrefixOffered)--> router
 
 The loop is single-threaded: serve the control socket (`ControlServer`: authenticated,
 typed, nothing dropped silently), step the engine, progress transfers, tick the requests'
@@ -36,12 +36,15 @@ from hetero_pd.models.fingerprint import split_fingerprint
 from hetero_pd.serving import protocol as P
 from hetero_pd.serving.control_auth import CurveKeys
 from hetero_pd.serving.control_server import ControlServer
+from hetero_pd.serving.prefix_share import offer_prefix
 from hetero_pd.serving.worker_config import WorkerConfig, transfer_config
 from hetero_pd.serving.worker_requests import RequestBook
 from transfer import KVRegion, TransferEngine
 
 log = logging.getLogger("hetero_pd.worker")
 READY_LINE = "HETERO_PD_WORKER_READY"
+#: A heartbeat reports the prefix cache when it changed, and at least this often.
+CACHE_REPORT_S = 2.0
 
 
 def ready_address(line: str | bytes) -> str:
@@ -81,6 +84,7 @@ class Worker:
         #: Why this worker must be replaced (it exits non-zero once drained), or None.
         self.fault: str | None = None
         self._last_heartbeat: float = 0.0
+        self._reported: tuple[int, float] = (-1, 0.0)  # prefix cache version, when sent
 
     def _allocate(
         self,
@@ -182,6 +186,11 @@ class Worker:
                     )
                 else:
                     self.book.start(ident, msg)
+            case P.OfferPrefix():
+                if self.engine.config.start_layer:  # a split engine caches no prefix
+                    self.control.send(ident, P.PrefixOffered(rid=msg.rid))
+                else:
+                    self.control.send(ident, offer_prefix(self.engine.kv, self.transfer, msg))
             case P.Hidden():
                 self.book.hidden(ident, msg)
             case P.KvReady():
@@ -244,8 +253,13 @@ class Worker:
                 name: P.TransportCounters.of(counters)
                 for name, counters in transfer.get("transports", {}).items()
             },
+            prompt_tokens_computed=load.prompt_tokens_computed,
+            prefix_pulls=self.book.pulls.done,
+            prefix_pulled_tokens=self.book.pulls.tokens,
+            prefix_pull_failures=self.book.pulls.failed,
         )
-        self.control.broadcast(P.Heartbeat(worker=self.id, load=report), only_idle=True)
+        beat = P.Heartbeat(worker=self.id, load=report, cached=self._cache_report(now))
+        self.control.broadcast(beat, only_idle=True)
         if not report.transfer_healthy and self.fault is None:
             # Its I/O thread is gone for good: finish what needs no transfer, then exit so
             # the supervisor (or Kubernetes) starts a worker that can move KV again.
@@ -259,6 +273,18 @@ class Worker:
         if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
             log.error("%s: its launcher (pid %s) is gone; stopping", self.id, self.cfg.parent_pid)
             self.draining = self.stopped = True
+
+    def _cache_report(self, now: float) -> P.CachedBlocks | None:
+        """The prefix cache's hashes when they changed since the last report, or when that
+        is CACHE_REPORT_S old (a heartbeat may be skipped); else None."""
+        pool = self.engine.kv.pool
+        version, sent = self._reported
+        if self.engine.config.start_layer or (
+            version == pool.version and now - sent < CACHE_REPORT_S
+        ):
+            return None
+        self._reported = (pool.version, now)
+        return P.CachedBlocks.of(pool.version, pool.cached_hashes(P.MAX_REPORTED_BLOCKS))
 
     def _integrity(self) -> P.Integrity:
         try:

@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from hetero_pd.serving import protocol as P
 from hetero_pd.serving.control_auth import CurveKeys, secure_client
+from hetero_pd.serving.prefix_index import HeldBlocks
 
 log = logging.getLogger("hetero_pd.router")
 
@@ -71,6 +72,8 @@ class WorkerClient:
         self.inflight: set[str] = set()
         #: Prompt tokens the router sent here to compute and has not seen done yet.
         self.pending_tokens = 0
+        #: The prefix blocks its KV cache holds, as far as the router knows.
+        self.held = HeldBlocks()
         self._ready = asyncio.Event()
         self._integrity: asyncio.Queue[P.Integrity] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
@@ -155,11 +158,14 @@ class WorkerClient:
                 continue
             self.last_seen = time.monotonic()
             match msg:
-                case P.Heartbeat(load=load):
+                case P.Heartbeat(load=load, cached=cached):
                     self.load = load
+                    if cached is not None:
+                        self.held.report(cached)
                     self.alive = self.usable
                 case P.Ready(role=role, info=info):
                     self.role, self.info = role, info
+                    self.held.clear()  # a restarted worker's cache is empty
                     self.alive, self.gone = True, False
                     self._ready.set()
                 case P.Integrity():
@@ -205,4 +211,5 @@ class WorkerClient:
             log.warning("worker %s out of rotation: %s", self.id, why)
         self.alive = False
         self.dead_at = time.monotonic()
+        self.held.clear()
         self.on_dead(self)

@@ -15,9 +15,10 @@ the transfer engine are its collaborators, and replies go out through `send`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -30,6 +31,7 @@ from hetero_pd.outputs import RequestOutput
 from hetero_pd.serving import protocol as P
 from hetero_pd.serving import wire_sampling as W
 from hetero_pd.serving.prefill_push import PushTracker
+from hetero_pd.serving.prefix_share import PrefixPulls
 from hetero_pd.serving.worker_request import (
     Phase,
     RequestError,
@@ -62,6 +64,8 @@ class RequestBook:
         self.remote_kv_timeout_s = remote_kv_timeout_s
         self.layerwise = layerwise
         self.pushes = PushTracker(transfer, engine, self._on_push_result)
+        #: Requests pulling their prompt's prefix KV from another worker before they start.
+        self.pulls = PrefixPulls(worker_id, engine.kv, transfer)
         self.requests: dict[str, WorkerRequest] = {}
         self.children: dict[str, str] = {}  # engine id of completion 1.. of n -> request id
         #: Reserved prompts whose KV never arrived whole, so this worker computed them.
@@ -74,6 +78,7 @@ class RequestBook:
         return (
             self.engine.has_unfinished_requests()
             or self.pushes.active
+            or self.pulls.active
             or any(r.phase is not Phase.FENCED for r in self.requests.values())
         )
 
@@ -87,40 +92,51 @@ class RequestBook:
 
     # -- starting requests ---------------------------------------------------------------
     def start(self, owner: bytes, msg: P.Generate | P.Reserve | P.Prefill) -> None:
-        """A new request from router `owner`; a refusal is answered with an Error."""
+        """A new request from router `owner`; a refusal is answered with an Error. A
+        request with a prefix to pull starts once the pull ended (prefix_share.py)."""
         old = self.requests.get(msg.rid)
-        try:
+        with self._answering(owner, msg.rid):
             if old is not None and old.phase is Phase.FENCED:
                 wait = old.fence_until - time.monotonic()
                 raise RequestError(
                     P.ErrorCode.KV_FENCED,
                     f"request {msg.rid}: its previous blocks are fenced for {wait:.2f}s",
                 )
-            if old is not None:
+            if old is not None or msg.rid in self.pulls:
                 raise RequestError(P.ErrorCode.BAD_REQUEST, f"request {msg.rid} is running")
             self._check_role(msg)
-            params = msg.params.to_params()
-            fanout = fanout_for(msg, params)
-            first = fanout.child_params(0) if fanout is not None else params
-            if isinstance(msg, P.Reserve):
-                self._reserve(owner, msg, first)
-            elif isinstance(msg, P.Prefill):
-                self._prefill(owner, msg, first)
-            else:
-                self._add(msg, first)
-                self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.RUNNING)
-            if fanout is not None:
-                req = self.requests[msg.rid]
-                req.fanout, req.prompt_ids, req.priority = fanout, msg.prompt_ids, msg.priority
+            if isinstance(msg, P.Reserve) or not self.pulls.begin(owner, msg, self._resume):
+                self._open(owner, msg)
+
+    def _resume(self, owner: bytes, msg: P.Generate | P.Prefill) -> None:
+        with self._answering(owner, msg.rid):
+            self._open(owner, msg)
+
+    @contextlib.contextmanager
+    def _answering(self, owner: bytes, rid: str) -> Iterator[None]:
+        """Answers a refusal of request `rid` with an Error."""
+        try:
+            yield
         except RequestError as e:
-            self.send(
-                owner,
-                P.Error(
-                    rid=msg.rid, code=e.code, message=e.message, transfer_status=e.transfer_status
-                ),
-            )
+            code, message, status = e.code, e.message, e.transfer_status
+            self.send(owner, P.Error(rid=rid, code=code, message=message, transfer_status=status))
         except (ValueError, TypeError, KeyError) as e:
-            self.send(owner, P.Error(rid=msg.rid, code=P.ErrorCode.BAD_REQUEST, message=str(e)))
+            self.send(owner, P.Error(rid=rid, code=P.ErrorCode.BAD_REQUEST, message=str(e)))
+
+    def _open(self, owner: bytes, msg: P.Generate | P.Reserve | P.Prefill) -> None:
+        params = msg.params.to_params()
+        fanout = fanout_for(msg, params)
+        first = fanout.child_params(0) if fanout is not None else params
+        if isinstance(msg, P.Reserve):
+            self._reserve(owner, msg, first)
+        elif isinstance(msg, P.Prefill):
+            self._prefill(owner, msg, first)
+        else:
+            self._add(msg, first)
+            self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.RUNNING)
+        if fanout is not None:
+            req = self.requests[msg.rid]
+            req.fanout, req.prompt_ids, req.priority = fanout, msg.prompt_ids, msg.priority
 
     def _check_role(self, msg: P.Generate | P.Reserve | P.Prefill) -> None:
         """A prefill worker takes only Prefill; the others take only Generate and Reserve
@@ -284,12 +300,14 @@ class RequestBook:
             self._end(req, P.ErrorCode.BAD_REQUEST, f"request {msg.rid}: {e}")
 
     def abort(self, owner: bytes, rid: str) -> None:
+        self.pulls.cancel(rid, owner)
         req = self._owned(owner, rid)
         if req is not None:
             self._drop(req, self.engine.abort_request)
 
     def drop_owner(self, owner: bytes) -> None:
         """Router `owner` is gone: its requests end here."""
+        self.pulls.drop_owner(owner)
         for req in [r for r in self.requests.values() if r.owner == owner]:
             if req.phase is not Phase.FENCED:
                 self._drop(req, self.engine.abort_request)
@@ -368,6 +386,7 @@ class RequestBook:
         """Reservations that timed out fall back to computing here; fences that ended free
         their blocks."""
         now = time.monotonic()
+        self.pulls.tick(now)
         for req in list(self.requests.values()):
             if req.phase is Phase.RESERVED:
                 assert req.handle is not None

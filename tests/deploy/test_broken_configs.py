@@ -48,7 +48,7 @@ CASES = [
         "local",
         7,
         "router.policy",
-        "'fastest' is not allowed; allowed: round_robin, least_loaded, prefix_aware",
+        "'fastest' is not allowed; allowed: round_robin, least_loaded, prefix_aware, kv_aware",
     ),
     (
         "two workers on one NPU",

@@ -320,3 +320,36 @@ def test_random_manager_walk_keeps_integrity(seed: int) -> None:
         kv.free(req)
     assert kv.pool.counts()[2] == 0
     kv.check_integrity()
+
+
+def test_pinned_prefix_survives_eviction_and_pulled_blocks_become_hits() -> None:
+    """A holder pins a prompt's cached leading blocks (not evicted while a peer reads them);
+    a puller takes fresh blocks, publishes them once the KV landed, and a request then finds
+    the whole prefix cached."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    prompt = list(range(50, 63))  # 3 full blocks + 1 token
+    req = Request("a", prompt, PARAMS, frozenset())
+    assert kv.allocate_new(req, [], len(prompt))
+    req.num_computed_tokens = len(prompt)
+    kv.cache_computed_blocks(req)
+    kv.free(req)
+    pinned = kv.pin_prefix(prompt, 2)
+    assert len(pinned) == 2
+    kv.pool.get_new_blocks(kv.num_free_blocks)  # evicts everything not pinned
+    assert kv.pin_prefix(prompt, 3) == pinned  # only the pinned blocks are still there
+    kv.unpin(pinned)  # that call's references
+    kv.unpin(pinned)
+    kv.pool.check_integrity()
+
+    puller = KVCacheManager(num_blocks=8, block_size=4)
+    assert puller.pin_prefix(prompt, 3) == []
+    taken = puller.take_blocks(3)
+    with pytest.raises(NoFreeBlocksError):
+        puller.take_blocks(6)
+    puller.publish_prefix(prompt, 1, taken[1:])  # blocks 1 and 2 landed; block 0 did not
+    assert puller.pin_prefix(prompt, 3) == []  # a chain is found from its first block only
+    puller.publish_prefix(prompt, 0, taken[:1])
+    puller.unpin(taken)
+    req = Request("b", prompt, PARAMS, frozenset())
+    assert puller.find_cached_prefix(req) == taken
+    puller.pool.check_integrity()

@@ -1,6 +1,6 @@
-"""Routing policies (round robin, least loaded, prefix aware) and conditional
-disaggregation with elastic prefill, on workers described by their load only; then elastic
-prefill on a real stack."""
+"""Routing policies (round robin, least loaded, prefix aware, kv aware) and conditional
+disaggregation with elastic prefill, on workers described by their load and the prefix
+blocks the router knows they hold; then elastic prefill on a real stack."""
 
 from __future__ import annotations
 
@@ -11,23 +11,37 @@ from typing import Any
 
 import openai
 
+from hetero_pd.engine.kv_cache_manager import prompt_block_hashes
 from hetero_pd.serving import protocol as P
-from hetero_pd.serving.policy import Chooser, RoutingConfig
+from hetero_pd.serving.policy import POLICIES, Chooser, RoutingConfig
+from hetero_pd.serving.prefix_index import HeldBlocks
 from hetero_pd.serving.testing import deployment, random_prompts, running_stack
 
 DECISIONS = "hetero_pd_policy_decisions_total"
 
 
-def worker(wid: str, backlog: int = 0, running: int = 0, kv: float = 0.0) -> Any:
-    """A worker as the chooser sees it: an id, a load report and the router's counts."""
+def worker(
+    wid: str, backlog: int = 0, running: int = 0, kv: float = 0.0, holds: list[int] = ()
+) -> Any:
+    """A worker as the chooser sees it: an id, a load report, the router's counts and the
+    prefix blocks it reported (the full blocks of `holds`, block size 4)."""
     load = P.WorkerLoad(running=running, waiting_tokens=backlog, kv_usage=kv)
+    held = HeldBlocks()
+    held.report(P.CachedBlocks.of(1, prompt_block_hashes(list(holds), 4)))
     return SimpleNamespace(
         id=wid,
         load=load,
+        info=P.WorkerInfo(block_size=4, num_blocks=100),
+        held=held,
         inflight=set(),
         backlog_tokens=backlog,
         load_score=backlog + 16.0 * running,
     )
+
+
+def test_every_policy_has_a_test() -> None:
+    tested = {"round_robin", "least_loaded", "prefix_aware", "kv_aware"}
+    assert set(POLICIES) == tested
 
 
 def test_round_robin_takes_turns_per_candidate_set() -> None:
@@ -50,11 +64,61 @@ def test_prefix_aware_prefers_the_worker_holding_the_prefix_unless_much_busier()
     chooser = Chooser(RoutingConfig(policy="prefix_aware", block_size=4))
     a, b = worker("a", 100), worker("b", 0)
     prompt = list(range(20))
-    chooser.record(a, prompt)
+    chooser.record(a, prompt)  # routed there: held until a report can confirm it
     assert chooser.pick([a, b], [*prompt, 99]) == (a, 20)
     assert chooser.pick([a, b], [7] * 20)[0] is b  # no prefix held: least loaded
     busy = worker("a", 5000)
+    busy.held = a.held
     assert chooser.pick([busy, b], prompt)[0] is b  # the holder is far busier
+
+
+def test_prefix_aware_finds_a_prefill_worker_by_its_own_report() -> None:
+    """The router never records a prompt on a worker here: the prefill workers' heartbeats
+    report what their caches hold, so the prefill pick matches too."""
+    chooser = Chooser(RoutingConfig(policy="prefix_aware", block_size=4))
+    prompt = list(range(24))
+    p0, p1 = worker("p0", 10), worker("p1", 30, holds=prompt[:16])
+    assert chooser.pick([p0, p1], prompt) == (p1, 16)
+    p1.held.report(P.CachedBlocks.of(2, []))  # evicted since
+    assert chooser.pick([p0, p1], prompt) == (p0, 0)
+
+
+def test_kv_aware_weighs_prompt_blocks_to_compute_against_work_queued() -> None:
+    """cost = weight x (prompt blocks not cached there) + queued blocks + KV blocks in use
+    (block size 4): the holder of 16 of 24 tokens saves 4 blocks."""
+    prompt = list(range(24))
+    chooser = Chooser(RoutingConfig(policy="kv_aware", block_size=4))
+    idle, holder = worker("idle"), worker("holder", backlog=8, holds=prompt)
+    assert chooser.cost(idle, 24, 0) == 6
+    assert chooser.cost(holder, 24, 24) == 2  # 0 to compute + 2 queued
+    assert chooser.pick([idle, holder], prompt) == (holder, 24)
+    busier = worker("holder", backlog=40, holds=prompt)  # 10 queued blocks > 6 saved
+    assert chooser.pick([idle, busier], prompt) == (idle, 0)
+    full = worker("holder", kv=0.5, holds=prompt)  # 50 of 100 blocks in use
+    assert chooser.pick([idle, full], prompt)[0] is idle
+    # a higher weight prefers the cache hit even on the busier worker
+    heavy = Chooser(RoutingConfig(policy="kv_aware", block_size=4, kv_overlap_weight=4.0))
+    assert heavy.pick([idle, busier], prompt)[0] is busier
+    # weight 0: load only; equal costs go to the less loaded one
+    flat = Chooser(RoutingConfig(policy="kv_aware", block_size=4, kv_overlap_weight=0.0))
+    assert flat.pick([holder, idle], prompt)[0] is idle
+
+
+def test_kv_aware_holder_for_a_pull_never_counts_the_last_tokens_block() -> None:
+    chooser = Chooser(RoutingConfig(policy="kv_aware", block_size=4))
+    prompt = list(range(16))
+    a, b = worker("a", holds=prompt[:8]), worker("b", holds=prompt)
+    # b holds all 4 blocks, but the block holding the last token is always computed
+    assert chooser.holder([a, b], prompt) == (b, 12)
+    assert chooser.holder([a], prompt) == (a, 8)
+    assert chooser.holder([worker("c")], prompt) == (None, 0)
+
+
+def test_routing_config_refuses_negative_knobs() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="kv_overlap_weight"):
+        RoutingConfig(policy="kv_aware", kv_overlap_weight=-1.0)
 
 
 def test_conditional_disaggregation() -> None:
