@@ -31,6 +31,7 @@ import msgspec
 
 from hetero_pd.engine.block_pool import NoFreeBlocksError
 from hetero_pd.engine.kv_cache_manager import KVCacheManager
+from hetero_pd.engine.llm_engine import LLMEngine
 from hetero_pd.serving import protocol as P
 from transfer import RemoteBlocks, TransferEngine, TransferError, TransferHandle, TransferState
 
@@ -84,11 +85,15 @@ class _Pull:
 class PrefixPulls:
     """Puller side: requests waiting for their prefix KV, and the counts a heartbeat sends."""
 
-    def __init__(self, worker_id: str, kv: KVCacheManager, transfer: TransferEngine) -> None:
-        self.id, self.kv, self.transfer = worker_id, kv, transfer
+    def __init__(self, worker_id: str, engine: LLMEngine, transfer: TransferEngine) -> None:
+        self.id, self.engine, self.transfer = worker_id, engine, transfer
         self._pulls: dict[str, _Pull] = {}
         self._fenced: list[tuple[float, list[int]]] = []  # (free after, blocks)
         self.done = self.tokens = self.failed = 0
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.engine.kv
 
     @property
     def active(self) -> bool:

@@ -65,7 +65,7 @@ class RequestBook:
         self.layerwise = layerwise
         self.pushes = PushTracker(transfer, engine, self._on_push_result)
         #: Requests pulling their prompt's prefix KV from another worker before they start.
-        self.pulls = PrefixPulls(worker_id, engine.kv, transfer)
+        self.pulls = PrefixPulls(worker_id, engine, transfer)
         self.requests: dict[str, WorkerRequest] = {}
         self.children: dict[str, str] = {}  # engine id of completion 1.. of n -> request id
         #: Reserved prompts whose KV never arrived whole, so this worker computed them.
