@@ -21,8 +21,9 @@ those blocks and the computing worker pulls them before it computes the rest:
     router --Prefill/Generate(pull=ticket)--> P pulls the blocks from H, publishes them in
                                               its prefix cache, computes only the rest
                                               (a failed pull: it computes them itself)
- On a prefill failure the deployment's policy decides:
-`recompute` (D prefills itself), `retry` (a fresh reservation and another P), or `fail`.
+
+On a prefill failure the deployment's policy decides: `recompute` (D prefills itself),
+`retry` (a fresh reservation and another P), or `fail`.
 """
 
 from __future__ import annotations
