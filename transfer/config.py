@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 
 from transfer.addresses import valid_host
 from transfer.faults import FaultPlan
+from transfer.kv_codec import check_codec
 
 
 class Role(enum.Enum):
@@ -75,6 +76,10 @@ class EngineConfig:
     checksum_direct: bool | None = None
     #: Checksum algorithm: "xxh3", "crc32c", "crc32" or "auto" (fastest installed).
     checksum_algo: str = "auto"
+    #: How KV travels on the stream (TCP) wire: "none" (raw) or "int8" (per-block, per-head
+    #: scales; :mod:`transfer.kv_codec`). Direct writes (local, shm) always move raw KV. As a
+    #: receiver this engine accepts "none" and its own codec, and refuses any other.
+    kv_codec: str = "none"
     #: Transports this engine may choose from, best first.
     transports: tuple[str, ...] = ("local", "cuda_ipc", "shm", "tcp")
     #: Committed transfer ids remembered for duplicate detection.
@@ -102,6 +107,7 @@ class EngineConfig:
                 f"EngineConfig.advertise_host {self.advertise_host!r}: a host name or "
                 "address without a port"
             )
+        check_codec(self.kv_codec, "EngineConfig.kv_codec")
         unknown = set(self.transports) - {"local", "cuda_ipc", "shm", "tcp"}
         if unknown:
             raise ValueError(f"EngineConfig.transports: unknown transport(s) {sorted(unknown)}")

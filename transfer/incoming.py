@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from transfer import checksum, wire
+from transfer import checksum, kv_codec, wire
 from transfer.errors import StatusCode, TransferError
 from transfer.ledger import Ledger, Reservation
 from transfer.region import KVRegion, parse_dtype
@@ -66,6 +66,13 @@ class InTransfer:
     last_seen: float = field(default_factory=time.monotonic)
     started: float = field(default_factory=time.monotonic)
     nbytes: int = 0
+    #: How its stream chunks are encoded (:mod:`transfer.kv_codec`).
+    codec: str = "none"
+
+    def chunk_nbytes(self, num_blocks: int) -> int:
+        """The exact size a chunk of ``num_blocks`` blocks has on the wire."""
+        itemsize = self.src_block_bytes // max(math.prod(self.src_block_shape), 1)
+        return kv_codec.encoded_nbytes(self.codec, num_blocks, self.src_block_shape, itemsize)
 
     @property
     def peer(self) -> str:
@@ -93,6 +100,7 @@ def accept_begin(
     regions: dict[str, KVRegion],
     ledger: Ledger,
     max_frame_bytes: int,
+    accepted_codec: str = "none",
 ) -> InTransfer:
     """Validate a BEGIN from ``session``; the new :class:`InTransfer` or a TransferError."""
     region = regions.get(msg["reg"])
@@ -134,6 +142,9 @@ def accept_begin(
         problems.append(f"chunks of {per_chunk * block_bytes} bytes exceed max_frame_bytes")
     if msg["ck"] is not None and msg["ck"] not in checksum.available():
         problems.append(f"checksum {msg['ck']!r} not installed here")
+    codec_refusal = kv_codec.refusal(msg["kc"], accepted_codec, mode, src_dtype)
+    if codec_refusal is not None:
+        problems.append(codec_refusal)
     if mode not in ("tcp", *DIRECT):
         problems.append(f"transport {mode!r} not accepted")
     elif mode != "tcp" and session.host != me.host:
@@ -168,4 +179,5 @@ def accept_begin(
         fingerprint,
         bytearray(num_chunks),
         bool(dst_array.size <= 1 or (np.diff(dst_array) == 1).all()),
+        codec=msg["kc"],
     )

@@ -261,7 +261,8 @@ def _destination(incoming: InTransfer, tensor: int, lo: int, hi: int) -> memoryv
     """Bytes of destination blocks ``dst[lo:hi]`` of ``tensor`` if a chunk can land there."""
     target = incoming.region.tensors[tensor]
     if (
-        target.device.type != "cpu"
+        incoming.codec != "none"  # encoded bytes are decoded from staging
+        or target.device.type != "cpu"
         or target.dtype != incoming.src_dtype
         or int(target.shape[1]) != incoming.src_block_shape[0]
         or not target.is_contiguous()

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from transfer import checksum, dataframe, layout, wire
-from transfer.devices import to_host
+from transfer import checksum, dataframe, kv_codec, layout, wire
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
 from transfer.handle import RemoteBlocks, TransferHandle, TransferState
@@ -91,6 +90,8 @@ class OutTransfer:
     prepared: dict[int, tuple[memoryview, Future[int] | None]] = field(default_factory=dict)
     #: True while the next chunk waits for its digest (the hashing thread wakes the loop).
     waiting_digest: bool = False
+    #: How stream chunks are encoded on the wire (named in BEGIN; direct writes: "none").
+    codec: str = "none"
 
     @property
     def inflight(self) -> int:
@@ -203,7 +204,7 @@ def _prepare(out: OutTransfer, hasher: Hasher, safe_views: bool) -> None:
         )
         if not safe_views and data.device.type == "cpu":
             data = data.clone()  # faults may send it later or twice: never a view
-        buf = layout.as_bytes(to_host(data))
+        buf = layout.as_bytes(kv_codec.to_wire(out.codec, data))  # digests cover these bytes
         pending = None
         if out.algo:
             pending = hasher.submit_bytes(out.algo, buf)

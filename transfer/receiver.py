@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from transfer import checksum, layout, wire
+from transfer import checksum, kv_codec, layout, wire
 from transfer.config import EngineConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import TransferState
@@ -111,7 +111,13 @@ class Receiver:
                 )
             if incoming is None:
                 incoming = accept_begin(
-                    msg, session, self.me, self.regions, self.ledger, self.config.max_frame_bytes
+                    msg,
+                    session,
+                    self.me,
+                    self.regions,
+                    self.ledger,
+                    self.config.max_frame_bytes,
+                    self.config.kv_codec,
                 )
                 self.active[transfer_id] = incoming
         except TransferError as err:
@@ -150,7 +156,7 @@ class Receiver:
         """Validate a chunk's place and size (FrameError); False for a duplicate."""
         if incoming.mode != "tcp" or not incoming.is_planned(seq, tensor, lo, hi):
             raise wire.FrameError("bad_field", "data location")
-        if size != (hi - lo) * incoming.src_block_bytes:
+        if size != incoming.chunk_nbytes(hi - lo):
             raise wire.FrameError("bad_size", f"{size} bytes for {hi - lo} blocks")
         incoming.last_seen = time.monotonic()
         if incoming.good[seq] or seq in incoming.verifying:
@@ -171,12 +177,22 @@ class Receiver:
             self.metrics.of("tcp").checksum_failures_total += 1
             incoming.bad_checksum.add(seq)
             return
-        shape = (hi - lo, *incoming.src_block_shape)
-        chunk = layout.from_bytes(payload, incoming.src_dtype, shape)
+        target = incoming.region.tensors[tensor]
+        try:
+            chunk = kv_codec.from_wire(
+                incoming.codec,
+                payload,
+                hi - lo,
+                incoming.src_block_shape,
+                incoming.src_dtype,
+                target.dtype,
+            )
+        except kv_codec.KVCodecError as exc:
+            raise wire.FrameError("bad_field", str(exc)) from None
 
         def write() -> None:
             layout.scatter(
-                incoming.region.tensors[tensor],
+                target,
                 incoming.dst_ids,
                 chunk,
                 lo,

@@ -116,6 +116,7 @@ class Sender:
             self._counters(out).transfers_started_total += 1
         direct = out.transport in transports.DIRECT
         out.algo = self._algo(out, direct)
+        out.codec = "none" if direct else self.config.kv_codec
         num_blocks = out.src_ids.numel()
         # direct copies are chunked too: the grant window is checked before every chunk
         out.blocks_per_chunk = layout.blocks_per_chunk(
@@ -145,6 +146,7 @@ class Sender:
             bpc=out.blocks_per_chunk,
             ck=out.algo,
             mode=out.transport,
+            kc=out.codec,
         )
         out.via_data = (
             out.transport == "tcp"
@@ -194,6 +196,8 @@ class Sender:
         for out in list(self.active.values()):
             try:
                 self._move(out)
+            except TransferError as err:  # e.g. KV the wire codec cannot encode
+                self._fail(out, err)
             except Exception as exc:  # a bug or a device error: fail this transfer only
                 log.exception("transfer %s failed", out.handle.transfer_id)
                 oom = "out of memory" in str(exc)

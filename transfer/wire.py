@@ -62,6 +62,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
         "bpc": _INT,
         "ck": _OPT_STR,
         "mode": _STR,
+        "kc": _STR,
     },
     "grant": {"x": _STR, "ttl": _FLOAT, "until": _FLOAT},
     "renew": {"rid": _STR, "ep": _INT},
