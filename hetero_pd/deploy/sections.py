@@ -11,6 +11,7 @@ from typing import Any
 from hetero_pd.deploy.fields import opt, required
 from hetero_pd.hidden_codec import CODECS as EDGE_CODECS
 from hetero_pd.serving.policy import FAILURE_POLICIES, POLICIES
+from transfer.kv_codec import CODECS as KV_CODECS
 
 ROLES = ("prefill", "decode", "both")
 TRANSPORTS = ("local", "cuda_ipc", "shm", "tcp")
@@ -84,6 +85,9 @@ class TransferSpec:
     grant_s: float = opt(10.0, lo=0.1)
     #: How long a decode worker waits for a prompt's KV before computing it itself.
     remote_kv_timeout_s: float = opt(60.0, lo=0.1)
+    #: KV on the TCP wire: "none" (raw) or "int8" (per-block, per-head scales; lossy, about a
+    #: quarter of float32's bytes). Shared-memory writes on one host always move raw KV.
+    kv_codec: str = opt("none", choices=KV_CODECS)
     #: For tests and fault drills only: worker id (e.g. "prefill-0") -> FaultRule fields
     #: (kind, msg_type, nth, count, delay_s) injected into that worker's outgoing transfer
     #: frames (see transfer/faults.py). Never set this in production.

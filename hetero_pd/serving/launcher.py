@@ -92,6 +92,7 @@ def worker_config(
         grant_s=t.grant_s,
         transports=t.transports,
         checksum=t.checksum,  # every transport (shm and direct writes too)
+        kv_codec=t.kv_codec,
         faults=FaultPlan(tuple(FaultRule(**rule) for rule in rules)) if rules else None,
     )
     return WorkerConfig(

@@ -153,6 +153,7 @@ def test_direct_writes_stay_raw_and_exact(make_pair: Callable[..., Pair]) -> Non
     p, d = make_pair(sender=INT8, receiver=INT8)
     recv, h = _push(p, d, "shm", transport="shm")
     assert h.wait(15) is TransferState.DONE, h.error
+    assert recv.wait(5) is TransferState.DONE
     for got, src in zip(d.region().tensors, p.region().tensors, strict=True):
         assert torch.equal(got[DST], src[SRC])
     d.release("shm")
@@ -165,6 +166,7 @@ def test_non_finite_kv_fails_the_push_clearly(make_pair: Callable[..., Pair]) ->
     assert h.wait(15) is TransferState.FAILED
     assert h.error is not None and h.error.code is StatusCode.PARAM_INVALID
     assert "inf or nan" in h.error.message
+    assert recv.wait(0.01) is TransferState.PENDING
     d.release("nan")
     assert p.held_blocks() == {}
 
