@@ -76,8 +76,8 @@ class EngineConfig:
     checksum_direct: bool | None = None
     #: Checksum algorithm: "xxh3", "crc32c", "crc32" or "auto" (fastest installed).
     checksum_algo: str = "auto"
-    #: How KV travels on the stream (TCP) wire: "none" (raw) or "int8" (per-block, per-head
-    #: scales; :mod:`transfer.kv_codec`). Direct writes (local, shm) always move raw KV. As a
+    #: How KV travels on the stream (TCP) wire: "none" (raw) or "int8" (a scale per token and
+    #: head; :mod:`transfer.kv_codec`). Direct writes (local, shm) always move raw KV. As a
     #: receiver this engine accepts "none" and its own codec, and refuses any other.
     kv_codec: str = "none"
     #: Transports this engine may choose from, best first.

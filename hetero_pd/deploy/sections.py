@@ -85,8 +85,8 @@ class TransferSpec:
     grant_s: float = opt(10.0, lo=0.1)
     #: How long a decode worker waits for a prompt's KV before computing it itself.
     remote_kv_timeout_s: float = opt(60.0, lo=0.1)
-    #: KV on the TCP wire: "none" (raw) or "int8" (per-block, per-head scales; lossy, about a
-    #: quarter of float32's bytes). Shared-memory writes on one host always move raw KV.
+    #: KV on the TCP wire: "none" (raw) or "int8" (a scale per token and head; lossy, 0.27x
+    #: float32's bytes). Shared-memory writes on one host always move raw KV.
     kv_codec: str = opt("none", choices=KV_CODECS)
     #: For tests and fault drills only: worker id (e.g. "prefill-0") -> FaultRule fields
     #: (kind, msg_type, nth, count, delay_s) injected into that worker's outgoing transfer
