@@ -99,6 +99,10 @@ def _passthrough(command: str, argv: list[str]) -> int:
         from hetero_pd.bench.pd import main as run
     elif argv[:1] == ["transfer"]:
         from hetero_pd.bench.transfer import main as run
+    elif argv[:2] == ["kv", "wire"]:
+        from hetero_pd.bench.kv_wire import main as run
+
+        argv = argv[1:]
     elif argv[:1] == ["kv"]:
         from hetero_pd.bench.kv import main as run
     elif argv[:1] == ["routing"]:
@@ -122,7 +126,7 @@ PASSTHROUGH = {
     "status": "workers, roles, devices, health and load of a running deployment",
     "worker": "run one worker process (the launcher starts these)",
     "edge": "the device side: edge generate (a session from the shell) | edge plan (pick k)",
-    "bench": "benchmarks: bench offline | serve | pd | transfer | kv | routing | edge",
+    "bench": "benchmarks: bench offline | serve | pd | transfer | kv [wire] | routing | edge",
     "drill": "a deployment across hosts, proven in network namespaces: drill multihost",
 }
 
