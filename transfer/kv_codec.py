@@ -33,6 +33,8 @@ from transfer.errors import StatusCode, TransferError
 CODECS = ("none", "int8")
 _SCALE_BYTES = 4
 _QMAX = 127.0
+#: Smallest absmax used for a scale (127 / it stays finite in float32).
+_FLOOR = 1e-30
 
 
 class KVCodecError(ValueError):
@@ -72,17 +74,17 @@ def encode(chunk: torch.Tensor) -> torch.Tensor:
     n = int(chunk.shape[0])
     bs, heads, dim = _grid(tuple(chunk.shape[1:]))
     x = chunk.detach().to(torch.float32).reshape(n, bs, heads, dim)
-    if not bool(torch.isfinite(x).all()):
+    amax = x.abs().amax(dim=3, keepdim=True)  # [n, bs, H, 1]; nan and inf propagate here
+    if not bool(torch.isfinite(amax).all()):
         raise KVCodecError(
             "KV holds inf or nan: it cannot be int8-encoded (kv_codec: none sends it raw)"
         )
-    scale = x.abs().amax(dim=3) / _QMAX  # [n, bs, H]
-    divisor = scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
-    q = torch.div(x, divisor).round_().clamp_(-_QMAX, _QMAX).to(torch.int8)
-    head = scale.numel() * _SCALE_BYTES
+    amax.clamp_min_(_FLOOR)  # all-zero heads: q = 0, any scale decodes them exactly
+    q = torch.mul(x, _QMAX / amax).round_()  # |q| <= 127: amax bounds every value
+    head = amax.numel() * _SCALE_BYTES
     out = torch.empty(head + q.numel(), dtype=torch.uint8, device=x.device)
-    out[:head].view(torch.float32).copy_(scale.reshape(-1))
-    out[head:].view(torch.int8).copy_(q.reshape(-1))
+    out[:head].view(torch.float32).copy_(amax.reshape(-1)).div_(_QMAX)
+    out[head:].view(torch.int8).view(q.shape).copy_(q)
     return to_host(out)
 
 
