@@ -7,7 +7,15 @@
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
+
+# Idle OpenMP threads sleep at once instead of spinning. On a busy host (other processes,
+# another worker on the same cores, a Kubernetes CPU limit) a spinning thread holds a core
+# the thread it waits for needs: the engine ran 3.6-8x slower that way (docs/BENCHMARKS.md,
+# section 1). OpenMP reads this when torch loads it, so it holds for this process when torch
+# was not imported yet, and for every process started from it. A value you set is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 if TYPE_CHECKING:
     from hetero_pd.llm import LLM

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -86,3 +87,17 @@ def test_devices_prints_a_table_with_the_cpu() -> None:
     header, *rows = result.stdout.splitlines()
     assert header.split()[0] == "device"
     assert any(row.split()[0] == "cpu" for row in rows), result.stdout
+
+
+def test_idle_openmp_threads_sleep_unless_told_otherwise() -> None:
+    """Importing hetero_pd makes idle OpenMP threads sleep (for torch, when it loads OpenMP
+    later, and for every process started from here); a value the user set is kept."""
+    code = "import hetero_pd, os, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for given, want in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        run_env = env if given is None else {**env, "OMP_WAIT_POLICY": given}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == want

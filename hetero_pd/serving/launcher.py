@@ -35,18 +35,6 @@ from transfer import FaultPlan, FaultRule
 log = logging.getLogger("hetero_pd.launcher")
 
 
-def shares_cores(cfg: WorkerConfig, configs: list[WorkerConfig]) -> bool:
-    """True unless ``cfg`` is pinned to cores no other worker of the deployment uses."""
-    if not cfg.cpus:
-        return len(configs) > 1
-    mine = set(cfg.cpus)
-    return any(
-        not other.cpus or mine & set(other.cpus)
-        for other in configs
-        if other.worker_id != cfg.worker_id
-    )
-
-
 @dataclass(slots=True)
 class WorkerProcess:
     config: WorkerConfig
@@ -125,15 +113,12 @@ class Launcher:
         self.secret = secret
         self.ready_timeout_s = ready_timeout_s or dep.supervisor.ready_timeout_s
         self.procs: dict[str, WorkerProcess] = {}
-        #: Workers without cores of their own (see :func:`shares_cores`).
-        self.shared_cores: set[str] = set()
         self.supervisor = Supervisor(self, router, dep.supervisor)
         router.supervision = self.supervisor.states
 
     async def start(self) -> None:
         resolve_model(self.dep.model)  # fetch once here, not in every worker at the same time
         configs = worker_configs(self.dep)
-        self.shared_cores = {c.worker_id for c in configs if shares_cores(c, configs)}
         try:
             for cfg in configs:
                 await self._spawn(replace(cfg, parent_pid=os.getpid()))
@@ -146,10 +131,9 @@ class Launcher:
     async def _spawn(self, cfg: WorkerConfig) -> None:
         cmd = [sys.executable, "-m", "hetero_pd.serving.worker"]
         env = {**os.environ, secrets.ENV: self.secret.decode()}
-        if cfg.worker_id in self.shared_cores:
-            # idle OpenMP threads sleep at once instead of spinning on a core someone else
-            # needs (the user's own setting wins)
-            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # idle OpenMP threads sleep instead of spinning on a core someone else needs (see
+        # hetero_pd/__init__.py; set in the environment so a worker's log of it is true)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         proc = await asyncio.create_subprocess_exec(
             *cmd,
             stdin=asyncio.subprocess.PIPE,
