@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from transfer import checksum, kv_codec, wire
+from transfer import checksum, kv_codec, kv_layouts, wire
 from transfer.errors import StatusCode, TransferError
 from transfer.ledger import Ledger, Reservation
 from transfer.region import KVRegion, parse_dtype
@@ -37,6 +37,8 @@ class InTransfer:
     dst_ids: torch.Tensor
     dst_array: np.ndarray
     src_dtype: torch.dtype
+    #: The sender's block layout (BEGIN ``fmt``); chunks are converted as they land.
+    src_layout: str
     src_block_shape: tuple[int, ...]
     src_block_bytes: int
     tensors: range
@@ -153,6 +155,7 @@ def accept_begin(
         problems.append(f"region {region.name!r} is not in shared memory")
     elif mode == "local" and session.pid != me.pid:
         problems.append("local transport from another process")
+    problems += _layout_problems(msg["fmt"], shape, src_dtype, block_size, region)
     if problems:
         raise TransferError(StatusCode.PARAM_INVALID, "; ".join(problems))
     dst_array = np.asarray(dst, dtype=np.int64)
@@ -166,6 +169,7 @@ def accept_begin(
         torch.from_numpy(dst_array),
         dst_array,
         src_dtype,
+        msg["fmt"],
         shape,
         block_bytes,
         tensors,
@@ -181,3 +185,17 @@ def accept_begin(
         bool(dst_array.size <= 1 or (np.diff(dst_array) == 1).all()),
         codec=msg["kc"],
     )
+
+
+def _layout_problems(
+    fmt: str, shape: tuple[int, ...], dtype: torch.dtype, block_size: int, region: KVRegion
+) -> list[str]:
+    """Why blocks in layout ``fmt`` cannot land in ``region`` (``kv_layouts.CONVERSIONS``)."""
+    why = kv_layouts.check(fmt, shape, dtype)
+    if why is not None:
+        return [f"source {why}"]
+    if (fmt, region.layout) not in kv_layouts.CONVERSIONS:
+        return [f"no conversion from KV layout {fmt!r} to {region.layout!r}"]
+    if region.layout != kv_layouts.ND and block_size != region.block_size:
+        return [f"block size {block_size} -> {region.block_size} needs an nd destination"]
+    return []

@@ -264,6 +264,7 @@ def _destination(incoming: InTransfer, tensor: int, lo: int, hi: int) -> memoryv
         incoming.codec != "none"  # encoded bytes are decoded from staging
         or target.device.type != "cpu"
         or target.dtype != incoming.src_dtype
+        or incoming.region.layout != incoming.src_layout
         or int(target.shape[1]) != incoming.src_block_shape[0]
         or not target.is_contiguous()
     ):

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from transfer import checksum, dataframe, kv_codec, layout, wire
+from transfer import checksum, dataframe, kv_codec, kv_layouts, layout, wire
+from transfer.devices import to_host
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
 from transfer.handle import RemoteBlocks, TransferHandle, TransferState
@@ -64,6 +65,8 @@ class OutTransfer:
     retry_at: float = 0.0
     grant_until: float = 0.0
     dst_tensors: list[torch.Tensor] | None = None
+    #: Direct writes: the destination region's block layout (its description's ``fmt``).
+    dst_layout: str = kv_layouts.ND
     #: ``layout.is_run(src_ids)``, computed once per transfer.
     src_run: bool | None = None
     trackers: deque[tuple[zmq.MessageTracker, int]] = field(default_factory=deque)
@@ -278,7 +281,7 @@ def _copy_chunk(out: OutTransfer, seq: int, fault: str | None) -> int:
     block_size = out.region.block_size
     ids = out.src_ids[chunk.lo : chunk.hi]
     data = layout.gather(out.region.tensors[chunk.ti], ids, out.src_run)
-    data = data.to(device=dst.device, dtype=dst.dtype)
+    data = kv_layouts.to_destination(data, out.region.layout, out.dst_layout, dst)
     nbytes = int(data.numel() * data.element_size())
     hashed = out.algo is not None and seq not in out.digests
     fused = (

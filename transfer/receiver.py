@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from transfer import checksum, kv_codec, layout, wire
+from transfer import checksum, kv_codec, kv_layouts, layout, wire
 from transfer.config import EngineConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import TransferState
@@ -194,7 +194,9 @@ class Receiver:
             layout.scatter(
                 target,
                 incoming.dst_ids,
-                chunk,
+                kv_layouts.to_destination(
+                    chunk, incoming.src_layout, incoming.region.layout, target
+                ),
                 lo,
                 incoming.src_block_shape[0],
                 incoming.num_tokens,

@@ -5,6 +5,9 @@ A region is a list of tensors that all share a leading block dimension::
     tensors = [K_0, V_0, K_1, V_1, ..., K_{L-1}, V_{L-1}]     (tensors_per_layer = 2)
     each:  [num_blocks, block_size, num_kv_heads, head_dim]   (any inner shape works)
 
+``layout`` names the order of the bytes inside each block (``nd``, or the NPU's
+``fractal_nz``: see ``transfer/kv_layouts.py``); the tensors keep their logical shape.
+
 Layer ``l`` owns tensors ``l*tpl .. l*tpl+tpl-1``; a layer range ``[l0, l1)`` selects a
 contiguous run of tensors, which is what layer-by-layer streaming sends.
 
@@ -30,6 +33,7 @@ from typing import Any
 
 import torch
 
+from transfer import kv_layouts
 from transfer.errors import StatusCode, TransferError
 
 SHM_ROOT = "/dev/shm"
@@ -75,6 +79,8 @@ class KVRegion:
     tensors_per_layer: int = 2
     shm_paths: list[str] | None = None
     _shm_dir: str | None = field(default=None, repr=False)
+    #: Byte order inside each block (``kv_layouts.LAYOUTS``); transfers convert on receipt.
+    layout: str = kv_layouts.ND
 
     def __post_init__(self) -> None:
         if not self.tensors or len(self.tensors) % self.tensors_per_layer:
@@ -95,6 +101,9 @@ class KVRegion:
                 )
             if not t.is_contiguous():
                 raise TransferError(StatusCode.PARAM_INVALID, f"region tensor {i} not contiguous")
+        why = kv_layouts.check(self.layout, tuple(first.shape[1:]), first.dtype)
+        if why is not None:
+            raise TransferError(StatusCode.PARAM_INVALID, f"region {self.name!r}: {why}")
 
     @classmethod
     def allocate(
@@ -108,6 +117,7 @@ class KVRegion:
         tensors_per_layer: int = 2,
         device: str | torch.device = "cpu",
         shared: bool = False,
+        layout: str = kv_layouts.ND,
     ) -> KVRegion:
         """Allocate zeroed tensors; ``block_shape`` is ``(block_size, *inner)``.
 
@@ -118,7 +128,7 @@ class KVRegion:
         count = num_layers * tensors_per_layer
         if not shared:
             tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
-            return cls(name, tensors, tensors_per_layer)
+            return cls(name, tensors, tensors_per_layer, layout=layout)
         if torch.device(device).type != "cpu":
             raise TransferError(StatusCode.PARAM_INVALID, "shared regions must be on the CPU")
         sweep_stale_shm()
@@ -131,7 +141,7 @@ class KVRegion:
             t = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
             t.zero_()  # fault the pages in now, not during the first transfer
             tensors.append(t)
-        return cls(name, tensors, tensors_per_layer, paths, root)
+        return cls(name, tensors, tensors_per_layer, paths, root, layout=layout)
 
     @property
     def num_layers(self) -> int:
@@ -225,6 +235,7 @@ class KVRegion:
             "dt": dtype_name(self.dtype),
             "dev": self.tensors[0].device.type,
             "shm": self.shm_token,
+            "fmt": self.layout,
         }
 
     def close(self) -> None:

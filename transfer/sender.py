@@ -147,6 +147,7 @@ class Sender:
             ck=out.algo,
             mode=out.transport,
             kc=out.codec,
+            fmt=out.region.layout,
         )
         out.via_data = (
             out.transport == "tcp"
@@ -282,6 +283,7 @@ class Sender:
         try:
             description = session.regions[out.dst.region]
             out.dst_tensors = transports.open_destination(out.transport, session, description)
+            out.dst_layout = description["fmt"]
         except (TransferError, OSError, KeyError) as exc:
             err = (
                 exc

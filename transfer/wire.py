@@ -17,6 +17,7 @@ from typing import Any
 
 import msgpack
 
+from transfer import kv_layouts
 from transfer.addresses import split_host_port
 from transfer.errors import TransferError
 
@@ -63,6 +64,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
         "ck": _OPT_STR,
         "mode": _STR,
         "kc": _STR,
+        "fmt": _STR,
     },
     "grant": {"x": _STR, "ttl": _FLOAT, "until": _FLOAT},
     "renew": {"rid": _STR, "ep": _INT},
@@ -178,9 +180,11 @@ def region_descriptions(raw: list[Any]) -> dict[str, dict[str, Any]]:
             raise FrameError("bad_field", "regions")
         if not isinstance(desc.get("shm"), (str, type(None))):
             raise FrameError("bad_field", "regions.shm")
-        for key in ("dt", "dev"):
+        for key in ("dt", "dev", "fmt"):
             if not isinstance(desc.get(key), str):
                 raise FrameError("bad_field", f"regions.{key}")
+        if desc["fmt"] not in kv_layouts.LAYOUTS:
+            raise FrameError("bad_field", "regions.fmt")
         for key in ("nl", "tpl", "nb"):
             value = desc.get(key)
             if type(value) is not int or value < 1:
