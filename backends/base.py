@@ -93,6 +93,10 @@ class Backend(ABC):
     kind: ClassVar[str] = ""
     #: Dtype of the reduced-precision matmul probe.
     half_dtype: ClassVar[torch.dtype] = torch.float16
+    #: Byte order of the device's KV cache blocks, one of transfer/kv_layouts.py's LAYOUTS
+    #: (backends cannot import transfer; tests check the name): engines on this device
+    #: store their KV in it and transfers convert to and from it on receipt.
+    kv_layout: ClassVar[str] = "nd"
 
     @abstractmethod
     def is_available(self) -> bool:

@@ -51,6 +51,10 @@ class NpuBackend(Backend):
 
     kind = "npu"
     half_dtype = torch.float16
+    #: Ascend's attention kernels read KV in fractal (NZ) formats; ours is documented in
+    #: transfer/kv_layouts.py. There is no NPU here: a CPU engine with
+    #: `kv_layout: fractal_nz` stores its KV exactly so (the emulation the tests run).
+    kv_layout = "fractal_nz"
 
     def _npu(self) -> Any:
         # Not cached: after the first success the import is a sys.modules lookup.

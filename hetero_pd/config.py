@@ -12,6 +12,7 @@ from backends import DtypeChoice, backend_for, parse_device
 from hetero_pd import envs
 from hetero_pd.engine.kv_tiers.config import TierConfig
 from hetero_pd.engine.scheduler import ROLES, Role
+from transfer.kv_layouts import LAYOUTS as KV_LAYOUTS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: What `dtype` accepts: "auto" lets the device's backend choose (see `resolve_dtype`).
@@ -85,10 +86,18 @@ class EngineConfig:
     # Edge split: > 0 makes a cloud engine that runs layers [start_layer, L) on hidden
     # states received from a device (prefix caching is then off: it never sees token ids).
     start_layer: int = 0
+    # Byte order inside KV blocks (transfer/kv_layouts.py): "auto" = the device backend's
+    # (`fractal_nz` on an NPU, `nd` elsewhere); a CPU engine set to "fractal_nz" emulates
+    # an NPU worker's KV cache.
+    kv_layout: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        if self.kv_layout not in ("auto", *KV_LAYOUTS):
+            raise ValueError(
+                f"kv_layout must be one of {('auto', *KV_LAYOUTS)}, got {self.kv_layout!r}"
+            )
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.role not in ROLES:
@@ -121,6 +130,12 @@ class EngineConfig:
         """`dtype` resolved on `device` for a checkpoint saved in `checkpoint`, with the
         reason ("configured" unless auto)."""
         return resolve_dtype(self.dtype, self.device, checkpoint)
+
+    def kv_layout_choice(self) -> str:
+        """`kv_layout`, with "auto" resolved by the device's backend."""
+        if self.kv_layout != "auto":
+            return self.kv_layout
+        return backend_for(parse_device(self.device)).kv_layout
 
     def compile_choice(self) -> tuple[bool, str]:
         """(compile the decode step?, why): `compile`, with "auto" overridden by

@@ -114,3 +114,24 @@ def to_destination(
     """Source blocks ``chunk`` (``src_layout``, source dtype) as the destination tensor
     ``dst`` holds blocks: its dtype, device and ``dst_layout``."""
     return CONVERSIONS[src_layout, dst_layout](chunk, dst.dtype, dst.device)
+
+
+def read_slots(cache: torch.Tensor, slots: torch.Tensor, layout: str) -> torch.Tensor:
+    """Rows ``[len(slots), *inner]`` of a cache ``[num_blocks, block_size, *inner]`` in
+    ``layout``; slot = block * block_size + token (what an engine's attention reads)."""
+    inner = cache.shape[2:]
+    if layout == ND:
+        return cache.view(-1, *inner).index_select(0, slots)
+    bs = cache.shape[1]
+    strips = cache.view(cache.shape[0], -1, bs, nz_c0(cache.dtype))  # [nb, C1, bs, C0]
+    return strips[slots // bs, :, slots % bs].reshape(slots.shape[0], *inner)
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, layout: str) -> None:
+    """Writes ``rows`` ``[len(slots), *inner]`` at ``slots`` of a cache in ``layout``."""
+    if layout == ND:
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
+        return
+    bs, c0 = cache.shape[1], nz_c0(cache.dtype)
+    strips = cache.view(cache.shape[0], -1, bs, c0)
+    strips[slots // bs, :, slots % bs] = rows.reshape(slots.shape[0], -1, c0).to(cache.dtype)

@@ -111,6 +111,7 @@ class LLMEngine:
             config.start_layer,
             compile=self.compile_choice[0],
             compile_required=config.compile == "on",
+            kv_layout=config.kv_layout_choice(),
         )
         # Prompt token ids of split requests are placeholders: hashing them would alias.
         caching = config.enable_prefix_caching and config.start_layer == 0

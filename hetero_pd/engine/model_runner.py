@@ -20,6 +20,8 @@ from hetero_pd.engine.scheduler import ScheduledChunk, SchedulerOutput
 from hetero_pd.models.attention import AttentionMetadata, PrefillSpan
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.llama import CausalLM, KVCache
+from transfer.kv_layouts import ND, write_slots
+from transfer.kv_layouts import check as check_layout
 
 log = logging.getLogger("hetero_pd.engine")
 # (num_layers, num_blocks, block_shape, dtype, device) -> [K0, V0, K1, V1, ...]
@@ -59,8 +61,11 @@ class ModelRunner:
         start_layer: int = 0,
         compile: bool = False,
         compile_required: bool = False,
+        kv_layout: str = ND,
     ) -> None:
         self.model, self.cfg = model, cfg
+        #: Byte order inside KV blocks (transfer.kv_layouts): the device's, or configured.
+        self.kv_layout = kv_layout
         # > 0: a split (edge) engine; every request's inputs are hidden states entering here.
         self.start_layer = start_layer
         self.block_size, self.device = block_size, device
@@ -70,6 +75,9 @@ class ModelRunner:
         self.padding = backend.step_padding() if compile else None
         self.scratch_block = num_blocks if self.padding else None
         block_shape = (block_size, cfg.num_kv_heads, cfg.head_dim)
+        why = check_layout(kv_layout, block_shape, dtype)
+        if why is not None:
+            raise ValueError(f"kv_layout: {why}")
         allocate = kv_allocator or allocate_kv_tensors
         total_blocks = num_blocks + (1 if self.padding else 0)
         tensors = allocate(cfg.num_layers, total_blocks, block_shape, dtype, device)
@@ -126,6 +134,7 @@ class ModelRunner:
             num_decode_tokens=n,
             decode_slots=slots.repeat(n).to(self.device),
             decode_mask=torch.ones(n, 1, 1, ctx, dtype=torch.bool, device=self.device),
+            kv_layout=self.kv_layout,
         )
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         hidden = self.model(positions.to(self.device), meta, self.kv_caches, ids, compiled=True)
@@ -172,7 +181,9 @@ class ModelRunner:
         row_of_token = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
         slots = table[row_of_token, pos // bs] * bs + pos % bs
         meta = AttentionMetadata(
-            slot_mapping=slots.to(self.device), num_decode_tokens=len(decode_rows)
+            slot_mapping=slots.to(self.device),
+            num_decode_tokens=len(decode_rows),
+            kv_layout=self.kv_layout,
         )
         if decode_rows:
             offsets = torch.arange(ctx)
@@ -237,8 +248,8 @@ class ModelRunner:
             kv = req.early_kv[:, :, start : start + chunk.num_tokens]
             for layer in range(k):
                 for j, cache in enumerate(self.kv_caches[layer]):
-                    flat = cache.view(-1, *cache.shape[2:])
-                    flat[slots] = kv[layer, j].to(self.device, cache.dtype)
+                    rows = kv[layer, j].to(self.device, cache.dtype)
+                    write_slots(cache, slots, rows, self.kv_layout)
 
     def _compiled_shape(self, out: SchedulerOutput, start: int) -> tuple[int, int] | None:
         """(rows, context) a compiled graph runs this step at, or None to run it eager:

@@ -5,6 +5,10 @@ KV cache layout, per layer and per K/V (the transfer module addresses blocks by 
     cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot  = block_id * block_size + offset_in_block
 
+The bytes inside a block are in the engine's KV layout (`meta.kv_layout`: `nd`, row-major
+as the shape reads, or the NPU's `fractal_nz`; see transfer/kv_layouts.py, which owns the
+slot mapping of each).
+
 A step's flat token batch holds the decode tokens first (one per sequence), then the
 prefill chunks, each contiguous.
 """
@@ -15,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from transfer.kv_layouts import ND, read_slots, write_slots
 
 
 @dataclass(slots=True)
@@ -38,6 +44,7 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None  # [num_decode * max_context] long
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] bool
     prefills: list[PrefillSpan] = field(default_factory=list)
+    kv_layout: str = ND  # byte order inside the cache's blocks (transfer.kv_layouts)
 
 
 def paged_attention(
@@ -51,19 +58,16 @@ def paged_attention(
 ) -> torch.Tensor:
     """Writes this step's K/V into the cache, then attends. Returns [num_tokens, heads, dim]."""
     # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    write_slots(k_cache, meta.slot_mapping, k, meta.kv_layout)
+    write_slots(v_cache, meta.slot_mapping, v, meta.kv_layout)
     nd = meta.num_decode_tokens
     # A compiled step is decode-only (ModelRunner), and comparing the batch size with the
     # int nd would specialize it.
     if torch.compiler.is_compiling() or (nd == q.shape[0] and not meta.prefills):
-        return _decode(q, k_flat, v_flat, meta, scale)
+        return _decode(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = _decode(q[:nd], k_flat, v_flat, meta, scale)
+        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale)
     for span in meta.prefills:
         # 4-D [1, heads, tokens, dim]: 3-D inputs take SDPA's slower math path, which also
         # rounds differently from transformers in bfloat16.
@@ -75,8 +79,8 @@ def paged_attention(
                 qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            kp = k_flat.index_select(0, span.context_slots).transpose(0, 1)[None]
-            vp = v_flat.index_select(0, span.context_slots).transpose(0, 1)[None]
+            kp = read_slots(k_cache, span.context_slots, meta.kv_layout).transpose(0, 1)[None]
+            vp = read_slots(v_cache, span.context_slots, meta.kv_layout).transpose(0, 1)[None]
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=span.mask, scale=scale, enable_gqa=True
             )
@@ -86,19 +90,21 @@ def paged_attention(
 
 def _decode(
     q: torch.Tensor,
-    k_flat: torch.Tensor,
-    v_flat: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """One query token per sequence against its cached context."""
     assert meta.decode_slots is not None and meta.decode_mask is not None
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and meta.kv_layout == ND:
+        k_flat = k_cache.view(-1, *k_cache.shape[2:])
+        v_flat = v_cache.view(-1, *v_cache.shape[2:])
         return _decode_fused(q, k_flat, v_flat, meta.decode_slots, meta.decode_mask, scale)
-    nd, num_kv_heads, head_dim = q.shape[0], k_flat.shape[1], k_flat.shape[2]
+    nd, num_kv_heads, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
     # index_select on the flat cache is far cheaper than advanced indexing by block table.
-    kd = k_flat.index_select(0, meta.decode_slots).view(nd, -1, num_kv_heads, head_dim)
-    vd = v_flat.index_select(0, meta.decode_slots).view(nd, -1, num_kv_heads, head_dim)
+    kd = read_slots(k_cache, meta.decode_slots, meta.kv_layout).view(nd, -1, num_kv_heads, head_dim)
+    vd = read_slots(v_cache, meta.decode_slots, meta.kv_layout).view(nd, -1, num_kv_heads, head_dim)
     # q: [nd, heads, 1, dim]; kd, vd: [nd, kv_heads, max_context, dim] (strided views)
     od = F.scaled_dot_product_attention(
         q.unsqueeze(2),

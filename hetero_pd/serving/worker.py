@@ -97,7 +97,14 @@ class Worker:
         # On the CPU the cache lives in shared memory so a peer on this host writes into it.
         shared = device.type == "cpu" and "shm" in self.cfg.transfer.transports
         self.region = KVRegion.allocate(
-            "kv", num_layers, num_blocks, block_shape, dtype, device=device, shared=shared
+            "kv",
+            num_layers,
+            num_blocks,
+            block_shape,
+            dtype,
+            device=device,
+            shared=shared,
+            layout=self.cfg.engine.kv_layout_choice(),
         )
         return self.region.tensors
 

@@ -47,7 +47,7 @@ def test_region_descriptions_validate_the_layout() -> None:
     desc = KVRegion.allocate("kv", 1, 4, (16, *INNER), layout=FRACTAL_NZ).describe()
     assert wire.region_descriptions([desc])["kv"]["fmt"] == FRACTAL_NZ
     for bad in ("zz", 3, None):
-        with pytest.raises(wire.FrameError, match="regions.fmt"):
+        with pytest.raises(wire.FrameError, match=r"regions\.fmt"):
             wire.region_descriptions([{**desc, "fmt": bad}])
 
 
