@@ -48,6 +48,11 @@ class EngineConfig:
     #: when that is a wildcard, peers use the host they dialled to reach our link.
     advertise_host: str = ""
     secret: bytes = b""
+    #: What makes this engine's KV interchangeable with a peer's (opaque; the serving layer
+    #: puts in its model's weights + tokenizer fingerprint). Exchanged after authentication:
+    #: a link between two engines that both set one and differ is refused (PARAM_INVALID,
+    #: naming both). Empty: not checked.
+    fingerprint: str = ""
     #: Deadline of one link handshake.
     link_timeout_s: float = 5.0
     #: Default deadline of a whole transfer, all retries included (LLM-DataDist sync_kv_timeout).

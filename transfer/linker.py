@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hmac
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,8 @@ from transfer.loop import IOLoop
 from transfer.metrics import Metrics
 from transfer.outbox import Outbox
 from transfer.session import Identity, Link, Session
+
+log = logging.getLogger(__name__)
 
 #: Handshakes in progress on the listening side, at most (oldest evicted).
 MAX_PENDING_HELLOS = 256
@@ -286,9 +289,16 @@ class Linker:
         try:
             regions = wire.region_descriptions(msg["regions"])
             data_address = reachable(wire.data_address(msg["da"]), peer_ip)
+            theirs = wire.fingerprint(msg["fp"])
         except wire.FrameError as exc:
             self.metrics.reject(exc.reason)
             self._refuse(identity, StatusCode.FRAME_INVALID, f"link refused: {exc}")
+            return
+        mismatch = self._fingerprint_mismatch(hello["eid"], theirs)
+        if mismatch is not None:
+            self.metrics.reject("fingerprint_mismatch")
+            log.error("%s", mismatch)
+            self._refuse(identity, StatusCode.PARAM_INVALID, mismatch)
             return
         token = auth.new_nonce()
         session = _session(hello, msg, regions, token, data_address, identity=identity)
@@ -309,9 +319,15 @@ class Linker:
             regions = wire.region_descriptions(msg["regions"])
             dialled = parse_endpoint(link.address)[0]
             data_address = reachable(wire.data_address(msg["da"]), dialled)
+            theirs = wire.fingerprint(msg["fp"])
         except wire.FrameError as exc:
             self.metrics.reject(exc.reason)
             self._fail_link(link, StatusCode.FRAME_INVALID, f"bad welcome: {exc}")
+            return
+        mismatch = self._fingerprint_mismatch(hello["eid"], theirs)
+        if mismatch is not None:
+            self.metrics.reject("fingerprint_mismatch")
+            self._fail_link(link, StatusCode.PARAM_INVALID, mismatch)
             return
         session = _session(hello, msg, regions, msg["token"], data_address, link=link)
         link.session = session
@@ -331,14 +347,27 @@ class Linker:
             listener(session)
 
     def _about_me(self) -> dict[str, Any]:
-        """What an authenticated peer learns about us: host, pid, data address, regions."""
+        """What an authenticated peer learns about us: host, pid, data address, regions,
+        KV fingerprint."""
         me = self.me
         return {
             "host": me.host,
             "pid": me.pid,
             "da": me.data_address,
             "regions": self._describe_regions(),
+            "fp": self.config.fingerprint,
         }
+
+    def _fingerprint_mismatch(self, peer: str, theirs: str) -> str | None:
+        """Why a peer whose KV fingerprint is ``theirs`` may not link with us, or None."""
+        ours = self.config.fingerprint
+        if not ours or not theirs or ours == theirs:
+            return None
+        return (
+            f"KV fingerprints differ: {self.me.engine_id!r} has {ours}, {peer!r} has {theirs}; "
+            "the two hold different models (weights or tokenizer), so their KV is not "
+            "interchangeable: deploy the same model folder on both"
+        )
 
     def _refuse(self, identity: bytes, code: StatusCode, msg: str) -> None:
         self._reply(identity, wire.encode("error", x="", code=code.number, msg=msg))

@@ -40,8 +40,15 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # before authentication nothing but ids and nonces; who we are and what we hold after
     "hello": {"eid": _STR, "role": _STR, "nonce": _BIN},
     "challenge": {"eid": _STR, "role": _STR, "nonce": _BIN, "proof": _BIN},
-    "auth": {"proof": _BIN, "host": _STR, "pid": _INT, "da": _STR, "regions": _LIST},
-    "welcome": {"token": _BIN, "host": _STR, "pid": _INT, "da": _STR, "regions": _LIST},
+    "auth": {"proof": _BIN, "host": _STR, "pid": _INT, "da": _STR, "regions": _LIST, "fp": _STR},
+    "welcome": {
+        "token": _BIN,
+        "host": _STR,
+        "pid": _INT,
+        "da": _STR,
+        "regions": _LIST,
+        "fp": _STR,
+    },
     "regions": {"regions": _LIST},
     "bye": {},
     "ping": {},
@@ -195,6 +202,18 @@ def region_descriptions(raw: list[Any]) -> dict[str, dict[str, Any]]:
         int_list(shape, "regions.shape")
         out[desc["name"]] = desc
     return out
+
+
+#: Longest fingerprint a peer may send, and the characters it may hold.
+MAX_FINGERPRINT = 128
+_FINGERPRINT_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-_.:")
+
+
+def fingerprint(value: str) -> str:
+    """A peer's KV fingerprint (AUTH / WELCOME ``fp``): empty, or a short printable token."""
+    if len(value) > MAX_FINGERPRINT or not set(value) <= _FINGERPRINT_CHARS:
+        raise FrameError("bad_field", "fp")
+    return value
 
 
 def data_address(address: str) -> str:

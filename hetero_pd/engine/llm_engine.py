@@ -119,7 +119,9 @@ class LLMEngine:
         tiers = None
         if tier_config is not None:
             kv = self.runner.kv_tensors
-            tiers = build_kv_tiers(tier_config, self.model_path, kv, config.block_size)
+            tiers = build_kv_tiers(
+                tier_config, self.model_path, kv, config.block_size, self.runner.kv_layout
+            )
         self.kv = KVCacheManager(num_blocks, config.block_size, caching, tiers)
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,

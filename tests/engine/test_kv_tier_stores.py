@@ -166,5 +166,6 @@ def test_namespace_tells_models_dtypes_and_shapes_apart(
         kv_namespace(tiny_qwen2_dir, torch.float32, (16, 2, 16), 6),
         kv_namespace(tiny_llama_dir, torch.bfloat16, (16, 2, 16), 6),
         kv_namespace(tiny_llama_dir, torch.float32, (8, 2, 16), 6),
+        kv_namespace(tiny_llama_dir, torch.float32, (16, 2, 16), 6, "fractal_nz"),
     ]
-    assert base not in others and len(set(others)) == 3
+    assert base not in others and len(set(others)) == 4

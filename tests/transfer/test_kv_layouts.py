@@ -127,3 +127,41 @@ def test_nz_destination_refuses_another_block_size(
     assert h.error is not None and h.error.code is StatusCode.PARAM_INVALID
     assert "needs an nd destination" in h.error.message
     assert ND in LAYOUTS
+
+
+def _engine(name: str, fingerprint: str) -> TransferEngine:
+    cfg = EngineConfig(secret=b"s", fingerprint=fingerprint, link_timeout_s=5.0)
+    return TransferEngine(f"{name}-{next(_ids)}", "decode", cfg)
+
+
+def test_mismatched_fingerprints_refuse_the_link_naming_both() -> None:
+    """Either side refuses: the listener (AUTH) and the dialler (WELCOME, when the listener
+    does not check: here, one that sets no fingerprint links with anyone)."""
+    a, b, c, blank = (
+        _engine("p", "aaaa1111"),
+        _engine("d", "bbbb2222"),
+        _engine("d", "aaaa1111"),
+        _engine("x", ""),
+    )
+    try:
+        with pytest.raises(TransferError) as info:
+            a.link(b.engine_id, b.address)
+        err = info.value
+        assert err.code is StatusCode.PARAM_INVALID and not err.code.recoverable
+        assert "aaaa1111" in err.message and "bbbb2222" in err.message
+        assert "fingerprints differ" in err.message
+        assert b.metrics()["frames_rejected"].get("fingerprint_mismatch") == 1
+        assert a.peers() == [] and b.peers() == []
+        a.link(c.engine_id, c.address)  # same fingerprint
+        blank.link(a.engine_id, a.address)  # not checked when one side has none
+        a.register_region(KVRegion.allocate("kv", 2, 8, (16, *INNER)))
+        b.register_region(KVRegion.allocate("kv", 2, 8, (16, *INNER)))
+        recv = b.reserve("r", [1], writer=a.engine_id)
+        assert recv.blocks is not None
+        h = a.push_blocks(b.engine_id, [0], recv.blocks, timeout_s=10)
+        assert h.wait(10) is TransferState.FAILED  # at once: the error is not recoverable
+        assert h.error is not None and "bbbb2222" in h.error.message
+        assert h.attempts == 0  # refused at the link: not one attempt, no retry
+    finally:
+        for eng in (a, b, c, blank):
+            eng.close()

@@ -50,8 +50,9 @@ def test_bad_dest_address_fails_fast_and_the_engine_lives(
     assert eng.healthy()
 
 
-def _fake_client(address: str, da: str) -> tuple[str, dict[str, object]]:
-    """An authenticated peer (it knows the secret) that advertises ``da`` as its data address."""
+def _fake_client(address: str, da: str, fp: str = "") -> tuple[str, dict[str, object]]:
+    """An authenticated peer (it knows the secret) that advertises ``da`` as its data address
+    and ``fp`` as its KV fingerprint."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
@@ -63,7 +64,7 @@ def _fake_client(address: str, da: str) -> tuple[str, dict[str, object]]:
         proof = auth.client_proof(
             SECRET.encode(), nonce, challenge["nonce"], "fake", challenge["eid"]
         )
-        sock.send(wire.encode("auth", proof=proof, host="h", pid=1, da=da, regions=[]))
+        sock.send(wire.encode("auth", proof=proof, host="h", pid=1, da=da, regions=[], fp=fp))
         assert sock.poll(5000)
         return wire.decode(sock.recv(), 1)
     finally:
@@ -83,6 +84,18 @@ def test_bad_advertisement_is_refused_and_the_engine_lives(
     assert victim.peers() == []
     assert victim.healthy()
     _push_works(victim, receiver, f"after-da-{len(da)}")
+
+
+@pytest.mark.parametrize("fp", ["x" * 200, "a b", "\u00e9", "a\x00"])
+def test_bad_fingerprint_is_refused_and_the_engine_lives(
+    receiver: PeerProcess, make_engine: Callable[..., TransferEngine], fp: str
+) -> None:
+    victim = make_engine()
+    msg_type, reply = _fake_client(victim.address, "", fp)
+    assert msg_type == "error" and reply["code"] == StatusCode.FRAME_INVALID.number
+    assert "fp" in str(reply["msg"])
+    assert victim.peers() == [] and victim.healthy()
+    _push_works(victim, receiver, f"after-fp-{len(fp)}")
 
 
 def test_link_never_blocks_the_caller(make_engine: Callable[..., TransferEngine]) -> None:

@@ -26,7 +26,11 @@ __all__ = ["KVTierStats", "KVTiers", "TierConfig", "TierStats", "build_kv_tiers"
 
 
 def build_kv_tiers(
-    config: TierConfig, model_path: Path, kv_tensors: list[torch.Tensor], block_size: int
+    config: TierConfig,
+    model_path: Path,
+    kv_tensors: list[torch.Tensor],
+    block_size: int,
+    kv_layout: str = "nd",
 ) -> KVTiers:
     """Tiers for the device KV `kv_tensors` ([K0, V0, K1, ...], each [num_blocks, *block])
     of the model in `model_path`; a host slot holds one block of every tensor."""
@@ -45,7 +49,7 @@ def build_kv_tiers(
     disk = None
     if config.disk_bytes:
         assert config.disk_path is not None
-        namespace = kv_namespace(model_path, first.dtype, block_shape, len(kv_tensors))
+        namespace = kv_namespace(model_path, first.dtype, block_shape, len(kv_tensors), kv_layout)
         disk = DiskTier(config.disk_path, namespace, config.disk_bytes, block_bytes, block_size)
     mover = TierMover(host, disk, kv_tensors, backend)
     return KVTiers(host, disk, mover, backend, config.admit_after)

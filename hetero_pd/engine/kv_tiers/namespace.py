@@ -8,37 +8,23 @@ import json
 from pathlib import Path
 
 import torch
-import xxhash
 
 from hetero_pd.engine.kv_tiers import blockfile
-from hetero_pd.models.loader import weight_files
-
-_SAMPLES = 16
-_SAMPLE_BYTES = 64 * 1024
-
-
-def weights_fingerprint(path: Path) -> bytes:
-    """A digest of the model folder's config and weights: each safetensors file's size and
-    header (tensor names, dtypes, shapes, offsets) and 16 samples of its bytes, so a
-    fine-tune with the same shapes differs too, without reading gigabytes at start."""
-    digest = hashlib.sha256((path / "config.json").read_bytes())
-    for file in weight_files(path):
-        size = file.stat().st_size
-        digest.update(f"{file.name}:{size}".encode())
-        with file.open("rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            digest.update(f.read(min(header_len, size)))
-            for i in range(_SAMPLES):
-                f.seek(size * i // _SAMPLES)
-                digest.update(xxhash.xxh3_64_digest(f.read(_SAMPLE_BYTES)))
-    return digest.digest()
+from hetero_pd.models.fingerprint import weights_fingerprint
 
 
 def kv_namespace(
-    model_path: Path, dtype: torch.dtype, block_shape: tuple[int, ...], num_tensors: int
+    model_path: Path,
+    dtype: torch.dtype,
+    block_shape: tuple[int, ...],
+    num_tensors: int,
+    kv_layout: str = "nd",
 ) -> bytes:
-    """16 bytes naming (weights, dtype, per-layer block shape, KV tensor count, file format)."""
+    """16 bytes naming (weights, dtype, per-layer block shape, KV tensor count, file format,
+    and the byte order inside blocks when it is not the standard nd)."""
     digest = hashlib.sha256(weights_fingerprint(model_path))
     layout = [blockfile.VERSION, str(dtype), list(block_shape), num_tensors]
+    if kv_layout != "nd":  # nd files written before layouts existed keep their namespace
+        layout.append(kv_layout)
     digest.update(json.dumps(layout).encode())
     return digest.digest()[:16]
