@@ -22,6 +22,7 @@ from hetero_pd.deploy.calibrate import (
     check_agreement,
     profile_speed,
 )
+from hetero_pd.deploy.formats import role_dtype
 from hetero_pd.deploy.ratio import Plan, WorkerSpeed, plan_workers
 from hetero_pd.deploy.schema import Deployment
 from hetero_pd.deploy.sections import WorkloadSpec
@@ -56,26 +57,30 @@ def make_measure(dep: Deployment, use_calibration: bool) -> Measure:
     """The function that finds one role's speed (see the module docstring)."""
     from hetero_pd.models.config import ModelConfig
     from hetero_pd.models.fetch import resolve_model
+    from hetero_pd.serving.model_deployment import concrete_dtype
 
-    cache: dict[str, WorkerSpeed] = {}
+    cache: dict[tuple[str, str], WorkerSpeed] = {}
     workload = dep.workload or WorkloadSpec()
     context = workload.input_len + workload.output_len // 2
 
-    def costs() -> ModelCosts:
-        return ModelCosts.of(ModelConfig.from_dir(resolve_model(dep.model)), dep.dtype)
+    def costs(dtype: str) -> ModelCosts:
+        return ModelCosts.of(ModelConfig.from_dir(resolve_model(dep.model)), dtype)
 
     def measure(role: str, device: str) -> WorkerSpeed:
         kind, index = parse_device_spec(device)
         concrete = "cpu" if kind == "cpu" else f"{kind}:{index or 0}"
         here = present(concrete)
         declared = dep.capacity(kind)
-        if concrete in cache:
-            return cache[concrete]
+        dtype = role_dtype(dep, role)  # per role: prefill and decode may differ
+        if here and dtype == "auto":
+            dtype = concrete_dtype(dtype, dep.model, concrete)
+        if (concrete, dtype) in cache:
+            return cache[concrete, dtype]
         if here and use_calibration:
             threads = dep.engine.get("num_threads")
-            speed = calibrate(dep.model, concrete, dep.dtype, num_threads=threads)
+            speed = calibrate(dep.model, concrete, dtype, num_threads=threads)
             try:
-                checked = check_agreement(speed, profile_speed(concrete, costs(), context))
+                checked = check_agreement(speed, profile_speed(concrete, costs(dtype), context))
             except CalibrationError as e:
                 raise PlanError(f"{dep.source}: {e}") from e
             speed = dataclasses.replace(speed, source=f"{speed.source}; {'; '.join(checked)}")
@@ -88,14 +93,14 @@ def make_measure(dep: Deployment, use_calibration: bool) -> Measure:
                 f"declared in pd.capacity.{kind}",
             )
         elif here:
-            speed = profile_speed(concrete, costs(), context)
+            speed = profile_speed(concrete, costs(dtype), context)
         else:
             raise PlanError(
                 f"{dep.source}: the {role} device {device} is not on this host, so its speed "
                 f"cannot be measured; run `hetero-pd plan --measure {kind}` on a host that has "
                 f"one and put the numbers under pd.capacity.{kind}"
             )
-        cache[concrete] = speed
+        cache[concrete, dtype] = speed
         return speed
 
     return measure

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hetero_pd.config import DTYPES, EngineConfig
+from hetero_pd.config import DTYPE_CHOICES, EngineConfig
 from hetero_pd.deploy.fields import BAD, build, check_value
 from hetero_pd.deploy.sections import (
     ROLES,
@@ -118,7 +118,8 @@ def _parse(raw: Any, src: Source) -> Deployment:
         src.error("version", f"unsupported version {version!r}; this build reads {VERSION}")
     if not isinstance(raw.get("model"), str) or not raw["model"]:
         src.error("model", "required: a known model name or a local Hugging Face folder")
-    dtype = check_value(raw.get("dtype", "float32"), str, "dtype", src, {"choices": DTYPES})
+    choices = {"choices": DTYPE_CHOICES}
+    dtype = check_value(raw.get("dtype", "float32"), str, "dtype", src, choices)
     router = build(RouterSpec, raw.get("router"), "router", src)
     transfer_raw = raw.get("transfer")
     faults: Any = {}

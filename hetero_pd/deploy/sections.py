@@ -8,12 +8,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hetero_pd.config import DTYPE_CHOICES
 from hetero_pd.deploy.fields import opt, required
 from hetero_pd.hidden_codec import CODECS as EDGE_CODECS
 from hetero_pd.serving.policy import FAILURE_POLICIES, POLICIES
 from transfer.kv_codec import CODECS as KV_CODECS
+from transfer.kv_layouts import LAYOUTS as KV_LAYOUTS
 
 ROLES = ("prefill", "decode", "both")
+#: A worker group's dtype: "" = the deployment's `dtype`; "auto" = its device's backend picks.
+WORKER_DTYPES = ("", *DTYPE_CHOICES)
+#: Byte order of a worker's KV blocks: "auto" = its device's (fractal_nz on npu, else nd).
+WORKER_KV_LAYOUTS = ("auto", *KV_LAYOUTS)
 TRANSPORTS = ("local", "cuda_ipc", "shm", "tcp")
 #: Kubernetes extended resource and node selector of each accelerator kind (overridable).
 DEVICE_RESOURCES = {"npu": "huawei.com/Ascend910", "cuda": "nvidia.com/gpu"}
@@ -50,6 +56,10 @@ class WorkerSpec:
     #: Bare metal: control port of this group's first worker (each next one +2; a worker's
     #: transfer port is its control port + 1). 0: after the host's previous workers, from 9000.
     port: int = opt(0, lo=0, hi=65000)
+    #: These workers' compute and KV dtype ("" = the deployment's); KV moving to a worker of
+    #: another dtype is converted on receipt.
+    dtype: str = opt("", choices=WORKER_DTYPES)
+    kv_layout: str = opt("auto", choices=WORKER_KV_LAYOUTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +135,11 @@ class PDSpec:
     max_instances: int = opt(0, lo=0, doc="automatic: cap on the total (0: no cap)")
     prefill_device: str = "cpu"
     decode_device: str = "cpu"
+    #: Per-role dtype and KV layout ("" / "auto": as for `workers[].dtype` / `.kv_layout`).
+    prefill_dtype: str = opt("", choices=WORKER_DTYPES)
+    decode_dtype: str = opt("", choices=WORKER_DTYPES)
+    prefill_kv_layout: str = opt("auto", choices=WORKER_KV_LAYOUTS)
+    decode_kv_layout: str = opt("auto", choices=WORKER_KV_LAYOUTS)
     #: device kind -> Capacity fields
     capacity: dict[str, dict[str, Any]] = field(default_factory=dict)
 

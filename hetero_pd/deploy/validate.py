@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from backends import get_backend, parse_device_spec
+from hetero_pd.deploy.formats import worker_formats
 from hetero_pd.deploy.schema import Deployment, load_deployment
 from hetero_pd.deploy.sections import IMAGE_KINDS
 from hetero_pd.deploy.source import Issue, Source
@@ -51,6 +52,7 @@ class Report:
             f"  router      {url}  policy {r.policy}, "
             f"on prefill failure: {r.failure_policy}, API keys: {len(r.api_keys)}"
         )
+        formats = worker_formats(dep)
         if dep.pd is not None and dep.automatic:
             lines.append("  workers     automatic P/D counts (see `hetero-pd plan`)")
         for i, w in enumerate(self.workers):
@@ -58,7 +60,9 @@ class Report:
             device = w.device
             if self.target == "k8s" and device != "cpu":
                 device = f"{device.split(':')[0]} (one per pod)"
-            lines.append(f"{head}{w.worker_id:<12} {w.role:<8} {device}")
+            fmt = formats[w.worker_id]
+            layout = "" if fmt.kv_layout == "auto" else f", KV {fmt.kv_layout}"
+            lines.append(f"{head}{w.worker_id:<12} {w.role:<8} {device} ({fmt.dtype}{layout})")
         t = dep.transfer
         lines.append(
             f"  transfer    {', '.join(t.transports)}; checksum {'on' if t.checksum else 'off'}"

@@ -183,8 +183,16 @@ def pd_workers(
 def workers_for_counts(pd: PDSpec, prefill: int, decode: int) -> tuple[WorkerSpec, ...]:
     """The worker list for `prefill` + `decode` workers on the pd section's devices."""
     return (
-        WorkerSpec("prefill", pd.prefill_device, prefill),
-        WorkerSpec("decode", pd.decode_device, decode),
+        WorkerSpec(
+            "prefill",
+            pd.prefill_device,
+            prefill,
+            dtype=pd.prefill_dtype,
+            kv_layout=pd.prefill_kv_layout,
+        ),
+        WorkerSpec(
+            "decode", pd.decode_device, decode, dtype=pd.decode_dtype, kv_layout=pd.decode_kv_layout
+        ),
     )
 
 

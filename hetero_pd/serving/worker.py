@@ -32,7 +32,8 @@ import torch
 from hetero_pd import secrets
 from hetero_pd.engine.llm_engine import LLMEngine
 from hetero_pd.engine.scheduler import Role, SchedulerOutput
-from hetero_pd.models.fingerprint import split_fingerprint
+from hetero_pd.models.fetch import resolve_model
+from hetero_pd.models.fingerprint import model_fingerprint, split_fingerprint
 from hetero_pd.serving import protocol as P
 from hetero_pd.serving.control_auth import CurveKeys
 from hetero_pd.serving.control_server import ControlServer
@@ -58,8 +59,10 @@ class Worker:
         self.cfg = cfg
         self.id = cfg.worker_id
         role = {"prefill": "prefill", "decode": "decode"}.get(cfg.role, "mixed")
+        #: Weights + tokenizer: prefill and decode compare it when they link.
+        self.model_fingerprint: str = model_fingerprint(resolve_model(cfg.engine.model))
         self.transfer: TransferEngine = TransferEngine(
-            cfg.worker_id, role, transfer_config(cfg, secret)
+            cfg.worker_id, role, transfer_config(cfg, secret, self.model_fingerprint)
         )
         self.region: KVRegion | None = None
         self.engine: LLMEngine = LLMEngine(
