@@ -40,6 +40,21 @@ def worker_formats(dep: Deployment) -> dict[str, KVFormat]:
     }
 
 
+def worker_format(dep: Deployment, worker_id: str, role: str) -> KVFormat:
+    """The format of worker `worker_id`; one the file does not list (a replica added by
+    scaling a Kubernetes role up) gets that of the first group of its `role`."""
+    formats = worker_formats(dep)
+    if worker_id in formats:
+        return formats[worker_id]
+    roles = [spec.role for spec in dep.workers for _ in range(spec.count)]
+    for worker_role, wid in zip(roles, worker_ids(dep.workers), strict=True):
+        if worker_role == role:
+            return formats[wid]
+    return KVFormat(
+        str(dep.engine.get("dtype", dep.dtype)), str(dep.engine.get("kv_layout", "auto"))
+    )
+
+
 def role_dtype(dep: Deployment, role: str) -> str:
     """The dtype of the first worker that runs `role` ("prefill" or "decode")."""
     formats = worker_formats(dep)

@@ -22,7 +22,7 @@ from typing import Any
 from backends.cpu import usable_cpus
 from hetero_pd import secrets
 from hetero_pd.config import EngineConfig
-from hetero_pd.deploy.formats import worker_formats
+from hetero_pd.deploy.formats import worker_format
 from hetero_pd.deploy.schema import Deployment
 from hetero_pd.deploy.supervisor import Supervisor
 from hetero_pd.deploy.workers import WorkerInstance, expand_workers
@@ -68,7 +68,7 @@ def worker_config(
         "device": w.device,
         "num_threads": threads,
         **dep.engine,
-        **worker_formats(dep)[w.worker_id].engine_options(),  # per worker: dtype, kv_layout
+        **worker_format(dep, w.worker_id, w.role).engine_options(),  # dtype, kv_layout
     }
     if dep.edge is not None and dep.edge.enabled:
         engine["start_layer"] = dep.edge.split_layer  # layers [k, L): edge sessions only

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from backends import get_backend
-from hetero_pd.deploy.formats import role_dtype, worker_formats
+from hetero_pd.deploy.formats import role_dtype, worker_format, worker_formats
 from hetero_pd.deploy.plan import resolve
 from hetero_pd.deploy.schema import ConfigError, load_deployment
 from hetero_pd.deploy.validate import validate_file
@@ -112,3 +112,13 @@ def test_bad_formats_are_named(
     with pytest.raises(ConfigError) as info:
         load_deployment(write_yaml(f"model: {tiny_llama_dir}\n{line}{extra}\n"))
     assert any(issue.key.startswith(key) for issue in info.value.issues), info.value.issues
+
+
+def test_a_replica_the_file_does_not_list_gets_its_roles_format(
+    write_yaml: Callable[[str], Path], tiny_llama_dir: Path
+) -> None:
+    """Scaling a Kubernetes role up starts `decode-3`: it runs as the first decode group."""
+    dep = load_deployment(_workers(write_yaml, tiny_llama_dir))
+    assert worker_format(dep, "decode-3", "decode") == worker_formats(dep)["decode-0"]
+    assert worker_format(dep, "prefill-5", "prefill").kv_layout == "fractal_nz"
+    assert worker_format(dep, "both-0", "both").dtype == "float32"
