@@ -17,7 +17,6 @@ import torch
 import zmq
 
 from transfer import checksum, dataframe, kv_codec, kv_layouts, layout, wire
-from transfer.devices import to_host
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
 from transfer.handle import RemoteBlocks, TransferHandle, TransferState
