@@ -14,6 +14,9 @@ configuration, one after the other in one run, the same prompts in each:
     prefix_aware        longest prefix held (records and the workers' reports)
     kv_aware            Dynamo's cost, without prefix pulls
     kv_aware+pull       Dynamo's cost; a prefix held elsewhere is pulled, not computed
+    kv_aware-full-push  kv_aware, but decode receives the whole prompt's KV even where its
+                        own cache holds the prefix (router.decode_prefix_reuse: false): the
+                        KV bytes suffix-only transfer saves
 
 Reported per configuration: TTFT p50/p99, prompt tokens computed over all workers (the
 rest came from a prefix cache or a pull), prefix pulls, KV bytes pushed, and the routing
@@ -48,6 +51,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "prefix_aware": {"policy": "prefix_aware"},
     "kv_aware": {"policy": "kv_aware", "prefix_pull_min_tokens": 0},
     "kv_aware+pull": {"policy": "kv_aware"},
+    "kv_aware-full-push": {
+        "policy": "kv_aware",
+        "prefix_pull_min_tokens": 0,
+        "decode_prefix_reuse": False,
+    },
 }
 
 

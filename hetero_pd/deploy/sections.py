@@ -78,6 +78,9 @@ class RouterSpec:
     prefix_pull_min_tokens: int = opt(
         32, lo=0, doc="kv_aware: pull a prefix held elsewhere when it saves this many tokens"
     )
+    decode_prefix_reuse: bool = opt(
+        True, doc="decode serves the prompt's prefix from its cache; only the suffix's KV moves"
+    )
     heartbeat_timeout_s: float = opt(5.0, lo=0.1)
     #: A streaming client that takes no data for this long is cut off and its request ended.
     write_timeout_s: float = opt(30.0, lo=0.1)

@@ -268,7 +268,12 @@ class Handoff:
         deadline = time.monotonic() + self.cfg.reserve_timeout_s
         delay = 0.05
         block_size = decode.info.block_size
-        reuse = self.edge is None and block_size > 0 and block_size == writer.info.block_size
+        reuse = (
+            self.chooser.cfg.decode_prefix_reuse
+            and self.edge is None
+            and block_size > 0
+            and block_size == writer.info.block_size
+        )
         reserve = P.Reserve(**self._fields(), writer=writer.id, reuse_prefix=reuse)
         while True:
             self._send(decode, reserve)

@@ -48,6 +48,9 @@ class RoutingConfig:
     #: kv_aware: when another worker holds at least this many more prompt tokens than the
     #: one chosen to compute the prompt, the chosen one pulls them (0: never pull).
     prefix_pull_min_tokens: int = 32
+    #: A decode worker serves the prompt's prefix from its own cache and receives only the
+    #: rest's KV (suffix-only transfer); False sends the whole prompt's KV (for comparison).
+    decode_prefix_reuse: bool = True
     #: How long a pull may take before the puller computes the prefix itself.
     prefix_pull_timeout_s: float = 10.0
 

@@ -55,6 +55,7 @@ def router_config(dep: Deployment) -> RouterConfig:
             block_size=int(dep.engine.get("block_size", 16)),
             kv_overlap_weight=r.kv_overlap_weight,
             prefix_pull_min_tokens=r.prefix_pull_min_tokens,
+            decode_prefix_reuse=r.decode_prefix_reuse,
         ),
         failure_policy=r.failure_policy,  # type: ignore[arg-type]
         max_inflight=r.max_inflight,

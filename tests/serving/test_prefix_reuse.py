@@ -153,3 +153,21 @@ def test_the_router_refuses_a_decode_workers_claim_of_cached_tokens(
         with pytest.raises(RouterError) as e:
             Handoff._check_cached(flow, msg, reuse, 16)  # type: ignore[arg-type]
         assert (e.value.status, e.value.code) == (502, "bad_worker_reply")
+
+
+def test_decode_prefix_reuse_off_moves_the_whole_prompt(
+    tiny_llama_dir: Path, tiny_reference: Any
+) -> None:
+    """`router.decode_prefix_reuse: false` (the comparison `bench routing` makes): decode
+    receives every block of turn 2, though its cache holds turn 1, and answers the same."""
+    router = {"policy": "least_loaded", "decode_prefix_reuse": False}
+    with running_stack(deployment(tiny_llama_dir, router=router)) as stack:
+        chat = Chat(stack, tiny_llama_dir)
+        turn1, more = random_prompts([120, 60], seed=71)
+        text1, out1 = reference(tiny_reference, turn1)
+        assert chat.complete(turn1)[0] == text1
+        turn2 = turn1 + out1 + more
+        got, nbytes = chat.complete(turn2)
+        assert got == reference(tiny_reference, turn2)[0]
+        assert nbytes == chat.blocks(len(turn2)) * chat.block_bytes
+        stack.wait_idle()
