@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from transfer import checksum, kv_codec, kv_layouts, wire
+from transfer import checksum, kv_codec, kv_layouts, layout, wire
 from transfer.errors import StatusCode, TransferError
 from transfer.ledger import Ledger, Reservation
 from transfer.region import KVRegion, parse_dtype
@@ -75,6 +75,15 @@ class InTransfer:
         """The exact size a chunk of ``num_blocks`` blocks has on the wire."""
         itemsize = self.src_block_bytes // max(math.prod(self.src_block_shape), 1)
         return kv_codec.encoded_nbytes(self.codec, num_blocks, self.src_block_shape, itemsize)
+
+    #: The chunk plan, built once on first use (:meth:`plan`).
+    _plan: list[layout.Chunk] = field(default_factory=list)
+
+    def plan(self) -> list[layout.Chunk]:
+        """Every chunk of the transfer, as the sender cut it (LANDED and END both use it)."""
+        if not self._plan:
+            self._plan = layout.plan(self.tensors, self.num_src_blocks, self.blocks_per_chunk)
+        return self._plan
 
     @property
     def peer(self) -> str:

@@ -352,7 +352,7 @@ class Receiver:
         if not all(type(d) is int and 0 <= d < 1 << 64 for d in digests):
             raise wire.FrameError("bad_field", "landed.ds")
         incoming.last_seen = time.monotonic()
-        chunks = layout.plan(incoming.tensors, incoming.num_src_blocks, incoming.blocks_per_chunk)
+        chunks = incoming.plan()
         for seq, expected in zip(seqs, digests, strict=True):
             value = tensor_digest(incoming.algo, self._landed_image(incoming, chunks[seq]))
             incoming.early[seq] = (expected, value == expected)
@@ -375,7 +375,7 @@ class Receiver:
         if incoming.algo is None:
             incoming.direct_verdict = []
             return
-        chunks = layout.plan(incoming.tensors, incoming.num_src_blocks, incoming.blocks_per_chunk)
+        chunks = incoming.plan()
         if digests is None or len(digests) != len(chunks):
             incoming.direct_verdict = [c.seq for c in chunks]
             return
