@@ -10,7 +10,10 @@ are raw tensor bytes or a msgpack header checked by :mod:`transfer.wire`. Never 
          4     1  version
          5     1  kind    1 PREFACE (body: session token)  2 MESSAGE (body: msgpack BEGIN/END)
                           3 DATA (body: chunk payload)
-         6     2  flags   bit 0: ``digest`` is set
+         6     2  flags   bit 0: ``digest`` is set; bit 1: the body is followed by an
+                          8-byte little-endian digest of it (a trailer, not counted in
+                          ``length``), for senders that hash each piece just before the
+                          kernel copies it, while it is in the cache
          8     8  stream  the sender's number for the transfer (BEGIN names it, DATA uses it)
         16    16  seq, ti, lo, hi   (uint32 each) chunk location, as in the DATA message
         32     8  length  body bytes
@@ -31,6 +34,8 @@ MAGIC = b"HPDC"
 VERSION = 1
 PREFACE, MESSAGE, DATA = 1, 2, 3
 FLAG_DIGEST = 1
+FLAG_TRAILER = 2
+TRAILER_BYTES = 8
 _U32 = (1 << 32) - 1
 
 
@@ -46,6 +51,8 @@ class FrameHeader:
     hi: int
     length: int
     digest: int | None
+    #: The body's digest follows it (``TRAILER_BYTES``, little-endian).
+    trailer: bool = False
 
 
 def pack(
@@ -57,9 +64,10 @@ def pack(
     lo: int = 0,
     hi: int = 0,
     digest: int | None = None,
+    trailer: bool = False,
 ) -> bytes:
     """Encode one header."""
-    flags = 0 if digest is None else FLAG_DIGEST
+    flags = (0 if digest is None else FLAG_DIGEST) | (FLAG_TRAILER if trailer else 0)
     return HEADER.pack(MAGIC, VERSION, kind, flags, stream, seq, ti, lo, hi, length, digest or 0)
 
 
@@ -70,8 +78,10 @@ def unpack(raw: bytes | bytearray | memoryview, max_payload: int) -> FrameHeader
         raise wire.FrameError("malformed", "data channel magic")
     if version != VERSION:
         raise wire.FrameError("bad_version", f"data channel v{version}")
-    if flags & ~FLAG_DIGEST:
+    if flags & ~(FLAG_DIGEST | FLAG_TRAILER) or flags == FLAG_DIGEST | FLAG_TRAILER:
         raise wire.FrameError("malformed", f"data channel flags {flags:#x}")
+    if flags & FLAG_TRAILER and kind != DATA:
+        raise wire.FrameError("malformed", f"a trailer on a kind {kind} frame")
     if kind == PREFACE:
         ok = length == NONCE_BYTES
     elif kind == MESSAGE:
@@ -83,7 +93,15 @@ def unpack(raw: bytes | bytearray | memoryview, max_payload: int) -> FrameHeader
     if not ok:
         raise wire.FrameError("oversized", f"kind {kind} with {length} bytes")
     return FrameHeader(
-        kind, stream, seq, ti, lo, hi, length, digest if flags & FLAG_DIGEST else None
+        kind,
+        stream,
+        seq,
+        ti,
+        lo,
+        hi,
+        length,
+        digest if flags & FLAG_DIGEST else None,
+        bool(flags & FLAG_TRAILER),
     )
 
 
@@ -98,9 +116,21 @@ def message(stream: int, header: bytes) -> bytes:
 
 
 def data(
-    stream: int, seq: int, ti: int, lo: int, hi: int, length: int, digest: int | None
+    stream: int,
+    seq: int,
+    ti: int,
+    lo: int,
+    hi: int,
+    length: int,
+    digest: int | None,
+    trailer: bool = False,
 ) -> bytes:
-    """Header of a DATA frame."""
+    """Header of a DATA frame (``trailer``: its digest follows the body instead)."""
     if max(seq, ti, lo, hi) > _U32:
         raise ValueError("chunk location does not fit the data channel header")
-    return pack(DATA, length, stream, seq, ti, lo, hi, digest)
+    return pack(DATA, length, stream, seq, ti, lo, hi, digest, trailer)
+
+
+def trailer(digest: int) -> bytes:
+    """The bytes that follow a trailer frame's body."""
+    return digest.to_bytes(TRAILER_BYTES, "little")

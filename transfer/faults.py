@@ -118,8 +118,8 @@ class FaultInjector:
 
 
 def _corrupt(parts: list[bytes | memoryview]) -> list[bytes | memoryview]:
-    victim = len(parts) - 1
+    victim = min(1, len(parts) - 1)  # the payload (after it, at most a digest trailer)
     data = bytearray(parts[victim])
     if data:
         data[len(data) // 2] ^= 0x5A
-    return [*parts[:victim], bytes(data)]
+    return [*parts[:victim], bytes(data), *parts[victim + 1 :]]

@@ -41,6 +41,9 @@ READ_BUDGET = 16 << 20
 #: Streams (BEGINs) remembered per connection.
 MAX_STREAMS = 4096
 _SCRATCH = bytearray(1 << 20)
+#: A chunk landing in its blocks is read (and hashed) in pieces of at most this size, so
+#: each piece is hashed while it is still in this core's cache.
+HASH_PIECE = 1 << 20
 
 
 class DataIn:
@@ -69,6 +72,8 @@ class DataIn:
         self._head_got = 0
         self.frame: FrameHeader | None = None
         self._got = 0
+        self._end = 0  # bytes of the current frame after its header: body (+ trailer)
+        self._tail = bytearray(dataframe.TRAILER_BYTES)
         self._body: memoryview | None = None  # where the body goes; None: scratch (dropped)
         self._direct: InTransfer | None = None  # set when the body lands in dst blocks
         #: The landing body's checksum, fed as bytes arrive (still in the cache).
@@ -91,7 +96,7 @@ class DataIn:
                             self._start(dataframe.unpack(self._head, max_payload))
                 else:
                     n = self._read_body(self.frame)
-                    if n and self._got == self.frame.length:
+                    if n and self._got == self._end:
                         frame, self.frame = self.frame, None
                         self._finish(frame)
             except (BlockingIOError, InterruptedError):
@@ -109,13 +114,18 @@ class DataIn:
             moved += n
 
     def _read_body(self, frame: FrameHeader) -> int:
+        if self._got >= frame.length:  # the digest trailer
+            n = self.sock.recv_into(memoryview(self._tail)[self._got - frame.length :])
+            self._got += n
+            return n
         incoming = self._direct
         if incoming is not None:
             body = self._body
             assert body is not None
+            stop = frame.length if self._running is None else self._got + HASH_PIECE
 
             def read() -> int:  # into the blocks, while the reservation still owns them
-                return self.sock.recv_into(body[self._got :])
+                return self.sock.recv_into(body[self._got : stop])
 
             try:
                 n = self.ledger.write_if_current(incoming.reservation, read)
@@ -137,6 +147,7 @@ class DataIn:
     # ---- frames -------------------------------------------------------------------------
     def _start(self, frame: FrameHeader) -> None:
         self.frame, self._got, self._body, self._direct = frame, 0, None, None
+        self._end = frame.length + (dataframe.TRAILER_BYTES if frame.trailer else 0)
         self._running = None
         if self.session is None and frame.kind != dataframe.PREFACE:
             self.metrics.reject("data_unauthenticated")
@@ -168,11 +179,12 @@ class DataIn:
             self.receiver.reject_stale(incoming, _released(incoming))
             return
         self._body, self._direct = view, incoming
-        if incoming.algo is not None and frame.digest is not None:
+        if incoming.algo is not None and (frame.digest is not None or frame.trailer):
             self._running = checksum.Running(incoming.algo)
 
     def _finish(self, frame: FrameHeader) -> None:
         body = self._body
+        digest = int.from_bytes(self._tail, "little") if frame.trailer else frame.digest
         try:
             if frame.kind == dataframe.PREFACE:
                 assert body is not None
@@ -182,7 +194,7 @@ class DataIn:
                 self._on_message(frame, body)
             elif body is not None and self._direct is not None:
                 computed = self._running.value() if self._running is not None else None
-                self.receiver.landed(self._direct, frame.seq, body, frame.digest, computed)
+                self.receiver.landed(self._direct, frame.seq, body, digest, computed)
             elif body is not None:
                 msg = {
                     "x": self.streams.get(frame.stream, ""),
@@ -190,7 +202,7 @@ class DataIn:
                     "ti": frame.ti,
                     "lo": frame.lo,
                     "hi": frame.hi,
-                    "d": frame.digest,
+                    "d": digest,
                 }
                 assert self.session is not None
                 self.receiver.on_data(self.session, msg, body)

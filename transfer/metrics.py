@@ -31,6 +31,9 @@ class TransportMetrics:
     retries_total: int = 0
     relinks_total: int = 0
     checksum_failures_total: int = 0
+    #: Direct writes (receiver side): chunks this engine hashed in its own blocks because
+    #: the writer had not verified them as it copied (see ``landed`` in transfer/README.md).
+    chunks_read_back_total: int = 0
     lease_expiries_total: int = 0
     duplicates_total: int = 0
     stale_epoch_rejections_total: int = 0

@@ -86,6 +86,9 @@ class OutTransfer:
     dst_ids: torch.Tensor | None = None
     dst_run: bool | None = None
     digests: dict[int, int] = field(default_factory=dict)
+    #: Direct writes: chunks of this attempt whose landed bytes we hashed right after
+    #: copying them and found equal to their digest (the receiver need not read them again).
+    verified: set[int] = field(default_factory=set)
     #: Seconds one renewal extends the lease by (the lease it started with).
     lease_s: float = 0.0
     #: Stream chunks ready to send: their bytes and (with checksums) their digest's future.
@@ -156,8 +159,12 @@ def pump_stream(
     if out.src_run is None:
         out.src_run = layout.is_run(out.src_ids)
     moved = 0
+    # On the data channel a chunk's digest trails its body and is computed piece by piece
+    # just before the kernel copies each piece (datachan.DataOut.flush), while it is cached.
+    # With faults on it is computed here, before a fault may change the bytes.
+    trail = out.via_data and out.algo is not None and not outbox.faults_on
     while out.queue and moved < PUMP_BYTES and out.inflight < WINDOW_BYTES:
-        _prepare(out, hasher, not outbox.faults_on)
+        _prepare(out, hasher, not outbox.faults_on, not trail)
         seq = out.queue[0]
         buf, pending = out.prepared[seq]
         if pending is not None and not pending.done():
@@ -167,9 +174,20 @@ def pump_stream(
         del out.prepared[seq]
         chunk = out.chunks[seq]
         if out.via_data:
-            header = dataframe.data(out.stream, seq, chunk.ti, chunk.lo, chunk.hi, len(buf), digest)
+            header = dataframe.data(
+                out.stream, seq, chunk.ti, chunk.lo, chunk.hi, len(buf), None, out.algo is not None
+            )
             owner = None if outbox.faults_on else out
-            sent = outbox.send(session, "data", header, buf, via_data=True, owner=owner)
+            sent = outbox.send(
+                session,
+                "data",
+                header,
+                buf,
+                via_data=True,
+                owner=owner,
+                trailer=None if digest is None else dataframe.trailer(digest),
+                hash_with=checksum.Running(out.algo) if trail and out.algo else None,
+            )
         else:
             header = wire.encode(
                 "data",
@@ -195,8 +213,8 @@ def pump_stream(
     return not out.queue
 
 
-def _prepare(out: OutTransfer, hasher: Hasher, safe_views: bool) -> None:
-    """Bytes (and digests, on the hashing threads) of the next few queued chunks."""
+def _prepare(out: OutTransfer, hasher: Hasher, safe_views: bool, digests: bool) -> None:
+    """Bytes (and, if ``digests``, digests) of the next few queued chunks."""
     for seq in itertools.islice(out.queue, PREFETCH_CHUNKS):
         if seq in out.prepared:
             continue
@@ -208,7 +226,7 @@ def _prepare(out: OutTransfer, hasher: Hasher, safe_views: bool) -> None:
             data = data.clone()  # faults may send it later or twice: never a view
         buf = layout.as_bytes(kv_codec.to_wire(out.codec, data))  # digests cover these bytes
         pending = None
-        if out.algo:
+        if out.algo and digests:
             pending = hasher.submit_bytes(out.algo, buf)
             hasher.then(pending, lambda digest: _ready(out))
         out.prepared[seq] = (buf, pending)
@@ -229,10 +247,9 @@ def pump_direct(
 
     Every chunk is copied only while the receiver's grant is open (checked before each
     one; chunks are at most ``chunk_bytes``, so a copy never runs long past the check). Each
-    chunk is hashed piece by piece as it is copied, while the piece is in the cache (the
-    digest is of what the chunk should leave in the destination); ``landed(seqs)`` is told
-    the chunks copied every ``LANDED_BYTES``, so the receiver verifies them while the next
-    ones are copied.
+    chunk is verified piece by piece as it is copied (:func:`_copy_verified`) where it can
+    be; ``landed(seqs)`` is told the chunks copied every ``LANDED_BYTES``, so the receiver
+    verifies any the writer could not while the next ones are copied.
     Returns None while chunks remain or the grant ran out (the caller checks which).
     """
     assert out.session is not None and out.dst_tensors is not None
@@ -273,8 +290,9 @@ def pump_direct(
 
 
 def _copy_chunk(out: OutTransfer, seq: int, fault: str | None) -> int:
-    """Copy chunk ``seq`` into the destination, hashing it (once) as it goes."""
+    """Copy chunk ``seq`` into the destination, verifying it as it goes where it can."""
     assert out.dst_tensors is not None and out.dst_ids is not None
+    out.verified.discard(seq)
     chunk = out.chunks[seq]
     dst = out.dst_tensors[chunk.ti]
     block_size = out.region.block_size
@@ -282,32 +300,75 @@ def _copy_chunk(out: OutTransfer, seq: int, fault: str | None) -> int:
     data = layout.gather(out.region.tensors[chunk.ti], ids, out.src_run)
     data = kv_layouts.to_destination(data, out.region.layout, out.dst_layout, dst)
     nbytes = int(data.numel() * data.element_size())
-    hashed = out.algo is not None and seq not in out.digests
     fused = (
-        hashed and fault is None and data.device.type == "cpu" and int(dst.shape[1]) == block_size
+        out.algo is not None
+        and fault in (None, "corrupt")
+        and data.device.type == "cpu"
+        and int(dst.shape[1]) == block_size
     )
-    if fused:  # copy and hash piece by piece: each piece is hashed while in the cache
-        assert out.algo is not None
-        running = checksum.Running(out.algo)
-        step = max(1, PIECE_BYTES // max(out.region.block_bytes, 1))
-        for i in range(0, data.shape[0], step):
-            piece = data[i : i + step]
-            layout.scatter(
-                dst, out.dst_ids, piece, chunk.lo + i, block_size, out.num_tokens, out.dst_run
-            )
-            running.update(layout.as_bytes(piece))
-        out.digests[seq] = running.value()
+    if fused:
+        _copy_verified(out, seq, data, dst, corrupt=fault == "corrupt")
         return nbytes
-    if hashed:
-        assert out.algo is not None
+    if out.algo is not None and seq not in out.digests:
         image = layout.sent_image(data, chunk.lo, block_size, int(dst.shape[1]), out.num_tokens)
         out.digests[seq] = tensor_digest(out.algo, image)
     if fault == "corrupt":  # the copy lands one damaged byte (the digest is of the truth)
         data = data.clone()
-        data.view(-1)[:1].view(torch.uint8)[0] ^= 0x5A
+        _damage(data)
     if fault != "drop":
         for _ in range(2 if fault == "duplicate" else 1):
             layout.scatter(
                 dst, out.dst_ids, data, chunk.lo, block_size, out.num_tokens, out.dst_run
             )
     return nbytes
+
+
+def _copy_verified(
+    out: OutTransfer, seq: int, data: torch.Tensor, dst: torch.Tensor, corrupt: bool
+) -> None:
+    """Copy chunk ``seq`` piece by piece, hashing each piece twice while it is in this
+    core's cache: the source (the chunk's digest, once per transfer) and what landed in
+    the destination. Equal digests make the chunk verified by the writer; otherwise the
+    receiver reads it back itself and NACKs it. ``corrupt`` (a fault) damages one landed
+    byte, so the writer's check must catch it.
+    """
+    assert out.algo is not None and out.dst_ids is not None
+    chunk, block_size = out.chunks[seq], out.region.block_size
+    source = None if seq in out.digests else checksum.Running(out.algo)
+    landed = checksum.Running(out.algo)
+    n = data.shape[0]
+    ids = out.dst_ids[chunk.lo : chunk.lo + n]
+    if data.is_contiguous() and (out.dst_run or layout.is_run(ids)):
+        # one run of blocks: plain byte copies (one memcpy per piece, no tensor dispatch)
+        first = int(ids[0])
+        src, dst_bytes = layout.as_bytes(data), layout.as_bytes(dst[first : first + n])
+        for lo in range(0, len(src), PIECE_BYTES):
+            hi = lo + PIECE_BYTES
+            dst_bytes[lo:hi] = src[lo:hi]
+            if corrupt and lo == 0:
+                dst_bytes[0] ^= 0x5A
+            if source is not None:
+                source.update(src[lo:hi])
+            landed.update(dst_bytes[lo:hi])
+    else:
+        step = max(1, PIECE_BYTES // max(out.region.block_bytes, 1))
+        for i in range(0, n, step):
+            piece, lo = data[i : i + step], chunk.lo + i
+            layout.scatter(dst, out.dst_ids, piece, lo, block_size, out.num_tokens, out.dst_run)
+            if corrupt and i == 0:
+                _damage(dst[int(out.dst_ids[lo])])
+            if source is not None:
+                source.update(layout.as_bytes(piece))
+            image = layout.landed_image(
+                dst, out.dst_ids, lo, piece.shape[0], block_size, out.num_tokens, out.dst_run
+            )
+            landed.update(layout.as_bytes(image))
+    if source is not None:
+        out.digests[seq] = source.value()
+    if landed.value() == out.digests[seq]:
+        out.verified.add(seq)
+
+
+def _damage(t: torch.Tensor) -> None:
+    """Flip bits of ``t``'s first byte (fault injection)."""
+    t.view(-1)[:1].view(torch.uint8)[0] ^= 0x5A

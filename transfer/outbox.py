@@ -15,6 +15,8 @@ from typing import Protocol
 
 import zmq
 
+from transfer.checksum import Running
+from transfer.dataframe import TRAILER_BYTES
 from transfer.faults import FaultInjector
 from transfer.loop import IOLoop
 from transfer.metrics import Metrics
@@ -34,7 +36,13 @@ class FrameOwner(Protocol):
 class DataPath(Protocol):
     """The data channel, as the outbox uses it (:class:`transfer.datachan.DataChannel`)."""
 
-    def send(self, session: Session, parts: list[Part], owner: FrameOwner | None) -> bool: ...
+    def send(
+        self,
+        session: Session,
+        parts: list[Part],
+        owner: FrameOwner | None,
+        hash_with: Running | None = None,
+    ) -> bool: ...
 
     def cancel(self, owner: FrameOwner) -> None: ...
 
@@ -47,6 +55,8 @@ class Route:
     via_data: bool = False
     #: The transfer whose source blocks the frame views (data channel accounting).
     owner: FrameOwner | None = None
+    #: Data channel: the frame's digest trailer is computed while it is written.
+    hash_with: Running | None = None
 
 
 class Outbox:
@@ -78,17 +88,23 @@ class Outbox:
         track: bool = False,
         via_data: bool = False,
         owner: FrameOwner | None = None,
+        trailer: bytes | None = None,
+        hash_with: Running | None = None,
     ) -> zmq.MessageTracker | bool:
         """Send one frame to ``session``; False if it could not go.
 
         ``via_data``: ``header`` is a data-channel header (:mod:`transfer.dataframe`) and the
         frame goes on the session's data channel; ``owner`` is the transfer whose source
         blocks ``payload`` views (held until the kernel took it). ``track``: return a ZMQ
-        tracker that says when a zero-copy payload was released.
+        tracker that says when a zero-copy payload was released. A data-channel DATA frame
+        whose header says so ends with a digest trailer: ``trailer`` (known), or computed by
+        ``hash_with`` over the payload as it is written.
         """
         parts: list[Part] = [header] if payload is None else [header, payload]
+        if trailer is not None or hash_with is not None:
+            parts.append(trailer if trailer is not None else memoryview(bytearray(TRAILER_BYTES)))
         if self.injector is None:
-            return self._send_raw(Route(session, via_data, owner), parts, track)
+            return self._send_raw(Route(session, via_data, owner, hash_with), parts, track)
         # With faults on, senders never hand out views of their source blocks, so frames
         # can be delayed or duplicated safely; trackers are not needed.
         for out in self.injector.apply(msg_type, parts, Route(session, via_data)):
@@ -132,7 +148,7 @@ class Outbox:
         if route.via_data:
             if self.datachan is None or not session.data_address:
                 return False
-            return self.datachan.send(session, parts, route.owner)
+            return self.datachan.send(session, parts, route.owner, route.hash_with)
         try:
             if session.identity is not None:
                 self.router.send_multipart([session.identity, *parts], zmq.NOBLOCK, copy=False)

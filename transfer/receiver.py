@@ -341,7 +341,10 @@ class Receiver:
 
     def on_landed(self, session: Session, msg: dict[str, Any]) -> None:
         """A direct writer's chunks are in our blocks: verify them now, while it copies the
-        next ones (END then only checks what was not verified here, or changed digest)."""
+        next ones (END then only checks what was not verified here, or changed digest).
+        Chunks the writer verified itself (``wv``) are not read again: it hashed them in our
+        blocks while they were in its cache, and a writer we granted could write anything
+        anyway, so reading them back here would only cost a second pass over memory."""
         incoming = self.owned(session, msg["x"])
         if incoming is None or incoming.mode not in DIRECT or incoming.algo is None:
             return
@@ -352,7 +355,12 @@ class Receiver:
         if not all(type(d) is int and 0 <= d < 1 << 64 for d in digests):
             raise wire.FrameError("bad_field", "landed.ds")
         incoming.last_seen = time.monotonic()
+        if msg["wv"]:  # the writer hashed these in our blocks right after copying them
+            for seq, expected in zip(seqs, digests, strict=True):
+                incoming.early[seq] = (expected, True)
+            return
         chunks = incoming.plan()
+        self.metrics.of(incoming.mode).chunks_read_back_total += len(seqs)
         for seq, expected in zip(seqs, digests, strict=True):
             value = tensor_digest(incoming.algo, self._landed_image(incoming, chunks[seq]))
             incoming.early[seq] = (expected, value == expected)
@@ -393,6 +401,7 @@ class Receiver:
             incoming.direct_verdict = sorted(bad)
             return
         incoming.verifying = {chunk.seq for chunk, _ in todo}
+        self.metrics.of(incoming.mode).chunks_read_back_total += len(todo)
         for chunk, expected in todo:
             image = self._landed_image(incoming, chunk)
 

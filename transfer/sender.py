@@ -230,14 +230,23 @@ class Sender:
                 self._send_end(out, digests or None)
 
     def _send_landed(self, out: OutTransfer, seqs: list[int]) -> None:
-        """Tell a direct write's receiver which chunks are in place (it verifies them now,
-        in parallel with our next copies, instead of all at END)."""
+        """Tell a direct write's receiver which chunks are in place: those we verified in
+        its blocks as we copied them (``wv``), and the others, which it verifies now, in
+        parallel with our next copies, instead of all at END."""
         assert out.session is not None
-        digests = [out.digests[seq] for seq in seqs]
-        header = wire.encode(
-            "landed", out.session.token, x=out.handle.transfer_id, s=seqs, ds=digests
-        )
-        self.outbox.send(out.session, "landed", header)
+        mine = [seq for seq in seqs if seq in out.verified]
+        theirs = [seq for seq in seqs if seq not in out.verified]
+        for group, verified in ((mine, True), (theirs, False)):
+            if group:
+                header = wire.encode(
+                    "landed",
+                    out.session.token,
+                    x=out.handle.transfer_id,
+                    s=group,
+                    ds=[out.digests[seq] for seq in group],
+                    wv=verified,
+                )
+                self.outbox.send(out.session, "landed", header)
 
     def _send_end(self, out: OutTransfer, digests: list[int] | None) -> None:
         assert out.session is not None

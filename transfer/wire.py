@@ -76,7 +76,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "grant": {"x": _STR, "ttl": _FLOAT, "until": _FLOAT},
     "renew": {"rid": _STR, "ep": _INT},
     "data": {"x": _STR, "s": _INT, "ti": _INT, "lo": _INT, "hi": _INT, "d": _OPT_INT},
-    "landed": {"x": _STR, "s": _LIST, "ds": _LIST},
+    "landed": {"x": _STR, "s": _LIST, "ds": _LIST, "wv": (bool,)},
     "end": {"x": _STR, "nf": _INT, "ds": _OPT_LIST},
     "ack": {"x": _STR, "code": _INT, "msg": _STR, "bad": _LIST, "dup": (bool,)},
     "error": {"x": _STR, "code": _INT, "msg": _STR},

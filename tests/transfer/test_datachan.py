@@ -7,8 +7,10 @@ from collections.abc import Callable
 
 import pytest
 
-from transfer import RemoteBlocks, TransferEngine, TransferState, dataframe
+from transfer import RemoteBlocks, TransferEngine, TransferState, datachan, dataframe, intake
 from transfer.testing import PeerProcess, blocks_digest
+
+from .conftest import Pair
 
 SRC = [2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
 RUN = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]  # contiguous: received straight into blocks
@@ -107,3 +109,37 @@ def test_header_round_trip_and_bounds() -> None:
         dataframe.unpack(raw, 1024)
     with pytest.raises(Exception, match="malformed"):
         dataframe.unpack(b"XXXX" + raw[4:], 1 << 20)
+
+
+def test_trailer_flag_round_trip_and_bounds() -> None:
+    h = dataframe.unpack(dataframe.data(7, 3, 2, 10, 12, 4096, None, trailer=True), 1 << 20)
+    assert (h.trailer, h.digest, h.length) == (True, None, 4096)
+    assert dataframe.trailer(0xDEADBEEF) == (0xDEADBEEF).to_bytes(dataframe.TRAILER_BYTES, "little")
+    both = dataframe.HEADER.pack(dataframe.MAGIC, 1, dataframe.DATA, 3, 1, 0, 0, 0, 1, 8, 5)
+    with pytest.raises(Exception, match="malformed"):  # a digest in the header and a trailer
+        dataframe.unpack(both, 64)
+    message = dataframe.HEADER.pack(dataframe.MAGIC, 1, dataframe.MESSAGE, 2, 1, 0, 0, 0, 0, 8, 0)
+    with pytest.raises(Exception, match="malformed"):  # trailers are for DATA only
+        dataframe.unpack(message, 64)
+
+
+@pytest.mark.parametrize("piece", [1000, 4096])
+def test_trailer_digest_is_hashed_as_the_kernel_takes_each_piece(
+    make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch, piece: int
+) -> None:
+    """Chunks of many pieces (odd sizes too): the digest computed while writing matches
+    the receiver's, piece by piece, so nothing is NACKed and the blocks are equal."""
+    monkeypatch.setattr(datachan, "HASH_PIECE", piece)
+    monkeypatch.setattr(intake, "HASH_PIECE", piece)
+    p, d = make_pair()
+    dst = list(range(20, 60))  # one run: received straight into the blocks
+    recv = d.reserve("pieces", dst, writer=p.engine_id)
+    assert recv.blocks is not None
+    src = list(range(1, 41))
+    h = p.push_blocks(d.engine_id, src, recv.blocks, transport="tcp")
+    assert h.wait(10) is TransferState.DONE, h.error
+    assert h.attempts == 1
+    assert d.metrics()["data_links_total"] == 1  # it went over the data channel
+    assert d.metrics()["transports"]["tcp"]["checksum_failures_total"] == 0
+    assert blocks_digest(d.region(), dst) == blocks_digest(p.region(), src)
+    d.release("pieces")

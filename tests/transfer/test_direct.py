@@ -37,6 +37,34 @@ def test_corrupted_direct_write_is_detected_and_retried(
     d.release("flip")
 
 
+def _read_back(eng: TransferEngine, transport: str) -> int:
+    return int(eng.metrics()["transports"].get(transport, {}).get("chunks_read_back_total", 0))
+
+
+@pytest.mark.parametrize("transport", ["local", "shm"])
+def test_the_writer_verifies_what_it_copied(make_pair: Callable[..., Pair], transport: str) -> None:
+    """A direct writer hashes every chunk in the receiver's blocks right after copying it;
+    the receiver reads back only a chunk the writer found damaged, and NACKs it."""
+    p, d = make_pair(sender={"faults": [{"kind": "corrupt", "msg_type": "direct", "nth": 5}]})
+    chunks = len(p.region().tensors)  # six blocks of a tensor fit in one chunk
+    recv = d.reserve("clean", DST, writer=p.engine_id)
+    assert recv.blocks is not None
+    h = p.push_blocks(d.engine_id, SRC, recv.blocks, transport=transport)
+    assert h.wait(10) is TransferState.DONE, h.error
+    assert h.attempts == 2  # the fifth chunk of the first attempt landed damaged
+    assert _checksum_failures(d, transport) == 1
+    assert 1 <= _read_back(d, transport) < chunks  # that chunk, not every chunk
+    assert blocks_digest(d.region(), DST) == blocks_digest(p.region(), SRC)
+    d.release("clean")
+    before = _read_back(d, transport)
+    recv = d.reserve("clean2", DST, writer=p.engine_id)
+    assert recv.blocks is not None
+    h = p.push_blocks(d.engine_id, SRC, recv.blocks, transport=transport)
+    assert h.wait(10) is TransferState.DONE, h.error
+    assert _read_back(d, transport) == before  # a clean push is never read back
+    d.release("clean2")
+
+
 def test_direct_corruption_that_never_stops_fails_uncommitted(
     make_pair: Callable[..., Pair],
 ) -> None:

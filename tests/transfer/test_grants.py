@@ -236,14 +236,22 @@ def test_empty_secret_refused_off_loopback() -> None:
     ).close()
 
 
-def _say_landed(eng: TransferEngine, peer: str, transfer_id: str, seqs: list[int], ds: list[int]):
-    """Send a raw LANDED from ``eng`` to ``peer`` (what a hostile linked engine could send)."""
+def _say_landed(
+    eng: TransferEngine,
+    peer: str,
+    transfer_id: str,
+    seqs: list[int],
+    ds: list[int],
+    wv: bool = False,
+) -> None:
+    """Send a raw LANDED from ``eng`` to ``peer`` (what a hostile linked engine could send);
+    ``wv``: claim the chunks were verified by their writer."""
     core = eng._core  # nothing public sends a bare LANDED: that is the point of the test
 
     def send() -> None:
         session = core.linker.session_for(peer)
         assert session is not None
-        header = wire.encode("landed", session.token, x=transfer_id, s=seqs, ds=ds)
+        header = wire.encode("landed", session.token, x=transfer_id, s=seqs, ds=ds, wv=wv)
         core.outbox.send(session, "landed", header)
 
     core.loop.call_wait(send, 5)
@@ -272,10 +280,12 @@ def test_landed_claims_count_only_from_the_writer(
     _say_landed(a, d.engine_id, h.transfer_id, [0, 1], [1])  # ds shorter than s
     _say_landed(a, d.engine_id, h.transfer_id, [10**6], [1])  # no such chunk
     _say_landed(a, d.engine_id, h.transfer_id, [0], [1])  # well formed, not END's digest
+    _say_landed(a, d.engine_id, h.transfer_id, [1], [1], wv=True)  # "verified", wrong digest
     _wait_rejected(d, "bad_field", 2)  # so the transfer is open at d (END is held back)
     before = _rejected(d, "not_granted")
     _say_landed(b, d.engine_id, h.transfer_id, [0], [12345])
-    _wait_rejected(d, "not_granted", before + 1)
+    _say_landed(b, d.engine_id, h.transfer_id, [1], [12345], wv=True)
+    _wait_rejected(d, "not_granted", before + 2)
     assert h.wait(10) is TransferState.DONE, h.error
     assert h.attempts == 1  # the false claim changed no verdict
     assert recv.wait(5) is TransferState.DONE
