@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from hetero_pd.bench.transfer import _cpu as cpu_info
+from hetero_pd.bench.machine import cpu_info
 from transfer import EngineConfig, KVRegion, TransferEngine, TransferState
 from transfer.testing import fill
 

@@ -15,7 +15,6 @@ import argparse
 import itertools
 import json
 import multiprocessing as mp
-import os
 import statistics
 import time
 from multiprocessing.connection import Connection
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 import zmq
 
+from hetero_pd.bench.machine import cpu_info
 from transfer import EngineConfig, KVRegion, RemoteBlocks, TransferEngine, TransferState
 from transfer.layout import as_bytes
 
@@ -176,26 +176,8 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
             out[key] = round(statistics.median(r[key] for r in runs), 3)
     out["spread"] = {k: [min(r[k] for r in runs), max(r[k] for r in runs)] for k in GOALS}
     out["runs"] = len(runs)
-    out["cpu"] = _cpu()
+    out["cpu"] = cpu_info()
     return out
-
-
-def _cpu() -> dict[str, str]:
-    """CPU model and the SIMD features that matter here (from /proc/cpuinfo)."""
-    model, flags = "unknown", set[str]()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown":
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    wanted = ("sse4_2", "avx2", "avx512f", "avx512bw", "amx_tile", "amx_bf16")
-    features = " ".join(f for f in wanted if f in flags) or "none of " + ", ".join(wanted)
-    return {"model": model, "features": features, "cores": str(os.cpu_count())}
 
 
 def _measure(
