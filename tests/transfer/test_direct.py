@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
-from transfer import KVRegion, StatusCode, TransferEngine, TransferState
+from transfer import KVRegion, StatusCode, TransferEngine, TransferState, movers
+from transfer.hashing import tensor_digest
 from transfer.testing import blocks_digest
 
 from .conftest import Pair
@@ -63,6 +65,52 @@ def test_the_writer_verifies_what_it_copied(make_pair: Callable[..., Pair], tran
     assert h.wait(10) is TransferState.DONE, h.error
     assert _read_back(d, transport) == before  # a clean push is never read back
     d.release("clean2")
+
+
+def test_a_late_claim_from_an_earlier_grant_is_not_believed(
+    make_pair: Callable[..., Pair],
+) -> None:
+    """Attempt 1's "verified" claims arrive after attempt 2 began (its LANDED delayed) while
+    attempt 2 damages a chunk: the stale claims must not vouch for attempt 2's blocks."""
+    p, d = make_pair(
+        sender={
+            "faults": [
+                {"kind": "corrupt", "msg_type": "direct", "nth": 2},
+                {"kind": "corrupt", "msg_type": "direct", "nth": 20},
+                {"kind": "delay", "msg_type": "landed", "nth": 1, "delay_s": 0.2},
+                {"kind": "delay", "msg_type": "end", "nth": 2, "delay_s": 0.4},
+            ]
+        }
+    )
+    recv = d.reserve("late", DST, writer=p.engine_id)
+    assert recv.blocks is not None
+    h = p.push_blocks(d.engine_id, SRC, recv.blocks, transport="shm")
+    assert h.wait(10) is TransferState.DONE, h.error
+    assert blocks_digest(d.region(), DST) == blocks_digest(p.region(), SRC)
+    d.release("late")
+
+
+def test_a_writer_that_claims_what_it_never_wrote_is_caught(
+    make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hostile granted writer says every chunk landed and verified but copies nothing: the
+    receiver spot-checks claimed chunks at END, so the blocks' old contents are never
+    committed as this transfer's KV."""
+
+    def claim_only(out: Any, seq: int, data: torch.Tensor, dst: torch.Tensor, corrupt: bool):
+        out.digests[seq] = tensor_digest(out.algo, data)
+        out.verified.add(seq)
+
+    monkeypatch.setattr(movers, "_copy_verified", claim_only)
+    p, d = make_pair(sender={"retry": {"attempts": 2, "base_delay_s": 0.01, "max_delay_s": 0.01}})
+    recv = d.reserve("liar", DST, writer=p.engine_id)
+    assert recv.blocks is not None
+    h = p.push_blocks(d.engine_id, SRC, recv.blocks, transport="shm")
+    assert h.wait(10) is TransferState.FAILED
+    assert h.error is not None and h.error.code is StatusCode.CHECKSUM_MISMATCH
+    assert recv.wait(0.01) is TransferState.PENDING  # never committed
+    assert _read_back(d, "shm") >= 1
+    d.release("liar")
 
 
 def test_direct_corruption_that_never_stops_fails_uncommitted(
