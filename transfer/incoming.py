@@ -63,8 +63,11 @@ class InTransfer:
     #: Direct writes: the chunks found bad by the check this END started (None: not done).
     direct_verdict: list[int] | None = None
     #: Direct writes: chunks verified when the writer said they landed, before END:
-    #: ``seq -> (the digest they were checked against, whether they matched)``.
-    early: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    #: ``seq -> (the digest they were checked against, whether they matched, whether only
+    #: the writer checked them)``.
+    early: dict[int, tuple[int, bool, bool]] = field(default_factory=dict)
+    #: Direct writes: the number of the grant now open (LANDED of older grants is ignored).
+    grant: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     started: float = field(default_factory=time.monotonic)
     nbytes: int = 0

@@ -89,6 +89,8 @@ class OutTransfer:
     #: Direct writes: chunks of this attempt whose landed bytes we hashed right after
     #: copying them and found equal to their digest (the receiver need not read them again).
     verified: set[int] = field(default_factory=set)
+    #: Direct writes: the receiver's number for the grant we write under (LANDED names it).
+    grant: int = 0
     #: Seconds one renewal extends the lease by (the lease it started with).
     lease_s: float = 0.0
     #: Stream chunks ready to send: their bytes and (with checksums) their digest's future.

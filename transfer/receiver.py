@@ -16,9 +16,10 @@ are answered with ``ACK(dup=True)`` and nothing is written::
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -34,6 +35,8 @@ from transfer.metrics import Metrics
 from transfer.outbox import Outbox
 from transfer.region import KVRegion
 from transfer.session import Identity, Session
+
+T = TypeVar("T")
 
 Fingerprint = tuple[str, int]
 
@@ -130,9 +133,12 @@ class Receiver:
             ttl = self.config.grant_s
             until = time.monotonic() + ttl
             incoming.early.clear()  # a new attempt writes every chunk again
+            incoming.grant += 1  # claims about earlier attempts' copies no longer count
             blocks = incoming.dst_array.tolist()
             self.ledger.grant(transfer_id, incoming.region.name, blocks, until)
-            header = wire.encode("grant", session.token, x=transfer_id, ttl=ttl, until=until)
+            header = wire.encode(
+                "grant", session.token, x=transfer_id, ttl=ttl, until=until, g=incoming.grant
+            )
             self.outbox.send(session, "grant", header)
 
     # ---- chunks -------------------------------------------------------------------------
@@ -348,6 +354,8 @@ class Receiver:
         incoming = self.owned(session, msg["x"])
         if incoming is None or incoming.mode not in DIRECT or incoming.algo is None:
             return
+        if msg["g"] != incoming.grant:
+            return  # about an earlier attempt's copies (it arrived late): they were rewritten
         seqs = wire.int_list(msg["s"], "s", incoming.num_chunks)
         digests = msg["ds"]
         if len(seqs) > incoming.num_chunks or len(digests) != len(seqs):
@@ -357,13 +365,13 @@ class Receiver:
         incoming.last_seen = time.monotonic()
         if msg["wv"]:  # the writer hashed these in our blocks right after copying them
             for seq, expected in zip(seqs, digests, strict=True):
-                incoming.early[seq] = (expected, True)
+                incoming.early[seq] = (expected, True, True)
             return
         chunks = incoming.plan()
         self.metrics.of(incoming.mode).chunks_read_back_total += len(seqs)
         for seq, expected in zip(seqs, digests, strict=True):
             value = tensor_digest(incoming.algo, self._landed_image(incoming, chunks[seq]))
-            incoming.early[seq] = (expected, value == expected)
+            incoming.early[seq] = (expected, value == expected, False)
 
     def _landed_image(self, incoming: InTransfer, chunk: layout.Chunk) -> torch.Tensor:
         return layout.landed_image(
@@ -388,14 +396,16 @@ class Receiver:
             incoming.direct_verdict = [c.seq for c in chunks]
             return
         bad: list[int] = []
-        todo = []
+        todo, claimed = [], []
         for chunk, expected in zip(chunks, digests, strict=True):
             seen = incoming.early.get(chunk.seq)
-            if seen is not None and seen[0] == expected:
-                if not seen[1]:
-                    bad.append(chunk.seq)
-            else:
+            if seen is None or seen[0] != expected:
                 todo.append((chunk, expected))
+            elif not seen[1]:
+                bad.append(chunk.seq)
+            elif seen[2]:
+                claimed.append((chunk, expected))
+        todo += spot_checks(claimed)
         incoming.early.clear()
         if not todo:
             incoming.direct_verdict = sorted(bad)
@@ -447,3 +457,22 @@ class Receiver:
         """Engine shutdown: every reservation fails."""
         for reservation in self.ledger.reservations():
             self.loop.finish(reservation.handle, TransferState.FAILED, err)
+
+
+#: One in this many chunks a writer says it verified is read back anyway (at least one per
+#: transfer), chosen at END, after the grant closed, where the writer cannot know which.
+SPOT_CHECK_EVERY = 16
+_spot = random.SystemRandom()
+
+
+def spot_checks(claimed: list[T]) -> list[T]:
+    """The chunks the writer vouched for that we read back ourselves: one at random, and
+    each other one with probability 1 / ``SPOT_CHECK_EVERY``. A writer that skipped a
+    copy is caught for sure if it skipped them all, and with that probability per chunk
+    otherwise; honest writers cost us a sixteenth of a read-back."""
+    if not claimed:
+        return []
+    first = _spot.randrange(len(claimed))
+    return [
+        c for i, c in enumerate(claimed) if i == first or _spot.randrange(SPOT_CHECK_EVERY) == 0
+    ]

@@ -245,6 +245,7 @@ class Sender:
                     s=group,
                     ds=[out.digests[seq] for seq in group],
                     wv=verified,
+                    g=out.grant,
                 )
                 self.outbox.send(out.session, "landed", header)
 
@@ -308,7 +309,7 @@ class Sender:
         if until <= now:
             self._retry(out, TransferError(StatusCode.TIMEOUT, "grant arrived too late"))
             return
-        out.grant_until, out.phase = until, "direct"
+        out.grant_until, out.phase, out.grant = until, "direct", int(msg["g"])
 
     def _resend(self, out: OutTransfer, bad: list[Any], err: TransferError) -> None:
         """The receiver NACKed some chunks of a stream: send just those again."""

@@ -21,7 +21,7 @@ from transfer import kv_layouts
 from transfer.addresses import split_host_port
 from transfer.errors import TransferError
 
-VERSION = 2
+VERSION = 3
 MAX_HEADER_BYTES = 1 << 20
 CRC_BYTES = 4
 
@@ -73,10 +73,10 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
         "kc": _STR,
         "fmt": _STR,
     },
-    "grant": {"x": _STR, "ttl": _FLOAT, "until": _FLOAT},
+    "grant": {"x": _STR, "ttl": _FLOAT, "until": _FLOAT, "g": _INT},
     "renew": {"rid": _STR, "ep": _INT},
     "data": {"x": _STR, "s": _INT, "ti": _INT, "lo": _INT, "hi": _INT, "d": _OPT_INT},
-    "landed": {"x": _STR, "s": _LIST, "ds": _LIST, "wv": (bool,)},
+    "landed": {"x": _STR, "s": _LIST, "ds": _LIST, "wv": (bool,), "g": _INT},
     "end": {"x": _STR, "nf": _INT, "ds": _OPT_LIST},
     "ack": {"x": _STR, "code": _INT, "msg": _STR, "bad": _LIST, "dup": (bool,)},
     "error": {"x": _STR, "code": _INT, "msg": _STR},

@@ -94,7 +94,11 @@ def test_garbage_and_oversized_headers_close_the_connection(receiver: PeerProces
         sock.sendall(b"GET / HTTP/1.1\r\n" * 4)
         assert _closed_by_peer(sock)
     with _connect(receiver) as sock:
-        sock.sendall(dataframe.HEADER.pack(dataframe.MAGIC, 1, 3, 0, 1, 0, 0, 0, 1, 1 << 40, 0))
+        sock.sendall(
+            dataframe.HEADER.pack(
+                dataframe.MAGIC, dataframe.VERSION, 3, 0, 1, 0, 0, 0, 1, 1 << 40, 0
+            )
+        )
         assert _closed_by_peer(sock)
     assert receiver.call("counts")["metrics"]["frames_rejected_total"] >= before + 2
 
@@ -115,10 +119,14 @@ def test_trailer_flag_round_trip_and_bounds() -> None:
     h = dataframe.unpack(dataframe.data(7, 3, 2, 10, 12, 4096, None, trailer=True), 1 << 20)
     assert (h.trailer, h.digest, h.length) == (True, None, 4096)
     assert dataframe.trailer(0xDEADBEEF) == (0xDEADBEEF).to_bytes(dataframe.TRAILER_BYTES, "little")
-    both = dataframe.HEADER.pack(dataframe.MAGIC, 1, dataframe.DATA, 3, 1, 0, 0, 0, 1, 8, 5)
+    both = dataframe.HEADER.pack(
+        dataframe.MAGIC, dataframe.VERSION, dataframe.DATA, 3, 1, 0, 0, 0, 1, 8, 5
+    )
     with pytest.raises(Exception, match="malformed"):  # a digest in the header and a trailer
         dataframe.unpack(both, 64)
-    message = dataframe.HEADER.pack(dataframe.MAGIC, 1, dataframe.MESSAGE, 2, 1, 0, 0, 0, 0, 8, 0)
+    message = dataframe.HEADER.pack(
+        dataframe.MAGIC, dataframe.VERSION, dataframe.MESSAGE, 2, 1, 0, 0, 0, 0, 8, 0
+    )
     with pytest.raises(Exception, match="malformed"):  # trailers are for DATA only
         dataframe.unpack(message, 64)
 

@@ -243,6 +243,7 @@ def _say_landed(
     seqs: list[int],
     ds: list[int],
     wv: bool = False,
+    grant: int = 1,
 ) -> None:
     """Send a raw LANDED from ``eng`` to ``peer`` (what a hostile linked engine could send);
     ``wv``: claim the chunks were verified by their writer."""
@@ -251,7 +252,7 @@ def _say_landed(
     def send() -> None:
         session = core.linker.session_for(peer)
         assert session is not None
-        header = wire.encode("landed", session.token, x=transfer_id, s=seqs, ds=ds, wv=wv)
+        header = wire.encode("landed", session.token, x=transfer_id, s=seqs, ds=ds, wv=wv, g=grant)
         core.outbox.send(session, "landed", header)
 
     core.loop.call_wait(send, 5)
