@@ -43,15 +43,18 @@ def _read_back(eng: TransferEngine, transport: str) -> int:
     return int(eng.metrics()["transports"].get(transport, {}).get("chunks_read_back_total", 0))
 
 
+@pytest.mark.parametrize("dst", [DST, [45, 40, 47, 42, 50, 44]], ids=["run", "scattered"])
 @pytest.mark.parametrize("transport", ["local", "shm"])
-def test_the_writer_verifies_what_it_copied(make_pair: Callable[..., Pair], transport: str) -> None:
+def test_the_writer_verifies_what_it_copied(
+    make_pair: Callable[..., Pair], transport: str, dst: list[int]
+) -> None:
     """A direct writer hashes every chunk in the receiver's blocks right after copying it;
     the receiver reads back a chunk the writer found damaged (and NACKs it) and spot-checks
     a few of the others, never all of them."""
     p, d = make_pair(sender={"faults": [{"kind": "corrupt", "msg_type": "direct", "nth": 5}]})
     per_chunk = 4096 // p.region().block_bytes  # FAST's chunk_bytes
     chunks = len(p.region().tensors) * -(-len(SRC) // per_chunk)
-    recv = d.reserve("clean", DST, writer=p.engine_id)
+    recv = d.reserve("clean", dst, writer=p.engine_id)
     assert recv.blocks is not None
     h = p.push_blocks(d.engine_id, SRC, recv.blocks, transport=transport)
     assert h.wait(10) is TransferState.DONE, h.error
@@ -59,10 +62,10 @@ def test_the_writer_verifies_what_it_copied(make_pair: Callable[..., Pair], tran
     assert _checksum_failures(d, transport) == 1
     # the damaged chunk, plus at least one spot check per attempt: never every chunk
     assert 3 <= _read_back(d, transport) <= chunks
-    assert blocks_digest(d.region(), DST) == blocks_digest(p.region(), SRC)
+    assert blocks_digest(d.region(), dst) == blocks_digest(p.region(), SRC)
     d.release("clean")
     before = _read_back(d, transport)
-    recv = d.reserve("clean2", DST, writer=p.engine_id)
+    recv = d.reserve("clean2", dst, writer=p.engine_id)
     assert recv.blocks is not None
     h = p.push_blocks(d.engine_id, SRC, recv.blocks, transport=transport)
     assert h.wait(10) is TransferState.DONE, h.error

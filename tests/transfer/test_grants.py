@@ -292,3 +292,30 @@ def test_landed_claims_count_only_from_the_writer(
     assert recv.wait(5) is TransferState.DONE
     assert blocks_digest(d.region(), DST) == blocks_digest(a.region(), SRC)
     d.release(recv.request_id)
+
+
+def test_a_verified_claim_with_the_wrong_digest_vouches_for_nothing(
+    make_engine: Callable[..., TransferEngine],
+) -> None:
+    """The writer skipped chunk 0's copy (a drop fault) and then claims it verified it, with
+    a digest that is not END's: the receiver reads the chunk back, NACKs it, and the retry
+    lands the right bytes."""
+    d = make_engine(shared=True)
+    faults = [
+        {"kind": "drop", "msg_type": "direct", "nth": 1},
+        {"kind": "delay", "msg_type": "end", "nth": 1, "delay_s": 1.0},
+    ]
+    a = make_engine(faults=faults, ack_timeout_s=6.0)
+    a.link(d.engine_id, d.address)
+    recv = d.reserve("claim", DST, writer=a.engine_id)
+    assert recv.blocks is not None
+    h = a.push_blocks(d.engine_id, SRC, recv.blocks, transport="shm")
+    deadline = time.monotonic() + 10
+    while not d.metrics()["transports"].get("shm", {}).get("chunks_read_back_total"):
+        assert time.monotonic() < deadline, "the writer's own LANDED never came"
+        time.sleep(0.01)  # d read chunk 0 back on the writer's LANDED: now the claim
+    _say_landed(a, d.engine_id, h.transfer_id, [0], [1], wv=True)
+    assert h.wait(10) is TransferState.DONE, h.error
+    assert h.attempts == 2  # chunk 0 was NACKed, whatever the claim said
+    assert blocks_digest(d.region(), DST) == blocks_digest(a.region(), SRC)
+    d.release("claim")
