@@ -189,4 +189,6 @@ def _guarded(run: Callable[[], int]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hetero_pd.process_exit import exit_after
+
+    exit_after(main)

@@ -139,4 +139,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hetero_pd.process_exit import exit_after
+
+    exit_after(main)

@@ -345,4 +345,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hetero_pd.process_exit import exit_after
+
+    exit_after(main)
