@@ -71,15 +71,16 @@ class Agreement:
         }
 
 
-def teacher_forced_agreement(
+def teacher_forced_agreements(
     model: str,
-    dtype: str = "bfloat16",
+    dtypes: Sequence[str],
     reference_dtype: str = "float32",
     texts: Sequence[str] = DEFAULT_TEXTS,
     device: str = "cpu",
-) -> Agreement:
-    """Top-1 next-token agreement of `dtype` with `reference_dtype` on `texts`, teacher
-    forced, each text one prefill through the engine's model code on `device`."""
+) -> list[Agreement]:
+    """Top-1 next-token agreement of each of `dtypes` with `reference_dtype` on `texts`,
+    teacher forced, each text one prefill through the engine's model code on `device`; the
+    reference runs once for all of them."""
     from transformers import AutoTokenizer
 
     path = resolve_model(model)
@@ -88,10 +89,13 @@ def teacher_forced_agreement(
     sequences = [list(tokenizer.encode(t)) for t in texts]
     dev = torch.device(device)
     ref = _top1(path, cfg, parse_dtype(reference_dtype), dev, sequences)
-    got = _top1(path, cfg, parse_dtype(dtype), dev, sequences)
-    matches = sum(int((a == b).sum()) for a, b in zip(got, ref, strict=True))
     positions = sum(len(s) for s in sequences)
-    return Agreement(dtype, reference_dtype, positions, matches)
+    out = []
+    for dtype in dtypes:
+        got = _top1(path, cfg, parse_dtype(dtype), dev, sequences)
+        matches = sum(int((a == b).sum()) for a, b in zip(got, ref, strict=True))
+        out.append(Agreement(dtype, reference_dtype, positions, matches))
+    return out
 
 
 @torch.inference_mode()
