@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -151,4 +150,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hetero_pd.process_exit import exit_after
+
+    exit_after(main)
