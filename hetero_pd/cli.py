@@ -29,8 +29,8 @@ def _cmd_devices(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from hetero_pd import LLM, SamplingParams
-    from hetero_pd.engine.llm_engine import load_tokenizer
     from hetero_pd.models.fetch import resolve_model
+    from hetero_pd.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(resolve_model(args.model)))
     prompts = [_prompt_ids(tokenizer, p, args.chat, args.model) for p in args.prompt]

@@ -9,7 +9,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from backends import backend_for, parse_device
 from hetero_pd import envs
@@ -27,6 +26,7 @@ from hetero_pd.engine.stop import StopChecker
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.models.loader import load_model
+from hetero_pd.models.tokenizer import load_tokenizer
 from hetero_pd.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from hetero_pd.sampling_params import SamplingParams
 
@@ -71,10 +71,6 @@ class _OutputState:
     detok: IncrementalDetokenizer
     stop: StopChecker
     sent_len: int = 0
-
-
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(path)
 
 
 class LLMEngine:

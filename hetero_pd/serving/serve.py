@@ -28,6 +28,7 @@ from hetero_pd.deploy.schema import Deployment, load_deployment
 from hetero_pd.deploy.validate import validate
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
+from hetero_pd.models.tokenizer import load_tokenizer
 from hetero_pd.serving.api import ApiState, create_app
 from hetero_pd.serving.cluster import Discover, max_model_len, run_part, watch_workers
 from hetero_pd.serving.control_auth import CurveKeys
@@ -77,11 +78,9 @@ async def serve(
     Locally the workers are started and supervised here. With `discover` (several hosts),
     the router connects to the workers it finds instead and serves at once; /health
     answers 503 until a decode worker is up."""
-    from transformers import AutoTokenizer
-
     model_dir = resolve_model(dep.model)
     cfg = ModelConfig.from_dir(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     names = list(model_names or [dep.model])
     secret = deployment_secret(dep, generate=discover is None)
     router = Router(
