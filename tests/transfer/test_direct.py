@@ -109,14 +109,19 @@ def test_a_writer_that_claims_what_it_never_wrote_is_caught(
 
     monkeypatch.setattr(movers, "_copy_verified", claim_only)
     p, d = make_pair(sender={"retry": {"attempts": 2, "base_delay_s": 0.01, "max_delay_s": 0.01}})
-    recv = d.reserve("liar", DST, writer=p.engine_id)
+    _fails_uncommitted(p, d, "liar")
+    assert _read_back(d, "shm") >= 1
+
+
+def _fails_uncommitted(p: TransferEngine, d: TransferEngine, rid: str) -> None:
+    """An shm push from ``p`` to ``d`` fails on checksums and commits nothing."""
+    recv = d.reserve(rid, DST, writer=p.engine_id)
     assert recv.blocks is not None
     h = p.push_blocks(d.engine_id, SRC, recv.blocks, transport="shm")
     assert h.wait(10) is TransferState.FAILED
     assert h.error is not None and h.error.code is StatusCode.CHECKSUM_MISMATCH
     assert recv.wait(0.01) is TransferState.PENDING  # never committed
-    assert _read_back(d, "shm") >= 1
-    d.release("liar")
+    d.release(rid)
 
 
 def test_direct_corruption_that_never_stops_fails_uncommitted(
@@ -128,13 +133,7 @@ def test_direct_corruption_that_never_stops_fails_uncommitted(
             "retry": {"attempts": 2, "base_delay_s": 0.01, "max_delay_s": 0.01},
         }
     )
-    recv = d.reserve("rotten", DST, writer=p.engine_id)
-    assert recv.blocks is not None
-    h = p.push_blocks(d.engine_id, SRC, recv.blocks, transport="shm")
-    assert h.wait(10) is TransferState.FAILED
-    assert h.error is not None and h.error.code is StatusCode.CHECKSUM_MISMATCH
-    assert recv.wait(0.01) is TransferState.PENDING  # never committed
-    d.release("rotten")
+    _fails_uncommitted(p, d, "rotten")
     assert p.held_blocks() == {}
 
 
