@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -24,6 +24,14 @@ from transfer.region import KVRegion, parse_dtype
 from transfer.session import Identity, Session
 
 DIRECT = frozenset({"local", "shm"})
+
+
+class Early(NamedTuple):
+    """A direct-write chunk checked before END (when its LANDED came)."""
+
+    digest: int  # the digest it was checked against
+    good: bool  # it matched
+    by_writer: bool  # only the writer hashed it (``wv``): END spot-checks these
 
 
 @dataclass(slots=True, eq=False)
@@ -62,10 +70,8 @@ class InTransfer:
     pending_end: tuple[Session, dict[str, Any]] | None = None
     #: Direct writes: the chunks found bad by the check this END started (None: not done).
     direct_verdict: list[int] | None = None
-    #: Direct writes: chunks verified when the writer said they landed, before END:
-    #: ``seq -> (the digest they were checked against, whether they matched, whether only
-    #: the writer checked them)``.
-    early: dict[int, tuple[int, bool, bool]] = field(default_factory=dict)
+    #: Direct writes: chunks checked when the writer said they landed, before END.
+    early: dict[int, Early] = field(default_factory=dict)
     #: Direct writes: the number of the grant now open (LANDED of older grants is ignored).
     grant: int = 0
     last_seen: float = field(default_factory=time.monotonic)

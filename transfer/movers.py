@@ -163,10 +163,11 @@ def pump_stream(
     moved = 0
     # On the data channel a chunk's digest trails its body and is computed piece by piece
     # just before the kernel copies each piece (datachan.DataOut.flush), while it is cached.
-    # With faults on it is computed here, before a fault may change the bytes.
-    trail = out.via_data and out.algo is not None and not outbox.faults_on
+    # With faults on it is computed here, before a fault may change the bytes. ``trail``:
+    # the algorithm the data channel hashes with as it writes (None: digests here).
+    trail = out.algo if out.via_data and not outbox.faults_on else None
     while out.queue and moved < PUMP_BYTES and out.inflight < WINDOW_BYTES:
-        _prepare(out, hasher, not outbox.faults_on, not trail)
+        _prepare(out, hasher, not outbox.faults_on, trail is None)
         seq = out.queue[0]
         buf, pending = out.prepared[seq]
         if pending is not None and not pending.done():
@@ -188,7 +189,7 @@ def pump_stream(
                 via_data=True,
                 owner=owner,
                 trailer=None if digest is None else dataframe.trailer(digest),
-                hash_with=checksum.Running(out.algo) if trail and out.algo else None,
+                hash_with=None if trail is None else checksum.Running(trail),
             )
         else:
             header = wire.encode(

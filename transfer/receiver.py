@@ -28,7 +28,7 @@ from transfer.config import EngineConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import TransferState
 from transfer.hashing import Hasher, tensor_digest
-from transfer.incoming import DIRECT, InTransfer, accept_begin
+from transfer.incoming import DIRECT, Early, InTransfer, accept_begin
 from transfer.ledger import Ledger, Reservation
 from transfer.loop import IOLoop
 from transfer.metrics import Metrics
@@ -348,9 +348,9 @@ class Receiver:
     def on_landed(self, session: Session, msg: dict[str, Any]) -> None:
         """A direct writer's chunks are in our blocks: verify them now, while it copies the
         next ones (END then only checks what was not verified here, or changed digest).
-        Chunks the writer verified itself (``wv``) are not read again: it hashed them in our
-        blocks while they were in its cache, and a writer we granted could write anything
-        anyway, so reading them back here would only cost a second pass over memory."""
+        Chunks the writer verified itself (``wv``) are not read here: it hashed them in our
+        blocks while they were in its cache; END reads back only spot checks of them
+        (:func:`spot_checks`), enough to catch a writer that claims copies it never made."""
         incoming = self.owned(session, msg["x"])
         if incoming is None or incoming.mode not in DIRECT or incoming.algo is None:
             return
@@ -365,13 +365,13 @@ class Receiver:
         incoming.last_seen = time.monotonic()
         if msg["wv"]:  # the writer hashed these in our blocks right after copying them
             for seq, expected in zip(seqs, digests, strict=True):
-                incoming.early[seq] = (expected, True, True)
+                incoming.early[seq] = Early(expected, good=True, by_writer=True)
             return
         chunks = incoming.plan()
         self.metrics.of(incoming.mode).chunks_read_back_total += len(seqs)
         for seq, expected in zip(seqs, digests, strict=True):
             value = tensor_digest(incoming.algo, self._landed_image(incoming, chunks[seq]))
-            incoming.early[seq] = (expected, value == expected, False)
+            incoming.early[seq] = Early(expected, good=value == expected, by_writer=False)
 
     def _landed_image(self, incoming: InTransfer, chunk: layout.Chunk) -> torch.Tensor:
         return layout.landed_image(
@@ -399,11 +399,11 @@ class Receiver:
         todo, claimed = [], []
         for chunk, expected in zip(chunks, digests, strict=True):
             seen = incoming.early.get(chunk.seq)
-            if seen is None or seen[0] != expected:
+            if seen is None or seen.digest != expected:
                 todo.append((chunk, expected))
-            elif not seen[1]:
+            elif not seen.good:
                 bad.append(chunk.seq)
-            elif seen[2]:
+            elif seen.by_writer:
                 claimed.append((chunk, expected))
         todo += spot_checks(claimed)
         incoming.early.clear()

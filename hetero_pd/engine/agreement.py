@@ -20,6 +20,7 @@ from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.models.llama import CausalLM
 from hetero_pd.models.loader import load_model
+from hetero_pd.models.tokenizer import load_tokenizer
 
 # Plain prose of several kinds (narrative, technical, instructions, dialogue).
 DEFAULT_TEXTS = (
@@ -81,11 +82,9 @@ def teacher_forced_agreements(
     """Top-1 next-token agreement of each of `dtypes` with `reference_dtype` on `texts`,
     teacher forced, each text one prefill through the engine's model code on `device`; the
     reference runs once for all of them."""
-    from transformers import AutoTokenizer
-
     path = resolve_model(model)
     cfg = ModelConfig.from_dir(path)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = load_tokenizer(path)
     sequences = [list(tokenizer.encode(t)) for t in texts]
     dev = torch.device(device)
     ref = _top1(path, cfg, parse_dtype(reference_dtype), dev, sequences)

@@ -23,6 +23,7 @@ from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.models.llama import CausalLM
 from hetero_pd.models.loader import load_model
+from hetero_pd.models.tokenizer import load_tokenizer
 from transfer import kv_codec, layout
 
 
@@ -35,10 +36,8 @@ def kv_codec_agreement(
     device: str = "cpu",
 ) -> Agreement:
     """Top-1 agreement of decoding on `codec`-carried prompt KV with decoding on raw KV."""
-    from transformers import AutoTokenizer
-
     path = resolve_model(model)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = load_tokenizer(path)
     sequences = [list(tokenizer.encode(t)) for t in texts]
     return token_agreement(str(path), sequences, codec, dtype, block_size, device)
 
