@@ -150,3 +150,24 @@ def test_datadist_adapter_is_optional() -> None:
     if not datadist.available():
         with pytest.raises(TransferError):
             datadist.open_datadist(__import__("transfer").Role.PREFILL, 0)
+
+
+@pytest.mark.parametrize(
+    ("msg_type", "fields"),
+    [
+        ("landed", {"x": "a", "s": [0], "ds": [1], "wv": 1, "g": 1}),  # wv: an int, not a bool
+        ("landed", {"x": "a", "s": [0], "ds": [1], "wv": True, "g": True}),  # g: a bool
+        ("landed", {"x": "a", "s": [0], "ds": [1], "wv": True}),  # no grant number
+        ("landed", {"x": "a", "s": [0], "ds": [1], "g": 1}),  # no wv
+        ("grant", {"x": "a", "ttl": 1.0, "until": 2.0, "g": "1"}),
+        ("grant", {"x": "a", "ttl": 1.0, "until": 2.0}),
+    ],
+)
+def test_writer_claims_and_grant_numbers_are_validated(
+    msg_type: str, fields: dict[str, object]
+) -> None:
+    """A hostile peer's LANDED/GRANT with a missing or mistyped ``wv``/``g`` is refused before
+    anything reads it (a bool is never taken for an int, nor an int for a bool)."""
+    raw = wire.seal(msgpack.packb({"v": wire.VERSION, "t": msg_type, "sid": b"t" * 16, **fields}))
+    with pytest.raises(wire.FrameError, match="bad_field"):
+        wire.decode(raw, 1)
