@@ -8,14 +8,26 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
-# Idle OpenMP threads sleep at once instead of spinning. On a busy host (other processes,
-# another worker on the same cores, a Kubernetes CPU limit) a spinning thread holds a core
-# the thread it waits for needs: the engine ran 3.6-8x slower that way (docs/BENCHMARKS.md,
-# section 1). OpenMP reads this when torch loads it, so it holds for this process when torch
-# was not imported yet, and for every process started from it. A value you set is kept.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+def omp_wait_defaults(environ: MutableMapping[str, str]) -> None:
+    """Idle OpenMP threads spin briefly (GOMP_SPINCOUNT=30000, well under a millisecond)
+    before they sleep, unless the user chose OMP_WAIT_POLICY or GOMP_SPINCOUNT.
+
+    Within a step the threads stay awake between parallel regions: sleeping at once
+    (PASSIVE) cost 25-35% on an idle 2-vCPU VM, where a halted vCPU is descheduled and its
+    wake-up is paid in steal time. Spinning long (libgomp's default, 300000) made the engine
+    3.6-8x slower on a busy host; there the engine's ThreadGovernor (backends/cpu_share.py)
+    also drops to the threads the host has room for. docs/BENCHMARKS.md section 1 has the
+    numbers. OpenMP reads this when torch loads it: set before torch is imported, it holds
+    for this process and every process started from it."""
+    if "OMP_WAIT_POLICY" not in environ:
+        environ.setdefault("GOMP_SPINCOUNT", "30000")
+
+
+omp_wait_defaults(os.environ)
 
 if TYPE_CHECKING:
     from hetero_pd.llm import LLM

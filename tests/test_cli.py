@@ -89,15 +89,27 @@ def test_devices_prints_a_table_with_the_cpu() -> None:
     assert any(row.split()[0] == "cpu" for row in rows), result.stdout
 
 
-def test_idle_openmp_threads_sleep_unless_told_otherwise() -> None:
-    """Importing hetero_pd makes idle OpenMP threads sleep (for torch, when it loads OpenMP
-    later, and for every process started from here); a value the user set is kept."""
-    code = "import hetero_pd, os, torch; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    for given, want in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
-        run_env = env if given is None else {**env, "OMP_WAIT_POLICY": given}
+def test_idle_openmp_threads_spin_briefly_unless_told_otherwise() -> None:
+    """Importing hetero_pd makes idle OpenMP threads spin briefly before they sleep (for
+    torch, when it loads OpenMP later, and for every process started from here); a wait
+    policy or spin count the user set is kept."""
+    code = (
+        "import hetero_pd, os, torch; e = os.environ; "
+        "print(e.get('OMP_WAIT_POLICY'), e.get('GOMP_SPINCOUNT'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    cases = (
+        ({}, "None 30000"),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, "PASSIVE None"),
+        ({"GOMP_SPINCOUNT": "5"}, "None 5"),
+    )
+    for given, want in cases:
         out = subprocess.run(
-            [sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", code],
+            env={**env, **given},
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == want

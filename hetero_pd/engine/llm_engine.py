@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from backends import backend_for, parse_device
+from backends.cpu_share import ThreadGovernor
 from hetero_pd import envs
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.detokenizer import IncrementalDetokenizer
@@ -85,6 +86,10 @@ class LLMEngine:
         threads = config.num_threads or envs.num_threads() or backend.default_threads()
         if threads:
             torch.set_num_threads(threads)
+        # Fewer threads while other processes keep our CPUs busy (backends/cpu_share.py).
+        self.thread_governor = (
+            ThreadGovernor(threads) if self.device.type == "cpu" and (threads or 0) > 1 else None
+        )
         self.dtype_choice = config.dtype_choice(cfg.checkpoint_dtype)
         self.compile_choice = config.compile_choice()
         dtype = self.dtype_choice.dtype
@@ -441,6 +446,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out:
             return []
+        if self.thread_governor is not None:
+            self.thread_governor.tick()
         self._prompt_tokens_computed += sum(
             max(0, min(c.num_tokens, c.request.num_prompt_tokens - c.request.num_computed_tokens))
             for c in out.chunks

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from backends.cpu import usable_cpus
-from hetero_pd import secrets
+from hetero_pd import omp_wait_defaults, secrets
 from hetero_pd.config import EngineConfig
 from hetero_pd.deploy.formats import worker_format
 from hetero_pd.deploy.schema import Deployment
@@ -132,9 +132,9 @@ class Launcher:
     async def _spawn(self, cfg: WorkerConfig) -> None:
         cmd = [sys.executable, "-m", "hetero_pd.serving.worker"]
         env = {**os.environ, secrets.ENV: self.secret.decode()}
-        # idle OpenMP threads sleep instead of spinning on a core someone else needs (see
-        # hetero_pd/__init__.py; set in the environment so a worker's log of it is true)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # how idle OpenMP threads wait (hetero_pd/__init__.py; set in the environment so a
+        # worker's log of it is true)
+        omp_wait_defaults(env)
         proc = await asyncio.create_subprocess_exec(
             *cmd,
             stdin=asyncio.subprocess.PIPE,
