@@ -20,7 +20,8 @@ from transfer import checksum, layout
 from transfer.devices import to_host
 from transfer.errors import TransferError
 
-#: Helper threads per engine: enough to keep up with one core's copies, no more.
+#: Helper threads per engine: enough to keep up with one core's copies, no more (one of
+#: them also copies half of a direct write's chunks, movers._copy_in_two).
 THREADS = 2
 #: Buffers up to this size are hashed at once on the calling thread: handing them to a
 #: helper and waking the I/O thread with the result costs more than hashing them (xxh3 runs
@@ -54,6 +55,10 @@ class Hasher:
         if len(data) <= INLINE_BYTES:
             return _done(checksum.digest, algo, data)
         return self._executor().submit(checksum.digest, algo, data)
+
+    def run(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        """``fn(*args)`` on a helper thread (direct writes copy a second chunk there)."""
+        return self._executor().submit(fn, *args)
 
     def then(self, fut: Future[int], fn: Callable[[int | None], None]) -> None:
         """Run ``fn(digest)`` on the I/O thread once ``fut`` is done (None if it failed): at

@@ -225,6 +225,7 @@ class Sender:
                 self._counters(out),
                 self.links.drop,
                 lambda seqs: self._send_landed(out, seqs),
+                self.hasher.run,
             )
             if digests is not None:
                 self._send_end(out, digests or None)

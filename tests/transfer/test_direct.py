@@ -3,14 +3,18 @@ inside the receiver's absolute grant window; leases and reservations renewed whi
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from transfer import KVRegion, StatusCode, TransferEngine, TransferState, movers
+from transfer import KVRegion, StatusCode, TransferEngine, TransferState, layout, movers
 from transfer.hashing import tensor_digest
 from transfer.testing import blocks_digest
 
@@ -233,3 +237,36 @@ def test_offer_lease_renewed_by_its_owner_and_its_reader(make_pair: Callable[...
     assert held.wait(5) is TransferState.DONE
     assert blocks_digest(d.region(), DST) == blocks_digest(p.region(), SRC)
     d.release("pull-held")
+
+
+def test_two_threads_copy_only_while_the_grant_is_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Direct writes copy a slice's chunks on two threads (the I/O thread and a helper);
+    each chunk starts only while the grant is open, and the chunks neither thread started
+    go back to the front of the queue in their order."""
+    copied: list[tuple[int, str]] = []
+    out = SimpleNamespace(
+        queue=deque(range(8)),
+        chunks=[layout.Chunk(seq, 0, seq, seq + 1) for seq in range(10)],
+        region=SimpleNamespace(block_bytes=1 << 20),
+        grant_until=time.monotonic() + 60,
+    )
+
+    def copy_chunk(o: Any, seq: int, fault: str | None) -> int:
+        assert o is out and fault is None
+        copied.append((seq, threading.current_thread().name))
+        if len(copied) == 5:
+            out.grant_until = time.monotonic() - 1  # the grant runs out during chunk 5
+        # out of step (chunks start at 0, 40, 80 ms here and 0, 60, 120 ms on the helper),
+        # so the fifth start is the third here and both threads then find the grant closed
+        time.sleep(0.06 if threading.current_thread().name.startswith("helper") else 0.04)
+        return 1 << 20
+
+    monkeypatch.setattr(movers, "_copy_chunk", copy_chunk)
+    with ThreadPoolExecutor(1, "helper") as pool:
+        done = movers._copy_in_two(out, pool.submit)  # type: ignore[arg-type]
+        assert sorted(done) == sorted(seq for seq, _ in copied) and len(done) == 5
+        assert len({name for _, name in copied}) == 2  # both threads copied
+        assert list(out.queue) == [seq for seq in range(8) if seq not in done]
+        out.queue.extend([8, 9])
+        assert movers._copy_in_two(out, pool.submit) == []  # type: ignore[arg-type]
+    assert list(out.queue) == [seq for seq in range(10) if seq not in done]
