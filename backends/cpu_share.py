@@ -57,6 +57,14 @@ def process_ticks(self_stat_text: str) -> int:
     return int(rest[11]) + int(rest[12])  # fields 14 and 15 of the whole line
 
 
+def _our_cpus() -> Iterable[int]:
+    """The CPUs this process may run on (all of them where there is no affinity call)."""
+    try:
+        return os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return range(os.cpu_count() or 1)
+
+
 def threads_for(cpus: int, others_cpus: float, max_threads: int) -> int:
     """Threads for `cpus` CPUs of which other processes keep `others_cpus` busy."""
     return max(1, min(max_threads, int(cpus - others_cpus + 0.5)))
@@ -77,7 +85,7 @@ class ThreadGovernor:
         set_threads: Callable[[int], None] = torch.set_num_threads,
     ) -> None:
         self.max_threads = max_threads
-        self.cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+        self.cpus = sorted(_our_cpus() if cpus is None else cpus)
         self.window_s = window_s
         self._read_stat, self._read_self = read_stat, read_self
         self._clock, self._set = clock, set_threads
@@ -102,7 +110,8 @@ class ThreadGovernor:
         sample = self._sample()
         if sample is None or self._last is None or now - self._last[0] > STALE_S:
             self._last = sample  # after a long idle spell, start afresh: decide on the load
-            return self.threads  # of now, not an average over minutes
+            self._proposal = None  # of now, not an average over minutes or an old proposal
+            return self.threads
         (t0, busy0, ours0), (t1, busy1, ours1) = self._last, sample
         self._last = sample
         others = max(0, (busy1 - busy0) - (ours1 - ours0)) / TICKS_PER_S / (t1 - t0)

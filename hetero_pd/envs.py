@@ -19,6 +19,12 @@ def num_threads() -> int | None:
     return int(env) if env else None
 
 
+def adaptive_threads() -> bool:
+    """$HETERO_PD_ADAPTIVE_THREADS: "0" keeps a CPU engine's thread count fixed instead of
+    lowering it while other processes keep its CPUs busy (backends/cpu_share.py)."""
+    return os.environ.get("HETERO_PD_ADAPTIVE_THREADS", "1").strip() != "0"
+
+
 def deployment_secret(environ: Mapping[str, str] | None = None) -> str:
     """$HETERO_PD_SECRET: the deployment secret (never on a command line); "" when unset."""
     return (os.environ if environ is None else environ).get("HETERO_PD_SECRET", "")

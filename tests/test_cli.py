@@ -95,13 +95,14 @@ def test_idle_openmp_threads_spin_briefly_unless_told_otherwise() -> None:
     policy or spin count the user set is kept."""
     code = (
         "import hetero_pd, os, torch; e = os.environ; "
-        "print(e.get('OMP_WAIT_POLICY'), e.get('GOMP_SPINCOUNT'))"
+        "print(e.get('OMP_WAIT_POLICY'), e.get('GOMP_SPINCOUNT'), e.get('KMP_BLOCKTIME'))"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    names = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+    env = {k: v for k, v in os.environ.items() if k not in names}
     cases = (
-        ({}, "None 30000"),
-        ({"OMP_WAIT_POLICY": "PASSIVE"}, "PASSIVE None"),
-        ({"GOMP_SPINCOUNT": "5"}, "None 5"),
+        ({}, "None 30000 1"),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, "PASSIVE None None"),
+        ({"GOMP_SPINCOUNT": "5"}, "None 5 1"),
     )
     for given, want in cases:
         out = subprocess.run(

@@ -263,7 +263,7 @@ def pump_direct(
     be; ``landed(seqs)`` is told the chunks copied every ``LANDED_BYTES``, so the receiver
     verifies any the writer could not while the next ones are copied. With ``helper`` (runs
     ``fn(*args)`` on another thread: ``Hasher.run``) and no faults to inject, host-memory
-    chunks are copied by two threads (:func:`_copy_in_two`).
+    chunks are copied by two threads (:func:`_copy_in_two`), with one LANDED per slice.
     Returns None while chunks remain or the grant ran out (the caller checks which).
     """
     assert out.session is not None and out.dst_tensors is not None
@@ -273,10 +273,10 @@ def pump_direct(
     if out.src_run is None:
         out.src_run = layout.is_run(out.src_ids)
     if helper is not None and injector is None and len(out.queue) > 1 and out.on_cpu:
-        done = _copy_in_two(out, helper)
-        counters.bytes_sent_total += sum(_chunk_bytes(out, seq) for seq in done)
+        done, nbytes = _copy_in_two(out, helper)
+        counters.bytes_sent_total += nbytes
         if done and out.algo:
-            landed(done)
+            landed(done)  # one LANDED for the slice: its chunks are all copied by now
     elif not _pump_one_by_one(out, injector, counters, drop, landed):
         return None
     if out.queue:
@@ -323,7 +323,7 @@ def _pump_one_by_one(
     return True
 
 
-def _copy_in_two(out: OutTransfer, helper: Callable[..., Future[Any]]) -> list[int]:
+def _copy_in_two(out: OutTransfer, helper: Callable[..., Future[Any]]) -> tuple[list[int], int]:
     """Up to two slices' worth of chunks as two runs, the second on the helper thread and the
     first here; the copies and hashes release the GIL, so two cores' worth of memory traffic
     goes on at once (one thread reached ~60% of a two-thread memcpy). Each chunk starts only
@@ -335,25 +335,29 @@ def _copy_in_two(out: OutTransfer, helper: Callable[..., Future[Any]]) -> list[i
         take.append(out.queue.popleft())
         nbytes += _chunk_bytes(out, take[-1])
     half = (len(take) + 1) // 2
+    # An error on either thread fails the whole transfer (Sender.pump), so the chunks of
+    # this slice need not go back to the queue then.
     other = helper(_copy_run, out, take[half:])
     try:
-        mine = _copy_run(out, take[:half])
+        mine, mine_bytes = _copy_run(out, take[:half])
     finally:
         wait([other])  # never leave a copy running behind a failure
-    copied = mine + other.result()
+    theirs, their_bytes = other.result()
+    copied = mine + theirs
     out.queue.extendleft(reversed([seq for seq in take if seq not in set(copied)]))
-    return copied
+    return copied, mine_bytes + their_bytes
 
 
-def _copy_run(out: OutTransfer, seqs: list[int]) -> list[int]:
-    """Copies ``seqs`` in order while the grant is open; returns those copied."""
-    copied = []
+def _copy_run(out: OutTransfer, seqs: list[int]) -> tuple[list[int], int]:
+    """Copies ``seqs`` in order while the grant is open; returns those copied and the bytes
+    written (the destination's, after any layout or dtype conversion)."""
+    copied, nbytes = [], 0
     for seq in seqs:
         if time.monotonic() > out.grant_until:
             break
-        _copy_chunk(out, seq, None)
+        nbytes += _copy_chunk(out, seq, None)
         copied.append(seq)
-    return copied
+    return copied, nbytes
 
 
 def _chunk_bytes(out: OutTransfer, seq: int) -> int:

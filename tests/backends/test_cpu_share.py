@@ -12,6 +12,7 @@ import time
 import pytest
 
 from backends.cpu_share import (
+    TICKS_PER_S,
     ThreadGovernor,
     cpus_busy_ticks,
     process_ticks,
@@ -53,16 +54,16 @@ def test_threads_never_exceed_what_was_given() -> None:
 
 class FakeHost:
     """Two CPUs; each `advance` runs `dt` seconds in which we use `ours` CPUs and other
-    processes `others` CPUs (100 ticks a second, as /proc counts)."""
+    processes `others` CPUs (in /proc's ticks)."""
 
     def __init__(self) -> None:
         self.now, self.busy, self.ours = 0.0, [0, 0], 0
 
     def advance(self, dt: float, ours: float, others: float) -> None:
         self.now += dt
-        per_cpu = (ours + others) * 100 * dt / 2
+        per_cpu = (ours + others) * TICKS_PER_S * dt / 2
         self.busy = [int(b + per_cpu) for b in self.busy]
-        self.ours += int(ours * 100 * dt)
+        self.ours += int(ours * TICKS_PER_S * dt)
 
     def governor(self, calls: list[int]) -> ThreadGovernor:
         return ThreadGovernor(
@@ -98,8 +99,12 @@ def test_between_windows_and_after_idle_spells_nothing_is_decided() -> None:
     gov = host.governor(calls)
     host.advance(0.2, ours=0.0, others=2.0)
     assert gov.tick() == 2  # window not over yet
+    host.advance(0.5, ours=1.0, others=1.0)
+    assert gov.tick() == 2  # a proposal of 1 thread, not yet agreed
     host.advance(60.0, ours=0.0, others=2.0)  # idle a minute: start a fresh window
     assert gov.tick() == 2
+    host.advance(0.5, ours=1.0, others=1.0)  # one window after the idle spell: the old
+    assert gov.tick() == 2 and calls == []  # proposal is gone, this one needs a second
     host.advance(0.5, ours=1.0, others=1.0)
     gov.tick()
     host.advance(0.5, ours=1.0, others=1.0)
@@ -120,28 +125,29 @@ def test_an_unreadable_proc_keeps_the_threads() -> None:
     assert calls == []
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux /proc")
-def test_the_real_proc_sees_a_busy_process_on_our_cpu() -> None:
-    """A busy child pinned to our CPU: the real /proc shows ~1 CPU of others' load, and the
-    governor asks for 1 thread out of the 2 it was given on that one CPU."""
-    cpu = min(os.sched_getaffinity(0))
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import os,time\nos.sched_setaffinity(0,{{{cpu}}})\n"
-            "end=time.monotonic()+20\nwhile time.monotonic()<end: pass",
-        ]
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs Linux /proc and two CPUs",
+)
+def test_the_real_proc_sees_a_busy_process_on_our_cpus() -> None:
+    """A busy child pinned to one of two CPUs of ours: the real /proc shows about one CPU
+    of others' load, and the governor takes one of the two threads away."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    spin = (
+        f"import os, sys, time\nos.sched_setaffinity(0, {{{cpus[1]}}})\n"
+        "print('spinning', flush=True)\nend = time.monotonic() + 20\n"
+        "while time.monotonic() < end: pass\n"
     )
+    child = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
     calls: list[int] = []
     try:
-        gov = ThreadGovernor(2, cpus=[cpu], window_s=0.3, set_threads=calls.append)
-        deadline = time.monotonic() + 10
+        assert child.stdout is not None and child.stdout.readline() == "spinning\n"
+        gov = ThreadGovernor(2, cpus=cpus, window_s=0.3, set_threads=calls.append)
+        deadline = time.monotonic() + 15
         while not calls and time.monotonic() < deadline:
-            time.sleep(0.1)  # we stay idle: the load is all the child's
+            time.sleep(0.1)  # we stay idle: the load is the child's
             gov.tick()
         assert calls == [1], f"others {gov.others_cpus:.2f} CPUs"
-        assert gov.others_cpus > 0.6
     finally:
         child.kill()
         child.wait()

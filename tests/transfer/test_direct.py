@@ -263,10 +263,11 @@ def test_two_threads_copy_only_while_the_grant_is_open(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(movers, "_copy_chunk", copy_chunk)
     with ThreadPoolExecutor(1, "helper") as pool:
-        done = movers._copy_in_two(out, pool.submit)  # type: ignore[arg-type]
+        done, nbytes = movers._copy_in_two(out, pool.submit)  # type: ignore[arg-type]
+        assert nbytes == len(done) << 20
         assert sorted(done) == sorted(seq for seq, _ in copied) and len(done) == 5
         assert len({name for _, name in copied}) == 2  # both threads copied
         assert list(out.queue) == [seq for seq in range(8) if seq not in done]
         out.queue.extend([8, 9])
-        assert movers._copy_in_two(out, pool.submit) == []  # type: ignore[arg-type]
+        assert movers._copy_in_two(out, pool.submit) == ([], 0)  # type: ignore[arg-type]
     assert list(out.queue) == [seq for seq in range(10) if seq not in done]
