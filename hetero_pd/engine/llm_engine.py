@@ -88,14 +88,10 @@ class LLMEngine:
             torch.set_num_threads(threads)
         self.dtype_choice = config.dtype_choice(cfg.checkpoint_dtype)
         self.compile_choice = config.compile_choice()
-        # Fewer threads while other processes keep our CPUs busy (backends/cpu_share.py).
-        # Not with a compiled step: inductor's C++ kernels fix their thread count when built.
-        adaptive = self.device.type == "cpu" and not self.compile_choice[0]
-        self.thread_governor = (
-            ThreadGovernor(threads)
-            if adaptive and (threads or 0) > 1 and envs.adaptive_threads()
-            else None
-        )
+        # Fewer threads while other processes keep our CPUs busy (backends/cpu_share.py); a
+        # compiled CPU step follows too (CpuBackend.compile_step: dynamic OpenMP threads).
+        adaptive = self.device.type == "cpu" and (threads or 0) > 1 and envs.adaptive_threads()
+        self.thread_governor = ThreadGovernor(threads) if adaptive else None
         dtype = self.dtype_choice.dtype
         self.tokenizer = load_tokenizer(str(self.model_path))
         model = load_model(self.model_path, cfg, dtype, self.device, self.max_model_len)

@@ -96,3 +96,16 @@ def test_the_cpu_backend_defaults_to_the_usable_cpus(cgroups: Path) -> None:
 
 def test_this_process_is_counted_from_its_own_affinity() -> None:
     assert 1 <= cpu.usable_cpus() <= len(os.sched_getaffinity(0))
+
+
+def test_compile_auto_on_cpu_needs_a_cxx_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`compile: auto` compiles on CPU only where inductor can build its C++."""
+    backend = get_backend("cpu")
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(cpu.shutil, "which", lambda name: None)
+    assert backend.compile_by_default() is False
+    monkeypatch.setattr(cpu.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert backend.compile_by_default() is True
+    monkeypatch.setenv("CXX", "my-cxx")
+    monkeypatch.setattr(cpu.shutil, "which", lambda name: None if name == "g++" else name)
+    assert backend.compile_by_default() is True  # $CXX is what inductor would use
