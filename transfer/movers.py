@@ -268,7 +268,7 @@ def pump_direct(
     """
     assert out.session is not None and out.dst_tensors is not None
     if out.dst_ids is None:
-        out.dst_ids = torch.tensor(out.dst.block_ids, dtype=torch.long)
+        out.dst_ids = _inside(out.dst.block_ids, int(out.dst_tensors[0].shape[0]))
         out.dst_run = layout.is_run(out.dst_ids)
     if out.src_run is None:
         out.src_run = layout.is_run(out.src_ids)
@@ -284,6 +284,18 @@ def pump_direct(
     if not out.algo:
         return []
     return [out.digests[seq] for seq in range(len(out.chunks))]
+
+
+def _inside(block_ids: tuple[int, ...], num_blocks: int) -> torch.Tensor:
+    """The granted destination blocks, all inside the mapped region (the grant comes from the
+    peer: a block past its region would make a copy write outside the mapping)."""
+    ids = torch.tensor(block_ids, dtype=torch.long)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise TransferError(
+            StatusCode.KV_CACHE_NOT_EXIST,
+            f"the grant names blocks outside the peer's region of {num_blocks} blocks",
+        )
+    return ids
 
 
 def _pump_one_by_one(

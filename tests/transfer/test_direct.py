@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from transfer import KVRegion, StatusCode, TransferEngine, TransferState, layout, movers
+from transfer import (
+    KVRegion,
+    StatusCode,
+    TransferEngine,
+    TransferError,
+    TransferState,
+    layout,
+    movers,
+)
 from transfer.hashing import tensor_digest
 from transfer.testing import blocks_digest
 
@@ -271,3 +279,21 @@ def test_two_threads_copy_only_while_the_grant_is_open(monkeypatch: pytest.Monke
         out.queue.extend([8, 9])
         assert movers._copy_in_two(out, pool.submit) == ([], 0)  # type: ignore[arg-type]
     assert list(out.queue) == [seq for seq in range(10) if seq not in done]
+
+
+@pytest.mark.parametrize("ids", [[62, 63, 64, 65], [-2, -1, 0, 1]], ids=["past-end", "negative"])
+def test_destination_blocks_outside_the_mapped_region_are_refused(ids: list[int]) -> None:
+    """A hostile receiver grants blocks its region does not have: the writer refuses before
+    copying anything (a memmove there would write outside the mapping), the region intact."""
+    region = KVRegion.allocate("kv", 2, 64, (4, 2, 8))
+    dst = [torch.zeros_like(t) for t in region.tensors]
+    out = SimpleNamespace(
+        session=object(),
+        dst_tensors=dst,
+        dst=SimpleNamespace(block_ids=tuple(ids)),
+        dst_ids=None,
+    )
+    with pytest.raises(TransferError) as err:
+        movers.pump_direct(out, None, None, None, None)  # type: ignore[arg-type]
+    assert err.value.code is StatusCode.KV_CACHE_NOT_EXIST
+    assert all(int(t.count_nonzero()) == 0 for t in dst)
