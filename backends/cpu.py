@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -81,6 +82,14 @@ def host_memory_info() -> tuple[int, int]:
     return free, total
 
 
+def affinity_cpus() -> Collection[int]:
+    """The CPUs this process may run on: its affinity mask (all CPUs where there is none)."""
+    try:
+        return os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return range(os.cpu_count() or 1)
+
+
 def usable_cpus() -> int:
     """How many CPUs this process may keep busy: its affinity mask (what it is pinned to),
     capped by its cgroup's CPU quota (a Kubernetes CPU limit), rounded down, at least 1.
@@ -88,10 +97,7 @@ def usable_cpus() -> int:
     Threads beyond this only wait for each other: a quota of 1.5 CPUs throttles two busy
     threads for part of every period, and an OpenMP barrier then waits for the throttled one.
     """
-    try:
-        count = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        count = os.cpu_count() or 1
+    count = len(affinity_cpus())
     quota = cgroup_cpu_quota()
     if quota is not None:
         count = min(count, int(quota))

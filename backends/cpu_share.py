@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from backends.cpu import affinity_cpus
+
 log = logging.getLogger(__name__)
 
 PROC_STAT = Path("/proc/stat")
@@ -57,14 +59,6 @@ def process_ticks(self_stat_text: str) -> int:
     return int(rest[11]) + int(rest[12])  # fields 14 and 15 of the whole line
 
 
-def _our_cpus() -> Iterable[int]:
-    """The CPUs this process may run on (all of them where there is no affinity call)."""
-    try:
-        return os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        return range(os.cpu_count() or 1)
-
-
 def threads_for(cpus: int, others_cpus: float, max_threads: int) -> int:
     """Threads for `cpus` CPUs of which other processes keep `others_cpus` busy."""
     return max(1, min(max_threads, int(cpus - others_cpus + 0.5)))
@@ -85,7 +79,7 @@ class ThreadGovernor:
         set_threads: Callable[[int], None] = torch.set_num_threads,
     ) -> None:
         self.max_threads = max_threads
-        self.cpus = sorted(_our_cpus() if cpus is None else cpus)
+        self.cpus = sorted(affinity_cpus() if cpus is None else cpus)
         self.window_s = window_s
         self._read_stat, self._read_self = read_stat, read_self
         self._clock, self._set = clock, set_threads

@@ -356,7 +356,8 @@ def _copy_in_two(out: OutTransfer, helper: Callable[..., Future[Any]]) -> tuple[
         wait([other])  # never leave a copy running behind a failure
     theirs, their_bytes = other.result()
     copied = mine + theirs
-    out.queue.extendleft(reversed([seq for seq in take if seq not in set(copied)]))
+    started = set(copied)
+    out.queue.extendleft(reversed([seq for seq in take if seq not in started]))
     return copied, mine_bytes + their_bytes
 
 
