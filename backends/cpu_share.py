@@ -15,6 +15,10 @@ How: every `window_s` (checked between steps) it reads how busy our CPUs were
 the rest is other processes. Threads = our CPUs minus the others' share, rounded, at least
 1 and at most what we were given; a new count is taken only when two windows in a row
 agree on it, so one noisy window changes nothing.
+
+Workers that share a box unpinned (the launcher's default on one host) are each given every
+CPU and start at their fair share (CPUs / workers): a decode worker whose prefill neighbour
+has gone idle then grows into the idle core, and gives it back when the neighbour is busy.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class ThreadGovernor:
     def __init__(
         self,
         max_threads: int,
+        start_threads: int | None = None,
         cpus: Iterable[int] | None = None,
         window_s: float = 0.5,
         read_stat: Callable[[], str] = PROC_STAT.read_text,
@@ -83,7 +88,8 @@ class ThreadGovernor:
         self.window_s = window_s
         self._read_stat, self._read_self = read_stat, read_self
         self._clock, self._set = clock, set_threads
-        self.threads = max_threads
+        #: The count in force (the caller set it: ``start_threads``, else ``max_threads``).
+        self.threads = min(max_threads, start_threads or max_threads)
         self.others_cpus = 0.0  # other processes' load on our CPUs, last window
         self._proposal: int | None = None
         self._last = self._sample()

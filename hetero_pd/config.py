@@ -79,6 +79,10 @@ class EngineConfig:
     kv_cache_disk_path: str | None = None
     kv_cache_admit_after: int = 2  # uses (computed or hit) before a block goes down
     num_threads: int | None = None
+    # Threads to start with, when fewer than `num_threads` (workers sharing one host's CPUs
+    # start at their fair share); the thread governor (backends/cpu_share.py) then runs up
+    # to `num_threads` while the CPUs are idle. None: `num_threads`.
+    initial_threads: int | None = None
     seed: int = 0
     # Decode steps through the device's compiler (see backends.compiler): "auto" where the
     # backend measured that it pays, "on" (failing to compile is an error), "off" (eager).
@@ -108,7 +112,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.start_layer < 0:
             raise ValueError(f"start_layer must be >= 0, got {self.start_layer}")
-        for name in ("max_model_len", "num_kv_blocks", "num_threads"):
+        for name in ("max_model_len", "num_kv_blocks", "num_threads", "initial_threads"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value!r}")

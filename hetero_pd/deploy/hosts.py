@@ -27,12 +27,13 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import Any
 
+from backends.cpu import usable_cpus
 from hetero_pd import secrets
 from hetero_pd.deploy.addresses import bind_address, check_advertised
 from hetero_pd.deploy.schema import Deployment
 from hetero_pd.deploy.supervisor import Supervisor
 from hetero_pd.deploy.workers import expand_workers
-from hetero_pd.serving.launcher import worker_config
+from hetero_pd.serving.launcher import thread_counts, worker_config
 from hetero_pd.serving.worker import READY_LINE, ready_address
 from hetero_pd.serving.worker_config import WorkerConfig
 
@@ -46,12 +47,13 @@ def host_worker_configs(dep: Deployment, host_id: str) -> list[WorkerConfig]:
     if not instances:
         return []
     bind = bind_address(host_id)
-    threads = max(1, (os.cpu_count() or 1) // len(instances))
+    cpus = usable_cpus()
     configs = []
     for w in instances:
         check_advertised(bind, w.host, f"worker {w.worker_id}")
+        threads, initial = thread_counts(w, cpus, len(instances))
         configs.append(
-            worker_config(dep, w, threads, bind, w.port, w.port + 1, advertise_host=w.host)
+            worker_config(dep, w, threads, initial, bind, w.port, w.port + 1, advertise_host=w.host)
         )
     return configs
 

@@ -84,14 +84,16 @@ class LLMEngine:
         backend = backend_for(self.device)
         backend.require_available()
         threads = config.num_threads or envs.num_threads() or backend.default_threads()
-        if threads:
-            torch.set_num_threads(threads)
+        # Fewer threads while other processes keep our CPUs busy, more (up to `threads`) from
+        # `initial_threads` while they are idle (backends/cpu_share.py); a compiled CPU step
+        # follows too (CpuBackend.compile_step: dynamic OpenMP threads).
+        adaptive = self.device.type == "cpu" and (threads or 0) > 1 and envs.adaptive_threads()
+        start = min(config.initial_threads or threads or 0, threads or 0) or None
+        if start:
+            torch.set_num_threads(start)
         self.dtype_choice = config.dtype_choice(cfg.checkpoint_dtype)
         self.compile_choice = config.compile_choice()
-        # Fewer threads while other processes keep our CPUs busy (backends/cpu_share.py); a
-        # compiled CPU step follows too (CpuBackend.compile_step: dynamic OpenMP threads).
-        adaptive = self.device.type == "cpu" and (threads or 0) > 1 and envs.adaptive_threads()
-        self.thread_governor = ThreadGovernor(threads) if adaptive else None
+        self.thread_governor = ThreadGovernor(threads, start) if adaptive else None
         dtype = self.dtype_choice.dtype
         self.tokenizer = load_tokenizer(str(self.model_path))
         model = load_model(self.model_path, cfg, dtype, self.device, self.max_model_len)

@@ -18,13 +18,13 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from backends import parse_device_spec
+from backends.cpu import usable_cpus
 from hetero_pd.deploy import k8s
 from hetero_pd.deploy.addresses import check_advertised
 from hetero_pd.deploy.schema import Deployment
@@ -65,7 +65,7 @@ def pod_worker_config(
     return worker_config(
         dep,
         WorkerInstance(wid, role, device),
-        os.cpu_count() or 1,
+        usable_cpus(),  # its affinity and its CPU limit (cgroup quota)
         host=host,
         port=base,
         transfer_port=base + 1,

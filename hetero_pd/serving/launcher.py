@@ -48,25 +48,38 @@ def worker_configs(dep: Deployment) -> list[WorkerConfig]:
     """One WorkerConfig per worker process, ids like `prefill-0`, `decode-0`, `both-1`, each
     on the device the deployment assigns it (`cuda` -> the next free `cuda:N`)."""
     instances = expand_workers(dep.workers)
-    threads = max(1, usable_cpus() // len(instances))
-    # A pinned worker's threads are its cores: more would fight over them.
-    return [worker_config(dep, w, len(w.cpus) or threads) for w in instances]
+    cpus = usable_cpus()
+    return [worker_config(dep, w, *thread_counts(w, cpus, len(instances))) for w in instances]
+
+
+def thread_counts(w: WorkerInstance, cpus: int, workers: int) -> tuple[int, int | None]:
+    """Worker `w`'s threads at most and at first (None: the same), one of `workers` on a
+    host where this process may use `cpus` CPUs. A pinned worker's threads are its cores:
+    more would fight over them. Unpinned workers share the host's CPUs: each starts at its
+    share and may use them all while the others leave them idle (a decode worker once the
+    prompts are in), backends/cpu_share.py."""
+    if w.cpus:
+        return len(w.cpus), None
+    return cpus, max(1, cpus // workers)
 
 
 def worker_config(
     dep: Deployment,
     w: WorkerInstance,
     threads: int,
+    initial_threads: int | None = None,
     host: str = "127.0.0.1",
     port: int = 0,
     transfer_port: int = 0,
     **extra: Any,
 ) -> WorkerConfig:
-    """The WorkerConfig of worker `w` of `dep` (`extra` sets fields such as alive_file)."""
+    """The WorkerConfig of worker `w` of `dep` (`extra` sets fields such as alive_file):
+    `threads` at most, `initial_threads` at first (None: `threads`)."""
     engine = {
         "model": dep.model,
         "device": w.device,
         "num_threads": threads,
+        "initial_threads": initial_threads if initial_threads != threads else None,
         **dep.engine,
         **worker_format(dep, w.worker_id, w.role).engine_options(),  # dtype, kv_layout
     }

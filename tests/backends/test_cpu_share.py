@@ -65,9 +65,10 @@ class FakeHost:
         self.busy = [int(b + per_cpu) for b in self.busy]
         self.ours += int(ours * TICKS_PER_S * dt)
 
-    def governor(self, calls: list[int]) -> ThreadGovernor:
+    def governor(self, calls: list[int], start: int | None = None) -> ThreadGovernor:
         return ThreadGovernor(
             2,
+            start,
             cpus=[0, 1],
             window_s=0.5,
             read_stat=lambda: STAT.format(*self.busy),
@@ -92,6 +93,26 @@ def test_a_busy_neighbour_takes_a_thread_away_and_gives_it_back() -> None:
     assert gov.tick() == 1
     host.advance(0.5, ours=1.0, others=0.1)
     assert gov.tick() == 2 and calls == [1, 2]
+
+
+def test_a_worker_started_at_its_share_grows_into_an_idle_neighbours_cpu() -> None:
+    """Two workers sharing two CPUs each start at one thread; while the neighbour is busy
+    nothing changes, once it idles (the prompts are in) the decoder takes both CPUs, and it
+    gives one back when the neighbour works again."""
+    host, calls = FakeHost(), []
+    gov = host.governor(calls, start=1)
+    for _ in range(3):
+        host.advance(0.5, ours=1.0, others=1.0)
+        assert gov.tick() == 1
+    host.advance(0.5, ours=1.0, others=0.05)
+    gov.tick()
+    host.advance(0.5, ours=1.0, others=0.0)
+    assert gov.tick() == 2 and calls == [2]
+    host.advance(0.5, ours=1.2, others=0.8)
+    gov.tick()
+    host.advance(0.5, ours=1.0, others=1.0)
+    assert gov.tick() == 1 and calls == [2, 1]
+    assert ThreadGovernor(2, 4, cpus=[0]).threads == 2  # never more than the maximum
 
 
 def test_between_windows_and_after_idle_spells_nothing_is_decided() -> None:

@@ -56,6 +56,7 @@ def test_worker_threads_are_the_cores_it_is_pinned_to(mode: str, threads: list[i
     configs = worker_configs(dep)
     assert [c.engine.num_threads for c in configs] == threads
     assert [len(c.cpus) for c in configs] == threads
+    assert [c.engine.initial_threads for c in configs] == [None] * len(threads)
 
 
 def test_bench_pd_smoke(

@@ -40,3 +40,25 @@ def test_an_engine_pinned_to_one_cpu_runs_one_thread(tiny_llama_dir: Path) -> No
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["threads"] == 1
     assert ", 1 threads, " in out["line"]
+
+
+def test_an_engine_starts_at_its_initial_threads_and_may_grow_to_num_threads(
+    tiny_llama_dir: Path,
+) -> None:
+    """A worker sharing the host starts at its share; the governor may add threads up to
+    num_threads (it is given the maximum and the count in force)."""
+    import torch
+
+    from hetero_pd import LLM
+
+    before = torch.get_num_threads()
+    try:
+        llm = LLM(str(tiny_llama_dir), num_kv_blocks=16, num_threads=3, initial_threads=1)
+        assert torch.get_num_threads() == 1
+        governor = llm.engine.thread_governor
+        if governor is not None:  # off with HETERO_PD_ADAPTIVE_THREADS=0
+            assert (governor.max_threads, governor.threads) == (3, 1)
+        with pytest.raises(ValueError, match="initial_threads must be > 0"):
+            LLM(str(tiny_llama_dir), num_kv_blocks=16, initial_threads=0)
+    finally:
+        torch.set_num_threads(before)

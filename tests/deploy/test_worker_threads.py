@@ -1,0 +1,42 @@
+"""How many threads each worker a launcher starts may run: pinned workers their cores,
+workers sharing the host unpinned their share at first and every CPU while the others idle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from hetero_pd.deploy.schema import load_deployment
+from hetero_pd.deploy.workers import WorkerInstance
+from hetero_pd.serving import launcher
+from hetero_pd.serving.launcher import thread_counts, worker_configs
+
+
+def test_thread_counts() -> None:
+    unpinned = WorkerInstance("decode-0", "decode", "cpu")
+    pinned = WorkerInstance("decode-1", "decode", "cpu", (2, 3, 5))
+    assert thread_counts(unpinned, cpus=4, workers=2) == (4, 2)
+    assert thread_counts(unpinned, cpus=3, workers=4) == (3, 1)  # at least one
+    assert thread_counts(unpinned, cpus=8, workers=1) == (8, 8)
+    assert thread_counts(pinned, cpus=8, workers=2) == (3, None)  # its cores, fixed
+
+
+def test_unpinned_workers_start_at_their_share_of_the_host(
+    write_yaml: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(launcher, "usable_cpus", lambda: 4)
+    dep = load_deployment(
+        write_yaml(
+            """
+            model: m
+            workers:
+              - {role: prefill}
+              - {role: decode}
+              - {role: decode, cpus: [3]}
+            """
+        )
+    )
+    engines = [c.engine for c in worker_configs(dep)]
+    assert [(e.num_threads, e.initial_threads) for e in engines] == [(4, 1), (4, 1), (1, None)]
