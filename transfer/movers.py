@@ -91,6 +91,11 @@ class OutTransfer:
     #: Direct writes: chunks of this attempt whose landed bytes we hashed right after
     #: copying them and found equal to their digest (the receiver need not read them again).
     verified: set[int] = field(default_factory=set)
+    #: Direct writes whose chunks are plain byte runs (:func:`_plain_runs`): per tensor, the
+    #: address of the first source and destination block, and the bytes of one block;
+    #: computed once per transfer (None: not such a write, or not known yet).
+    plain: tuple[list[int], list[int], int] | None = None
+    plain_for: list[torch.Tensor] | None = None  # the destination ``plain`` was made for
     #: Direct writes: the receiver's number for the grant we write under (LANDED names it).
     grant: int = 0
     #: Seconds one renewal extends the lease by (the lease it started with).
@@ -378,10 +383,73 @@ def _chunk_bytes(out: OutTransfer, seq: int) -> int:
     return (chunk.hi - chunk.lo) * out.region.block_bytes
 
 
+def _plain_runs(out: OutTransfer) -> tuple[list[int], list[int], int] | None:
+    """Addresses for :func:`_copy_plain` when every chunk of this direct write is one run of
+    whole blocks copied byte for byte: source and destination blocks are runs, in host
+    memory, contiguous, of the same dtype, block shape and layout, with checksums on."""
+    dst = out.dst_tensors
+    assert dst is not None and out.dst_ids is not None
+    src = out.region.tensors
+    if not (out.algo and out.src_run and out.dst_run and out.src_ids.numel()):
+        return None
+    if out.region.layout != out.dst_layout or len(dst) != len(src):
+        return None
+    for s, d in zip(src, dst, strict=True):
+        if not (
+            s.is_cpu
+            and d.is_cpu
+            and s.dtype == d.dtype
+            and s.shape[1:] == d.shape[1:]
+            and s.is_contiguous()
+            and d.is_contiguous()
+        ):
+            return None
+    block = out.region.block_bytes
+    first_src, first_dst = int(out.src_ids[0]), int(out.dst_ids[0])
+    return (
+        [t.data_ptr() + first_src * block for t in src],
+        [t.data_ptr() + first_dst * block for t in dst],
+        block,
+    )
+
+
+def _bytes_at(address: int, n: int) -> Any:
+    """A buffer over ``n`` bytes at ``address`` (memory a tensor we hold owns)."""
+    return (ctypes.c_char * n).from_address(address)
+
+
+def _copy_plain(out: OutTransfer, seq: int, plain: tuple[list[int], list[int], int]) -> int:
+    """:func:`_copy_verified` for a plain run, by address: no tensor is made or indexed per
+    chunk (each torch call hands the GIL over, which two copying threads pay for), only
+    memmove and xxh3, which run without the GIL."""
+    assert out.algo is not None
+    chunk = out.chunks[seq]
+    src_base, dst_base, block = plain
+    offset, nbytes = chunk.lo * block, (chunk.hi - chunk.lo) * block
+    src, dst = src_base[chunk.ti] + offset, dst_base[chunk.ti] + offset
+    source = None if seq in out.digests else checksum.Running(out.algo)
+    landed = checksum.Running(out.algo)
+    for lo in range(0, nbytes, PIECE_BYTES):
+        n = min(PIECE_BYTES, nbytes - lo)
+        ctypes.memmove(dst + lo, src + lo, n)
+        if source is not None:
+            source.update(_bytes_at(src + lo, n))
+        landed.update(_bytes_at(dst + lo, n))
+    if source is not None:
+        out.digests[seq] = source.value()
+    if landed.value() == out.digests[seq]:
+        out.verified.add(seq)
+    return nbytes
+
+
 def _copy_chunk(out: OutTransfer, seq: int, fault: str | None) -> int:
     """Copy chunk ``seq`` into the destination, verifying it as it goes where it can."""
     assert out.dst_tensors is not None and out.dst_ids is not None
     out.verified.discard(seq)
+    if out.plain_for is not out.dst_tensors:  # a new grant may map a new destination
+        out.plain, out.plain_for = _plain_runs(out), out.dst_tensors
+    if fault is None and out.plain is not None:
+        return _copy_plain(out, seq, out.plain)
     chunk = out.chunks[seq]
     dst = out.dst_tensors[chunk.ti]
     block_size = out.region.block_size

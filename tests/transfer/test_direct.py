@@ -20,6 +20,7 @@ from transfer import (
     TransferEngine,
     TransferError,
     TransferState,
+    checksum,
     layout,
     movers,
 )
@@ -108,18 +109,32 @@ def test_a_late_claim_from_an_earlier_grant_is_not_believed(
     d.release("late")
 
 
+@pytest.mark.parametrize("path", ["tensors", "addresses"])
 def test_a_writer_that_claims_what_it_never_wrote_is_caught(
-    make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch
+    make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
     """A hostile granted writer says every chunk landed and verified but copies nothing: the
     receiver spot-checks claimed chunks at END, so the blocks' old contents are never
-    committed as this transfer's KV."""
+    committed as this transfer's KV. Either copy path may lie: by tensors (scattered
+    blocks, other layouts) or by address (plain runs of blocks)."""
 
     def claim_only(out: Any, seq: int, data: torch.Tensor, dst: torch.Tensor, corrupt: bool):
         out.digests[seq] = tensor_digest(out.algo, data)
         out.verified.add(seq)
 
-    monkeypatch.setattr(movers, "_copy_verified", claim_only)
+    def claim_by_address(out: Any, seq: int, plain: tuple[list[int], list[int], int]) -> int:
+        chunk, (sources, _, block) = out.chunks[seq], plain
+        nbytes = (chunk.hi - chunk.lo) * block
+        data = bytes(movers._bytes_at(sources[chunk.ti] + chunk.lo * block, nbytes))
+        out.digests[seq] = checksum.digest(out.algo, data)
+        out.verified.add(seq)
+        return nbytes
+
+    if path == "tensors":
+        monkeypatch.setattr(movers, "_plain_runs", lambda out: None)
+        monkeypatch.setattr(movers, "_copy_verified", claim_only)
+    else:
+        monkeypatch.setattr(movers, "_copy_plain", claim_by_address)
     p, d = make_pair(sender={"retry": {"attempts": 2, "base_delay_s": 0.01, "max_delay_s": 0.01}})
     _fails_uncommitted(p, d, "liar")
     assert _read_back(d, "shm") >= 1
@@ -297,3 +312,42 @@ def test_destination_blocks_outside_the_mapped_region_are_refused(ids: list[int]
         movers.pump_direct(out, None, None, None, None)  # type: ignore[arg-type]
     assert err.value.code is StatusCode.KV_CACHE_NOT_EXIST
     assert all(int(t.count_nonzero()) == 0 for t in dst)
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "by_address"),
+    [
+        (list(range(4, 28)), list(range(30, 54)), True),  # runs: copied by address
+        (list(range(4, 28)), [*range(30, 41), *range(42, 55)], False),  # a gap: by tensors
+    ],
+    ids=["runs", "scattered"],
+)
+def test_plain_runs_are_copied_by_address_and_verified(
+    make_pair: Callable[..., Pair],
+    monkeypatch: pytest.MonkeyPatch,
+    src: list[int],
+    dst: list[int],
+    by_address: bool,
+) -> None:
+    """Runs of whole blocks in the same format are copied and hashed by address, a chunk
+    at a time without a tensor op; the writer verifies every chunk, the receiver reads back
+    only its spot checks, and the blocks land equal. Anything else takes the tensor path."""
+    calls: list[int] = []
+    real = movers._copy_plain
+
+    def counted(out: Any, seq: int, plain: tuple[list[int], list[int], int]) -> int:
+        calls.append(seq)
+        return real(out, seq, plain)
+
+    monkeypatch.setattr(movers, "_copy_plain", counted)
+    p, d = make_pair(sender={"chunk_bytes": 4096})
+    recv = d.reserve("plain", dst, writer=p.engine_id)
+    assert recv.blocks is not None
+    h = p.push_blocks(d.engine_id, src, recv.blocks, transport="shm")
+    assert h.wait(10) is TransferState.DONE, h.error
+    assert blocks_digest(d.region(), dst) == blocks_digest(p.region(), src)
+    shm = d.metrics()["transports"]["shm"]
+    assert (len(calls) > 1) is by_address
+    if by_address:
+        assert 1 <= shm["chunks_read_back_total"] < len(calls)  # spot checks only
+    d.release("plain")
