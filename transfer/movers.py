@@ -341,37 +341,43 @@ def _pump_one_by_one(
 
 
 def _copy_in_two(out: OutTransfer, helper: Callable[..., Future[Any]]) -> tuple[list[int], int]:
-    """Up to two slices' worth of chunks as two runs, the second on the helper thread and the
-    first here; the copies and hashes release the GIL, so two cores' worth of memory traffic
-    goes on at once (one thread reached ~60% of a two-thread memcpy). Each chunk starts only
-    while the grant is open; those that did not go back to the front of the queue, in order.
-    Returns the chunks copied."""
+    """Up to two slices' worth of chunks copied by two threads, this one and the helper, each
+    taking the next chunk when it is done with one (the helper starts late and the threads
+    go at different speeds, so fixed halves left one of them waiting); the copies and hashes
+    release the GIL, so two cores' worth of memory traffic goes on at once. Each chunk starts
+    only while the grant is open; those that did not go back to the front of the queue, in
+    order. Returns the chunks copied and the bytes written."""
     take: list[int] = []
     nbytes = 0
     while out.queue and nbytes < 2 * PUMP_BYTES:
         take.append(out.queue.popleft())
         nbytes += _chunk_bytes(out, take[-1])
-    half = (len(take) + 1) // 2
+    shared = deque(take)  # popleft and appendleft are atomic: the threads share it as is
     # An error on either thread fails the whole transfer (Sender.pump), so the chunks of
     # this slice need not go back to the queue then.
-    other = helper(_copy_run, out, take[half:])
+    other = helper(_copy_shared, out, shared)
     try:
-        mine, mine_bytes = _copy_run(out, take[:half])
+        mine, mine_bytes = _copy_shared(out, shared)
     finally:
         wait([other])  # never leave a copy running behind a failure
     theirs, their_bytes = other.result()
-    copied = mine + theirs
-    started = set(copied)
+    started = set(mine) | set(theirs)
     out.queue.extendleft(reversed([seq for seq in take if seq not in started]))
-    return copied, mine_bytes + their_bytes
+    return [seq for seq in take if seq in started], mine_bytes + their_bytes
 
 
-def _copy_run(out: OutTransfer, seqs: list[int]) -> tuple[list[int], int]:
-    """Copies ``seqs`` in order while the grant is open; returns those copied and the bytes
-    written (the destination's, after any layout or dtype conversion)."""
+def _copy_shared(out: OutTransfer, shared: deque[int]) -> tuple[list[int], int]:
+    """Copies chunks taken from the front of ``shared`` while the grant is open; returns
+    those copied and the bytes written (the destination's, after any layout or dtype
+    conversion). A chunk taken after the grant closed is left in ``shared``."""
     copied, nbytes = [], 0
-    for seq in seqs:
+    while True:
+        try:
+            seq = shared.popleft()
+        except IndexError:
+            break
         if time.monotonic() > out.grant_until:
+            shared.appendleft(seq)
             break
         nbytes += _copy_chunk(out, seq, None)
         copied.append(seq)
