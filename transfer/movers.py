@@ -86,6 +86,7 @@ class OutTransfer:
     #: Direct writes: destination block ids as a tensor (and whether they are a run), and
     #: each chunk's digest (computed as it is first copied).
     dst_ids: torch.Tensor | None = None
+    dst_ids_for: list[torch.Tensor] | None = None  # the mapping ``dst_ids`` were checked in
     dst_run: bool | None = None
     digests: dict[int, int] = field(default_factory=dict)
     #: Direct writes: chunks of this attempt whose landed bytes we hashed right after
@@ -272,8 +273,11 @@ def pump_direct(
     Returns None while chunks remain or the grant ran out (the caller checks which).
     """
     assert out.session is not None and out.dst_tensors is not None
-    if out.dst_ids is None:
-        out.dst_ids = _inside(out.dst.block_ids, int(out.dst_tensors[0].shape[0]))
+    if out.dst_ids is None or out.dst_ids_for is not out.dst_tensors:  # a new mapping too
+        num_blocks = min(int(t.shape[0]) for t in out.dst_tensors)
+        needed = -(-out.num_tokens // int(out.dst_tensors[0].shape[1]))
+        out.dst_ids = _inside(out.dst.block_ids, num_blocks, needed, out.num_tokens)
+        out.dst_ids_for = out.dst_tensors
         out.dst_run = layout.is_run(out.dst_ids)
     if out.src_run is None:
         out.src_run = layout.is_run(out.src_ids)
@@ -291,9 +295,15 @@ def pump_direct(
     return [out.digests[seq] for seq in range(len(out.chunks))]
 
 
-def _inside(block_ids: tuple[int, ...], num_blocks: int) -> torch.Tensor:
-    """The granted destination blocks, all inside the mapped region (the grant comes from the
-    peer: a block past its region would make a copy write outside the mapping)."""
+def _inside(block_ids: tuple[int, ...], num_blocks: int, needed: int, tokens: int) -> torch.Tensor:
+    """The granted destination blocks: enough for the ``tokens`` we copy (``needed``), all
+    inside the mapped region (the grant comes from the peer: a block past its region, or too
+    few blocks for what we copy, would make a copy write outside the mapping)."""
+    if len(block_ids) < needed:
+        raise TransferError(
+            StatusCode.KV_CACHE_NOT_EXIST,
+            f"the grant names {len(block_ids)} destination blocks; {tokens} tokens need {needed}",
+        )
     ids = torch.tensor(block_ids, dtype=torch.long)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise TransferError(
@@ -410,8 +420,12 @@ def _plain_runs(out: OutTransfer) -> tuple[list[int], list[int], int] | None:
             and d.is_contiguous()
         ):
             return None
-    block = out.region.block_bytes
+    block, n = out.region.block_bytes, int(out.src_ids.numel())
     first_src, first_dst = int(out.src_ids[0]), int(out.dst_ids[0])
+    if int(out.dst_ids.numel()) != n or first_src < 0 or first_dst < 0:
+        return None  # pump_direct refuses such a grant first; never copy by address then
+    if any(first_src + n > s.shape[0] for s in src) or any(first_dst + n > d.shape[0] for d in dst):
+        return None
     return (
         [t.data_ptr() + first_src * block for t in src],
         [t.data_ptr() + first_dst * block for t in dst],

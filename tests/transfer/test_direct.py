@@ -304,6 +304,8 @@ def test_destination_blocks_outside_the_mapped_region_are_refused(ids: list[int]
     dst = [torch.zeros_like(t) for t in region.tensors]
     out = SimpleNamespace(
         session=object(),
+        src_ids=torch.arange(len(ids)),
+        num_tokens=len(ids) * 4,
         dst_tensors=dst,
         dst=SimpleNamespace(block_ids=tuple(ids)),
         dst_ids=None,
@@ -311,6 +313,28 @@ def test_destination_blocks_outside_the_mapped_region_are_refused(ids: list[int]
     with pytest.raises(TransferError) as err:
         movers.pump_direct(out, None, None, None, None)  # type: ignore[arg-type]
     assert err.value.code is StatusCode.KV_CACHE_NOT_EXIST
+    assert all(int(t.count_nonzero()) == 0 for t in dst)
+
+
+@pytest.mark.parametrize("ids", [[63], [60, 61, 62]], ids=["one-at-the-end", "too-few"])
+def test_a_grant_of_fewer_blocks_than_the_source_is_refused(ids: list[int]) -> None:
+    """A hostile receiver grants fewer destination blocks than the tokens need, ending at its
+    region's last block: all inside the mapping and a run, but copying the source's length
+    from there would write past the mapping's end. The writer refuses before any copy."""
+    region = KVRegion.allocate("kv", 2, 64, (4, 2, 8))
+    dst = [torch.zeros_like(t) for t in region.tensors]
+    out = SimpleNamespace(
+        session=object(),
+        src_ids=torch.arange(8),
+        num_tokens=8 * 4,
+        dst_tensors=dst,
+        dst=SimpleNamespace(block_ids=tuple(ids)),
+        dst_ids=None,
+    )
+    with pytest.raises(TransferError) as err:
+        movers.pump_direct(out, None, None, None, None)  # type: ignore[arg-type]
+    assert err.value.code is StatusCode.KV_CACHE_NOT_EXIST
+    assert "32 tokens need 8" in str(err.value)
     assert all(int(t.count_nonzero()) == 0 for t in dst)
 
 
