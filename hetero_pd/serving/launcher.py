@@ -79,7 +79,10 @@ def worker_config(
         "model": dep.model,
         "device": w.device,
         "num_threads": threads,
-        "initial_threads": initial_threads if initial_threads != threads else None,
+        # A count the deployment sets is what the workers run (at most and at first).
+        "initial_threads": (
+            None if initial_threads == threads or "num_threads" in dep.engine else initial_threads
+        ),
         **dep.engine,
         **worker_format(dep, w.worker_id, w.role).engine_options(),  # dtype, kv_layout
     }

@@ -40,3 +40,16 @@ def test_unpinned_workers_start_at_their_share_of_the_host(
     )
     engines = [c.engine for c in worker_configs(dep)]
     assert [(e.num_threads, e.initial_threads) for e in engines] == [(4, 1), (4, 1), (1, None)]
+
+
+def test_a_thread_count_the_deployment_sets_is_what_workers_start_with(
+    write_yaml: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(launcher, "usable_cpus", lambda: 16)
+    dep = load_deployment(
+        write_yaml(
+            "model: m\nworkers: [{role: prefill}, {role: decode}]\nengine: {num_threads: 16}\n"
+        )
+    )
+    engines = [c.engine for c in worker_configs(dep)]
+    assert [(e.num_threads, e.initial_threads) for e in engines] == [(16, None), (16, None)]
