@@ -94,9 +94,8 @@ class OutTransfer:
     verified: set[int] = field(default_factory=set)
     #: Direct writes whose chunks are plain byte runs (:func:`_plain_runs`): per tensor, the
     #: address of the first source and destination block, and the bytes of one block;
-    #: computed once per transfer (None: not such a write, or not known yet).
+    #: computed with ``dst_ids`` (None: not such a write, or not known yet).
     plain: tuple[list[int], list[int], int] | None = None
-    plain_for: list[torch.Tensor] | None = None  # the destination ``plain`` was made for
     #: Direct writes: the receiver's number for the grant we write under (LANDED names it).
     grant: int = 0
     #: Seconds one renewal extends the lease by (the lease it started with).
@@ -279,8 +278,9 @@ def pump_direct(
         out.dst_ids = _inside(out.dst.block_ids, num_blocks, needed, out.num_tokens)
         out.dst_ids_for = out.dst_tensors
         out.dst_run = layout.is_run(out.dst_ids)
-    if out.src_run is None:
-        out.src_run = layout.is_run(out.src_ids)
+        if out.src_run is None:
+            out.src_run = layout.is_run(out.src_ids)
+        out.plain = _plain_runs(out)
     if helper is not None and injector is None and len(out.queue) > 1 and out.on_cpu:
         done, nbytes = _copy_in_two(out, helper)
         counters.bytes_sent_total += nbytes
@@ -466,8 +466,6 @@ def _copy_chunk(out: OutTransfer, seq: int, fault: str | None) -> int:
     """Copy chunk ``seq`` into the destination, verifying it as it goes where it can."""
     assert out.dst_tensors is not None and out.dst_ids is not None
     out.verified.discard(seq)
-    if out.plain_for is not out.dst_tensors:  # a new grant may map a new destination
-        out.plain, out.plain_for = _plain_runs(out), out.dst_tensors
     if fault is None and out.plain is not None:
         return _copy_plain(out, seq, out.plain)
     chunk = out.chunks[seq]

@@ -26,30 +26,24 @@ def test_thread_counts() -> None:
 def test_unpinned_workers_start_at_their_share_of_the_host(
     write_yaml: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(launcher, "usable_cpus", lambda: 4)
-    dep = load_deployment(
-        write_yaml(
-            """
-            model: m
-            workers:
-              - {role: prefill}
-              - {role: decode}
-              - {role: decode, cpus: [3]}
-            """
-        )
-    )
-    engines = [c.engine for c in worker_configs(dep)]
-    assert [(e.num_threads, e.initial_threads) for e in engines] == [(4, 1), (4, 1), (1, None)]
+    workers = "[{role: prefill}, {role: decode}, {role: decode, cpus: [3]}]"
+    counts = _threads(write_yaml, monkeypatch, 4, f"model: m\nworkers: {workers}\n")
+    assert counts == [(4, 1), (4, 1), (1, None)]
 
 
 def test_a_thread_count_the_deployment_sets_is_what_workers_start_with(
     write_yaml: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(launcher, "usable_cpus", lambda: 16)
-    dep = load_deployment(
-        write_yaml(
-            "model: m\nworkers: [{role: prefill}, {role: decode}]\nengine: {num_threads: 16}\n"
-        )
-    )
-    engines = [c.engine for c in worker_configs(dep)]
-    assert [(e.num_threads, e.initial_threads) for e in engines] == [(16, None), (16, None)]
+    workers = "[{role: prefill}, {role: decode}]"
+    text = f"model: m\nworkers: {workers}\nengine: {{num_threads: 16}}\n"
+    assert _threads(write_yaml, monkeypatch, 16, text) == [(16, None), (16, None)]
+
+
+def _threads(
+    write_yaml: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, cpus: int, text: str
+) -> list[tuple[int | None, int | None]]:
+    """(num_threads, initial_threads) of each worker the launcher would start for the
+    deployment ``text`` on a host where it may use ``cpus`` CPUs."""
+    monkeypatch.setattr(launcher, "usable_cpus", lambda: cpus)
+    engines = [c.engine for c in worker_configs(load_deployment(write_yaml(text)))]
+    return [(e.num_threads, e.initial_threads) for e in engines]

@@ -300,20 +300,7 @@ def test_two_threads_copy_only_while_the_grant_is_open(monkeypatch: pytest.Monke
 def test_destination_blocks_outside_the_mapped_region_are_refused(ids: list[int]) -> None:
     """A hostile receiver grants blocks its region does not have: the writer refuses before
     copying anything (a memmove there would write outside the mapping), the region intact."""
-    region = KVRegion.allocate("kv", 2, 64, (4, 2, 8))
-    dst = [torch.zeros_like(t) for t in region.tensors]
-    out = SimpleNamespace(
-        session=object(),
-        src_ids=torch.arange(len(ids)),
-        num_tokens=len(ids) * 4,
-        dst_tensors=dst,
-        dst=SimpleNamespace(block_ids=tuple(ids)),
-        dst_ids=None,
-    )
-    with pytest.raises(TransferError) as err:
-        movers.pump_direct(out, None, None, None, None)  # type: ignore[arg-type]
-    assert err.value.code is StatusCode.KV_CACHE_NOT_EXIST
-    assert all(int(t.count_nonzero()) == 0 for t in dst)
+    _refused_grant(ids, sources=len(ids))
 
 
 @pytest.mark.parametrize("ids", [[63], [60, 61, 62]], ids=["one-at-the-end", "too-few"])
@@ -321,12 +308,18 @@ def test_a_grant_of_fewer_blocks_than_the_source_is_refused(ids: list[int]) -> N
     """A hostile receiver grants fewer destination blocks than the tokens need, ending at its
     region's last block: all inside the mapping and a run, but copying the source's length
     from there would write past the mapping's end. The writer refuses before any copy."""
+    assert "32 tokens need 8" in _refused_grant(ids, sources=8)
+
+
+def _refused_grant(ids: list[int], sources: int) -> str:
+    """Pushes ``sources`` full blocks (4 tokens each) under a grant of destination ``ids``
+    in a 64-block region; the writer must refuse before copying anything. The error text."""
     region = KVRegion.allocate("kv", 2, 64, (4, 2, 8))
     dst = [torch.zeros_like(t) for t in region.tensors]
     out = SimpleNamespace(
         session=object(),
-        src_ids=torch.arange(8),
-        num_tokens=8 * 4,
+        src_ids=torch.arange(sources),
+        num_tokens=sources * 4,
         dst_tensors=dst,
         dst=SimpleNamespace(block_ids=tuple(ids)),
         dst_ids=None,
@@ -334,8 +327,8 @@ def test_a_grant_of_fewer_blocks_than_the_source_is_refused(ids: list[int]) -> N
     with pytest.raises(TransferError) as err:
         movers.pump_direct(out, None, None, None, None)  # type: ignore[arg-type]
     assert err.value.code is StatusCode.KV_CACHE_NOT_EXIST
-    assert "32 tokens need 8" in str(err.value)
     assert all(int(t.count_nonzero()) == 0 for t in dst)
+    return str(err.value)
 
 
 @pytest.mark.parametrize(
