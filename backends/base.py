@@ -251,6 +251,12 @@ class Backend(ABC):
                 for device in devices:
                     self.synchronize(device)
 
+    def native_decode_attention(self, kv_dtype: torch.dtype) -> bool:
+        """True when this backend runs decode attention over a paged cache of `kv_dtype` (nd
+        layout) through the `hetero_pd::paged_decode` op, which it has registered; False
+        (the default) leaves attention to the portable path."""
+        return False
+
     def linear_kernel(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel | None:
         """A faster equivalent of `F.linear(x, weight, bias)` for inference, or None when plain
         `F.linear` is already the best this backend has (the default).

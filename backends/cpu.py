@@ -247,6 +247,13 @@ class CpuBackend(Backend):
         """An ordinary host tensor (nothing to pin for)."""
         return torch.empty(tuple(shape), dtype=dtype, device="cpu")
 
+    def native_decode_attention(self, kv_dtype: torch.dtype) -> bool:
+        """The C kernel of backends/paged_decode.py, built on first use, for float32 and
+        bfloat16 caches."""
+        from backends import paged_decode  # builds the kernel (once) and registers the op
+
+        return paged_decode.available(kv_dtype)
+
     def linear_kernel(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel | None:
         """float32: oneDNN's linear on a weight reordered once into its blocked layout.
 

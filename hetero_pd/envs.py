@@ -25,6 +25,12 @@ def adaptive_threads() -> bool:
     return os.environ.get("HETERO_PD_ADAPTIVE_THREADS", "1").strip() != "0"
 
 
+def native_attention() -> bool:
+    """$HETERO_PD_NATIVE_ATTENTION: "0" keeps CPU decode attention on the portable path
+    instead of the C kernel built on first use (backends/paged_decode.py)."""
+    return os.environ.get("HETERO_PD_NATIVE_ATTENTION", "1").strip() != "0"
+
+
 def deployment_secret(environ: Mapping[str, str] | None = None) -> str:
     """$HETERO_PD_SECRET: the deployment secret (never on a command line); "" when unset."""
     return (os.environ if environ is None else environ).get("HETERO_PD_SECRET", "")

@@ -91,6 +91,8 @@ class ModelRunner:
             (tensors[2 * i], tensors[2 * i + 1]) for i in range(cfg.num_layers)
         ]
         self.sampler = Sampler()
+        #: Decode attention by the backend's kernel (it reads the nd layout only).
+        self.native_decode = kv_layout == ND and backend.native_decode_attention(dtype)
         self.compiled = compile
         self.compiled_steps = 0  # steps that ran through the compiled graph
         if compile:
@@ -135,6 +137,7 @@ class ModelRunner:
             decode_slots=slots.repeat(n).to(self.device),
             decode_mask=torch.ones(n, 1, 1, ctx, dtype=torch.bool, device=self.device),
             kv_layout=self.kv_layout,
+            native_decode=self.native_decode,
         )
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         hidden = self.model(positions.to(self.device), meta, self.kv_caches, ids, compiled=True)
@@ -184,6 +187,7 @@ class ModelRunner:
             slot_mapping=slots.to(self.device),
             num_decode_tokens=len(decode_rows),
             kv_layout=self.kv_layout,
+            native_decode=self.native_decode,
         )
         if decode_rows:
             offsets = torch.arange(ctx)

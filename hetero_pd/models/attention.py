@@ -45,6 +45,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] bool
     prefills: list[PrefillSpan] = field(default_factory=list)
     kv_layout: str = ND  # byte order inside the cache's blocks (transfer.kv_layouts)
+    # Decode attention through the backend's kernel (`hetero_pd::paged_decode`, registered
+    # by backends/paged_decode.py), which reads K/V where they lie: ModelRunner sets it.
+    native_decode: bool = False
 
 
 def paged_attention(
@@ -97,6 +100,13 @@ def _decode(
 ) -> torch.Tensor:
     """One query token per sequence against its cached context."""
     assert meta.decode_slots is not None and meta.decode_mask is not None
+    if meta.native_decode:
+        k_flat = k_cache.view(-1, *k_cache.shape[2:])
+        v_flat = v_cache.view(-1, *v_cache.shape[2:])
+        od = torch.ops.hetero_pd.paged_decode(
+            q, k_flat, v_flat, meta.decode_slots, meta.decode_mask.view(-1), scale
+        )
+        return od.to(q.dtype)
     if torch.compiler.is_compiling() and meta.kv_layout == ND:
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])

@@ -53,6 +53,7 @@ def run_compiled(path: Path, seed: int, hf_greedy: Ref) -> LLM:
 
 def test_compiled_decode_equals_transformers(tiny_llama_dir: Path, hf_greedy: Ref) -> None:
     llm = run_compiled(tiny_llama_dir, 1, hf_greedy)
+    assert llm.engine.runner.native_decode  # the CPU kernel, called from the compiled graph
     eager = LLM(str(tiny_llama_dir), compile="off", block_size=8, num_kv_blocks=128)
     assert not eager.engine.runner.compiled
     batch = prompts(5)
@@ -65,11 +66,15 @@ def test_padded_static_shapes_equal_transformers(
     tiny_qwen2_dir: Path, hf_greedy: Ref, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The CUDA-graph shape policy run on the cpu: rows padded to buckets with a scratch
-    block, contexts padded to a multiple; padding must never reach a real block."""
+    block, contexts padded to a multiple; padding must never reach a real block. Attention
+    here is the portable compiled form (inductor's loops), not the CPU kernel, so that path
+    is tested too."""
+    monkeypatch.setenv("HETERO_PD_NATIVE_ATTENTION", "0")
     padding = StepPadding(batch_buckets=(1, 2, 4, 8), context_multiple=32)
     monkeypatch.setattr(type(get_backend("cpu")), "step_padding", lambda self: padding)
     llm = run_compiled(tiny_qwen2_dir, 2, hf_greedy)
     runner = llm.engine.runner
+    assert not runner.native_decode
     assert runner.scratch_block == llm.engine.kv.pool.num_blocks
     assert runner.kv_caches[0][0].shape[0] == llm.engine.kv.pool.num_blocks + 1
 

@@ -1,0 +1,112 @@
+"""The CPU decode attention kernel (backends/paged_decode.py) against SDPA over a gathered
+copy of the same cache (the eager path), its refusals, and its build when no compiler works."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends import get_backend, paged_decode
+from hetero_pd.models.attention import AttentionMetadata, paged_attention
+
+BLOCK = 16
+
+
+def cache_and_batch(
+    dtype: torch.dtype, kv_heads: int, group: int, lens: list[int], seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """K/V caches [blocks, BLOCK, kv_heads, 64] and one decode token per sequence of `lens`
+    cached tokens, each sequence's blocks scattered over the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    dim, n = 64, len(lens)
+    width = -(-max(lens) // BLOCK)
+    num_blocks = 4 * n * width
+    k = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: n * width].view(n, width)
+    ctx = width * BLOCK
+    offsets = torch.arange(ctx)
+    slots = tables[:, offsets // BLOCK] * BLOCK + offsets % BLOCK
+    mask = offsets[None, :] < torch.tensor(lens)[:, None]
+    q = torch.randn(n, kv_heads * group, dim, generator=gen).to(dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        num_decode_tokens=n,
+        decode_slots=slots.reshape(-1),
+        decode_mask=mask[:, None, None, :],
+    )
+    return q, k, v, meta
+
+
+def attend(q, k, v, meta, native: bool) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    meta.native_decode = native
+    empty = q[:0, : k.shape[2]]
+    meta.slot_mapping = torch.empty(0, dtype=torch.long)
+    return paged_attention(q, empty, empty, k, v, meta, q.shape[-1] ** -0.5)
+
+
+needs_kernel = pytest.mark.skipif(
+    not paged_decode.available(torch.float32), reason="no C compiler could build the kernel"
+)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_heads,group", [(3, 3), (2, 1), (1, 8)])
+def test_float32_equals_sdpa_over_a_gathered_copy(kv_heads: int, group: int) -> None:
+    q, k, v, meta = cache_and_batch(torch.float32, kv_heads, group, [1, 17, 64, 130, 5])
+    got = attend(q, k, v, meta, native=True)
+    want = attend(q, k, v, meta, native=False)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_bfloat16_stays_on_the_portable_path() -> None:
+    """SDPA rounds the softmax to bfloat16 before multiplying by V (transformers too), which
+    the kernel does not copy: greedy tokens in bfloat16 would drift from transformers'."""
+    assert not paged_decode.available(torch.bfloat16)
+    assert not paged_decode.available(torch.float16)
+
+
+@needs_kernel
+def test_a_slot_outside_the_cache_is_refused_not_read() -> None:
+    q, k, v, meta = cache_and_batch(torch.float32, 3, 3, [20, 20])
+    assert meta.decode_slots is not None
+    meta.decode_slots[5] = k.shape[0] * BLOCK  # one past the last slot
+    with pytest.raises(RuntimeError, match="slot lies outside the KV cache"):
+        attend(q, k, v, meta, native=True)
+    meta.decode_slots[5] = -1
+    with pytest.raises(RuntimeError, match="slot lies outside the KV cache"):
+        attend(q, k, v, meta, native=True)
+    assert meta.decode_mask is not None
+    meta.decode_mask.view(-1)[5] = False  # a masked position is never read: no refusal
+    attend(q, k, v, meta, native=True)
+
+
+@needs_kernel
+def test_the_engine_uses_it_unless_told_not_to(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hetero_pd import LLM
+
+    assert get_backend("cpu").native_decode_attention(torch.float32)
+    assert LLM(str(tiny_llama_dir), num_kv_blocks=16).engine.runner.native_decode
+    monkeypatch.setenv("HETERO_PD_NATIVE_ATTENTION", "0")
+    assert not LLM(str(tiny_llama_dir), num_kv_blocks=16).engine.runner.native_decode
+
+
+def test_no_working_compiler_means_the_portable_path_and_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("HETERO_PD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    paged_decode._library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="backends.paged_decode"):
+            assert not paged_decode.available(torch.float32)
+        assert "building the decode attention kernel failed" in caplog.text
+        assert not list((tmp_path / "kernels").glob("*.so"))  # no half-written library
+    finally:
+        paged_decode._library.cache_clear()
