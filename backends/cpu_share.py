@@ -14,7 +14,8 @@ How: every `window_s` (checked between steps) it reads how busy our CPUs were
 (/proc/stat, the CPUs we are pinned to) and how much of that was us (/proc/self/stat);
 the rest is other processes. Threads = our CPUs minus the others' share, rounded, at least
 1 and at most what we were given; a new count is taken only when two windows in a row
-agree on it, so one noisy window changes nothing.
+agree on it, so one noisy window changes nothing, or at once when the window was at least
+twice as long (a long step: its window is an average already).
 
 Workers that share a box unpinned (the launcher's default on one host) are each given every
 CPU and start at their fair share (CPUs / workers): a decode worker whose prefill neighbour
@@ -117,9 +118,13 @@ class ThreadGovernor:
         others = max(0, (busy1 - busy0) - (ours1 - ours0)) / TICKS_PER_S / (t1 - t0)
         self.others_cpus = others
         want = threads_for(len(self.cpus), others, self.max_threads)
+        # A window spanning two or more is already an average: it needs no second opinion
+        # (steps of a second or more, e.g. at one thread, would otherwise delay a change by
+        # two steps).
+        settled = t1 - t0 >= 2 * self.window_s
         if want == self.threads:
             self._proposal = None
-        elif want != self._proposal:
+        elif want != self._proposal and not settled:
             self._proposal = want  # a second window must agree
         else:
             log.info(

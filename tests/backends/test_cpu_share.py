@@ -115,6 +115,19 @@ def test_a_worker_started_at_its_share_grows_into_an_idle_neighbours_cpu() -> No
     assert ThreadGovernor(2, 4, cpus=[0]).threads == 2  # never more than the maximum
 
 
+def test_a_window_of_two_or_more_decides_alone() -> None:
+    """A step of a second or more (one thread, a long prefill chunk) spans two windows: its
+    average needs no second window, so the idle neighbour's CPU is taken a step sooner."""
+    host, calls = FakeHost(), []
+    gov = host.governor(calls, start=1)
+    host.advance(0.9, ours=1.0, others=0.0)  # under two windows: only a proposal
+    assert gov.tick() == 1 and calls == []
+    host.advance(1.0, ours=1.0, others=1.0)  # two windows long: decides alone, and the
+    assert gov.tick() == 1 and calls == []  # old proposal (2) is not what it says
+    host.advance(1.2, ours=1.0, others=0.0)
+    assert gov.tick() == 2 and calls == [2]
+
+
 def test_between_windows_and_after_idle_spells_nothing_is_decided() -> None:
     host, calls = FakeHost(), []
     gov = host.governor(calls)
