@@ -1,0 +1,95 @@
+"""Decode attention over a paged KV cache, three ways, side by side in one process:
+
+    native    the C kernel (backends/paged_decode.py), reading K/V where they lie
+    inductor  `_decode_fused` compiled by inductor (the portable compiled path)
+    eager     SDPA over a gathered copy of K/V (the portable eager path)
+
+Sizes are one layer of the default model (9 query heads, 3 KV heads, dim 64) with a batch
+of sequences whose blocks are scattered over a cache larger than the CPU's caches. The ways
+take turns over `--rounds`; each prints its median per call, and the last line is one JSON
+object with the ratios to native and the machine.
+
+    python scripts/bench_decode_attention.py [--batch 64] [--context 272] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from backends import paged_decode
+from hetero_pd.bench.machine import cpu_info
+from hetero_pd.models.attention import _decode_fused
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=272, help="tokens per sequence")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=5, help="calls per way per round")
+    args = ap.parse_args()
+    if not paged_decode.available(torch.float32):
+        raise SystemExit("the kernel is not available here (no C compiler?): nothing to compare")
+    torch.set_num_threads(args.threads)
+    n, ctx, kv_heads, group, dim, block = args.batch, args.context, 3, 3, 64, 16
+    width = -(-ctx // block)
+    num_blocks = max(20000, 4 * n * width)  # ~120 MB per K or V: past the last-level cache
+    k = torch.randn(num_blocks * block, kv_heads, dim)
+    v = torch.randn(num_blocks * block, kv_heads, dim)
+    tables = torch.randperm(num_blocks)[: n * width].view(n, width)
+    offsets = torch.arange(width * block)
+    slots = (tables[:, offsets // block] * block + offsets % block).reshape(-1)
+    mask = (offsets < ctx).repeat(n)
+    q = torch.randn(n, kv_heads * group, dim)
+    scale = dim**-0.5
+    fused = torch.compile(_decode_fused, backend="inductor")
+
+    def eager() -> torch.Tensor:
+        kd = k.index_select(0, slots).view(n, -1, kv_heads, dim).transpose(1, 2)
+        vd = v.index_select(0, slots).view(n, -1, kv_heads, dim).transpose(1, 2)
+        m = mask.view(n, 1, 1, -1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(2), kd, vd, attn_mask=m, scale=scale, enable_gqa=True
+        )
+        return out.reshape(n, -1, dim)
+
+    ways: dict[str, Callable[[], torch.Tensor]] = {
+        "native": lambda: paged_decode.paged_decode(q, k, v, slots, mask, scale),
+        "inductor": lambda: fused(q, k, v, slots, mask.view(n, 1, 1, -1), scale),
+        "eager": eager,
+    }
+    want = eager()
+    for name, fn in ways.items():  # warm up (and compile), and check they agree
+        torch.testing.assert_close(fn(), want, atol=1e-5, rtol=1e-4, msg=f"{name} differs")
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(args.rounds):
+        for name, fn in ways.items():
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / args.calls * 1e3)
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    kv_mb = 2 * n * ctx * kv_heads * dim * 4 / 1e6
+    for name, t in ms.items():
+        print(f"{name:9s} {t:7.2f} ms per layer  ({kv_mb / t:.1f} GB/s of K/V)")
+    result = {
+        "batch": n,
+        "context": ctx,
+        "threads": args.threads,
+        "ms": {name: round(t, 3) for name, t in ms.items()},
+        "inductor_over_native": round(ms["inductor"] / ms["native"], 3),
+        "eager_over_native": round(ms["eager"] / ms["native"], 3),
+        "cpu": cpu_info(),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
