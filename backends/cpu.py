@@ -248,8 +248,7 @@ class CpuBackend(Backend):
         return torch.empty(tuple(shape), dtype=dtype, device="cpu")
 
     def native_decode_attention(self, kv_dtype: torch.dtype) -> bool:
-        """The C kernel of backends/paged_decode.py, built on first use, for float32 and
-        bfloat16 caches."""
+        """The C kernel of backends/paged_decode.py, built on first use; float32 caches."""
         from backends import paged_decode  # builds the kernel (once) and registers the op
 
         return paged_decode.available(kv_dtype)

@@ -15,7 +15,7 @@ How: every `window_s` (checked between steps) it reads how busy our CPUs were
 the rest is other processes. Threads = our CPUs minus the others' share, rounded, at least
 1 and at most what we were given; a new count is taken only when two windows in a row
 agree on it, so one noisy window changes nothing, or at once when the window was at least
-twice as long (a long step: its window is an average already).
+twice as long and we worked through it (a long step: its window is an average already).
 
 Workers that share a box unpinned (the launcher's default on one host) are each given every
 CPU and start at their fair share (CPUs / workers): a decode worker whose prefill neighbour
@@ -42,6 +42,8 @@ PROC_SELF_STAT = Path("/proc/self/stat")
 TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # A window longer than this (the engine sat idle) is not used to decide.
 STALE_S = 10.0
+# CPUs we kept busy over a long window for it to count as one long step, not an idle gap.
+BUSY_THROUGH = 0.8
 
 
 def cpus_busy_ticks(stat_text: str, cpus: Iterable[int]) -> int:
@@ -118,10 +120,12 @@ class ThreadGovernor:
         others = max(0, (busy1 - busy0) - (ours1 - ours0)) / TICKS_PER_S / (t1 - t0)
         self.others_cpus = others
         want = threads_for(len(self.cpus), others, self.max_threads)
-        # A window spanning two or more is already an average: it needs no second opinion
-        # (steps of a second or more, e.g. at one thread, would otherwise delay a change by
-        # two steps).
-        settled = t1 - t0 >= 2 * self.window_s
+        # A window spanning two or more, all of it spent working (a step of a second or
+        # more, e.g. at one thread), is already an average: it needs no second opinion,
+        # which would delay a change by two such steps. One with an idle gap does: the
+        # load it saw while we waited is not the load we step into.
+        ours_cpus = (ours1 - ours0) / TICKS_PER_S / (t1 - t0)
+        settled = t1 - t0 >= 2 * self.window_s and ours_cpus >= BUSY_THROUGH
         if want == self.threads:
             self._proposal = None
         elif want != self._proposal and not settled:

@@ -3,14 +3,14 @@
 Profiling the compiled decode step (batch 64, ~270 tokens of context, SmolLM2 on two AMD
 vCPUs) put half of its time in attention: inductor's fused loops read K/V at ~4 GB/s and
 barely gained from a second thread, while a copy of the same bytes ran at ~11 GB/s. The
-kernel (csrc/paged_decode.c) reads each K row and each V row once per KV head, for all the
-query heads that share it, with one task per (sequence, KV head) on torch's OpenMP threads.
+kernel (csrc/paged_decode.c) runs one task per sequence on torch's OpenMP threads and reads
+each slot's K row and V row once, for every query head.
 
 It is built on first use with the machine's C compiler (`-march=native`, so it uses the
 vector units this CPU has, detected by the compiler) into hetero-pd's cache, keyed by the
-source, the compiler and the CPU's flags. No compiler, or a failed build: `available()` is
-False and attention takes the portable path (inductor's loops or SDPA), said in the log.
-HETERO_PD_NATIVE_ATTENTION=0 turns it off.
+source, the compile command, the compiler's version and the CPU's flags. No compiler, or a
+failed build: `available()` is False and attention takes the portable path (inductor's
+loops or SDPA), said in the log. HETERO_PD_NATIVE_ATTENTION=0 turns it off.
 
 The op `hetero_pd::paged_decode` wraps it, so a compiled step calls it as one opaque op.
 """
@@ -22,6 +22,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -38,30 +39,62 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 #: The dtypes the kernel reads. Not bfloat16: transformers' SDPA rounds the softmax to
 #: bfloat16 before multiplying by V, and greedy tokens must stay equal to it.
 KV_DTYPES = (torch.float32,)
+MAX_HEADS = 256  # the kernel's MAX_HEADS
 _ERRORS = {
     -1: "a cache slot lies outside the KV cache",
-    -2: "more than 256 query heads",
+    -2: f"more than {MAX_HEADS} query heads",
     -3: "no memory for the kernel's scratch",
 }
 
 
-def _compiler() -> str | None:
+def _compiler() -> list[str] | None:
+    """$CC (it may hold arguments, e.g. "ccache gcc"), else the first of cc, gcc, clang."""
     cc = os.environ.get("CC")
-    return cc if cc else next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    if cc:
+        return shlex.split(cc)
+    found = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    return [found] if found else None
 
 
-def _build(cc: str, out: Path) -> None:
+def _command(cc: list[str], out: str) -> list[str]:
+    """The build command. OpenMP must be torch's own runtime (libgomp, already loaded by
+    torch), so that torch's thread count and spin policy govern the kernel's threads too:
+    gcc links it by default, clang must be told."""
+    version = _version(tuple(cc))
+    openmp = "-fopenmp=libgomp" if "clang" in version else "-fopenmp"
+    return [*cc, "-O3", "-march=native", openmp, "-fPIC", "-shared", str(SOURCE), "-o", out]
+
+
+@functools.cache
+def _version(cc: tuple[str, ...]) -> str:
+    try:
+        done = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout
+
+
+def _build(cc: list[str], out: Path) -> None:
     """Compiles the kernel into `out` (written beside it, then renamed: never half a file)."""
     out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", str(SOURCE), "-o", tmp]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+        cmd = _command(cc, tmp)
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    fn = lib.paged_decode
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib
 
 
 @functools.cache
@@ -71,23 +104,26 @@ def _library() -> ctypes.CDLL | None:
         log.warning("no C compiler (cc, gcc, clang or $CC): decode attention runs portable")
         return None
     key = hashlib.sha256(SOURCE.read_bytes())
-    key.update(cc.encode())
-    key.update(" ".join(sorted(cpu_flags())).encode())
+    for part in (" ".join(_command(cc, "OUT")), _version(tuple(cc)), " ".join(sorted(cpu_flags()))):
+        key.update(part.encode())
     path = envs.cache_dir() / "kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
     try:
-        if not path.exists():
-            _build(cc, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
+        if path.exists():
+            try:
+                return _load(path)
+            except (OSError, AttributeError):  # damaged: build it again
+                path.unlink()
+        _build(cc, path)
+        return _load(path)
+    except (OSError, AttributeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
-        log.warning("building the decode attention kernel failed (%s): running portable", detail)
+        log.warning(
+            "building the decode attention kernel in %s failed (%s): decode attention runs "
+            "portable (a writable HETERO_PD_CACHE_DIR and a working C compiler fix this)",
+            path.parent,
+            detail,
+        )
         return None
-    fn = lib.paged_decode
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr] * 6
-    fn.argtypes += [i64] * 6 + [ctypes.c_float, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return lib
 
 
 def available(kv_dtype: torch.dtype) -> bool:
@@ -111,18 +147,15 @@ def paged_decode(
     rows, layout nd, float32); slots [n * ctx] int64 cache slots; mask [n * ctx] bool,
     True = attend. Returns [n, heads, dim] float32."""
     lib = _library()
-    assert lib is not None, "hetero_pd::paged_decode called where available() is False"
+    if lib is None:
+        raise RuntimeError("hetero_pd::paged_decode called where available() is False")
+    _check(q, k_flat, v_flat, slots, mask)
     n, heads, dim = q.shape
     num_slots, kv_heads = k_flat.shape[0], k_flat.shape[1]
-    for t in (k_flat, v_flat):
-        if t.dtype not in KV_DTYPES or not t.is_contiguous() or t.shape != k_flat.shape:
-            raise ValueError("paged_decode: K/V must be contiguous float32 of one shape")
     qf = q.float().contiguous()
-    slots = slots.to(torch.int64).contiguous()
-    mask = mask.to(torch.bool).contiguous()
-    ctx = slots.numel() // max(n, 1)
-    if slots.numel() != n * ctx or mask.numel() != n * ctx or heads % kv_heads:
-        raise ValueError("paged_decode: slots and mask must hold n x ctx entries")
+    slots = slots.contiguous()
+    mask = mask.contiguous()
+    ctx = slots.numel() // n if n else 0
     out = torch.empty((n, heads, dim), dtype=torch.float32)
     rc = lib.paged_decode(
         qf.data_ptr(),
@@ -145,6 +178,43 @@ def paged_decode(
     return out
 
 
+def _check(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor
+) -> None:
+    """Every size the kernel reads by, checked: it trusts them."""
+    tensors = {"q": q, "k_flat": k, "v_flat": v, "slots": slots, "mask": mask}
+    where = {name: t.device.type for name, t in tensors.items() if t.device.type != "cpu"}
+    if where:
+        raise ValueError(f"paged_decode: every tensor must be on the cpu, got {where}")
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(
+            f"paged_decode: q [n, heads, dim] and K/V [slots, kv_heads, dim] of one shape, "
+            f"got {tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    n, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if k.shape[2] != dim or not 0 < kv_heads <= heads <= MAX_HEADS or heads % kv_heads or not dim:
+        raise ValueError(
+            f"paged_decode: {heads} query heads of dim {dim} cannot share {kv_heads} KV heads "
+            f"of dim {k.shape[2]} (at most {MAX_HEADS} query heads)"
+        )
+    if (
+        k.dtype not in KV_DTYPES
+        or v.dtype != k.dtype
+        or not (k.is_contiguous() and v.is_contiguous())
+    ):
+        raise ValueError(f"paged_decode: K/V must be contiguous {KV_DTYPES}, got {k.dtype}")
+    if slots.dtype != torch.int64 or mask.dtype != torch.bool:
+        raise ValueError(
+            f"paged_decode: slots int64 and mask bool, got {slots.dtype}, {mask.dtype}"
+        )
+    if slots.dim() != 1 or mask.shape != slots.shape or (n and slots.numel() % n):
+        raise ValueError(
+            f"paged_decode: slots and mask must be flat, n x ctx entries each for n = {n}, "
+            f"got {tuple(slots.shape)} and {tuple(mask.shape)}"
+        )
+
+
 @paged_decode.register_fake
 def _(q, k_flat, v_flat, slots, mask, scale):  # type: ignore[no-untyped-def]
-    return q.new_empty(q.shape, dtype=torch.float32)
+    return torch.empty(q.shape, dtype=torch.float32, device="cpu")

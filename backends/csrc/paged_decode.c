@@ -48,6 +48,11 @@ int paged_decode(const float *q, const float *k, const float *v, const int64_t *
                  int64_t group, int64_t d, int64_t num_slots, float scale, int threads) {
     int64_t heads = kv_heads * group, width = kv_heads * d; /* width: one slot's K (or V) */
     if (heads > MAX_HEADS) return -2;
+    if (n <= 0 || heads <= 0 || d <= 0) return 0;
+    if (ctx <= 0) { /* nothing to attend to: zeros, as for a row with every position masked */
+        memset(out, 0, sizeof(float) * (size_t)(n * heads * d));
+        return 0;
+    }
     for (int64_t t = 0; t < n * ctx; t++)
         if (mask[t] && (slots[t] < 0 || slots[t] >= num_slots)) return -1;
     if (threads < 1) threads = 1;

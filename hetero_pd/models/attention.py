@@ -100,11 +100,11 @@ def _decode(
 ) -> torch.Tensor:
     """One query token per sequence against its cached context."""
     assert meta.decode_slots is not None and meta.decode_mask is not None
-    if meta.native_decode:
+    if meta.native_decode and meta.kv_layout == ND:
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
         od = torch.ops.hetero_pd.paged_decode(
-            q, k_flat, v_flat, meta.decode_slots, meta.decode_mask.view(-1), scale
+            q, k_flat, v_flat, meta.decode_slots, meta.decode_mask.reshape(-1), scale
         )
         return od.to(q.dtype)
     if torch.compiler.is_compiling() and meta.kv_layout == ND:

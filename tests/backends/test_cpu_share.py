@@ -128,6 +128,19 @@ def test_a_window_of_two_or_more_decides_alone() -> None:
     assert gov.tick() == 2 and calls == [2]
 
 
+def test_a_long_window_with_an_idle_gap_still_needs_a_second() -> None:
+    """Waiting 3 s for work while the neighbour was busy is not a long step: the first step
+    after it does not drop a thread on that load alone."""
+    host, calls = FakeHost(), []
+    gov = host.governor(calls)
+    host.advance(0.5, ours=2.0, others=0.0)
+    assert gov.tick() == 2
+    host.advance(3.0, ours=0.1, others=1.0)  # idle, the neighbour busy
+    assert gov.tick() == 2 and calls == []
+    host.advance(0.5, ours=2.0, others=0.0)  # the neighbour idles now: nothing changes
+    assert gov.tick() == 2 and calls == []
+
+
 def test_between_windows_and_after_idle_spells_nothing_is_decided() -> None:
     host, calls = FakeHost(), []
     gov = host.governor(calls)

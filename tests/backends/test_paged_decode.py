@@ -41,7 +41,9 @@ def cache_and_batch(
     return q, k, v, meta
 
 
-def attend(q, k, v, meta, native: bool) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, native: bool
+) -> torch.Tensor:
     meta.native_decode = native
     empty = q[:0, : k.shape[2]]
     meta.slot_mapping = torch.empty(0, dtype=torch.long)
@@ -82,7 +84,58 @@ def test_a_slot_outside_the_cache_is_refused_not_read() -> None:
         attend(q, k, v, meta, native=True)
     assert meta.decode_mask is not None
     meta.decode_mask.view(-1)[5] = False  # a masked position is never read: no refusal
-    attend(q, k, v, meta, native=True)
+    got = attend(q, k, v, meta, native=True)
+    meta.decode_slots[5] = 0  # SDPA over a gathered copy reads every slot, masked or not
+    torch.testing.assert_close(got, attend(q, k, v, meta, native=False))
+
+
+@needs_kernel
+def test_sizes_the_kernel_would_read_past_are_refused() -> None:
+    q, k, v, meta = cache_and_batch(torch.float32, 3, 3, [20, 20])
+    slots, mask = meta.decode_slots, meta.decode_mask
+    assert slots is not None and mask is not None
+    flat = (k.view(-1, 3, 64), v.view(-1, 3, 64))
+    mask = mask.reshape(-1)
+    op = paged_decode.paged_decode
+    cases = {
+        "of dim 32": (q, torch.zeros(64, 3, 32), torch.zeros(64, 3, 32)),
+        "one shape": (q, k, v),  # the 4-D cache, not its slot rows
+        "cannot share 2 KV heads": (q, k.view(-1, 2, 96), v.view(-1, 2, 96)),
+        "at most 256": (torch.randn(2, 258, 64), *(t.view(-1, 3, 64) for t in (k, v))),
+    }
+    for message, (qq, kk, vv) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            op(qq, kk, vv, slots, mask, 0.125)
+    with pytest.raises(ValueError, match="must be on the cpu, got"):
+        # A meta tensor reaches the op's fake; a device tensor would reach this check.
+        paged_decode._check(q.to("meta"), *flat, slots, mask)
+    with pytest.raises(ValueError, match="slots int64 and mask bool"):
+        op(q, *flat, slots.int(), mask, 0.125)
+    with pytest.raises(ValueError, match="n x ctx entries"):
+        op(q, *flat, slots[:-1], mask[:-1], 0.125)
+
+
+@needs_kernel
+def test_edges_empty_batches_masked_rows_views_and_thread_counts() -> None:
+    q, k, v, meta = cache_and_batch(torch.float32, 3, 3, [30, 1, 77])
+    slots, mask = meta.decode_slots, meta.decode_mask
+    assert slots is not None and mask is not None
+    flat = (k.view(-1, 3, 64), v.view(-1, 3, 64))
+    op = paged_decode.paged_decode
+    assert op(q[:0], *flat, slots[:0], mask.reshape(-1)[:0], 0.125).shape == (0, 9, 64)
+    none = mask.clone()
+    none[1] = False  # a row attending to nothing gives zeros, not NaN
+    out = op(q, *flat, slots, none.reshape(-1), 0.125)
+    assert out[1].eq(0).all() and out.isfinite().all()
+    wide = torch.randn(3, 64, 9).transpose(1, 2)  # q as a strided view, as the model makes it
+    want = op(wide.contiguous(), *flat, slots, mask.reshape(-1), 0.125)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(wide, *flat, slots, mask.reshape(-1), 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, want)  # each sequence is one task: no thread changes its sums
 
 
 @needs_kernel
@@ -106,7 +159,8 @@ def test_no_working_compiler_means_the_portable_path_and_a_warning(
     try:
         with caplog.at_level(logging.WARNING, logger="backends.paged_decode"):
             assert not paged_decode.available(torch.float32)
-        assert "building the decode attention kernel failed" in caplog.text
+        assert "building the decode attention kernel in" in caplog.text
+        assert "runs portable" in caplog.text
         assert not list((tmp_path / "kernels").glob("*.so"))  # no half-written library
     finally:
         paged_decode._library.cache_clear()
