@@ -141,6 +141,20 @@ def paged_decode(
     mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
+    """`decode` as an op a compiled graph calls. Eager code calls `decode` itself: the
+    op's first call imports ~800 modules (2 s), which stalled a worker's first request past
+    its heartbeat."""
+    return decode(q, k_flat, v_flat, slots, mask, scale)
+
+
+def decode(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Attention of one query token per sequence over its cached context.
 
     q [n, heads, dim]; k_flat, v_flat [num_slots, kv_heads, dim] (the cache's blocks as
@@ -148,7 +162,7 @@ def paged_decode(
     True = attend. Returns [n, heads, dim] float32."""
     lib = _library()
     if lib is None:
-        raise RuntimeError("hetero_pd::paged_decode called where available() is False")
+        raise RuntimeError("paged_decode called where available() is False")
     _check(q, k_flat, v_flat, slots, mask)
     n, heads, dim = q.shape
     num_slots, kv_heads = k_flat.shape[0], k_flat.shape[1]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from backends import paged_decode
 from transfer.kv_layouts import ND, read_slots, write_slots
 
 
@@ -45,8 +46,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_context] bool
     prefills: list[PrefillSpan] = field(default_factory=list)
     kv_layout: str = ND  # byte order inside the cache's blocks (transfer.kv_layouts)
-    # Decode attention through the backend's kernel (`hetero_pd::paged_decode`, registered
-    # by backends/paged_decode.py), which reads K/V where they lie: ModelRunner sets it.
+    # Decode attention through the backend's kernel (backends/paged_decode.py), which reads
+    # K/V where they lie: ModelRunner sets it.
     native_decode: bool = False
 
 
@@ -103,9 +104,9 @@ def _decode(
     if meta.native_decode and meta.kv_layout == ND:
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        od = torch.ops.hetero_pd.paged_decode(
-            q, k_flat, v_flat, meta.decode_slots, meta.decode_mask.reshape(-1), scale
-        )
+        # Compiled: the op (opaque to the compiler). Eager: the function behind it.
+        kernel = paged_decode.paged_decode if torch.compiler.is_compiling() else paged_decode.decode
+        od = kernel(q, k_flat, v_flat, meta.decode_slots, meta.decode_mask.reshape(-1), scale)
         return od.to(q.dtype)
     if torch.compiler.is_compiling() and meta.kv_layout == ND:
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
