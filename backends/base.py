@@ -253,8 +253,8 @@ class Backend(ABC):
 
     def native_decode_attention(self, kv_dtype: torch.dtype) -> bool:
         """True when this backend runs decode attention over a paged cache of `kv_dtype` (nd
-        layout) through the `hetero_pd::paged_decode` op, which it has registered; False
-        (the default) leaves attention to the portable path."""
+        layout) through the kernel of backends/paged_decode.py; False (the default) leaves
+        attention to the portable path."""
         return False
 
     def linear_kernel(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel | None:

@@ -12,7 +12,8 @@ source, the compile command, the compiler's version and the CPU's flags. No comp
 failed build: `available()` is False and attention takes the portable path (inductor's
 loops or SDPA), said in the log. HETERO_PD_NATIVE_ATTENTION=0 turns it off.
 
-The op `hetero_pd::paged_decode` wraps it, so a compiled step calls it as one opaque op.
+The op `hetero_pd::paged_decode` wraps `decode`, so a compiled step calls it as one opaque
+op.
 """
 
 from __future__ import annotations
@@ -132,21 +133,6 @@ def available(kv_dtype: torch.dtype) -> bool:
     return envs.native_attention() and kv_dtype in KV_DTYPES and _library() is not None
 
 
-@torch.library.custom_op("hetero_pd::paged_decode", mutates_args=())
-def paged_decode(
-    q: torch.Tensor,
-    k_flat: torch.Tensor,
-    v_flat: torch.Tensor,
-    slots: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """`decode` as an op a compiled graph calls. Eager code calls `decode` itself: the
-    op's first call imports ~800 modules (2 s), which stalled a worker's first request past
-    its heartbeat."""
-    return decode(q, k_flat, v_flat, slots, mask, scale)
-
-
 def decode(
     q: torch.Tensor,
     k_flat: torch.Tensor,
@@ -227,6 +213,12 @@ def _check(
             f"paged_decode: slots and mask must be flat, n x ctx entries each for n = {n}, "
             f"got {tuple(slots.shape)} and {tuple(mask.shape)}"
         )
+
+
+# The op a compiled graph calls (opaque to the compiler). Eager code calls `decode` itself:
+# the op's first call imports ~800 modules (2 s), which stalled a worker's first request
+# past its heartbeat.
+paged_decode = torch.library.custom_op("hetero_pd::paged_decode", decode, mutates_args=())
 
 
 @paged_decode.register_fake

@@ -101,17 +101,15 @@ def _decode(
 ) -> torch.Tensor:
     """One query token per sequence against its cached context."""
     assert meta.decode_slots is not None and meta.decode_mask is not None
-    if meta.native_decode and meta.kv_layout == ND:
+    if meta.kv_layout == ND and (meta.native_decode or torch.compiler.is_compiling()):
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
+        if not meta.native_decode:
+            return _decode_fused(q, k_flat, v_flat, meta.decode_slots, meta.decode_mask, scale)
         # Compiled: the op (opaque to the compiler). Eager: the function behind it.
         kernel = paged_decode.paged_decode if torch.compiler.is_compiling() else paged_decode.decode
         od = kernel(q, k_flat, v_flat, meta.decode_slots, meta.decode_mask.reshape(-1), scale)
         return od.to(q.dtype)
-    if torch.compiler.is_compiling() and meta.kv_layout == ND:
-        k_flat = k_cache.view(-1, *k_cache.shape[2:])
-        v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        return _decode_fused(q, k_flat, v_flat, meta.decode_slots, meta.decode_mask, scale)
     nd, num_kv_heads, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
     # index_select on the flat cache is far cheaper than advanced indexing by block table.
     kd = read_slots(k_cache, meta.decode_slots, meta.kv_layout).view(nd, -1, num_kv_heads, head_dim)
