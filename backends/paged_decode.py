@@ -13,7 +13,8 @@ failed build: `available()` is False and attention takes the portable path (indu
 loops or SDPA), said in the log. HETERO_PD_NATIVE_ATTENTION=0 turns it off.
 
 The op `hetero_pd::paged_decode` wraps `decode`, so a compiled step calls it as one opaque
-op.
+op. A cached library is loaded only when it and its folder are ours and no one else's to
+write.
 """
 
 from __future__ import annotations
@@ -89,6 +90,23 @@ def _build(cc: list[str], out: Path) -> None:
             os.unlink(tmp)
 
 
+class UntrustedKernel(Exception):
+    """A cached kernel library another user could have written: it is not loaded."""
+
+
+def _check_private(path: Path) -> None:
+    """Loading a library runs its code: the file and its folder must be ours and writable
+    by no one else (a shared HETERO_PD_CACHE_DIR, e.g. a volume other pods mount, must not
+    let them plant one)."""
+    for p in (path.parent, path):
+        st = p.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise UntrustedKernel(
+                f"{p} is owned by uid {st.st_uid} with mode {st.st_mode & 0o777:o}: only "
+                f"uid {os.getuid()} may write it"
+            )
+
+
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     fn = lib.paged_decode
@@ -110,12 +128,16 @@ def _library() -> ctypes.CDLL | None:
     path = envs.cache_dir() / "kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
     try:
         if path.exists():
+            _check_private(path)
             try:
                 return _load(path)
             except (OSError, AttributeError):  # damaged: build it again
                 path.unlink()
         _build(cc, path)
         return _load(path)
+    except UntrustedKernel as e:
+        log.warning("%s: decode attention runs portable", e)
+        return None
     except (OSError, AttributeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         log.warning(

@@ -4,6 +4,7 @@ copy of the same cache (the eager path), its refusals, and its build when no com
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -162,5 +163,31 @@ def test_no_working_compiler_means_the_portable_path_and_a_warning(
         assert "building the decode attention kernel in" in caplog.text
         assert "runs portable" in caplog.text
         assert not list((tmp_path / "kernels").glob("*.so"))  # no half-written library
+    finally:
+        paged_decode._library.cache_clear()
+
+
+@needs_kernel
+def test_a_kernel_others_could_write_is_not_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Loading a library runs its code: in a cache folder another user (or a pod sharing the
+    volume) could write, or from a file not ours, the kernel is refused, not loaded."""
+    monkeypatch.setenv("HETERO_PD_CACHE_DIR", str(tmp_path))
+    kernels = tmp_path / "kernels"
+    paged_decode._library.cache_clear()
+    try:
+        assert paged_decode._library() is not None  # built here, private
+        kernels.chmod(0o777)
+        paged_decode._library.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="backends.paged_decode"):
+            assert paged_decode._library() is None
+        assert "mode 777: only uid" in caplog.text
+        kernels.chmod(0o700)
+        if os.getuid() == 0:  # a library another user planted, in our folder
+            os.chown(next(kernels.glob("*.so")), 65534, 65534)
+            paged_decode._library.cache_clear()
+            assert paged_decode._library() is None
+            assert "owned by uid 65534" in caplog.text
     finally:
         paged_decode._library.cache_clear()
