@@ -46,8 +46,17 @@ def resolve_dtype(
 ) -> DtypeChoice:
     """The dtype an engine on `device` computes in: the named one, or for "auto" the one
     the device's backend picks for a checkpoint saved in `checkpoint` (see backends.dtype:
-    half precision where the device runs it natively and faster, else float32)."""
+    half precision where the device runs it natively and faster, else float32), unless
+    $HETERO_PD_AUTO_DTYPE forces it (envs.auto_dtype)."""
     if dtype == "auto":
+        forced = envs.auto_dtype()
+        if forced is not None:
+            name = _DTYPE_ALIASES.get(forced, forced)
+            if name not in DTYPES:
+                raise ValueError(
+                    f"HETERO_PD_AUTO_DTYPE must be one of {list(DTYPES)}, got {forced!r}"
+                )
+            return DtypeChoice(DTYPES[name], "auto: forced by HETERO_PD_AUTO_DTYPE")
         dev = parse_device(device)
         saved = parse_dtype(checkpoint) if checkpoint else None
         return backend_for(dev).auto_dtype(dev, saved)

@@ -31,6 +31,14 @@ def native_attention() -> bool:
     return os.environ.get("HETERO_PD_NATIVE_ATTENTION", "1").strip() != "0"
 
 
+def auto_dtype() -> str | None:
+    """$HETERO_PD_AUTO_DTYPE: a dtype name that `dtype: auto` resolves to on every device,
+    whatever the backend's probe would pick, so one machine reproduces another (the test
+    suite runs its dtype-sensitive tests forced both ways). Unset: the backend decides."""
+    env = os.environ.get("HETERO_PD_AUTO_DTYPE", "").strip().lower()
+    return env or None
+
+
 def deployment_secret(environ: Mapping[str, str] | None = None) -> str:
     """$HETERO_PD_SECRET: the deployment secret (never on a command line); "" when unset."""
     return (os.environ if environ is None else environ).get("HETERO_PD_SECRET", "")

@@ -18,6 +18,21 @@ torch.set_num_threads(2)
 os.environ.setdefault("HETERO_PD_COMPILE", "off")
 
 
+def _flags_dtype() -> str:
+    """What `auto` means on this CPU by its flags alone: the backend's probe confirms bf16
+    with a short timing, and on a busy 2-core machine that flips from run to run."""
+    from backends.cpu import cpu_flags
+    from backends.dtype import FAST_BF16_CPU_FLAGS
+
+    return "bfloat16" if cpu_flags() & FAST_BF16_CPU_FLAGS else "float32"
+
+
+# `dtype: auto` is forced for the whole run, workers included, so that every process of a
+# test resolves it alike: to $HETERO_PD_AUTO_DTYPE where set (`make test` runs the tests
+# marked `dtype` once each way), else to this CPU's choice by its flags.
+os.environ.setdefault("HETERO_PD_AUTO_DTYPE", _flags_dtype())
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from hetero_pd.models.fetch import DEFAULT_MODEL, resolve_model
@@ -86,17 +101,23 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
     )
 
 
+#: How far a half-precision engine's log-probabilities may stand from transformers' in the
+#: same dtype. Both round bfloat16 matmuls, but accumulate in orders that depend on the CPU
+#: (oneDNN picks kernels by ISA: AVX2, AVX-512 BF16, AMX) and on the batch's shape, so they
+#: agree to rounding, not bit for bit; a real bug (a wrong position, mask or cache slot)
+#: moves log-probabilities by far more (measured on the tiny models, bfloat16 on an AVX-512
+#: BF16 CPU: at most 0.004 apart; 0.30 with decode attention reading one slot off).
+HALF_LOGPROB_TOL = 0.03
+
+
 @pytest.fixture(scope="session")
-def hf_greedy() -> Callable[..., list[int]]:
-    """transformers' greedy `generate` for one prompt: the reference tokens
-    (`run(path, prompt, max_new_tokens, dtype=torch.float32)`)."""
+def hf_model() -> Callable[[Path, torch.dtype], Any]:
+    """transformers' model for a folder and dtype, loaded once per session (EOS disabled)."""
     from transformers import AutoModelForCausalLM
 
     cache: dict[tuple[Path, torch.dtype], Any] = {}
 
-    def run(
-        path: Path, prompt: list[int], max_new_tokens: int, dtype: torch.dtype = torch.float32
-    ) -> list[int]:
+    def load(path: Path, dtype: torch.dtype) -> Any:
         if (path, dtype) not in cache:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
             # Like ignore_eos: generate past EOS without suppressing it (min_new_tokens would
@@ -104,7 +125,20 @@ def hf_greedy() -> Callable[..., list[int]]:
             model.generation_config.eos_token_id = None
             model.config.eos_token_id = None
             cache[path, dtype] = model
-        model = cache[path, dtype]
+        return cache[path, dtype]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model: Callable[[Path, torch.dtype], Any]) -> Callable[..., list[int]]:
+    """transformers' greedy `generate` for one prompt: the reference tokens
+    (`run(path, prompt, max_new_tokens, dtype=torch.float32)`)."""
+
+    def run(
+        path: Path, prompt: list[int], max_new_tokens: int, dtype: torch.dtype = torch.float32
+    ) -> list[int]:
+        model = hf_model(path, dtype)
         with torch.inference_mode():
             out = model.generate(
                 torch.tensor([prompt]),
@@ -116,3 +150,35 @@ def hf_greedy() -> Callable[..., list[int]]:
         return out[0, len(prompt) :].tolist()
 
     return run
+
+
+@pytest.fixture(scope="session")
+def half_greedy_check(hf_model: Callable[[Path, torch.dtype], Any]) -> Callable[..., int]:
+    """The greedy criterion for half precision, where exact equality with another
+    implementation holds on no CPU in general: `check(path, prompt, output, dtype)` runs
+    transformers in `dtype` teacher-forced on the prompt and the engine's own tokens, and
+    asserts at every step that the engine's log-probability of its token is within
+    HALF_LOGPROB_TOL of transformers', and that where the engine's token is not
+    transformers' top-1, the two were tied within that tolerance. Returns the steps where
+    the tokens agree exactly (callers assert >= 99% of all steps). `output` is a
+    CompletionOutput of a request made with `logprobs >= 0`."""
+
+    def check(path: Path, prompt: list[int], output: Any, dtype: torch.dtype) -> int:
+        tokens = list(output.token_ids)
+        assert output.logprobs is not None and len(output.logprobs) == len(tokens)
+        with torch.inference_mode():
+            logits = hf_model(path, dtype)(torch.tensor([prompt + tokens])).logits[0]
+        # Row i predicts tokens[i].
+        ref = torch.log_softmax(logits.float(), -1)[len(prompt) - 1 : -1]
+        agree = 0
+        for i, token in enumerate(tokens):
+            ours = output.logprobs[i][token].logprob
+            theirs, top = float(ref[i, token]), int(ref[i].argmax())
+            where = f"step {i} of prompt {prompt[:8]}...: token {token}, transformers' {top}"
+            assert abs(ours - theirs) <= HALF_LOGPROB_TOL, f"{where}: logprob {ours} vs {theirs}"
+            margin = float(ref[i, top]) - theirs
+            assert margin <= HALF_LOGPROB_TOL, f"{where}, not a near-tie (margin {margin})"
+            agree += margin == 0  # its token is (one of) transformers' top-1
+        return agree
+
+    return check

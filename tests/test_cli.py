@@ -33,6 +33,7 @@ def test_help_lists_the_commands() -> None:
         assert command in result.stdout
 
 
+@pytest.mark.dtype  # `generate` and the reference both run `auto`
 def test_generate_prints_the_completion(tiny_llama_dir: Path) -> None:
     from hetero_pd import LLM, SamplingParams
 

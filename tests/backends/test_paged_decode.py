@@ -143,12 +143,18 @@ def test_edges_empty_batches_masked_rows_views_and_thread_counts() -> None:
 def test_the_engine_uses_it_unless_told_not_to(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """float32 engines: the kernel takes float32 only (bfloat16 keeps the portable path)."""
     from hetero_pd import LLM
 
     assert get_backend("cpu").native_decode_attention(torch.float32)
-    assert LLM(str(tiny_llama_dir), num_kv_blocks=16).engine.runner.native_decode
+    assert not get_backend("cpu").native_decode_attention(torch.bfloat16)
+    fp32 = {"dtype": "float32", "num_kv_blocks": 16}
+    assert LLM(str(tiny_llama_dir), **fp32).engine.runner.native_decode
+    assert not LLM(
+        str(tiny_llama_dir), dtype="bfloat16", num_kv_blocks=16
+    ).engine.runner.native_decode
     monkeypatch.setenv("HETERO_PD_NATIVE_ATTENTION", "0")
-    assert not LLM(str(tiny_llama_dir), num_kv_blocks=16).engine.runner.native_decode
+    assert not LLM(str(tiny_llama_dir), **fp32).engine.runner.native_decode
 
 
 def test_no_working_compiler_means_the_portable_path_and_a_warning(

@@ -116,7 +116,9 @@ def served(text_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.fixture(scope="module")
 def reference(text_llama_dir: Path) -> LLM:
-    return LLM(str(text_llama_dir), num_kv_blocks=512, max_model_len=1024, num_threads=1)
+    return LLM(
+        str(text_llama_dir), dtype="float32", num_kv_blocks=512, max_model_len=1024, num_threads=1
+    )
 
 
 def greedy(n: int) -> SamplingParams:

@@ -109,6 +109,7 @@ def test_generate_sizes_the_kv_cache_for_the_prompt() -> None:
     assert kv_blocks_for([16], 16) == 3
 
 
+@pytest.mark.dtype  # `generate` and the reference both run `auto`
 def test_generate_with_threads_prints_the_reference_completion(tiny_llama_dir: Path) -> None:
     from hetero_pd import LLM, SamplingParams
 

@@ -31,6 +31,7 @@ def served(tiny_llama_dir: Path) -> Iterator[str]:
         assert proc.wait(60) == 0
 
 
+@pytest.mark.dtype  # `serve MODEL`'s workers and the reference both run `auto`
 @pytest.mark.timeout(300)
 def test_the_openai_client_talks_to_serve_model(served: str, tiny_llama_dir: Path) -> None:
     client = openai.OpenAI(base_url=f"{served}/v1", api_key="k", max_retries=0, timeout=60)

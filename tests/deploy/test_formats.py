@@ -86,8 +86,9 @@ def test_pd_section_sets_formats_per_role_and_plans(
 
 
 def test_dtype_auto_is_resolved_by_each_workers_backend(
-    write_yaml: Callable[[str], Path], tiny_llama_dir: Path
+    write_yaml: Callable[[str], Path], tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("HETERO_PD_AUTO_DTYPE")  # the backend's own choice, not the forced one
     dep = load_deployment(_workers(write_yaml, tiny_llama_dir, top="auto"))
     engines = {c.worker_id: c.engine for c in worker_configs(dep)}
     assert engines["decode-0"].dtype == "auto"

@@ -34,7 +34,14 @@ def graphs() -> int:
 def run_compiled(path: Path, seed: int, hf_greedy: Ref) -> LLM:
     # A 40-token budget mixes chunked prefills (eager) with decode batches (compiled), and
     # batch sizes shrink to 1 (eager) as requests finish.
-    llm = LLM(str(path), compile="on", max_num_batched_tokens=40, block_size=8, num_kv_blocks=128)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        compile="on",
+        max_num_batched_tokens=40,
+        block_size=8,
+        num_kv_blocks=128,
+    )
     assert llm.engine.runner.compiled
     assert "decode step compiled (configured)" in llm.engine.describe()
     compiled_at_start = graphs()
@@ -54,7 +61,9 @@ def run_compiled(path: Path, seed: int, hf_greedy: Ref) -> LLM:
 def test_compiled_decode_equals_transformers(tiny_llama_dir: Path, hf_greedy: Ref) -> None:
     llm = run_compiled(tiny_llama_dir, 1, hf_greedy)
     assert llm.engine.runner.native_decode  # the CPU kernel, called from the compiled graph
-    eager = LLM(str(tiny_llama_dir), compile="off", block_size=8, num_kv_blocks=128)
+    eager = LLM(
+        str(tiny_llama_dir), dtype="float32", compile="off", block_size=8, num_kv_blocks=128
+    )
     assert not eager.engine.runner.compiled
     batch = prompts(5)
     assert [o.outputs[0].token_ids for o in llm.generate(batch, PARAMS)] == [

@@ -34,13 +34,15 @@ def test_mixed_lengths_with_chunked_prefill(
 ) -> None:
     path = request.getfixturevalue(model_fixture)
     # A 40-token budget splits the long prompts into chunks that share steps with decodes.
-    llm = LLM(str(path), max_num_batched_tokens=40, block_size=8, num_kv_blocks=128)
+    llm = LLM(
+        str(path), dtype="float32", max_num_batched_tokens=40, block_size=8, num_kv_blocks=128
+    )
     prompts = random_prompts([3, 17, 90, 1, 41, 64, 8], 512, seed=1)
     assert_matches(llm, path, prompts, hf_greedy)
 
 
 def test_prefix_cache_hits(tiny_llama_dir: Path, hf_greedy: Ref) -> None:
-    llm = LLM(str(tiny_llama_dir), block_size=8, num_kv_blocks=128)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", block_size=8, num_kv_blocks=128)
     shared = random_prompts([40], 512, seed=2)[0]
     first = [[*shared, 5, 6, 7]]
     assert_matches(llm, tiny_llama_dir, first, hf_greedy)
@@ -54,7 +56,13 @@ def test_prefix_cache_hits(tiny_llama_dir: Path, hf_greedy: Ref) -> None:
 
 def test_preemption_by_recompute(tiny_llama_dir: Path, hf_greedy: Ref) -> None:
     # 24 blocks of 4 tokens cannot hold six requests of ~40 tokens at once.
-    llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=24, enable_prefix_caching=False)
+    llm = LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=24,
+        enable_prefix_caching=False,
+    )
     prompts = random_prompts([9, 14, 20, 5, 11, 16], 512, seed=4)
     reqs = [llm.engine.add_request(p, GREEDY) for p in prompts]
     outs = {}
@@ -70,7 +78,7 @@ def test_preemption_by_recompute(tiny_llama_dir: Path, hf_greedy: Ref) -> None:
 
 
 def test_default_model_matches_transformers(default_model_dir: Path, hf_greedy: Ref) -> None:
-    llm = LLM("smollm2-135m-instruct", max_num_batched_tokens=64)
+    llm = LLM("smollm2-135m-instruct", dtype="float32", max_num_batched_tokens=64)
     texts = [
         "The capital of France is",
         "def fibonacci(n):",

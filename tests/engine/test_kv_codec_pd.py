@@ -30,7 +30,7 @@ class Side:
         self.transfer = TransferEngine(name, role, cfg)
         self.region: KVRegion | None = None
         engine_cfg = EngineConfig.from_kwargs(
-            str(model), role=role, block_size=16, num_kv_blocks=32, max_num_seqs=2
+            str(model), dtype="float32", role=role, block_size=16, num_kv_blocks=32, max_num_seqs=2
         )
         self.engine = LLMEngine(engine_cfg, kv_allocator=self._allocate)
         assert self.region is not None

@@ -15,7 +15,8 @@ from hetero_pd.engine.kv_tiers import KVTierStats
 
 Ref = Callable[[Path, list[int], int], list[int]]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-DEVICE = dict(block_size=8, num_kv_blocks=24, max_num_seqs=2)  # 24 x 8 tokens of device KV
+# 24 x 8 tokens of device KV; float32, which the tiers below are sized for (6144 bytes a block)
+DEVICE = dict(dtype="float32", block_size=8, num_kv_blocks=24, max_num_seqs=2)
 
 
 def workload(seed: int = 0) -> list[list[int]]:

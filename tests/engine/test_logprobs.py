@@ -36,7 +36,13 @@ def hf_logprobs(tiny_llama_dir: Path) -> Callable[[list[int]], torch.Tensor]:
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir: Path) -> LLM:
     # A 16-token budget splits every longer prompt into chunks.
-    return LLM(str(tiny_llama_dir), num_kv_blocks=128, block_size=8, max_num_batched_tokens=16)
+    return LLM(
+        str(tiny_llama_dir),
+        dtype="float32",
+        num_kv_blocks=128,
+        block_size=8,
+        max_num_batched_tokens=16,
+    )
 
 
 def prompts(lengths: list[int], seed: int) -> list[list[int]]:

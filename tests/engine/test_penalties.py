@@ -16,7 +16,7 @@ from hetero_pd.engine.sampler import Sampler
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir: Path) -> LLM:
-    return LLM(str(tiny_llama_dir), num_kv_blocks=128, block_size=8)
+    return LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, block_size=8)
 
 
 @pytest.fixture(scope="module")

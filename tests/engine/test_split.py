@@ -40,9 +40,11 @@ class DeviceLayers:
 def test_split_engine_equals_whole_model(tiny_llama_dir: Path, k: int) -> None:
     rng = random.Random(k)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (7, 30)]
-    expected = LLM(str(tiny_llama_dir)).generate(prompts, GREEDY)
+    expected = LLM(str(tiny_llama_dir), dtype="float32").generate(prompts, GREEDY)
     device = DeviceLayers(tiny_llama_dir, k)
-    cloud = LLM(str(tiny_llama_dir), start_layer=k, max_num_batched_tokens=16).engine
+    cloud = LLM(
+        str(tiny_llama_dir), dtype="float32", start_layer=k, max_num_batched_tokens=16
+    ).engine
     seqs = {f"r{i}": list(p) for i, p in enumerate(prompts)}
     for rid, p in seqs.items():
         cloud.add_split_request(device.hidden(p), GREEDY, rid)

@@ -20,10 +20,13 @@ def netns_ok() -> None:
 
 @pytest.fixture(scope="session")
 def tiny_texts(tiny_llama_dir: Path) -> Callable[[list[list[int]], int], list[str]]:
-    """The single-process engine's greedy texts for token-id prompts (the reference)."""
+    """The single-process engine's greedy texts for token-id prompts (the reference), in
+    float32 as the drill's pods run (a deployment's default dtype)."""
     from hetero_pd import LLM, SamplingParams
 
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=512, max_model_len=1024, num_threads=1)
+    llm = LLM(
+        str(tiny_llama_dir), dtype="float32", num_kv_blocks=512, max_model_len=1024, num_threads=1
+    )
 
     def texts(prompts: list[list[int]], max_tokens: int) -> list[str]:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

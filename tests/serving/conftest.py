@@ -11,10 +11,13 @@ from hetero_pd import LLM, SamplingParams
 
 
 class Reference:
-    """`hetero_pd.LLM` over the same model: what the stack must answer."""
+    """`hetero_pd.LLM` over the same model, in float32 as test stacks run (a deployment's
+    default dtype): what the stack must answer, token for token."""
 
     def __init__(self, model: str | Path) -> None:
-        self.llm = LLM(str(model), num_kv_blocks=512, max_model_len=1024, num_threads=1)
+        self.llm = LLM(
+            str(model), dtype="float32", num_kv_blocks=512, max_model_len=1024, num_threads=1
+        )
 
     def texts(self, prompts: list[list[int]], params: SamplingParams) -> list[str]:
         return [o.outputs[0].text for o in self.llm.generate(prompts, params)]

@@ -177,7 +177,7 @@ def test_chat_logprobs_equal_the_engines_and_stream_alike(
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tok.encode(prompt, add_special_tokens=False)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
-    llm = LLM(str(chat_model), num_kv_blocks=64, max_model_len=1024, num_threads=1)
+    llm = LLM(str(chat_model), dtype="float32", num_kv_blocks=64, max_model_len=1024, num_threads=1)
     (ref,) = llm.generate(ids, params)
     c = ref.outputs[0]
     assert c.logprobs is not None

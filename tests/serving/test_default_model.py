@@ -35,7 +35,13 @@ def client(stack: Stack) -> openai.OpenAI:
 def test_streamed_chat_equals_engine(
     stack: Stack, client: openai.OpenAI, default_model_dir: Path
 ) -> None:
-    llm = LLM(str(default_model_dir), num_kv_blocks=64, max_model_len=1024, num_threads=1)
+    llm = LLM(
+        str(default_model_dir),
+        dtype="float32",
+        num_kv_blocks=64,
+        max_model_len=1024,
+        num_threads=1,
+    )
     ref = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=24))[0]
     del llm
     stream = client.chat.completions.create(

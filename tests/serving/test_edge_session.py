@@ -48,7 +48,9 @@ def stack(text_llama_dir: Path) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def reference(text_llama_dir: Path) -> LLM:
-    return LLM(str(text_llama_dir), num_kv_blocks=256, max_model_len=1024, num_threads=1)
+    return LLM(
+        str(text_llama_dir), dtype="float32", num_kv_blocks=256, max_model_len=1024, num_threads=1
+    )
 
 
 def client(stack: Stack, model_dir: Path, split: int = SPLIT, **kw: object) -> EdgeClient:
