@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from backends.base import (
     Backend,
-    BackendUnavailableError,
     CapabilityProfile,
     DeviceInfo,
     LinearKernel,
     clear_profile_cache,
 )
 from backends.dtype import DtypeChoice
+from backends.errors import BackendUnavailableError
 from backends.registry import (
     available_backends,
     backend_for,

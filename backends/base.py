@@ -12,6 +12,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -19,14 +20,10 @@ import torch
 from backends import compiler, probe
 from backends.compiler import F, StepPadding
 from backends.dtype import DtypeChoice
+from backends.errors import BackendUnavailableError
 
 # x -> F.linear(x, weight, bias), with the weight held inside in the device's preferred layout.
 LinearKernel = Callable[[torch.Tensor], torch.Tensor]
-
-
-class BackendUnavailableError(RuntimeError):
-    """A device operation was asked of a backend this host cannot run (no driver, no device,
-    or the vendor extension such as torch_npu is not installed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,10 +248,11 @@ class Backend(ABC):
                 for device in devices:
                     self.synchronize(device)
 
-    def native_decode_attention(self, kv_dtype: torch.dtype) -> bool:
+    def native_decode_attention(self, kv_dtype: torch.dtype, kernel_dir: Path) -> bool:
         """True when this backend runs decode attention over a paged cache of `kv_dtype` (nd
-        layout) through the kernel of backends/paged_decode.py; False (the default) leaves
-        attention to the portable path."""
+        layout) through the kernel of backends/paged_decode.py, built into and loaded from
+        `kernel_dir` (a private folder); False (the default) leaves attention to the
+        portable path."""
         return False
 
     def linear_kernel(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel | None:

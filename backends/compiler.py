@@ -20,6 +20,8 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from backends.errors import BackendUnavailableError
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -80,7 +82,6 @@ def cuda_graphs(fn: F) -> F:
 
 def npu_graph(fn: F) -> F:
     """`fn` compiled in Ascend graph mode through torchair, one graph per padded shape."""
-    from backends.base import BackendUnavailableError
 
     try:
         import torchair

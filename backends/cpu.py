@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 from collections.abc import Collection
 from pathlib import Path
@@ -13,11 +12,11 @@ import torch
 from backends import compiler, probe
 from backends.base import Backend, LinearKernel
 from backends.compiler import F
+from backends.cpuinfo import cpu_flags, host_cpu_name
 from backends.dtype import DtypeChoice, choose_cpu_dtype
 
 # Module-level so tests can point them at fixture files.
 MEMINFO_PATH = Path("/proc/meminfo")
-CPUINFO_PATH = Path("/proc/cpuinfo")
 # cgroup v2 first, then v1: inside a container the limit, not the host, is what we may use.
 CGROUP_LIMIT_PATHS = (
     (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
@@ -150,30 +149,6 @@ def _cpu_quota_in(group: Path) -> float | None:
         return None
 
 
-def _cpuinfo_field(*keys: str) -> str | None:
-    """The first non-empty value of any of `keys` in /proc/cpuinfo, or None."""
-    try:
-        for line in CPUINFO_PATH.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in keys and value.strip():
-                return value.strip()
-    except OSError:
-        pass
-    return None
-
-
-def host_cpu_name() -> str:
-    """CPU model name ("Intel(R) Xeon(R) ..."), falling back to the architecture."""
-    return (
-        _cpuinfo_field("model name", "Model") or platform.processor() or platform.machine() or "cpu"
-    )
-
-
-def cpu_flags() -> frozenset[str]:
-    """Feature flags of the first processor: "flags" on x86, "Features" on Arm."""
-    return frozenset((_cpuinfo_field("flags", "Features") or "").split())
-
-
 class CpuBackend(Backend):
     """The host. Copies are synchronous, there are no streams or events, and host buffers
     are ordinary (unpinned) memory: pinning needs an accelerator runtime."""
@@ -247,11 +222,12 @@ class CpuBackend(Backend):
         """An ordinary host tensor (nothing to pin for)."""
         return torch.empty(tuple(shape), dtype=dtype, device="cpu")
 
-    def native_decode_attention(self, kv_dtype: torch.dtype) -> bool:
-        """The C kernel of backends/paged_decode.py, built on first use; float32 caches."""
-        from backends import paged_decode  # builds the kernel (once) and registers the op
+    def native_decode_attention(self, kv_dtype: torch.dtype, kernel_dir: Path) -> bool:
+        """The C kernel of backends/paged_decode.py, built on first use into `kernel_dir`;
+        float32 caches."""
+        from backends import paged_decode  # registers the op
 
-        return paged_decode.available(kv_dtype)
+        return paged_decode.available(kv_dtype, kernel_dir)
 
     def linear_kernel(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel | None:
         """float32: oneDNN's linear on a weight reordered once into its blocked layout.

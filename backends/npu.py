@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from backends import compiler
-from backends.base import Backend, BackendUnavailableError
+from backends.base import Backend
 from backends.compiler import F, StepPadding
 from backends.dtype import DtypeChoice, choose_accelerator_dtype
+from backends.errors import BackendUnavailableError
 
 INSTALL_HINT = "run `pip install hetero-pd[npu]` on an Ascend host (it needs the CANN toolkit)"
 

@@ -8,9 +8,10 @@ each slot's K row and V row once, for every query head.
 
 It is built on first use with the machine's C compiler (`-march=native`, so it uses the
 vector units this CPU has, detected by the compiler) into hetero-pd's cache, keyed by the
-source, the compile command, the compiler's version and the CPU's flags. No compiler, or a
-failed build: `available()` is False and attention takes the portable path (inductor's
-loops or SDPA), said in the log. HETERO_PD_NATIVE_ATTENTION=0 turns it off.
+source, the compile command, the compiler's version and the CPU's flags, in the folder the
+caller names (the engine's: `kernels/` under HETERO_PD_CACHE_DIR). No compiler, or a failed
+build: `available()` is False and attention takes the portable path (inductor's loops or
+SDPA), said in the log. The engine asks only where HETERO_PD_NATIVE_ATTENTION is not 0.
 
 The op `hetero_pd::paged_decode` wraps `decode`, so a compiled step calls it as one opaque
 op. A cached library is loaded only when it and its folder are ours and no one else's to
@@ -32,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-from backends.cpu import cpu_flags
-from hetero_pd import envs
+from backends.cpuinfo import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +116,14 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
+#: The library `decode` runs: the one last loaded by `_library`.
+_loaded: ctypes.CDLL | None = None
+
+
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _library(kernel_dir: Path) -> ctypes.CDLL | None:
+    """The kernel built into (or found in) `kernel_dir`, loaded; None where it cannot be."""
+    global _loaded
     cc = _compiler()
     if cc is None:
         log.warning("no C compiler (cc, gcc, clang or $CC): decode attention runs portable")
@@ -125,16 +131,18 @@ def _library() -> ctypes.CDLL | None:
     key = hashlib.sha256(SOURCE.read_bytes())
     for part in (" ".join(_command(cc, "OUT")), _version(tuple(cc)), " ".join(sorted(cpu_flags()))):
         key.update(part.encode())
-    path = envs.cache_dir() / "kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
+    path = kernel_dir / f"paged_decode-{key.hexdigest()[:16]}.so"
     try:
         if path.exists():
             _check_private(path)
             try:
-                return _load(path)
+                _loaded = _load(path)
+                return _loaded
             except (OSError, AttributeError):  # damaged: build it again
                 path.unlink()
         _build(cc, path)
-        return _load(path)
+        _loaded = _load(path)
+        return _loaded
     except UntrustedKernel as e:
         log.warning("%s: decode attention runs portable", e)
         return None
@@ -149,10 +157,9 @@ def _library() -> ctypes.CDLL | None:
         return None
 
 
-def available(kv_dtype: torch.dtype) -> bool:
-    """True when the kernel is wanted (HETERO_PD_NATIVE_ATTENTION), built, and reads K/V of
-    `kv_dtype`."""
-    return envs.native_attention() and kv_dtype in KV_DTYPES and _library() is not None
+def available(kv_dtype: torch.dtype, kernel_dir: Path) -> bool:
+    """True when the kernel reads K/V of `kv_dtype` and is built (or found) in `kernel_dir`."""
+    return kv_dtype in KV_DTYPES and _library(kernel_dir) is not None
 
 
 def decode(
@@ -168,9 +175,9 @@ def decode(
     q [n, heads, dim]; k_flat, v_flat [num_slots, kv_heads, dim] (the cache's blocks as
     rows, layout nd, float32); slots [n * ctx] int64 cache slots; mask [n * ctx] bool,
     True = attend. Returns [n, heads, dim] float32."""
-    lib = _library()
+    lib = _loaded
     if lib is None:
-        raise RuntimeError("paged_decode called where available() is False")
+        raise RuntimeError("paged_decode called before available() loaded the kernel")
     _check(q, k_flat, v_flat, slots, mask)
     n, heads, dim = q.shape
     num_slots, kv_heads = k_flat.shape[0], k_flat.shape[1]

@@ -12,7 +12,7 @@ import asyncio
 import sys
 
 from edge.codec import CODECS
-from hetero_pd.serving.edge_protocol import MODES
+from hetero_pd.serving.api.edge_protocol import MODES
 
 PROG = "hetero-pd edge"
 

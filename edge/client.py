@@ -24,7 +24,7 @@ import torch
 
 from edge.codec import encode
 from edge.runtime import EdgeRuntime
-from hetero_pd.serving.edge_protocol import (
+from hetero_pd.serving.api.edge_protocol import (
     MODES,
     PATH,
     EdgeParams,

@@ -76,7 +76,7 @@ def _passthrough(command: str, argv: list[str]) -> int:
     """Commands with their own argument parsers (and their own --help)."""
     run: Callable[[list[str]], int]
     if command == "serve":
-        from hetero_pd.serving.serve import main as run
+        from hetero_pd.deploy.serve import main as run
     elif command == "validate":
         from hetero_pd.deploy.cli import validate_main as run
     elif command == "plan":
@@ -86,7 +86,7 @@ def _passthrough(command: str, argv: list[str]) -> int:
     elif command == "status":
         from hetero_pd.deploy.status import main as run
     elif command == "worker":
-        from hetero_pd.serving.worker import main as run
+        from hetero_pd.serving.worker.main import main as run
     elif command == "drill":
         from hetero_pd.deploy.drill_run import main as run
     elif command == "edge":

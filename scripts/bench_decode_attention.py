@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from backends import paged_decode
+from hetero_pd import envs
 from hetero_pd.bench.machine import cpu_info
 from hetero_pd.models.attention import _decode_fused
 
@@ -35,7 +36,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=5, help="calls per way per round")
     args = ap.parse_args()
-    if not paged_decode.available(torch.float32):
+    if not paged_decode.available(torch.float32, envs.cache_dir() / "kernels"):
         raise SystemExit("the kernel is not available here (no C compiler?): nothing to compare")
     torch.set_num_threads(args.threads)
     n, ctx, kv_heads, group, dim, block = args.batch, args.context, 3, 3, 64, 16

@@ -21,7 +21,7 @@ os.environ.setdefault("HETERO_PD_COMPILE", "off")
 def _flags_dtype() -> str:
     """What `auto` means on this CPU by its flags alone: the backend's probe confirms bf16
     with a short timing, and on a busy 2-core machine that flips from run to run."""
-    from backends.cpu import cpu_flags
+    from backends.cpuinfo import cpu_flags
     from backends.dtype import FAST_BF16_CPU_FLAGS
 
     return "bfloat16" if cpu_flags() & FAST_BF16_CPU_FLAGS else "float32"

@@ -43,11 +43,11 @@ from edge.profiling import profile_layers, profile_runtime
 from edge.runtime import EdgeRuntime
 from hetero_pd.bench.client import build_payload, send_request
 from hetero_pd.bench.datasets import BenchRequest
+from hetero_pd.deploy.testing import deployment, running_stack
 from hetero_pd.models.attention import AttentionMetadata, PrefillSpan
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.models.loader import load_model
-from hetero_pd.serving.testing import deployment, running_stack
 
 PROG = "hetero-pd bench edge"
 TOPICS = (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from backends.cpu import cpu_flags, host_cpu_name
+from backends.cpuinfo import cpu_flags, host_cpu_name
 
 #: The flags that change which kernels run (copies, hashes, GEMMs).
 FEATURES = ("sse4_2", "avx2", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")

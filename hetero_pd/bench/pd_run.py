@@ -25,7 +25,7 @@ from hetero_pd.bench import datasets as ds
 from hetero_pd.bench.metrics import RequestResult
 from hetero_pd.bench.runner import RunConfig, run_benchmark
 from hetero_pd.deploy.schema import Deployment
-from hetero_pd.serving.serve import serve
+from hetero_pd.deploy.serve import serve
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,11 +40,11 @@ from hetero_pd.bench.client import send_request
 from hetero_pd.bench.datasets import BenchRequest
 from hetero_pd.bench.metrics import RequestResult, latency_stats
 from hetero_pd.deploy.schema import parse_deployment
+from hetero_pd.deploy.serve import serve
+from hetero_pd.deploy.testing import metric_value
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
-from hetero_pd.serving.router import Router
-from hetero_pd.serving.serve import serve
-from hetero_pd.serving.testing import metric_value
+from hetero_pd.serving.router.router import Router
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "least_loaded": {"policy": "least_loaded"},

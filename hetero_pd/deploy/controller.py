@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from hetero_pd.deploy.sections import SupervisorSpec
-from hetero_pd.serving import protocol as P
+from hetero_pd.serving.control import protocol as P
 
 log = logging.getLogger("hetero_pd.controller")
 COOLDOWN_INTERVALS = 3

@@ -38,7 +38,7 @@ from hetero_pd.deploy import k8s, netns, pods
 from hetero_pd.deploy.drill_client import Api, alive, wait_until
 from hetero_pd.deploy.k8s_secrets import SecretValues
 from hetero_pd.deploy.schema import Deployment, parse_text
-from hetero_pd.serving.testing import SMALL_ENGINE
+from hetero_pd.deploy.testing import SMALL_ENGINE
 
 T = TypeVar("T")
 NAME = "drill"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from threading import Event
 from typing import Any
 
-from hetero_pd.serving.testing import metric_value
+from hetero_pd.deploy.testing import metric_value
 
 TRANSFER_BYTES = "hetero_pd_kv_transfer_bytes_total"
 TRANSFER_SECONDS = "hetero_pd_kv_transfer_seconds_sum"
@@ -170,7 +170,7 @@ def anonymous_hello(address: str, wait_s: float = 3.0) -> bytes | None:
     deployment secret (None: nothing, as it must)."""
     import zmq
 
-    from hetero_pd.serving import protocol
+    from hetero_pd.serving.control import protocol
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)

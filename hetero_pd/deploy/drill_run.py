@@ -29,7 +29,7 @@ from hetero_pd.deploy.drill import (
     k8s_cluster,
 )
 from hetero_pd.deploy.drill_client import Answer, sequential, transferred_cleanly, under_load
-from hetero_pd.serving.testing import random_prompts
+from hetero_pd.deploy.testing import random_prompts
 
 
 def main(argv: list[str] | None = None) -> int:

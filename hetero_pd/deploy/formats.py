@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetero_pd.deploy.schema import Deployment, worker_ids
+from hetero_pd.deploy.schema import Deployment
+from hetero_pd.deploy.workers import worker_ids
 
 
 @dataclass(frozen=True, slots=True)

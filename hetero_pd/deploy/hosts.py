@@ -30,12 +30,12 @@ from typing import Any
 from backends.cpu import usable_cpus
 from hetero_pd import secrets
 from hetero_pd.deploy.addresses import bind_address, check_advertised
+from hetero_pd.deploy.launcher import thread_counts, worker_config
 from hetero_pd.deploy.schema import Deployment
 from hetero_pd.deploy.supervisor import Supervisor
 from hetero_pd.deploy.workers import expand_workers
-from hetero_pd.serving.launcher import thread_counts, worker_config
-from hetero_pd.serving.worker import READY_LINE, ready_address
-from hetero_pd.serving.worker_config import WorkerConfig
+from hetero_pd.serving.worker.config import WorkerConfig
+from hetero_pd.serving.worker.main import READY_LINE, ready_address
 
 log = logging.getLogger("hetero_pd.hosts")
 RouterMain = Callable[[], Coroutine[Any, Any, None]]
@@ -127,7 +127,7 @@ class HostWorkers:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "hetero_pd.serving.worker",
+            "hetero_pd.serving.worker.main",
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             start_new_session=True,

@@ -14,7 +14,7 @@ Workers find each other by name, never by a hand-written address: worker `decode
 `<name>-decode-1`, reachable as `<name>-decode-1.<name>-decode.<ns>.svc` on
 `kubernetes.base_port` (control) and `base_port + 1` (KV transfer). The router discovers
 the workers by resolving those names (ordinals 0, 1, ... of each StatefulSet), so
-`kubectl scale` is seen without rendering again (`hetero_pd.serving.cluster`).
+`kubectl scale` is seen without rendering again (`hetero_pd.deploy.cluster`).
 
 Probes: the router's are HTTP on `/health` (readiness: a decode worker is up) and
 `/health?live=1` (liveness: the process answers). A worker touches `ALIVE_FILE` on every
@@ -33,7 +33,8 @@ from backends import parse_device_spec
 from hetero_pd.deploy import k8s_pods, k8s_secrets
 from hetero_pd.deploy.k8s_pods import ALIVE_FILE, CONFIG_PATH, MODEL_DIR
 from hetero_pd.deploy.k8s_secrets import SecretValues
-from hetero_pd.deploy.schema import Deployment, worker_ids
+from hetero_pd.deploy.schema import Deployment
+from hetero_pd.deploy.workers import worker_ids
 
 __all__ = ["ALIVE_FILE", "CONFIG_PATH", "MODEL_DIR", "render"]
 

@@ -55,9 +55,9 @@ def present(device: str) -> bool:
 
 def make_measure(dep: Deployment, use_calibration: bool) -> Measure:
     """The function that finds one role's speed (see the module docstring)."""
+    from hetero_pd.deploy.model_deployment import concrete_dtype
     from hetero_pd.models.config import ModelConfig
     from hetero_pd.models.fetch import resolve_model
-    from hetero_pd.serving.model_deployment import concrete_dtype
 
     cache: dict[tuple[str, str], WorkerSpeed] = {}
     workload = dep.workload or WorkloadSpec()

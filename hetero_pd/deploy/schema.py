@@ -32,6 +32,14 @@ from hetero_pd.deploy.sections import (
     WorkloadSpec,
 )
 from hetero_pd.deploy.source import ConfigError, Issue, Source, parse_yaml, read_yaml
+from hetero_pd.deploy.workers import (
+    check_faults,
+    host_ports,
+    pd_workers,
+    place_workers,
+    worker_ids,
+    workers_for_counts,
+)
 
 VERSION = 1
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "role", "device"}
@@ -69,18 +77,6 @@ class Deployment:
         return None if raw is None else Capacity(**raw)
 
 
-def worker_ids(workers: tuple[WorkerSpec, ...]) -> list[str]:
-    """The id of every worker process, in launch order: `prefill-0`, `decode-0`, `both-1`."""
-    counters: dict[str, int] = {}
-    ids = []
-    for spec in workers:
-        for _ in range(spec.count):
-            n = counters.get(spec.role, 0)
-            counters[spec.role] = n + 1
-            ids.append(f"{spec.role}-{n}")
-    return ids
-
-
 def load_deployment(path: str | Path) -> Deployment:
     """Reads and checks a deployment file; ConfigError lists every issue with its line."""
     raw, src = read_yaml(path)
@@ -99,14 +95,6 @@ def parse_text(text: str, source: str = "<text>") -> Deployment:
 
 
 def _parse(raw: Any, src: Source) -> Deployment:
-    from hetero_pd.deploy.workers import (
-        check_faults,
-        host_ports,
-        pd_workers,
-        place_workers,
-        workers_for_counts,
-    )
-
     if not isinstance(raw, dict):
         src.error("", "the top level must be a mapping (model:, workers:, router: ...)")
         src.raise_if_any()
@@ -249,5 +237,4 @@ __all__ = [
     "WorkerSpec",
     "load_deployment",
     "parse_deployment",
-    "worker_ids",
 ]

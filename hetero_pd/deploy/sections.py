@@ -11,7 +11,7 @@ from typing import Any
 from hetero_pd.config import DTYPE_CHOICES
 from hetero_pd.deploy.fields import opt, required
 from hetero_pd.hidden_codec import CODECS as EDGE_CODECS
-from hetero_pd.serving.policy import FAILURE_POLICIES, POLICIES
+from hetero_pd.serving.router.policy import FAILURE_POLICIES, POLICIES
 from transfer.kv_codec import CODECS as KV_CODECS
 from transfer.kv_layouts import LAYOUTS as KV_LAYOUTS
 

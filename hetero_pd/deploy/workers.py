@@ -130,10 +130,20 @@ def host_ports(workers: tuple[WorkerSpec, ...], src: Source) -> list[list[int]]:
     return out
 
 
+def worker_ids(workers: tuple[WorkerSpec, ...]) -> list[str]:
+    """The id of every worker process, in launch order: `prefill-0`, `decode-0`, `both-1`."""
+    counters: dict[str, int] = {}
+    ids = []
+    for spec in workers:
+        for _ in range(spec.count):
+            n = counters.get(spec.role, 0)
+            counters[spec.role] = n + 1
+            ids.append(f"{spec.role}-{n}")
+    return ids
+
+
 def expand_workers(workers: tuple[WorkerSpec, ...]) -> list[WorkerInstance]:
     """Every worker process of a loaded deployment, in launch order, with its device."""
-    from hetero_pd.deploy.schema import worker_ids
-
     src = Source("<deployment>")
     placed = place_workers(workers, src)
     ports = host_ports(workers, src)

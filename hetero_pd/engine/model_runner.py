@@ -92,7 +92,11 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
         #: Decode attention by the backend's kernel (it reads the nd layout only).
-        self.native_decode = kv_layout == ND and backend.native_decode_attention(dtype)
+        self.native_decode = (
+            kv_layout == ND
+            and envs.native_attention()
+            and backend.native_decode_attention(dtype, envs.cache_dir() / "kernels")
+        )
         self.compiled = compile
         self.compiled_steps = 0  # steps that ran through the compiled graph
         if compile:

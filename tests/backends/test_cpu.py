@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends import cpu, get_backend
+from backends import cpu, cpuinfo, get_backend
 from backends.cpu import CpuBackend
 
 HOST = torch.device("cpu")
@@ -85,12 +85,12 @@ def test_memory_info_falls_back_to_sysconf(
 
 
 def test_cpu_name_from_cpuinfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t: avx2\n")
-    monkeypatch.setattr(cpu, "CPUINFO_PATH", cpuinfo)
-    assert cpu.host_cpu_name() == "Test CPU 9000"
-    monkeypatch.setattr(cpu, "CPUINFO_PATH", tmp_path / "missing")
-    assert cpu.host_cpu_name()
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t: avx2\n")
+    monkeypatch.setattr(cpuinfo, "CPUINFO_PATH", info)
+    assert cpuinfo.host_cpu_name() == "Test CPU 9000"
+    monkeypatch.setattr(cpuinfo, "CPUINFO_PATH", tmp_path / "missing")
+    assert cpuinfo.host_cpu_name()
 
 
 @pytest.mark.parametrize("shape", [(4, 8), torch.Size([2, 3, 5])])

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends import cpu, get_backend
+from backends import cpuinfo, get_backend
 from backends.dtype import choose_accelerator_dtype, choose_cpu_dtype
 
 HOST = torch.device("cpu")
@@ -71,18 +71,18 @@ def test_accelerators_follow_the_checkpoint_like_vllm() -> None:
 
 def test_cpu_flags_come_from_cpuinfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     info = tmp_path / "cpuinfo"
-    monkeypatch.setattr(cpu, "CPUINFO_PATH", info)
+    monkeypatch.setattr(cpuinfo, "CPUINFO_PATH", info)
     info.write_text("processor\t: 0\nmodel name\t: Xeon\nflags\t\t: fpu avx2 amx_bf16\n\n")
-    assert cpu.cpu_flags() == {"fpu", "avx2", "amx_bf16"}
+    assert cpuinfo.cpu_flags() == {"fpu", "avx2", "amx_bf16"}
     info.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # aarch64 spelling
-    assert cpu.cpu_flags() == {"fp", "asimd", "bf16"}
+    assert cpuinfo.cpu_flags() == {"fp", "asimd", "bf16"}
     info.unlink()
-    assert cpu.cpu_flags() == frozenset()
+    assert cpuinfo.cpu_flags() == frozenset()
 
 
 def test_auto_on_this_host_follows_its_flags() -> None:
     choice = get_backend("cpu").auto_dtype(HOST)
-    if not cpu.cpu_flags() & {"amx_bf16", "avx512_bf16", "bf16"}:
+    if not cpuinfo.cpu_flags() & {"amx_bf16", "avx512_bf16", "bf16"}:
         assert choice.dtype == torch.float32  # the AVX2-only development machine
     assert choice.dtype in (torch.float32, torch.bfloat16)
     assert choice.reason.startswith("auto: ")
@@ -95,7 +95,7 @@ def test_auto_on_a_faked_amx_host_measures_and_picks_bfloat16(
     profile = backend.profile(HOST)  # measured (and cached) before the flags are faked
     info = tmp_path / "cpuinfo"
     info.write_text(f"flags\t\t: {' '.join(sorted(SAPPHIRE_RAPIDS))}\n")
-    monkeypatch.setattr(cpu, "CPUINFO_PATH", info)
+    monkeypatch.setattr(cpuinfo, "CPUINFO_PATH", info)
     half = profile.half_gflops or 0.0
     expected = torch.bfloat16 if half >= 1.2 * profile.fp32_gflops else torch.float32
     assert backend.auto_dtype(HOST).dtype == expected

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from backends import get_backend, paged_decode
+from hetero_pd import envs
 from hetero_pd.models.attention import AttentionMetadata, paged_attention
 
 BLOCK = 16
@@ -51,8 +52,10 @@ def attend(
     return paged_attention(q, empty, empty, k, v, meta, q.shape[-1] ** -0.5)
 
 
+KERNELS = envs.cache_dir() / "kernels"  # where engines keep it
 needs_kernel = pytest.mark.skipif(
-    not paged_decode.available(torch.float32), reason="no C compiler could build the kernel"
+    not paged_decode.available(torch.float32, KERNELS),
+    reason="no C compiler could build the kernel",
 )
 
 
@@ -69,8 +72,8 @@ def test_float32_equals_sdpa_over_a_gathered_copy(kv_heads: int, group: int) -> 
 def test_bfloat16_stays_on_the_portable_path() -> None:
     """SDPA rounds the softmax to bfloat16 before multiplying by V (transformers too), which
     the kernel does not copy: greedy tokens in bfloat16 would drift from transformers'."""
-    assert not paged_decode.available(torch.bfloat16)
-    assert not paged_decode.available(torch.float16)
+    assert not paged_decode.available(torch.bfloat16, KERNELS)
+    assert not paged_decode.available(torch.float16, KERNELS)
 
 
 @needs_kernel
@@ -146,8 +149,8 @@ def test_the_engine_uses_it_unless_told_not_to(
     """float32 engines: the kernel takes float32 only (bfloat16 keeps the portable path)."""
     from hetero_pd import LLM
 
-    assert get_backend("cpu").native_decode_attention(torch.float32)
-    assert not get_backend("cpu").native_decode_attention(torch.bfloat16)
+    assert get_backend("cpu").native_decode_attention(torch.float32, KERNELS)
+    assert not get_backend("cpu").native_decode_attention(torch.bfloat16, KERNELS)
     fp32 = {"dtype": "float32", "num_kv_blocks": 16}
     assert LLM(str(tiny_llama_dir), **fp32).engine.runner.native_decode
     assert not LLM(
@@ -160,12 +163,11 @@ def test_the_engine_uses_it_unless_told_not_to(
 def test_no_working_compiler_means_the_portable_path_and_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv("HETERO_PD_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     paged_decode._library.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="backends.paged_decode"):
-            assert not paged_decode.available(torch.float32)
+            assert not paged_decode.available(torch.float32, tmp_path / "kernels")
         assert "building the decode attention kernel in" in caplog.text
         assert "runs portable" in caplog.text
         assert not list((tmp_path / "kernels").glob("*.so"))  # no half-written library
@@ -179,21 +181,20 @@ def test_a_kernel_others_could_write_is_not_loaded(
 ) -> None:
     """Loading a library runs its code: in a cache folder another user (or a pod sharing the
     volume) could write, or from a file not ours, the kernel is refused, not loaded."""
-    monkeypatch.setenv("HETERO_PD_CACHE_DIR", str(tmp_path))
     kernels = tmp_path / "kernels"
     paged_decode._library.cache_clear()
     try:
-        assert paged_decode._library() is not None  # built here, private
+        assert paged_decode._library(kernels) is not None  # built here, private
         kernels.chmod(0o777)
         paged_decode._library.cache_clear()
         with caplog.at_level(logging.WARNING, logger="backends.paged_decode"):
-            assert paged_decode._library() is None
+            assert paged_decode._library(kernels) is None
         assert "mode 777: only uid" in caplog.text
         kernels.chmod(0o700)
         if os.getuid() == 0:  # a library another user planted, in our folder
             os.chown(next(kernels.glob("*.so")), 65534, 65534)
             paged_decode._library.cache_clear()
-            assert paged_decode._library() is None
+            assert paged_decode._library(kernels) is None
             assert "owned by uid 65534" in caplog.text
     finally:
         paged_decode._library.cache_clear()

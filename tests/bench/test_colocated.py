@@ -29,7 +29,7 @@ import yaml
 
 from hetero_pd import LLM, SamplingParams
 from hetero_pd.bench.serve import main as bench_serve
-from hetero_pd.serving.testing import metric_value, random_prompts
+from hetero_pd.deploy.testing import metric_value, random_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 BANNER = re.compile(r"hetero-pd is serving .* at (http://\S+)/v1")

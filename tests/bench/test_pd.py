@@ -14,7 +14,7 @@ import pytest
 
 from hetero_pd.bench import pd
 from hetero_pd.bench.pd import deployment, main, parse_args, pin_process, router_placements
-from hetero_pd.serving.launcher import worker_configs
+from hetero_pd.deploy.launcher import worker_configs
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -13,7 +13,7 @@ from hetero_pd.bench import datasets as ds
 from hetero_pd.bench.serve import build_parser
 from hetero_pd.bench.vllm_compat import normalize
 from hetero_pd.cli import main
-from hetero_pd.serving.testing import deployment, running_stack
+from hetero_pd.deploy.testing import deployment, running_stack
 
 SHAREGPT = [
     {

@@ -38,7 +38,7 @@ def test_make_test_installs_every_extra_the_tests_use() -> None:
 def test_serving_imports_no_optional_package() -> None:
     code = (
         "import sys\n"
-        "import hetero_pd.serving.serve, hetero_pd.bench.serve, hetero_pd.cli\n"
+        "import hetero_pd.deploy.serve, hetero_pd.bench.serve, hetero_pd.cli\n"
         "loaded = [m for m in ('matplotlib', 'gguf', 'accelerate', 'onnxruntime', 'onnx')"
         " if m in sys.modules]\n"
         "print(loaded)\n"

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from hetero_pd.cli import VERSION, main
+from hetero_pd.deploy.model_deployment import resolve_model_target
+from hetero_pd.deploy.serve import build_parser, load_target
 from hetero_pd.models.fetch import ModelNotFoundError
-from hetero_pd.serving.model_deployment import resolve_model_target
-from hetero_pd.serving.serve import build_parser, load_target
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,7 +118,7 @@ def _resolve_offline(target: str, hf_home: Path) -> subprocess.CompletedProcess[
     import), offline (no network here: the hub must not be tried for long)."""
     code = (
         "import sys\n"
-        "from hetero_pd.serving.model_deployment import resolve_model_target\n"
+        "from hetero_pd.deploy.model_deployment import resolve_model_target\n"
         "print(resolve_model_target(sys.argv[1]))\n"
     )
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
@@ -176,7 +176,7 @@ def test_version_on_every_command(argv: list[str], capsys: pytest.CaptureFixture
 
 
 def test_pd_ratio_type_rejects_garbage() -> None:
-    from hetero_pd.serving.model_deployment import PDRatio
+    from hetero_pd.deploy.model_deployment import PDRatio
 
     assert PDRatio.parse(" 2 : 1 ") == PDRatio(2, 1)
     for bad in ("1", "a:b", "0:1", "1:1:1"):

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from hetero_pd import LLM, SamplingParams
-from hetero_pd.serving.testing import metric_value, serve_process
+from hetero_pd.deploy.testing import metric_value, serve_process
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 120.0

@@ -11,10 +11,10 @@ import torch
 
 from backends import get_backend
 from hetero_pd.deploy.formats import role_dtype, worker_format, worker_formats
+from hetero_pd.deploy.launcher import worker_configs
 from hetero_pd.deploy.plan import resolve
 from hetero_pd.deploy.schema import ConfigError, load_deployment
 from hetero_pd.deploy.validate import validate_file
-from hetero_pd.serving.launcher import worker_configs
 
 
 def _workers(write_yaml: Callable[[str], Path], model: Path, top: str = "float32") -> Path:

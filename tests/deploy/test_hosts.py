@@ -13,10 +13,10 @@ from hetero_pd.deploy import addresses
 from hetero_pd.deploy.addresses import AddressError, bind_address, check_advertised
 from hetero_pd.deploy.hosts import host_worker_configs, run_host
 from hetero_pd.deploy.schema import load_deployment
+from hetero_pd.deploy.serve import main as serve_main
 from hetero_pd.deploy.source import ConfigError
 from hetero_pd.deploy.validate import validate_file
 from hetero_pd.deploy.workers import expand_workers
-from hetero_pd.serving.serve import main as serve_main
 
 HOSTS = """
 version: 1

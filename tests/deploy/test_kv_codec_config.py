@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from hetero_pd import secrets
+from hetero_pd.deploy.launcher import worker_configs
 from hetero_pd.deploy.schema import parse_text
 from hetero_pd.deploy.source import ConfigError
-from hetero_pd.serving.launcher import worker_configs
-from hetero_pd.serving.worker_config import WorkerConfig, transfer_config
+from hetero_pd.serving.worker.config import WorkerConfig, transfer_config
 
 YAML = "version: 1\nmodel: smollm2-135m-instruct\nworkers:\n  - role: prefill\n  - role: decode\n"
 

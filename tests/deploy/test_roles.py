@@ -17,15 +17,15 @@ import pytest
 
 from hetero_pd import secrets
 from hetero_pd.config import EngineConfig
+from hetero_pd.deploy import cluster
+from hetero_pd.deploy.cluster import HostList, StatefulSetDNS, pod_worker_config
 from hetero_pd.deploy.schema import load_deployment
 from hetero_pd.deploy.status import main as status_main
+from hetero_pd.deploy.testing import deployment, random_prompts, running_stack
 from hetero_pd.sampling_params import SamplingParams
-from hetero_pd.serving import cluster
-from hetero_pd.serving import protocol as P
-from hetero_pd.serving.cluster import HostList, StatefulSetDNS, pod_worker_config
-from hetero_pd.serving.testing import deployment, random_prompts, running_stack
-from hetero_pd.serving.worker import READY_LINE
-from hetero_pd.serving.worker_config import WorkerConfig
+from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.worker.config import WorkerConfig
+from hetero_pd.serving.worker.main import READY_LINE
 from transfer import EngineConfig as TransferConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -138,7 +138,7 @@ def test_bare_metal_workers_get_ports_by_host() -> None:
 
 
 SECRET = secrets.generate()
-WORKER = [sys.executable, "-m", "hetero_pd.serving.worker"]
+WORKER = [sys.executable, "-m", "hetero_pd.serving.worker.main"]
 
 
 def small_engine(model: Path) -> EngineConfig:
@@ -190,9 +190,9 @@ def _free_port() -> int:
 def test_cluster_router_reconnects_to_a_replaced_worker_pod(tiny_llama_dir: Path) -> None:
     """The router side of a cluster: it connects by a derived address and, when the worker's
     pod is replaced (same name and port, new process), greets the new one."""
-    from hetero_pd.serving.cluster import keep_connected
-    from hetero_pd.serving.control_auth import CurveKeys
-    from hetero_pd.serving.router import Router, RouterConfig
+    from hetero_pd.deploy.cluster import keep_connected
+    from hetero_pd.serving.control.auth import CurveKeys
+    from hetero_pd.serving.router.router import Router, RouterConfig
 
     port = _free_port()
     cfg = WorkerConfig(
@@ -241,7 +241,7 @@ def test_a_worker_whose_transfer_engine_died_exits_to_be_restarted(tiny_llama_di
     """Its transfer engine's I/O thread gone for good (injected here: a fatal exception on
     that thread), a worker finishes what it can and exits non-zero, so its supervisor (or
     Kubernetes) restarts it; before, it stayed up with every transfer failing."""
-    from hetero_pd.serving.worker import Worker
+    from hetero_pd.serving.worker.main import Worker
 
     cfg = WorkerConfig("prefill-0", "prefill", small_engine(tiny_llama_dir))
     worker = Worker(cfg, SECRET.encode())

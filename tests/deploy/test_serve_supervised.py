@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from hetero_pd.deploy.status import fetch_health, format_status
-from hetero_pd.serving.testing import serve_process
+from hetero_pd.deploy.testing import serve_process
 
 #: Generous: on two cores shared with other work, three workers took over 60 s to start.
 DEADLINE_S = 180.0

@@ -17,7 +17,7 @@ from hetero_pd.deploy.controller import RoleController, WorkerLoad, decide
 from hetero_pd.deploy.sections import SupervisorSpec
 from hetero_pd.deploy.status import format_status
 from hetero_pd.deploy.supervisor import RestartPolicy, Supervisor
-from hetero_pd.serving.testing import deployment, running_stack
+from hetero_pd.deploy.testing import deployment, running_stack
 
 
 def test_backoff_doubles_up_to_the_cap_and_gives_up_after_max_restarts() -> None:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from hetero_pd.deploy import launcher
+from hetero_pd.deploy.launcher import thread_counts, worker_configs
 from hetero_pd.deploy.schema import load_deployment
 from hetero_pd.deploy.workers import WorkerInstance
-from hetero_pd.serving import launcher
-from hetero_pd.serving.launcher import thread_counts, worker_configs
 
 
 def test_thread_counts() -> None:

@@ -14,7 +14,7 @@ import pytest
 from hetero_pd.deploy import drill_client
 from hetero_pd.deploy.drill import Cluster, DrillSpec, add_worker, k8s_cluster
 from hetero_pd.deploy.drill_client import Answer, sequential, transferred_cleanly, under_load
-from hetero_pd.serving.testing import random_prompts
+from hetero_pd.deploy.testing import random_prompts
 
 pytestmark = [pytest.mark.usefixtures("netns_ok"), pytest.mark.timeout(420)]
 Texts = Callable[[list[list[int]], int], list[str]]

@@ -16,14 +16,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from hetero_pd import LLM, SamplingParams
-from hetero_pd.outputs import Logprob
-from hetero_pd.serving.testing import (
+from hetero_pd.deploy.testing import (
     Stack,
     deployment,
     http_json,
     random_prompts,
     running_stack,
 )
+from hetero_pd.outputs import Logprob
 
 KEY = "k"
 TOL = 1e-4

@@ -18,11 +18,11 @@ import pytest
 import zmq
 
 from hetero_pd import SamplingParams, secrets
-from hetero_pd.serving import edge_protocol as E
-from hetero_pd.serving import protocol as P
-from hetero_pd.serving.control_auth import CurveKeys, secure_client
-from hetero_pd.serving.control_server import ControlServer
-from hetero_pd.serving.testing import Stack, deployment, running_stack
+from hetero_pd.deploy.testing import Stack, deployment, running_stack
+from hetero_pd.serving.api import edge_protocol as E
+from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control.auth import CurveKeys, secure_client
+from hetero_pd.serving.control.server import ControlServer
 
 PARAMS = P.WireParams.of(SamplingParams(max_tokens=4))
 
@@ -203,8 +203,8 @@ def test_decoding_a_hostile_map_is_bounded() -> None:
 def test_a_lost_output_fails_the_request_instead_of_truncating_it(tiny_llama_dir: Path) -> None:
     """A stand-in worker (a fault injector speaking the real protocol over CURVE) skips an
     output's sequence number: the router fails the request with 502, never a short 200."""
-    from hetero_pd.serving.errors import RouterError
-    from hetero_pd.serving.router import Router, RouterConfig
+    from hetero_pd.serving.router.errors import RouterError
+    from hetero_pd.serving.router.router import Router, RouterConfig
 
     secret = secrets.generate().encode()
     keys = CurveKeys.from_secret(secret)

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from hetero_pd import LLM, SamplingParams
-from hetero_pd.serving.testing import Stack, deployment, running_stack
+from hetero_pd.deploy.testing import Stack, deployment, running_stack
 
 pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "Name three colors."}]

@@ -22,8 +22,8 @@ import torch
 from edge import EdgeClient, EdgeError, EdgeMismatchError, EdgeRuntime, encode
 from edge.wire_audit import assert_no_prompt_leak
 from hetero_pd import LLM, SamplingParams
-from hetero_pd.serving.edge_protocol import PATH, Token, pack, unpack
-from hetero_pd.serving.testing import Stack, deployment, running_stack
+from hetero_pd.deploy.testing import Stack, deployment, running_stack
+from hetero_pd.serving.api.edge_protocol import PATH, Token, pack, unpack
 
 SPLIT = 2
 KEY = "edge-key"

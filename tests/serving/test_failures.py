@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from hetero_pd import SamplingParams
-from hetero_pd.serving.testing import Stack, deployment, random_prompts, running_stack, wait_gone
+from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack, wait_gone
 
 DECISIONS = "hetero_pd_policy_decisions_total"
 #: Every data frame of the prefill worker's KV stream has a byte flipped: each chunk fails
@@ -129,7 +129,7 @@ def load_and_kill(
 
 
 def delta(stack: Stack, before: str, name: str, **labels: str) -> float:
-    from hetero_pd.serving.testing import metric_value
+    from hetero_pd.deploy.testing import metric_value
 
     return stack.metric(name, **labels) - metric_value(before, name, **labels)
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from hetero_pd.deploy.launcher import worker_configs
 from hetero_pd.deploy.schema import ConfigError, parse_deployment
-from hetero_pd.serving.launcher import worker_configs
-from hetero_pd.serving.worker_config import WorkerConfig
+from hetero_pd.serving.worker.config import WorkerConfig
 from transfer import FaultRule
 
 

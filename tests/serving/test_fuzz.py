@@ -17,10 +17,10 @@ import pytest
 import zmq
 
 from hetero_pd import SamplingParams
-from hetero_pd.serving import edge_protocol as E
-from hetero_pd.serving import protocol as P
-from hetero_pd.serving.control_auth import secure_client
-from hetero_pd.serving.testing import Stack, deployment, running_stack
+from hetero_pd.deploy.testing import Stack, deployment, running_stack
+from hetero_pd.serving.api import edge_protocol as E
+from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control.auth import secure_client
 
 FRAMES = 3000
 SESSIONS = 300

@@ -19,7 +19,7 @@ from typing import Any
 import openai
 import pytest
 
-from hetero_pd.serving.testing import Stack, deployment, running_stack, wait_gone
+from hetero_pd.deploy.testing import Stack, deployment, running_stack, wait_gone
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
+from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack
 from hetero_pd.sampling_params import SamplingParams
-from hetero_pd.serving.testing import Stack, deployment, random_prompts, running_stack
 
 
 async def _tokens(stack: Stack, rid: str, prompt: list[int]) -> list[int]:

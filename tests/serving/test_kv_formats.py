@@ -15,9 +15,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from hetero_pd import LLM, SamplingParams
+from hetero_pd.deploy import launcher
+from hetero_pd.deploy.testing import SMALL_ENGINE, deployment, random_prompts, running_stack
 from hetero_pd.models.fingerprint import model_fingerprint
-from hetero_pd.serving import launcher
-from hetero_pd.serving.testing import SMALL_ENGINE, deployment, random_prompts, running_stack
 
 DECISIONS = "hetero_pd_policy_decisions_total"
 NPU_PREFILL = {"role": "prefill", "dtype": "bfloat16", "kv_layout": "fractal_nz"}

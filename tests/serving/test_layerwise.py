@@ -12,7 +12,7 @@ import msgspec
 import openai
 
 from hetero_pd import SamplingParams
-from hetero_pd.serving.testing import Stack, deployment, random_prompts, running_stack
+from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack
 
 DECISIONS = "hetero_pd_policy_decisions_total"
 

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from hetero_pd.serving.openai_choices import Answer, Batch
-from hetero_pd.serving.openai_protocol import parse_completion_request
-from hetero_pd.serving.protocol import Output
-from hetero_pd.serving.router import RouterError
+from hetero_pd.serving.api.choices import Answer, Batch
+from hetero_pd.serving.api.protocol import parse_completion_request
+from hetero_pd.serving.control.protocol import Output
+from hetero_pd.serving.router.router import RouterError
 
 
 def answers(n_prompts: int) -> list[Answer]:

@@ -8,16 +8,18 @@ from typing import Any
 
 import pytest
 
-from hetero_pd.serving.openai_protocol import (
+from hetero_pd.serving.api.errors import (
     APIError,
     check_api_key,
-    check_context_length,
     model_not_found,
-    parse_chat_request,
-    parse_completion_request,
     parse_json_body,
     server_error,
     too_many_requests,
+)
+from hetero_pd.serving.api.protocol import (
+    check_context_length,
+    parse_chat_request,
+    parse_completion_request,
 )
 
 USER = [{"role": "user", "content": "Hi"}]

@@ -14,18 +14,15 @@ from aiohttp import web
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from hetero_pd.serving.openai_protocol import (
-    APIError,
-    GenerateRequest,
+from hetero_pd.serving.api.errors import APIError, check_api_key, parse_json_body
+from hetero_pd.serving.api.protocol import parse_chat_request, parse_completion_request
+from hetero_pd.serving.api.request import GenerateRequest
+from hetero_pd.serving.api.responses import (
     chat_chunk,
     chat_response,
-    check_api_key,
     completion_chunk,
     completion_response,
     models_response,
-    parse_chat_request,
-    parse_completion_request,
-    parse_json_body,
     sse,
     sse_done,
     usage,

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from hetero_pd.serving.openai_protocol import APIError, parse_chat_request, parse_completion_request
+from hetero_pd.serving.api.errors import APIError
+from hetero_pd.serving.api.protocol import parse_chat_request, parse_completion_request
 
 USER = [{"role": "user", "content": "Hi"}]
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import openai
 
+from hetero_pd.deploy.testing import deployment, random_prompts, running_stack
 from hetero_pd.engine.kv_cache_manager import prompt_block_hashes
-from hetero_pd.serving import protocol as P
-from hetero_pd.serving.policy import POLICIES, Chooser, RoutingConfig
-from hetero_pd.serving.prefix_index import HeldBlocks
-from hetero_pd.serving.testing import deployment, random_prompts, running_stack
+from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.router.policy import POLICIES, Chooser, RoutingConfig
+from hetero_pd.serving.router.prefix_index import HeldBlocks
 
 DECISIONS = "hetero_pd_policy_decisions_total"
 

@@ -9,8 +9,8 @@ import pytest
 from hetero_pd.engine.kv_cache_manager import KVCacheManager, prompt_block_hashes
 from hetero_pd.engine.request import Request
 from hetero_pd.sampling_params import SamplingParams
-from hetero_pd.serving import protocol as P
-from hetero_pd.serving.prefix_index import HeldBlocks
+from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.router.prefix_index import HeldBlocks
 
 
 def test_report_replaces_and_records_expire() -> None:

@@ -15,10 +15,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from hetero_pd import SamplingParams
+from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack
 from hetero_pd.engine.kv_cache_manager import prompt_block_hashes
 from hetero_pd.models.config import ModelConfig
-from hetero_pd.serving import protocol as P
-from hetero_pd.serving.testing import Stack, deployment, random_prompts, running_stack
+from hetero_pd.serving.control import protocol as P
 
 DECISIONS = "hetero_pd_policy_decisions_total"
 BYTES = "hetero_pd_kv_transfer_bytes_total"

@@ -16,8 +16,8 @@ import torch
 
 from hetero_pd import SamplingParams
 from hetero_pd.config import parse_dtype
+from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack
 from hetero_pd.models.config import ModelConfig
-from hetero_pd.serving.testing import Stack, deployment, random_prompts, running_stack
 
 BYTES = "hetero_pd_kv_transfer_bytes_total"
 DECISIONS = "hetero_pd_policy_decisions_total"
@@ -140,9 +140,9 @@ def test_the_router_refuses_a_decode_workers_claim_of_cached_tokens(
     the prefill worker skip KV the decode worker does not hold. It is a 502, never used."""
     from types import SimpleNamespace
 
-    from hetero_pd.serving import protocol as P
-    from hetero_pd.serving.errors import RouterError
-    from hetero_pd.serving.handoff import Handoff
+    from hetero_pd.serving.control import protocol as P
+    from hetero_pd.serving.router.errors import RouterError
+    from hetero_pd.serving.router.handoff import Handoff
 
     flow = SimpleNamespace(prompt_len=40)
     blocks = P.Blocks(rid="r", ep=1, ids=[3], reg="decode-0")

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hetero_pd.serving.prom import DECISIONS, OUTCOMES, ServingMetrics
+from hetero_pd.serving.router.metrics import DECISIONS, OUTCOMES, ServingMetrics
 
 
 def samples(m: ServingMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from hetero_pd import SamplingParams
+from hetero_pd.deploy.testing import Stack, deployment, metric_value, random_prompts, running_stack
 from hetero_pd.outputs import Logprob, RequestOutput
-from hetero_pd.serving import protocol as P
-from hetero_pd.serving import wire_sampling as W
-from hetero_pd.serving.errors import RouterError
-from hetero_pd.serving.testing import Stack, deployment, metric_value, random_prompts, running_stack
+from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import sampling as W
+from hetero_pd.serving.router.errors import RouterError
 
 TOL = 1e-4
 #: Up to 32 prompt tokens are prefilled on the decode worker (conditional disaggregation);

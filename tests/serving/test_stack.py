@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from hetero_pd import SamplingParams
-from hetero_pd.serving.testing import Stack, deployment, random_prompts, running_stack
+from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack
 
 KEY = "test-key"
 DECISIONS = "hetero_pd_policy_decisions_total"
@@ -171,7 +171,7 @@ def test_concurrent_greedy_equals_engine(stack: Stack, tiny_reference: Any) -> N
 
 
 def delta(before: str, after: str, name: str, **labels: str) -> float:
-    from hetero_pd.serving.testing import metric_value
+    from hetero_pd.deploy.testing import metric_value
 
     return metric_value(after, name, **labels) - metric_value(before, name, **labels)
 

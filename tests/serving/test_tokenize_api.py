@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import hetero_pd
-from hetero_pd.serving.testing import Stack, deployment, http_json, running_stack
+from hetero_pd.deploy.testing import Stack, deployment, http_json, running_stack
 
 KEY = "k"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]

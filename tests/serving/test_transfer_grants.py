@@ -16,9 +16,9 @@ import torch
 import zmq
 
 from hetero_pd import secrets
-from hetero_pd.serving import protocol as P
-from hetero_pd.serving.control_auth import CurveKeys, secure_client
-from hetero_pd.serving.testing import Stack, deployment, random_prompts, running_stack, wait_gone
+from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack, wait_gone
+from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control.auth import CurveKeys, secure_client
 from transfer import EngineConfig, KVRegion, RemoteBlocks, StatusCode, TransferEngine, TransferState
 
 from .test_failures import DECISIONS, complete_all, delta, greedy, transfer_metrics

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from hetero_pd import secrets
-from hetero_pd.serving import protocol as P
-from hetero_pd.serving.control_auth import CurveKeys
-from hetero_pd.serving.control_server import ControlServer
-from hetero_pd.serving.prefill_push import PushTracker
-from hetero_pd.serving.router import Router, RouterConfig
+from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control.auth import CurveKeys
+from hetero_pd.serving.control.server import ControlServer
+from hetero_pd.serving.router.router import Router, RouterConfig
+from hetero_pd.serving.worker.prefill_push import PushTracker
 from transfer import RemoteBlocks, TransferHandle
 
 
@@ -124,7 +124,7 @@ def test_a_worker_advertises_its_host_for_transfers_and_derives_their_key() -> N
     reachable name for its link and data channel, and links only with the key derived
     from the deployment secret (required: an empty key never starts)."""
     from hetero_pd.config import EngineConfig
-    from hetero_pd.serving.worker_config import WorkerConfig, transfer_config
+    from hetero_pd.serving.worker.config import WorkerConfig, transfer_config
     from transfer import EngineConfig as TransferConfig
 
     secret = secrets.generate().encode()

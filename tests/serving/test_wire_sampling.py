@@ -11,8 +11,8 @@ import pytest
 
 from hetero_pd import SamplingParams
 from hetero_pd.outputs import Logprob
-from hetero_pd.serving import protocol as P
-from hetero_pd.serving import wire_sampling as W
+from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import sampling as W
 
 #: Every field away from its default, so a field the wire dropped would show.
 ALL_SET = SamplingParams(

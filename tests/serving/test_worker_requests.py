@@ -14,10 +14,10 @@ from hetero_pd import SamplingParams
 from hetero_pd.engine.block_pool import NoFreeBlocksError
 from hetero_pd.engine.llm_engine import RequestFailure
 from hetero_pd.outputs import CompletionOutput, Logprob, RequestOutput
-from hetero_pd.serving import protocol as P
-from hetero_pd.serving import wire_sampling as W
-from hetero_pd.serving.worker_request import WorkerRequest, output_message, prefill_done
-from hetero_pd.serving.worker_requests import Phase, RequestBook
+from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import sampling as W
+from hetero_pd.serving.worker.request import WorkerRequest, output_message, prefill_done
+from hetero_pd.serving.worker.requests import Phase, RequestBook
 from transfer import RemoteBlocks, TransferState
 
 A, B = b"router-a", b"router-b"

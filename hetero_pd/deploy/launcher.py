@@ -1,0 +1,244 @@
+"""Starts a deployment's workers as processes, connects the router to them, supervises them.
+
+Each worker prints one READY line with the addresses it bound (ports chosen by the OS), so
+no port is configured by hand. A worker that exits is taken out of rotation at once and
+restarted with backoff; stopping SIGTERMs, then SIGKILLs, and reaps every worker.
+
+A worker gets its config as JSON on stdin and the deployment secret in its environment
+(`HETERO_PD_SECRET`): nothing secret is ever on a command line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass, replace
+from typing import Any
+
+from backends.cpu import usable_cpus
+from hetero_pd import omp_wait_defaults, secrets
+from hetero_pd.config import EngineConfig
+from hetero_pd.deploy.formats import worker_format
+from hetero_pd.deploy.schema import Deployment
+from hetero_pd.deploy.supervisor import Supervisor
+from hetero_pd.deploy.workers import WorkerInstance, expand_workers
+from hetero_pd.models.fetch import resolve_model
+from hetero_pd.serving.router.router import Router
+from hetero_pd.serving.worker.config import WorkerConfig
+from hetero_pd.serving.worker.main import READY_LINE, ready_address
+from transfer import EngineConfig as TransferConfig
+from transfer import FaultPlan, FaultRule
+
+log = logging.getLogger("hetero_pd.launcher")
+
+
+@dataclass(slots=True)
+class WorkerProcess:
+    config: WorkerConfig
+    proc: asyncio.subprocess.Process
+    address: str = ""
+    pump: asyncio.Task[None] | None = None
+
+
+def worker_configs(dep: Deployment) -> list[WorkerConfig]:
+    """One WorkerConfig per worker process, ids like `prefill-0`, `decode-0`, `both-1`, each
+    on the device the deployment assigns it (`cuda` -> the next free `cuda:N`)."""
+    instances = expand_workers(dep.workers)
+    cpus = usable_cpus()
+    return [worker_config(dep, w, *thread_counts(w, cpus, len(instances))) for w in instances]
+
+
+def thread_counts(w: WorkerInstance, cpus: int, workers: int) -> tuple[int, int | None]:
+    """Worker `w`'s threads at most and at first (None: the same), one of `workers` on a
+    host where this process may use `cpus` CPUs. A pinned worker's threads are its cores:
+    more would fight over them. Unpinned workers share the host's CPUs: each starts at its
+    share and may use them all while the others leave them idle (a decode worker once the
+    prompts are in), backends/cpu_share.py."""
+    if w.cpus:
+        return len(w.cpus), None
+    return cpus, max(1, cpus // workers)
+
+
+def worker_config(
+    dep: Deployment,
+    w: WorkerInstance,
+    threads: int,
+    initial_threads: int | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    transfer_port: int = 0,
+    **extra: Any,
+) -> WorkerConfig:
+    """The WorkerConfig of worker `w` of `dep` (`extra` sets fields such as alive_file):
+    `threads` at most, `initial_threads` at first (None: `threads`)."""
+    engine = {
+        "model": dep.model,
+        "device": w.device,
+        "num_threads": threads,
+        # A count the deployment sets is what the workers run (at most and at first).
+        "initial_threads": (
+            None if initial_threads == threads or "num_threads" in dep.engine else initial_threads
+        ),
+        **dep.engine,
+        **worker_format(dep, w.worker_id, w.role).engine_options(),  # dtype, kv_layout
+    }
+    if dep.edge is not None and dep.edge.enabled:
+        engine["start_layer"] = dep.edge.split_layer  # layers [k, L): edge sessions only
+    t = dep.transfer
+    rules = t.faults.get(w.worker_id, ())
+    transfer = TransferConfig(
+        host=host,
+        port=transfer_port,
+        transfer_timeout_s=t.timeout_s,
+        grant_s=t.grant_s,
+        transports=t.transports,
+        checksum=t.checksum,  # every transport (shm and direct writes too)
+        kv_codec=t.kv_codec,
+        faults=FaultPlan(tuple(FaultRule(**rule) for rule in rules)) if rules else None,
+    )
+    return WorkerConfig(
+        worker_id=w.worker_id,
+        role=w.role,  # type: ignore[arg-type]
+        engine=EngineConfig.from_kwargs(**engine),
+        transfer=transfer,
+        host=host,
+        port=port,
+        layerwise=t.layerwise,
+        remote_kv_timeout_s=t.remote_kv_timeout_s,
+        cpus=w.cpus,
+        **extra,
+    )
+
+
+class Launcher:
+    """Starts the workers, then supervises them (`hetero_pd.deploy.supervisor`): a worker
+    that exits is taken out of rotation at once and restarted with backoff."""
+
+    def __init__(
+        self,
+        dep: Deployment,
+        router: Router,
+        secret: bytes,
+        ready_timeout_s: float | None = None,
+    ):
+        self.dep = dep
+        self.router = router
+        self.secret = secret
+        self.ready_timeout_s = ready_timeout_s or dep.supervisor.ready_timeout_s
+        self.procs: dict[str, WorkerProcess] = {}
+        self.supervisor = Supervisor(self, router, dep.supervisor)
+        router.supervision = self.supervisor.states
+
+    async def start(self) -> None:
+        resolve_model(self.dep.model)  # fetch once here, not in every worker at the same time
+        configs = worker_configs(self.dep)
+        try:
+            for cfg in configs:
+                await self._spawn(replace(cfg, parent_pid=os.getpid()))
+            await asyncio.gather(*(self._connect(wp) for wp in self.procs.values()))
+        except BaseException:
+            await self.stop()
+            raise
+        self.supervisor.watch(list(self.procs))
+
+    async def _spawn(self, cfg: WorkerConfig) -> None:
+        cmd = [sys.executable, "-m", "hetero_pd.serving.worker.main"]
+        env = {**os.environ, secrets.ENV: self.secret.decode()}
+        # how idle OpenMP threads wait (hetero_pd/__init__.py; set in the environment so a
+        # worker's log of it is true)
+        omp_wait_defaults(env)
+        proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            env=env,
+        )
+        assert proc.stdin is not None
+        proc.stdin.write(cfg.to_json())
+        proc.stdin.close()
+        self.procs[cfg.worker_id] = WorkerProcess(cfg, proc)
+
+    async def _connect(self, wp: WorkerProcess) -> None:
+        assert wp.proc.stdout is not None
+        wid = wp.config.worker_id
+
+        async def ready_line() -> str:
+            assert wp.proc.stdout is not None
+            while True:
+                line = (await wp.proc.stdout.readline()).decode()
+                if not line:
+                    raise RuntimeError(
+                        f"worker {wid} exited with code {await wp.proc.wait()} before it was "
+                        "ready (its log is above)"
+                    )
+                if line.startswith(READY_LINE):
+                    return line
+
+        line = await asyncio.wait_for(ready_line(), self.ready_timeout_s)
+        wp.address = ready_address(line)
+        wp.pump = asyncio.create_task(self._pump(wp))
+        await self.router.add_worker(wid, wp.address)  # replaces a previous client
+        log.info("worker %s (%s) ready at %s, pid %s", wid, wp.config.role, wp.address, wp.proc.pid)
+
+    async def _pump(self, wp: WorkerProcess) -> None:
+        """Keeps reading a worker's stdout so its pipe never fills."""
+        assert wp.proc.stdout is not None
+        while await wp.proc.stdout.readline():
+            pass
+
+    # -- what the supervisor uses --------------------------------------------------------
+    def pid(self, worker_id: str) -> int | None:
+        return self.procs[worker_id].proc.pid
+
+    async def wait(self, worker_id: str) -> int:
+        return await self.procs[worker_id].proc.wait()
+
+    async def respawn(self, worker_id: str) -> None:
+        """A fresh process for `worker_id` (same config), connected in place of the old one."""
+        old = self.procs[worker_id]
+        if old.pump is not None:
+            old.pump.cancel()
+        await self._spawn(old.config)
+        wp = self.procs[worker_id]
+        try:
+            await self._connect(wp)
+        except BaseException:
+            await _terminate(wp, 0.0)
+            raise
+
+    async def switch_role(self, worker_id: str, role: str) -> None:
+        """Drains `worker_id` and switches it to `role`; a later restart keeps the new role."""
+        await self.router.switch_role(worker_id, role)
+        wp = self.procs[worker_id]
+        wp.config = replace(wp.config, role=role)  # type: ignore[arg-type]
+
+    def pids(self) -> dict[str, int]:
+        return {wid: wp.proc.pid for wid, wp in self.procs.items()}
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stops supervising, SIGTERMs every worker (they drain), SIGKILLs any left after
+        `grace_s` (default: supervisor.stop_grace_s) and reaps them all: no orphan is left."""
+        await self.supervisor.stop()
+        grace = self.dep.supervisor.stop_grace_s if grace_s is None else grace_s
+        for wp in self.procs.values():
+            if wp.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    wp.proc.send_signal(signal.SIGTERM)
+        await asyncio.gather(*(_terminate(wp, grace) for wp in self.procs.values()))
+
+
+async def _terminate(wp: WorkerProcess, grace_s: float) -> None:
+    """Waits up to `grace_s` for `wp` to exit after its SIGTERM, then kills and reaps it."""
+    try:
+        await asyncio.wait_for(wp.proc.wait(), grace_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            wp.proc.kill()
+        await wp.proc.wait()
+    if wp.pump is not None:
+        wp.pump.cancel()

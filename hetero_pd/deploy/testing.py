@@ -1,0 +1,273 @@
+"""A real serving stack for tests and drills: `serve()` (router, REST API and worker
+processes) on its own event loop in a background thread, bounded in time, always torn down.
+
+    with running_stack(deployment(model_dir)) as stack:
+        client = stack.client()                      # the official openai client
+        stack.call(stack.router.workers["decode-0"].check_integrity())  # on the stack's loop
+
+Closing the stack checks that every worker process it started is gone (and kills any that
+is not, so a failing test leaves no orphan behind).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Coroutine, Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from hetero_pd.deploy.launcher import Launcher
+from hetero_pd.deploy.schema import Deployment, parse_deployment
+from hetero_pd.deploy.serve import serve
+from hetero_pd.serving.router.router import Router
+
+T = TypeVar("T")
+#: Small, fast engines: one thread each (tests share two cores), an exact block count.
+SMALL_ENGINE: dict[str, Any] = {
+    "num_threads": 1,
+    "max_num_seqs": 32,
+    "max_num_batched_tokens": 512,
+    "num_kv_blocks": 256,
+    "max_model_len": 1024,
+}
+
+
+def deployment(
+    model: str | Path,
+    workers: list[dict[str, Any]] | None = None,
+    router: dict[str, Any] | None = None,
+    transfer: dict[str, Any] | None = None,
+    engine: dict[str, Any] | None = None,
+    edge: dict[str, Any] | None = None,
+    supervisor: dict[str, Any] | None = None,
+) -> Deployment:
+    """A deployment on 127.0.0.1 and a free port; 1 prefill + 1 decode worker by default."""
+    raw = {
+        "model": str(model),
+        "workers": workers or [{"role": "prefill"}, {"role": "decode"}],
+        # Exact flows by default (a test that counts decisions needs them); tests of elastic
+        # prefill turn it on.
+        "router": {"host": "127.0.0.1", "port": 0, "elastic_prefill": False, **(router or {})},
+        "transfer": transfer or {},
+        "engine": {**SMALL_ENGINE, **(engine or {})},
+    }
+    if edge is not None:
+        raw["edge"] = edge
+    if supervisor is not None:
+        raw["supervisor"] = supervisor
+    return parse_deployment(raw, "<test>")
+
+
+class Stack:
+    """A running deployment; see the module docstring."""
+
+    def __init__(self, dep: Deployment) -> None:
+        self.dep = dep
+        self.url = ""
+        self.launcher: Launcher | None = None
+        self.router: Router | None = None
+        self.pids: dict[str, int] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="hetero-pd-stack", daemon=True)
+
+    def start(self, timeout_s: float = 120.0) -> Stack:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(0.05):
+            if self._error is not None or not self._thread.is_alive():
+                raise RuntimeError(f"the stack did not start: {self._error!r}")
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"the stack did not start within {timeout_s}s")
+        return self
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:
+            self._error = e
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+
+        async def on_ready(url: str, launcher: Launcher, router: Router) -> None:
+            self.url, self.launcher, self.router = url, launcher, router
+            self.pids = dict(launcher.pids())
+            self._ready.set()
+
+        await serve(self.dep, on_ready=on_ready, stop=self._stop)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stops the stack; raises AssertionError if it or a worker process outlived it."""
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout_s)
+        pids = dict(self.pids)
+        if self.launcher is not None:
+            pids.update(self.launcher.pids())
+        left = wait_gone(pids.values(), 5.0)
+        for pid in left:  # only processes this stack started
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if self._thread.is_alive():
+            raise AssertionError(f"the stack did not stop within {timeout_s}s")
+        if left:
+            raise AssertionError(f"worker processes {left} outlived the stack")
+
+    # -- helpers -------------------------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 30.0) -> T:
+        """Runs a coroutine on the stack's event loop (the router lives there)."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def integrity(self) -> dict[str, dict[str, Any]]:
+        """`check_integrity()` of every worker still in the deployment."""
+        assert self.router is not None
+        workers = [w for w in self.router.workers.values() if not w.gone]
+        return {w.id: msgspec.structs.asdict(self.call(w.check_integrity())) for w in workers}
+
+    def wait_idle(self, timeout_s: float = 20.0) -> dict[str, dict[str, Any]]:
+        """Polls every live worker until its block pool is consistent, idle and empty."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            report = self.integrity()
+            if all(_idle(r) for r in report.values()):
+                return report
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers not idle and empty after {timeout_s}s: {report}")
+            time.sleep(0.05)
+
+    def metrics(self) -> str:
+        keys = self.dep.router.api_keys
+        headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+        req = urllib.request.Request(f"{self.url}/metrics", headers=headers)
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return str(resp.read().decode())
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric_value(self.metrics(), name, **labels)
+
+
+def _idle(report: dict[str, Any]) -> bool:
+    return bool(report["ok"]) and report["message"] == "idle" and report["used_blocks"] == 0
+
+
+@contextlib.contextmanager
+def running_stack(dep: Deployment, start_timeout_s: float = 120.0) -> Iterator[Stack]:
+    stack = Stack(dep)
+    try:
+        yield stack.start(start_timeout_s)
+    finally:
+        stack.close()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus text exposition whose labels include `labels` (others,
+    such as `model_name`, may be there too); 0.0 when it is absent."""
+    want = {f'{k}="{v}"' for k, v in labels.items()}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$", line)
+        if m is None or m.group(1) != name:
+            continue
+        if want <= {p for p in (m.group(2) or "").split(",") if p}:
+            return float(m.group(3))
+    return 0.0
+
+
+def wait_gone(pids: Iterable[int], timeout_s: float) -> list[int]:
+    """Polls until no process in `pids` exists; returns those still there at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    left = list(pids)
+    while left:
+        left = [pid for pid in left if _exists(pid)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    return left
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def random_prompts(lengths: Iterable[int], seed: int, vocab: int = 512) -> list[list[int]]:
+    """Token-id prompts of the given lengths (ids below `vocab`), reproducible by `seed`."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def http_json(
+    url: str, body: Any = None, key: str | None = None, timeout_s: float = 60.0
+) -> tuple[int, Any]:
+    """GET (no body) or POST `body` as JSON, with `key` as the Bearer token; the status and
+    the JSON answer, errors included."""
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@contextlib.contextmanager
+def serve_process(
+    argv: list[str], timeout_s: float, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`hetero-pd serve ARGV` as a user runs it (a subprocess); yields it and its base URL,
+    read from its banner. Killed on exit unless the caller already stopped it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hetero_pd.cli", "serve", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    url: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:  # keeps draining stdout so the server never blocks on it
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            m = re.search(r"serving .* at (http://\S+)/v1", line)
+            if m and not url:
+                url.append(m.group(1))
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(timeout_s), f"hetero-pd serve {' '.join(argv)} did not come up"
+        yield proc, url[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -1,0 +1,166 @@
+"""Routing policies: which worker prefills, which decodes, and whether to disaggregate.
+
+    round_robin    turns, per candidate set
+    least_loaded   the smallest `load_score` (queued prompt tokens, running, in flight)
+    prefix_aware   the worker holding the longest prefix of the prompt, unless it is much
+                   busier than the least loaded one (SGLang's cache-aware router)
+    kv_aware       the smallest cost = kv_overlap_weight x prompt blocks it would compute
+                   + blocks of work it already has (NVIDIA Dynamo's KV router cost)
+
+The prefix policies read each worker's `HeldBlocks` (prefix_index.py): its reported prefix
+cache plus the prompts recently routed to it, hashed as the engine hashes them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Literal
+
+from hetero_pd.engine.kv_cache_manager import prompt_block_hashes
+from hetero_pd.serving.router.worker_client import WorkerClient
+
+Policy = Literal["round_robin", "least_loaded", "prefix_aware", "kv_aware"]
+FailurePolicy = Literal["recompute", "retry", "fail"]
+POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
+FAILURE_POLICIES = ("recompute", "retry", "fail")
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    policy: Policy = "least_loaded"
+    # Conditional disaggregation: prefill on the decode worker itself when the prompt part
+    # not already cached there is at most this long, ...
+    local_prefill_max_tokens: int = 32
+    # ... or (elastic) when the prefill workers' backlog is longer than the decode worker's
+    # whole job, or the decode worker's batch is empty while the prefill workers are busy
+    # (it would only wait for the KV); without it, only when every prefill worker has more
+    # than `prefill_queue_limit_tokens` queued.
+    elastic_prefill: bool = True
+    prefill_queue_limit_tokens: int = 8192
+    #: A decode worker with more of its KV cache in use than this takes no prompt itself.
+    elastic_kv_limit: float = 0.85
+    block_size: int = 16
+    #: kv_aware: weight of the prompt blocks a worker would compute against the blocks of
+    #: work it has (Dynamo's kv-overlap-score-weight): higher favours cache hits, lower
+    #: spreads load.
+    kv_overlap_weight: float = 1.0
+    #: kv_aware: when another worker holds at least this many more prompt tokens than the
+    #: one chosen to compute the prompt, the chosen one pulls them (0: never pull).
+    prefix_pull_min_tokens: int = 32
+    #: A decode worker serves the prompt's prefix from its own cache and receives only the
+    #: rest's KV (suffix-only transfer); False sends the whole prompt's KV (for comparison).
+    decode_prefix_reuse: bool = True
+    #: How long a pull may take before the puller computes the prefix itself.
+    prefix_pull_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"router policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.kv_overlap_weight < 0 or self.prefix_pull_min_tokens < 0:
+            raise ValueError(
+                "kv_overlap_weight and prefix_pull_min_tokens must be >= 0, got "
+                f"{self.kv_overlap_weight} and {self.prefix_pull_min_tokens}"
+            )
+
+
+class Chooser:
+    """Picks workers by the configured policy (see the module docstring)."""
+
+    def __init__(self, cfg: RoutingConfig) -> None:
+        self.cfg = cfg
+        # One round-robin counter per candidate set: picking the decode worker must not
+        # advance the prefill rotation (with one decoder and two prefillers, a shared counter
+        # would send every prompt to the same prefill worker).
+        self._rr: dict[tuple[str, ...], itertools.count[int]] = {}
+
+    def hashes(self, prompt_ids: list[int] | None) -> list[int]:
+        """The prompt's full blocks' chained hashes, as the workers' engines hash them."""
+        return prompt_block_hashes(prompt_ids, self.cfg.block_size) if prompt_ids else []
+
+    def pick(
+        self, candidates: list[WorkerClient], prompt_ids: list[int] | None = None
+    ) -> tuple[WorkerClient, int]:
+        """Returns (worker, number of prompt tokens it likely has cached)."""
+        if not candidates:
+            raise LookupError("no live worker")
+        policy = self.cfg.policy
+        if policy == "round_robin":
+            counter = self._rr.setdefault(tuple(w.id for w in candidates), itertools.count())
+            return candidates[next(counter) % len(candidates)], 0
+        least = min(candidates, key=lambda w: w.load_score)
+        if policy == "least_loaded" or not prompt_ids:
+            return least, 0
+        hashes = self.hashes(prompt_ids)
+        matched = [w.held.matched(hashes) * self.cfg.block_size for w in candidates]
+        if policy == "kv_aware":
+            costs = [
+                self.cost(w, len(prompt_ids), m) for w, m in zip(candidates, matched, strict=True)
+            ]
+            i = min(range(len(candidates)), key=lambda i: (costs[i], candidates[i].load_score))
+            return candidates[i], matched[i]
+        i = max(range(len(candidates)), key=lambda i: matched[i])
+        best = candidates[i]
+        if matched[i] and best.load_score <= 2 * least.load_score + 512:
+            return best, matched[i]
+        return least, 0
+
+    def cost(self, worker: WorkerClient, prompt_len: int, cached_tokens: int) -> float:
+        """Dynamo's KV-aware cost, in blocks: weight x the prompt blocks `worker` would
+        compute + the blocks of work it has (queued prompt tokens and KV in use)."""
+        bs = self.cfg.block_size
+        prefill_blocks = (prompt_len - cached_tokens) / bs
+        active_blocks = worker.load.kv_usage * worker.info.num_blocks
+        return (
+            self.cfg.kv_overlap_weight * prefill_blocks
+            + worker.backlog_tokens / bs
+            + (active_blocks)
+        )
+
+    def holder(
+        self, workers: list[WorkerClient], prompt_ids: list[int]
+    ) -> tuple[WorkerClient | None, int]:
+        """The worker holding the longest prefix of the prompt's blocks a pull may take
+        (never the block of the last token, which the engine always computes) and its
+        length in tokens; (None, 0) when none holds one."""
+        bs = self.cfg.block_size
+        hashes = self.hashes(prompt_ids)[: (len(prompt_ids) - 1) // bs]
+        best, most = None, 0
+        for w in workers:
+            n = w.held.matched(hashes)
+            if n > most:
+                best, most = w, n
+        return best, most * bs
+
+    def record(self, worker: WorkerClient, prompt_ids: list[int]) -> None:
+        """Notes that `worker` is about to hold the KV of this prompt's full blocks."""
+        if self.cfg.policy in ("prefix_aware", "kv_aware"):
+            worker.held.record(self.hashes(prompt_ids))
+
+    def prefill_locally(
+        self,
+        prompt_len: int,
+        cached_tokens: int,
+        prefill: list[WorkerClient],
+        decode: WorkerClient,
+    ) -> bool:
+        """Conditional disaggregation (after NVIDIA Dynamo), by prompt, queue and load.
+
+        Backlogs are prompt tokens not yet computed: what the router sent and has not seen
+        done, or what the worker's last heartbeat reported queued, whichever is larger."""
+        if not prefill:
+            return True
+        uncached = prompt_len - cached_tokens
+        if uncached <= self.cfg.local_prefill_max_tokens:
+            return True
+        prefill_backlog = min(w.backlog_tokens for w in prefill)
+        if not self.cfg.elastic_prefill:
+            return prefill_backlog > self.cfg.prefill_queue_limit_tokens
+        load = decode.load
+        if load.kv_usage >= self.cfg.elastic_kv_limit:
+            return False
+        decode_backlog = decode.backlog_tokens
+        empty_batch = load.running == 0 and decode_backlog == 0
+        if empty_batch and prefill_backlog > 0:
+            return True  # decode would idle until the KV came: it computes the prompt now
+        return prefill_backlog >= decode_backlog + uncached

@@ -1,0 +1,268 @@
+"""The router: knows the workers, picks them for each request, streams the answer.
+
+A request's way to its decode worker (colocated, local prefill, or the disaggregated
+reserve -> prefill -> kv_ready hand-off with its failure policy) is `handoff.start`; this
+module keeps the workers (`WorkerClient`s, authenticated with the deployment's control
+keys) and turns a decode worker's `Output` messages into the stream a caller iterates.
+
+A split (edge) request carries its prompt as layer k's hidden states (`EdgeRequest`)
+instead of token ids; it goes only to workers running layers [k, L), and for every token
+the decode worker samples, the edge session hands the router that token's hidden state
+(`supply_hidden`), which it forwards to the decode worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq.asyncio
+
+from hetero_pd.sampling_params import SamplingParams
+from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control.auth import CurveKeys
+from hetero_pd.serving.router.errors import RouterError, worker_error
+from hetero_pd.serving.router.handoff import EdgeRequest, Handoff, HandoffPolicy, next_message
+from hetero_pd.serving.router.metrics import ServingMetrics
+from hetero_pd.serving.router.policy import FAILURE_POLICIES, Chooser, FailurePolicy, RoutingConfig
+from hetero_pd.serving.router.worker_client import WorkerClient, WorkerGone, WorkerUnreachable
+
+log = logging.getLogger("hetero_pd.router")
+Queue = asyncio.Queue[tuple[str, Any]]
+
+__all__ = ["EdgeRequest", "Router", "RouterConfig", "RouterError"]
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    failure_policy: FailurePolicy = "recompute"
+    max_retries: int = 2
+    max_inflight: int = 256
+    reserve_timeout_s: float = 30.0
+    prefill_timeout_s: float = 120.0
+    token_timeout_s: float = 120.0  # longest silence between two outputs of one request
+    heartbeat_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.failure_policy not in FAILURE_POLICIES:
+            raise ValueError(
+                f"failure_policy must be one of {FAILURE_POLICIES}, got {self.failure_policy!r}"
+            )
+
+
+class Router:
+    def __init__(
+        self, cfg: RouterConfig, keys: CurveKeys, metrics: ServingMetrics | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.keys = keys
+        self.metrics = metrics or ServingMetrics()
+        self.ctx = zmq.asyncio.Context()
+        self.workers: dict[str, WorkerClient] = {}
+        self.chooser = Chooser(cfg.routing)
+        self.queues: dict[str, Queue] = {}
+        self._switching: set[str] = set()
+        self._decoder: dict[str, WorkerClient] = {}  # split request id -> its decode worker
+        #: Supervisor's view of each worker process (pid, restarts, state) for /health.
+        self.supervision: dict[str, dict[str, Any]] = {}
+        self.handoff_policy = HandoffPolicy(
+            cfg.max_retries,
+            cfg.failure_policy,
+            cfg.reserve_timeout_s,
+            cfg.prefill_timeout_s,
+            self.chooser,
+            self.metrics,
+            self.live,
+        )
+
+    # -- workers -------------------------------------------------------------------------
+    async def add_worker(self, worker_id: str, address: str, timeout_s: float = 120.0) -> None:
+        old = self.workers.pop(worker_id, None)
+        if old is not None:
+            self._on_dead(old)
+            await old.close()
+        client = WorkerClient(
+            worker_id,
+            address,
+            self.ctx,
+            self.keys,
+            self._on_message,
+            self._on_dead,
+            self.cfg.heartbeat_timeout_s,
+        )
+        self.workers[worker_id] = client
+        await client.start(timeout_s)
+
+    async def close(self) -> None:
+        for client in self.workers.values():
+            await client.close()
+        self.ctx.term()
+
+    def live(self, *roles: str, split_layer: int | None = None) -> list[WorkerClient]:
+        """Live workers in `roles`; with `split_layer`, only those that start at that layer
+        (0: whole-model workers)."""
+        return [
+            w
+            for w in self.workers.values()
+            if w.alive
+            and w.role in roles
+            and w.id not in self._switching
+            and (split_layer is None or w.start_layer == split_layer)
+        ]
+
+    def split_info(self) -> tuple[int, str, int] | None:
+        """(split layer, fingerprint, hidden size) of this deployment's split workers, or
+        None when it runs whole-model workers."""
+        for w in self.workers.values():
+            if w.start_layer:
+                return w.start_layer, w.info.fingerprint, w.info.hidden_size
+        return None
+
+    async def switch_role(self, worker_id: str, role: str, timeout_s: float = 300.0) -> None:
+        """Drains `worker_id` (no new requests; in-flight ones finish) and switches it between
+        prefill and decode; it is back in rotation in its new role when this returns."""
+        client = self.workers.get(worker_id)
+        if client is None or not client.alive:
+            raise ValueError(f"no live worker {worker_id!r}")
+        if role not in ("prefill", "decode") or client.role not in ("prefill", "decode"):
+            raise ValueError(f"{worker_id} ({client.role}) cannot switch to {role!r}")
+        if client.role == role:
+            return
+        remaining = [w for w in self.live(client.role) if w.id != worker_id]
+        if not remaining:
+            raise ValueError(f"{worker_id} is the last {client.role} worker")
+        self._switching.add(worker_id)
+        try:
+            await client.switch_role(role, timeout_s)
+        finally:
+            self._switching.discard(worker_id)
+        log.info("worker %s now serves as %s", worker_id, role)
+
+    def mark_dead(self, worker_id: str) -> None:
+        """The supervisor saw the process exit: take it out of rotation at once."""
+        client = self.workers.get(worker_id)
+        if client is not None and not client.gone:
+            client.mark_gone("process exited")
+
+    def silent_for(self, worker_id: str) -> float | None:
+        """Seconds since the worker was last heard from (None: never, or unknown)."""
+        client = self.workers.get(worker_id)
+        if client is None or not client.last_seen:
+            return None
+        return time.monotonic() - client.last_seen
+
+    def _on_message(self, client: WorkerClient, msg: Any) -> None:
+        queue = self.queues.get(getattr(msg, "rid", ""))
+        if queue is not None:
+            queue.put_nowait((client.id, msg))
+
+    def _on_dead(self, client: WorkerClient) -> None:
+        for rid in list(client.inflight):
+            queue = self.queues.get(rid)
+            if queue is not None:
+                queue.put_nowait((client.id, WorkerGone(client.id)))
+        self.metrics.set_worker(client.id, client.role, 0, 0, 0.0, False)
+
+    def refresh_metrics(self) -> None:
+        for w in self.workers.values():
+            load = w.load
+            queued = load.waiting + load.remote
+            self.metrics.set_worker(
+                w.id, w.role, queued, load.running, load.kv_usage, w.alive, load.frames_rejected
+            )
+
+    # -- requests ------------------------------------------------------------------------
+    async def generate(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        edge: EdgeRequest | None = None,
+    ) -> AsyncGenerator[P.Output, None]:
+        """Yields the decode worker's `Output` messages until each of the request's `n`
+        completions (`Output.index`) has had one with a finish reason.
+
+        With `edge`, the prompt is hidden states for workers starting at its layer
+        (`prompt_ids` is empty), and each token needs `supply_hidden` before the next."""
+        if len(self.queues) >= self.cfg.max_inflight:
+            raise RouterError(429, "the server is at capacity; retry shortly", "overloaded", 1.0)
+        layer = edge.worker_layer if edge is not None else 0
+        if not self.live("decode", "both", split_layer=layer):
+            what = f"for split layer {layer}" if layer else "running the whole model"
+            raise RouterError(503, f"no decode-capable worker {what} is alive", "no_workers", 2.0)
+        queue: Queue = asyncio.Queue()
+        self.queues[rid] = queue
+        flow = Handoff(self.handoff_policy, rid, prompt_ids, params, priority, queue, edge)
+        finished = False
+        running = set(range(params.n))  # completions without a finish reason yet
+        try:
+            decode, early = await flow.start()
+            if edge is not None and edge.prompt.early_kv is None:
+                self._decoder[rid] = decode
+            expected = 0
+            while True:
+                if early is not None:
+                    wid, msg, early = decode.id, early, None
+                else:
+                    wid, msg = await next_message(queue, self.cfg.token_timeout_s, rid)
+                if wid != decode.id:
+                    continue
+                match msg:
+                    case WorkerGone():
+                        raise RouterError(
+                            503, f"decode worker {wid} died mid-request", "worker_died"
+                        )
+                    case P.Error():
+                        raise worker_error(msg)
+                    case P.KvFallback():
+                        log.warning("request %s: %s computes the prompt itself", rid, wid)
+                        self.metrics.decision("recompute")
+                    case P.Output():
+                        flow.prompt_done()
+                        check_output(rid, wid, msg, expected, params.n)
+                        expected += 1
+                        if msg.finish_reason is not None:
+                            running.discard(msg.index)
+                        finished = not running
+                        yield msg
+                        if finished:
+                            return
+        finally:
+            flow.prompt_done()
+            self.queues.pop(rid, None)
+            self._decoder.pop(rid, None)
+            for w in flow.involved:
+                w.inflight.discard(rid)
+                if not finished:
+                    w.try_send(P.Abort(rid=rid))
+
+    def supply_hidden(self, rid: str, frame: P.HiddenFrame) -> None:
+        """Forwards an edge device's hidden state for split request `rid`'s newest token."""
+        decode = self._decoder.get(rid)
+        if decode is None:
+            raise RouterError(400, f"no split request {rid} is decoding", "unknown_request")
+        try:
+            decode.send(P.Hidden(rid=rid, frame=frame))
+        except WorkerUnreachable as e:
+            raise RouterError(503, str(e), "worker_unreachable", 2.0) from None
+
+
+def check_output(rid: str, wid: str, msg: P.Output, expected: int, n: int) -> None:
+    """An output must be the next of its request (none lost) and of one of its completions."""
+    if msg.seq != expected:
+        raise RouterError(
+            502,
+            f"request {rid}: output {expected} from {wid} was lost (got output {msg.seq}); "
+            "refusing to return an incomplete answer",
+            "lost_output",
+        )
+    if msg.index >= n:
+        raise RouterError(
+            502, f"request {rid}: {wid} answered for completion {msg.index} of {n}", "bad_output"
+        )

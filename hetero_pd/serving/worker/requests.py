@@ -1,0 +1,438 @@
+"""Every request on a worker, each one object with an explicit state: `RequestBook`.
+
+    generate ──> RUNNING ─────────────────────────────────────────> (finished: gone)
+    reserve  ──> RESERVED ──kv_ready, KV whole──> LANDED ──────────> (finished: gone)
+                    │ kv_failed, KV not whole, reservation expired
+                    └──> FALLBACK (computes the prompt here) ───────> (finished: gone)
+    prefill  ──> PREFILLING ──prompt done, KV pushed and ACKed──> (prefill_done: gone)
+    any      ──abort / router lost──> released; while a direct writer may still write into
+                                      its blocks: FENCED ──fence over──> (gone)
+
+The book owns the transitions and the replies they cause; the worker's loop only feeds it
+messages, engine outputs and the clock. It needs no socket and no model: the engine and
+the transfer engine are its collaborators, and replies go out through `send`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import torch
+
+from hetero_pd import hidden_codec
+from hetero_pd.engine.block_pool import NoFreeBlocksError
+from hetero_pd.engine.llm_engine import LLMEngine, RequestFailure
+from hetero_pd.outputs import RequestOutput
+from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import sampling as W
+from hetero_pd.serving.worker.prefill_push import PushTracker
+from hetero_pd.serving.worker.prefix_share import PrefixPulls
+from hetero_pd.serving.worker.request import (
+    Phase,
+    RequestError,
+    WorkerRequest,
+    check_endpoint,
+    fanout_for,
+    output_message,
+    prefill_done,
+)
+from transfer import RemoteBlocks, TransferEngine, TransferError, TransferState
+
+log = logging.getLogger("hetero_pd.worker")
+Send = Callable[[bytes, Any], None]
+
+
+class RequestBook:
+    def __init__(
+        self,
+        worker_id: str,
+        engine: LLMEngine,
+        transfer: TransferEngine,
+        send: Send,
+        remote_kv_timeout_s: float,
+        layerwise: bool = False,
+    ) -> None:
+        self.id = worker_id
+        self.engine = engine
+        self.transfer = transfer
+        self.send = send
+        self.remote_kv_timeout_s = remote_kv_timeout_s
+        self.layerwise = layerwise
+        self.pushes = PushTracker(transfer, engine, self._on_push_result)
+        #: Requests pulling their prompt's prefix KV from another worker before they start.
+        self.pulls = PrefixPulls(worker_id, engine, transfer)
+        self.requests: dict[str, WorkerRequest] = {}
+        self.children: dict[str, str] = {}  # engine id of completion 1.. of n -> request id
+        #: Reserved prompts whose KV never arrived whole, so this worker computed them.
+        self.kv_fallbacks = 0
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Work is left: the engine's, a push, or a request not merely waiting out a fence."""
+        return (
+            self.engine.has_unfinished_requests()
+            or self.pushes.active
+            or self.pulls.active
+            or any(r.phase is not Phase.FENCED for r in self.requests.values())
+        )
+
+    @property
+    def fencing(self) -> bool:
+        """Blocks are fenced: they may not be reused yet (a stopping worker need not wait)."""
+        return any(r.phase is Phase.FENCED for r in self.requests.values())
+
+    def count(self, phase: Phase) -> int:
+        return sum(r.phase is phase for r in self.requests.values())
+
+    # -- starting requests ---------------------------------------------------------------
+    def start(self, owner: bytes, msg: P.Generate | P.Reserve | P.Prefill) -> None:
+        """A new request from router `owner`; a refusal is answered with an Error. A
+        request with a prefix to pull starts once the pull ended (prefix_share.py)."""
+        old = self.requests.get(msg.rid)
+        with self._answering(owner, msg.rid):
+            if old is not None and old.phase is Phase.FENCED:
+                wait = old.fence_until - time.monotonic()
+                raise RequestError(
+                    P.ErrorCode.KV_FENCED,
+                    f"request {msg.rid}: its previous blocks are fenced for {wait:.2f}s",
+                )
+            if old is not None or msg.rid in self.pulls:
+                raise RequestError(P.ErrorCode.BAD_REQUEST, f"request {msg.rid} is running")
+            self._check_role(msg)
+            if isinstance(msg, P.Reserve) or not self.pulls.begin(owner, msg, self._resume):
+                self._open(owner, msg)
+
+    def _resume(self, owner: bytes, msg: P.Generate | P.Prefill) -> None:
+        with self._answering(owner, msg.rid):
+            self._open(owner, msg)
+
+    @contextlib.contextmanager
+    def _answering(self, owner: bytes, rid: str) -> Iterator[None]:
+        """Answers a refusal of request `rid` with an Error."""
+        try:
+            yield
+        except RequestError as e:
+            code, message, status = e.code, e.message, e.transfer_status
+            self.send(owner, P.Error(rid=rid, code=code, message=message, transfer_status=status))
+        except (ValueError, TypeError, KeyError) as e:
+            self.send(owner, P.Error(rid=rid, code=P.ErrorCode.BAD_REQUEST, message=str(e)))
+
+    def _open(self, owner: bytes, msg: P.Generate | P.Reserve | P.Prefill) -> None:
+        params = msg.params.to_params()
+        fanout = fanout_for(msg, params)
+        first = fanout.child_params(0) if fanout is not None else params
+        if isinstance(msg, P.Reserve):
+            self._reserve(owner, msg, first)
+        elif isinstance(msg, P.Prefill):
+            self._prefill(owner, msg, first)
+        else:
+            self._add(msg, first)
+            self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.RUNNING)
+        if fanout is not None:
+            req = self.requests[msg.rid]
+            req.fanout, req.prompt_ids, req.priority = fanout, msg.prompt_ids, msg.priority
+
+    def _check_role(self, msg: P.Generate | P.Reserve | P.Prefill) -> None:
+        """A prefill worker takes only Prefill; the others take only Generate and Reserve
+        (their engines would hold or hand off KV nobody asked for)."""
+        role = self.engine.config.role
+        if (role == "prefill") != isinstance(msg, P.Prefill):
+            kind = type(msg).__name__
+            raise RequestError(
+                P.ErrorCode.BAD_REQUEST, f"worker {self.id} ({role}) takes no {kind}"
+            )
+
+    def _add(
+        self, msg: P.Generate | P.Reserve | P.Prefill, params: Any, remote_kv: bool = False
+    ) -> list[int] | None:
+        edge = self._edge_prompt(msg.edge)
+        if edge is None:
+            if remote_kv:
+                reuse = isinstance(msg, P.Reserve) and msg.reuse_prefix
+                return self.engine.add_remote_request(
+                    list(msg.prompt_ids), params, msg.rid, msg.priority, reuse_prefix=reuse
+                )
+            self.engine.add_request(list(msg.prompt_ids), params, msg.rid, msg.priority)
+            return None
+        hidden, early = edge
+        if early is None:
+            return self.engine.add_split_request(hidden, params, msg.rid, msg.priority, remote_kv)
+        return self.engine.add_edge_prompt_request(
+            hidden, early, params, msg.rid, msg.priority, remote_kv
+        )
+
+    def _reserve(self, owner: bytes, msg: P.Reserve, params: Any) -> None:
+        try:
+            block_ids = self._add(msg, params, remote_kv=True)
+        except NoFreeBlocksError as e:
+            raise RequestError(P.ErrorCode.NO_FREE_BLOCKS, str(e)) from None
+        assert block_ids is not None
+        # The prefix this worker's cache serves stays out of the reservation: only the
+        # rest's KV is written here.
+        cached = self.engine.cached_tokens(msg.rid) if msg.edge is None else 0
+        block_ids = block_ids[cached // self.engine.config.block_size :]
+        start = self.engine.config.start_layer
+        # A split engine has no KV below its start layer: only [start, L) will arrive.
+        layers = (start, self.engine.model_config.num_layers) if start else None
+        try:
+            handle = self.transfer.reserve(
+                msg.rid,
+                block_ids,
+                timeout_s=self.remote_kv_timeout_s,
+                layers=layers,
+                writer=msg.writer,
+            )
+        except TransferError as e:
+            self.engine.abort_request(msg.rid)
+            raise RequestError.of_transfer(e) from None
+        self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.RESERVED, handle=handle)
+        assert handle.blocks is not None
+        blocks = P.Blocks(**handle.blocks.to_wire())  # type: ignore[arg-type]
+        self.send(owner, P.Reserved(rid=msg.rid, blocks=blocks, cached_tokens=cached))
+
+    def _prefill(self, owner: bytes, msg: P.Prefill, params: Any) -> None:
+        peer, address = msg.dest_worker, msg.dest_address
+        check_endpoint(address)
+        skip_blocks = self._skip_blocks(msg)
+        # The router's current view of the peer: a no-op while unchanged; a decode worker
+        # restarted elsewhere is re-linked at once. Never blocks this loop.
+        try:
+            self.transfer.set_peer_address(peer, address)
+        except TransferError as e:
+            raise RequestError.of_transfer(e) from None
+        dest = RemoteBlocks.from_wire(msgspec.structs.asdict(msg.dest_blocks))
+        self._add(msg, params)
+        self.pushes.expect(msg.rid, peer, dest, skip_blocks)
+        self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.PREFILLING)
+
+    def _skip_blocks(self, msg: P.Prefill) -> int:
+        """The prompt's first blocks the decode worker already holds (not pushed)."""
+        skip, bs = msg.skip_tokens, self.engine.config.block_size
+        if skip and (msg.edge is not None or skip % bs or skip >= len(msg.prompt_ids)):
+            raise ValueError(
+                f"request {msg.rid}: skip_tokens={skip} must be a multiple of the block size "
+                f"{bs} below the prompt's {len(msg.prompt_ids)} tokens (and 0 for an edge "
+                "prompt)"
+            )
+        return skip // bs
+
+    def _edge_prompt(
+        self, edge: P.EdgePrompt | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """An edge prompt's hidden states [num_tokens, hidden] and, for a whole-model
+        worker, the device's early-layer KV [k, 2, num_tokens, kv_heads, head_dim]."""
+        start = self.engine.config.start_layer
+        if edge is None:
+            if start:
+                raise ValueError(
+                    f"worker {self.id} runs layers [{start}, L): it takes hidden states from "
+                    "an edge session, not prompt token ids"
+                )
+            return None
+        cfg = self.engine.model_config
+        hidden = hidden_codec.decode(edge.hidden.as_dict(), cfg.hidden_size)
+        if start:
+            if edge.early_kv is not None:
+                raise ValueError(f"worker {self.id} runs layers [{start}, L): no early KV")
+            return hidden, None
+        k = edge.layer
+        if edge.early_kv is None or not 1 <= k < cfg.num_layers:
+            raise ValueError(
+                f"worker {self.id} runs the whole model: an edge prompt needs the KV of the "
+                f"device's layers (early_kv, layer in [1, {cfg.num_layers}))"
+            )
+        flat = hidden_codec.decode(edge.early_kv.as_dict(), cfg.num_kv_heads * cfg.head_dim)
+        n = hidden.shape[0]
+        if flat.shape[0] != 2 * k * n:
+            raise ValueError(f"early_kv holds {flat.shape[0]} rows, not 2 x {k} x {n}")
+        return hidden, flat.view(k, 2, n, cfg.num_kv_heads, cfg.head_dim)
+
+    # -- messages about running requests -------------------------------------------------
+    def _owned(self, owner: bytes, rid: str) -> WorkerRequest | None:
+        """The request, if router `owner` started it (another router cannot touch it)."""
+        req = self.requests.get(rid)
+        return req if req is not None and req.owner == owner else None
+
+    def kv_ready(self, owner: bytes, msg: P.KvReady) -> None:
+        req = self._owned(owner, msg.rid)
+        if req is None or req.phase is not Phase.RESERVED:
+            return  # aborted meanwhile
+        assert req.handle is not None
+        if req.handle.state is not TransferState.DONE:
+            # The sender saw an ACK we never gave for this epoch: never trust those blocks.
+            log.warning("%s: request %s: KV not whole at kv_ready; computing it", self.id, req.rid)
+            self.send(req.owner, P.KvFallback(rid=req.rid))
+            self._fall_back(req)
+            return
+        self.transfer.release(req.rid)  # every write was committed: no grant is left open
+        req.phase, req.handle = Phase.LANDED, None
+        first = W.entry(msg.first_logprobs) if msg.first_logprobs is not None else None
+        prompt = W.prompt_entries(msg.prompt_logprobs) if msg.prompt_logprobs is not None else None
+        try:
+            out = self.engine.remote_kv_ready(req.rid, msg.first_token, first, prompt)
+        except ValueError as e:
+            self._end(req, P.ErrorCode.BAD_REQUEST, str(e))
+            return
+        self.on_output(out)
+
+    def kv_failed(self, owner: bytes, msg: P.KvFailed) -> None:
+        req = self._owned(owner, msg.rid)
+        if req is not None and req.phase is Phase.RESERVED:
+            self._fall_back(req)
+
+    def hidden(self, owner: bytes, msg: P.Hidden) -> None:
+        """An edge device's hidden state for a split request's newest token."""
+        req = self._owned(owner, msg.rid)
+        if req is None or not self.engine.has_request(msg.rid):
+            return  # aborted or finished meanwhile
+        try:
+            row = hidden_codec.decode(msg.frame.as_dict(), self.engine.model_config.hidden_size)
+            if row.shape[0] != 1:
+                raise ValueError(f"a hidden message carries one token, not {row.shape[0]}")
+            self.engine.supply_hidden(msg.rid, row)
+        except ValueError as e:
+            self._end(req, P.ErrorCode.BAD_REQUEST, f"request {msg.rid}: {e}")
+
+    def abort(self, owner: bytes, rid: str) -> None:
+        self.pulls.cancel(rid, owner)
+        req = self._owned(owner, rid)
+        if req is not None:
+            self._drop(req, self.engine.abort_request)
+
+    def drop_owner(self, owner: bytes) -> None:
+        """Router `owner` is gone: its requests end here."""
+        self.pulls.drop_owner(owner)
+        for req in [r for r in self.requests.values() if r.owner == owner]:
+            if req.phase is not Phase.FENCED:
+                self._drop(req, self.engine.abort_request)
+
+    # -- engine and transfer events ------------------------------------------------------
+    def on_output(self, out: RequestOutput) -> None:
+        rid = self.children.get(out.request_id, out.request_id)
+        req = self.requests.get(rid)
+        if req is None:
+            return
+        if req.phase is Phase.PREFILLING:
+            if out.finished:
+                req.prefilled = out
+                self.pushes.prefill_finished(req.rid, out.outputs[0].token_ids[0])
+            return
+        self.send(req.owner, output_message(req, out))
+        req.seq += 1
+        finished = out.finished
+        if req.fanout is not None:
+            if not self._fan_out(req, out):
+                return
+            finished = req.fanout.finished
+        if finished:
+            self._forget(req)
+
+    def _fan_out(self, req: WorkerRequest, out: RequestOutput) -> bool:
+        """Starts the other completions once completion 0 has its first token; False when
+        one could not start (the request has then ended with an error)."""
+        assert req.fanout is not None
+        for index in req.fanout.record(out):
+            child = req.fanout.child_id(index)
+            try:
+                params = req.fanout.child_params(index)
+                self.engine.add_request(req.prompt_ids, params, child, req.priority)
+            except ValueError as e:
+                self._end(req, P.ErrorCode.REQUEST_FAILED, f"request {req.rid}: {e}")
+                return False
+            self.children[child] = req.rid
+        return True
+
+    def _forget(self, req: WorkerRequest) -> None:
+        """Every completion of the request finished."""
+        del self.requests[req.rid]
+        self._end_children(req)
+
+    def _end_children(self, req: WorkerRequest) -> None:
+        """Forgets completions 1.. of n, and aborts those the engine still runs."""
+        if req.fanout is None:
+            return
+        for index in range(1, req.fanout.started):
+            child = req.fanout.child_id(index)
+            if self.children.pop(child, None) is not None:
+                self.engine.abort_request(child)
+
+    def on_failure(self, failure: RequestFailure) -> None:
+        req = self.requests.get(self.children.get(failure.request_id, failure.request_id))
+        if req is not None:
+            self._end(req, P.ErrorCode.REQUEST_FAILED, failure.message)
+
+    def _on_push_result(
+        self, rid: str, first_token: int, error: TransferError | None, stats: dict[str, Any]
+    ) -> None:
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return
+        if error is None:
+            self.send(req.owner, prefill_done(req, first_token, stats))
+        else:
+            e = RequestError.of_transfer(error)
+            self.send(
+                req.owner,
+                P.Error(rid=rid, code=e.code, message=e.message, transfer_status=e.transfer_status),
+            )
+
+    def tick(self) -> None:
+        """Reservations that timed out fall back to computing here; fences that ended free
+        their blocks."""
+        now = time.monotonic()
+        self.pulls.tick(now)
+        for req in list(self.requests.values()):
+            if req.phase is Phase.RESERVED:
+                assert req.handle is not None
+                if req.handle.state.terminal and req.handle.state is not TransferState.DONE:
+                    self._fall_back(req)
+            elif req.phase is Phase.FENCED and req.fence_until <= now:
+                del self.requests[req.rid]
+                assert req.then is not None
+                req.then(req.rid)
+
+    # -- transitions ---------------------------------------------------------------------
+    def _fall_back(self, req: WorkerRequest) -> None:
+        """RESERVED -> FALLBACK: the KV will not come; the engine computes the prompt."""
+        self.kv_fallbacks += 1
+        req.phase, req.handle = Phase.FALLBACK, None
+        wait = self.transfer.release(req.rid)
+        if wait > 0:
+            # A direct writer may still write into the blocks: compute only after the fence.
+            req.phase, req.fence_until = Phase.FENCED, time.monotonic() + wait
+            req.then = self._recompute(req)
+        else:
+            self.engine.remote_kv_failed(req.rid)
+
+    def _recompute(self, req: WorkerRequest) -> Callable[[str], None]:
+        def then(rid: str) -> None:
+            self.engine.remote_kv_failed(rid)
+            req.phase, req.then = Phase.FALLBACK, None
+            self.requests[rid] = req
+
+        return then
+
+    def _drop(self, req: WorkerRequest, then: Callable[[str], None]) -> None:
+        """Ends `req`: its pushes stop, its reservation is released, and `then(rid)` frees
+        its blocks in the engine once no direct writer can write there any more."""
+        self.pushes.cancel(req.rid)
+        self._end_children(req)  # they computed their prompts here: no fence holds them
+        if req.phase is Phase.FENCED:
+            req.then = then  # the fence still holds; then free instead of recomputing
+            return
+        wait = self.transfer.release(req.rid) if req.phase is Phase.RESERVED else 0.0
+        if wait > 0:
+            req.phase, req.fence_until, req.then = Phase.FENCED, time.monotonic() + wait, then
+        else:
+            del self.requests[req.rid]
+            then(req.rid)
+
+    def _end(self, req: WorkerRequest, code: P.ErrorCode, message: str) -> None:
+        self.send(req.owner, P.Error(rid=req.rid, code=code, message=message))
+        self._drop(req, self.engine.abort_request)
