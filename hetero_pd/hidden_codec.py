@@ -109,7 +109,8 @@ def frame_rows(frame: Mapping[str, Any], hidden_size: int | None = None) -> int:
 
 
 def decode(frame: Mapping[str, Any], hidden_size: int | None = None) -> torch.Tensor:
-    """Decodes a frame from the network into float32 [num_tokens, hidden] on the CPU.
+    """Decodes a frame from the network into finite float32 [num_tokens, hidden] on the CPU
+    (whether they fit a narrower dtype is for the receiver to check).
 
     With `hidden_size`, the frame must carry exactly that many features per token.
     """
@@ -124,7 +125,10 @@ def decode(frame: Mapping[str, Any], hidden_size: int | None = None) -> torch.Te
     scale = np.frombuffer(_bytes(frame, "scale", rows * 4), "<f4")
     if not (np.isfinite(scale).all() and (scale >= 0).all()):
         raise CodecError("hidden-state frame scales must be finite and non-negative")
-    values *= scale[:, None]
+    with np.errstate(over="ignore"):
+        values *= scale[:, None]
+    if not np.isfinite(values).all():
+        raise CodecError("hidden-state frame values overflow float32: a scale x data is not finite")
     m = frame["outliers"]
     if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= min(MAX_OUTLIERS, cols):
         raise CodecError(

@@ -134,6 +134,8 @@ BAD_FRAMES: list[tuple[Any, str]] = [
     ({**good(), "scale": b"\x00\x00\x80\xbf" * 2}, "finite and non-negative"),
     ({**encode(hidden(2, 4), "float16"), "scale": b"\x00"}, "'scale' has 1 bytes, not 0"),
     ({**encode(hidden(1, 2), "float16"), "data": b"\x00\x7c\x00\x00"}, "NaN or infinity"),
+    # Finite scales whose product with the data is not: 127 x 3e38 overflows float32.
+    ({**good(), "scale": np.array([3e38, 1.0], "<f4").tobytes()}, "values overflow"),
 ]
 
 
