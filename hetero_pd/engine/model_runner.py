@@ -70,21 +70,27 @@ class ModelRunner:
         self.start_layer = start_layer
         self.block_size, self.device = block_size, device
         backend = backend_for(device)
-        # Graph replay needs static shapes: padded rows write their K/V to a scratch block
-        # past the pool's last one, which is never handed out.
+        # Past the pool's last block, never handed out (nor reserved, moved or sent):
+        #   | pool: 0 .. num_blocks-1 | null | scratch (padding only) |
+        # The null block stays zero: a decode row's masked positions read its first slot, not
+        # slots the row does not own (attention weighs masked V by 0, and 0 x inf is NaN).
+        # Graph replay needs static shapes: padded rows write their K/V to the scratch block.
         self.padding = backend.step_padding() if compile else None
-        self.scratch_block = num_blocks if self.padding else None
+        self.null_slot = num_blocks * block_size
+        self.scratch_block = num_blocks + 1 if self.padding else None
         block_shape = (block_size, cfg.num_kv_heads, cfg.head_dim)
         why = check_layout(kv_layout, block_shape, dtype)
         if why is not None:
             raise ValueError(f"kv_layout: {why}")
         allocate = kv_allocator or allocate_kv_tensors
-        total_blocks = num_blocks + (1 if self.padding else 0)
+        total_blocks = num_blocks + (2 if self.padding else 1)
         tensors = allocate(cfg.num_layers, total_blocks, block_shape, dtype, device)
         if len(tensors) != 2 * cfg.num_layers:
             raise ValueError(
                 f"KV allocator gave {len(tensors)} tensors for {cfg.num_layers} layers"
             )
+        for t in tensors:
+            t[num_blocks].zero_()  # the null block, whatever the allocator gave
         # Per layer: (K, V), each [num_blocks, block_size, kv_heads, head_dim].
         self.kv_tensors = tensors
         self.kv_caches: list[KVCache] = [
@@ -196,9 +202,11 @@ class ModelRunner:
         if decode_rows:
             offsets = torch.arange(ctx)
             decode_table = table[: len(decode_rows)]
-            dslots = decode_table[:, offsets // bs] * bs + offsets % bs
             lens = torch.tensor([n for _, n in decode_rows])
             mask = offsets[None, :] < lens[:, None]
+            # Masked: the tail of the row's last block and its padded table entries.
+            dslots = decode_table[:, offsets // bs] * bs + offsets % bs
+            dslots = torch.where(mask, dslots, self.null_slot)
             meta.decode_slots = dslots.reshape(-1).to(self.device)
             meta.decode_mask = mask[:, None, None, :].to(self.device)
         for j, (row, start, end, _) in enumerate(spans):

@@ -84,8 +84,9 @@ def test_padded_static_shapes_equal_transformers(
     llm = run_compiled(tiny_qwen2_dir, 2, hf_greedy)
     runner = llm.engine.runner
     assert not runner.native_decode
-    assert runner.scratch_block == llm.engine.kv.pool.num_blocks
-    assert runner.kv_caches[0][0].shape[0] == llm.engine.kv.pool.num_blocks + 1
+    # Past the pool: the null block (masked positions read it), then the scratch block.
+    assert runner.scratch_block == llm.engine.kv.pool.num_blocks + 1
+    assert runner.kv_caches[0][0].shape[0] == llm.engine.kv.pool.num_blocks + 2
 
 
 def test_auto_follows_the_backend_and_the_environment(
