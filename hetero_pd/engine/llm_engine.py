@@ -24,6 +24,7 @@ from hetero_pd.engine.request import Request, RequestStatus
 from hetero_pd.engine.sampler import advance_generator
 from hetero_pd.engine.scheduler import Role, Scheduler, SchedulerConfig, SchedulerOutput
 from hetero_pd.engine.stop import StopChecker
+from hetero_pd.engine.value_check import check_fits
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.models.loader import load_model
@@ -280,6 +281,8 @@ class LLMEngine:
                     f"{cfg.head_dim}] with 1 <= k < {cfg.num_layers}, "
                     f"got {tuple(early_kv.shape)}"
                 )
+            check_fits(early_kv, self.dtype_choice.dtype, "early_kv")
+        check_fits(prompt_hidden, self.dtype_choice.dtype, "hidden")
         req = self._new_request([0] * n, params, request_id, priority)
         req.prompt_hidden, req.early_kv = prompt_hidden, early_kv
         block_ids = None
@@ -303,6 +306,7 @@ class LLMEngine:
             raise ValueError(
                 f"a token's hidden state must be [1, {hidden}], got {tuple(hidden_row.shape)}"
             )
+        check_fits(hidden_row, self.dtype_choice.dtype, "hidden")
         expected = req.num_tokens - req.num_prompt_tokens
         if len(req.hidden_rows) >= expected:
             raise ValueError(f"request {request_id}: hidden state for a token not sampled yet")

@@ -1,7 +1,8 @@
-"""One request's values never reach another's outputs: whatever a KV slot holds (a freed
-block's stale KV, a poisoned request's own), a decode row never reads a slot it does not own.
-Masked positions read a zeroed null slot, since attention weighs masked values by 0 and
-0 x inf is NaN, in SDPA and in the compiled loops alike."""
+"""One request's values never reach another's outputs. An edge prompt's hidden states and
+early-layer KV are refused unless every value is finite in the cache's dtype; and whatever a
+KV slot holds (a freed block's stale KV, a poisoned request's own), a decode row never reads a
+slot it does not own: masked positions read a zeroed null slot, since attention weighs masked
+values by 0 and 0 x inf is NaN, in SDPA and in the compiled loops alike."""
 
 from __future__ import annotations
 
@@ -98,3 +99,37 @@ def test_a_victim_keeps_its_tokens_beside_poisoned_kv_compiled(
     assert steps > 0
     assert victims_beside(tiny_llama_dir, engine, poison=True) == clean
     assert engine.runner.compiled_steps > steps
+
+
+@pytest.mark.parametrize(
+    ("dtype", "too_big"), [("float32", float("inf")), ("bfloat16", 3.4e38), ("float16", 7e4)]
+)
+def test_edge_values_outside_the_cache_dtype_are_refused(
+    tiny_llama_dir: Path, dtype: str, too_big: float
+) -> None:
+    engine = engine_for(tiny_llama_dir, dtype)
+    hidden, early = device_side(tiny_llama_dir, [1, 2, 3])
+    bad_early = early.clone()
+    bad_early[0, 1, 2, 0, 5] = -too_big
+    with pytest.raises(ValueError, match=rf"early_kv .*outside {dtype}'s finite range"):
+        engine.add_edge_prompt_request(hidden, bad_early, GREEDY, "bad-kv")
+    bad_hidden = hidden.clone()
+    bad_hidden[1, 7] = too_big
+    with pytest.raises(ValueError, match=rf"hidden .*outside {dtype}'s finite range"):
+        engine.add_edge_prompt_request(bad_hidden, early, GREEDY, "bad-hidden")
+    bad_hidden[1, 7] = float("nan")
+    with pytest.raises(ValueError, match=r"hidden .*NaN"):
+        engine.add_edge_prompt_request(bad_hidden, early, GREEDY, "nan-hidden")
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_split_engine_refuses_hidden_states_outside_its_dtype(tiny_llama_dir: Path) -> None:
+    engine = engine_for(tiny_llama_dir, "bfloat16", start_layer=K)
+    hidden, _ = device_side(tiny_llama_dir, [1, 2, 3])
+    huge = hidden.clone()
+    huge[2, 0] = 3.4e38  # finite in float32, past bfloat16's largest (~3.39e38)
+    with pytest.raises(ValueError, match=r"hidden .*outside bfloat16's finite range"):
+        engine.add_split_request(huge, GREEDY, "huge")
+    engine.add_split_request(hidden, GREEDY, "split")
+    with pytest.raises(ValueError, match=r"hidden .*outside bfloat16's finite range"):
+        engine.supply_hidden("split", torch.full((1, hidden.shape[1]), -float("inf")))

@@ -236,7 +236,7 @@ class RequestBook:
                 )
             return None
         cfg = self.engine.model_config
-        hidden = hidden_codec.decode(edge.hidden.as_dict(), cfg.hidden_size)
+        hidden = _decode(edge.hidden, cfg.hidden_size, "hidden")
         if start:
             if edge.early_kv is not None:
                 raise ValueError(f"worker {self.id} runs layers [{start}, L): no early KV")
@@ -247,7 +247,7 @@ class RequestBook:
                 f"worker {self.id} runs the whole model: an edge prompt needs the KV of the "
                 f"device's layers (early_kv, layer in [1, {cfg.num_layers}))"
             )
-        flat = hidden_codec.decode(edge.early_kv.as_dict(), cfg.num_kv_heads * cfg.head_dim)
+        flat = _decode(edge.early_kv, cfg.num_kv_heads * cfg.head_dim, "early_kv")
         n = hidden.shape[0]
         if flat.shape[0] != 2 * k * n:
             raise ValueError(f"early_kv holds {flat.shape[0]} rows, not 2 x {k} x {n}")
@@ -292,7 +292,7 @@ class RequestBook:
         if req is None or not self.engine.has_request(msg.rid):
             return  # aborted or finished meanwhile
         try:
-            row = hidden_codec.decode(msg.frame.as_dict(), self.engine.model_config.hidden_size)
+            row = _decode(msg.frame, self.engine.model_config.hidden_size, "hidden")
             if row.shape[0] != 1:
                 raise ValueError(f"a hidden message carries one token, not {row.shape[0]}")
             self.engine.supply_hidden(msg.rid, row)
@@ -436,3 +436,11 @@ class RequestBook:
     def _end(self, req: WorkerRequest, code: P.ErrorCode, message: str) -> None:
         self.send(req.owner, P.Error(rid=req.rid, code=code, message=message))
         self._drop(req, self.engine.abort_request)
+
+
+def _decode(frame: P.HiddenFrame, width: int, field: str) -> torch.Tensor:
+    """A frame's values (the engine checks they fit its dtype); a refusal names `field`."""
+    try:
+        return hidden_codec.decode(frame.as_dict(), width)
+    except hidden_codec.CodecError as e:
+        raise hidden_codec.CodecError(f"{field}: {e}") from None
