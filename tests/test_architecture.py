@@ -15,7 +15,6 @@ MAX_LINES = 400
 #: Files still over MAX_LINES, with the line count they may not grow past: the redesign
 #: issue splits them; the list only shrinks.
 OVERSIZED = {
-    "hetero_pd/engine/llm_engine.py": 563,
     "transfer/movers.py": 554,
     "hetero_pd/serving/control/protocol.py": 492,
     "transfer/receiver.py": 478,
@@ -23,7 +22,7 @@ OVERSIZED = {
     "hetero_pd/serving/api/app.py": 467,
     "transfer/datachan.py": 447,
     "transfer/engine.py": 439,
-    "hetero_pd/serving/worker/requests.py": 438,
+    "hetero_pd/serving/worker/requests.py": 407,
     "transfer/linker.py": 432,
     "hetero_pd/serving/router/handoff.py": 420,
 }

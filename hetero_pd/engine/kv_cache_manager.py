@@ -73,6 +73,11 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     @property
+    def num_used_blocks(self) -> int:
+        """Blocks some request holds (not free, not merely cached)."""
+        return self.pool.counts()[2]
+
+    @property
     def usage(self) -> float:
         return self.pool.usage
 

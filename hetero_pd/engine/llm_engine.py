@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -14,22 +14,22 @@ from backends import backend_for, parse_device
 from backends.cpu_share import ThreadGovernor
 from hetero_pd import envs
 from hetero_pd.config import EngineConfig
-from hetero_pd.engine.detokenizer import IncrementalDetokenizer
+from hetero_pd.engine.health import EngineFault, EngineLoad, RequestFailure
+from hetero_pd.engine.hidden_prompts import HiddenPrompts
 from hetero_pd.engine.kv_cache_manager import KVCacheManager
 from hetero_pd.engine.kv_tiers import KVTierStats, build_kv_tiers
-from hetero_pd.engine.logprobs import adopt_remote_logprobs, output_logprobs, prompt_logprobs
+from hetero_pd.engine.logprobs import adopt_remote_logprobs
 from hetero_pd.engine.model_runner import KVAllocator, ModelRunner
+from hetero_pd.engine.output_builder import OutputBuilder
 from hetero_pd.engine.parallel_sampling import check_engine_params
 from hetero_pd.engine.request import Request, RequestStatus
 from hetero_pd.engine.sampler import advance_generator
 from hetero_pd.engine.scheduler import Role, Scheduler, SchedulerConfig, SchedulerOutput
-from hetero_pd.engine.stop import StopChecker
-from hetero_pd.engine.value_check import check_fits
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.models.loader import load_model
 from hetero_pd.models.tokenizer import load_tokenizer
-from hetero_pd.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from hetero_pd.outputs import Logprob, PromptLogprobs, RequestOutput
 from hetero_pd.sampling_params import SamplingParams
 
 MAX_DEFAULT_MODEL_LEN = 4096
@@ -39,43 +39,10 @@ LayerHookFactory = Callable[[SchedulerOutput], Callable[[int], None] | None]
 log = logging.getLogger("hetero_pd.engine")
 
 
-class EngineFault(RuntimeError):
-    """The engine itself failed (not one request): its process should be restarted."""
+class LLMEngine(HiddenPrompts):
+    """One model on one device: add requests, `step()` them, read their outputs. Prompts
+    given as hidden states (edge devices) enter through `HiddenPrompts`."""
 
-
-@dataclass(frozen=True, slots=True)
-class RequestFailure:
-    """A request the engine ended because running it raised; the batch went on."""
-
-    request_id: str
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """What is queued and running on an engine, and how full its KV cache is."""
-
-    waiting: int
-    running: int
-    remote: int  # decode: reservations waiting for KV from another worker
-    held: int  # prefill: finished prompts whose KV is being handed off
-    waiting_tokens: int  # prompt tokens not computed yet, over waiting requests
-    kv_usage: float
-    free_blocks: int
-    used_blocks: int
-    #: Prompt tokens computed (not served by the prefix cache) since the engine started.
-    prompt_tokens_computed: int = 0
-
-
-@dataclass(slots=True)
-class _OutputState:
-    prompt: str | None
-    detok: IncrementalDetokenizer
-    stop: StopChecker
-    sent_len: int = 0
-
-
-class LLMEngine:
     def __init__(self, config: EngineConfig, kv_allocator: KVAllocator | None = None) -> None:
         self.config = config
         self.model_path = resolve_model(config.model)
@@ -135,8 +102,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self._tokenizer_eos()
-        self._states: dict[str, _OutputState] = {}
-        self._prompts: dict[str, str] = {}
+        self.outputs = OutputBuilder(self.tokenizer)
         self._ids = itertools.count()
         self._failures: list[RequestFailure] = []
         self._failed_steps = 0
@@ -195,9 +161,9 @@ class LLMEngine:
         try:
             self.scheduler.add_request(req)
         except BaseException:
-            self._prompts.pop(req.request_id, None)
+            self.outputs.drop(req.request_id)
             raise
-        self._track(req)
+        self.outputs.track(req)
         return req
 
     def add_remote_request(
@@ -215,106 +181,8 @@ class LLMEngine:
         Raises NoFreeBlocksError when the cache cannot hold the prompt now."""
         req = self._new_request(prompt_token_ids, params, request_id, priority)
         block_ids = self.scheduler.add_remote(req, reuse_prefix)
-        self._track(req)
+        self.outputs.track(req)
         return block_ids
-
-    def add_split_request(
-        self,
-        prompt_hidden: torch.Tensor,
-        params: SamplingParams,
-        request_id: str,
-        priority: int = 0,
-        remote_kv: bool = False,
-    ) -> list[int] | None:
-        """Split (edge) role: a prompt given as the hidden states after layer
-        `start_layer - 1`, [num_tokens, hidden]. With `remote_kv`, reserves blocks for KV
-        another worker computes (returns them), else queues the prompt for prefill here."""
-        self._require_split()
-        return self._add_hidden_prompt(prompt_hidden, None, params, request_id, priority, remote_kv)
-
-    def add_edge_prompt_request(
-        self,
-        prompt_hidden: torch.Tensor,
-        early_kv: torch.Tensor,
-        params: SamplingParams,
-        request_id: str,
-        priority: int = 0,
-        remote_kv: bool = False,
-    ) -> list[int] | None:
-        """A whole-model engine takes a prompt a device ran through layers [0, k): the hidden
-        states entering layer k, [num_tokens, hidden], and those layers' KV,
-        [k, 2, num_tokens, kv_heads, head_dim]. The engine runs layers [k, L) on the prompt
-        and then decodes alone, from token ids ("prompt only" edge mode). With `remote_kv`,
-        reserves blocks for KV another worker computes (returns them)."""
-        if self.config.start_layer:
-            raise ValueError("a split engine takes add_split_request, not edge prompts")
-        return self._add_hidden_prompt(
-            prompt_hidden, early_kv, params, request_id, priority, remote_kv
-        )
-
-    def _add_hidden_prompt(
-        self,
-        prompt_hidden: torch.Tensor,
-        early_kv: torch.Tensor | None,
-        params: SamplingParams,
-        request_id: str,
-        priority: int,
-        remote_kv: bool,
-    ) -> list[int] | None:
-        """Queues (or, with `remote_kv`, reserves blocks for) a prompt given as hidden
-        states; its token ids are placeholders the engine never reads."""
-        cfg = self.model_config
-        if prompt_hidden.dim() != 2 or prompt_hidden.shape[1] != cfg.hidden_size:
-            raise ValueError(
-                f"prompt hidden states must be [num_tokens, {cfg.hidden_size}], "
-                f"got {tuple(prompt_hidden.shape)}"
-            )
-        n = prompt_hidden.shape[0]
-        if n == 0:
-            raise ValueError(f"request {request_id}: the prompt is empty")
-        if early_kv is not None:
-            k = early_kv.shape[0] if early_kv.dim() == 5 else 0
-            want = (k, 2, n, cfg.num_kv_heads, cfg.head_dim)
-            if not 1 <= k < cfg.num_layers or tuple(early_kv.shape) != want:
-                raise ValueError(
-                    f"the prompt's early-layer KV must be [k, 2, {n}, {cfg.num_kv_heads}, "
-                    f"{cfg.head_dim}] with 1 <= k < {cfg.num_layers}, "
-                    f"got {tuple(early_kv.shape)}"
-                )
-            check_fits(early_kv, self.dtype_choice.dtype, "early_kv")
-        check_fits(prompt_hidden, self.dtype_choice.dtype, "hidden")
-        req = self._new_request([0] * n, params, request_id, priority)
-        req.prompt_hidden, req.early_kv = prompt_hidden, early_kv
-        block_ids = None
-        if remote_kv:
-            block_ids = self.scheduler.add_remote(req)
-        else:
-            self.scheduler.add_request(req)
-        self._states[req.request_id] = _OutputState(
-            None,
-            IncrementalDetokenizer(self.tokenizer, [], params.skip_special_tokens),
-            StopChecker.from_params(params),
-        )
-        return block_ids
-
-    def supply_hidden(self, request_id: str, hidden_row: torch.Tensor) -> None:
-        """The device's hidden state for the request's newest token, [1, hidden]."""
-        self._require_split()
-        req = self.scheduler.get(request_id)
-        hidden = self.model_config.hidden_size
-        if tuple(hidden_row.shape) != (1, hidden):
-            raise ValueError(
-                f"a token's hidden state must be [1, {hidden}], got {tuple(hidden_row.shape)}"
-            )
-        check_fits(hidden_row, self.dtype_choice.dtype, "hidden")
-        expected = req.num_tokens - req.num_prompt_tokens
-        if len(req.hidden_rows) >= expected:
-            raise ValueError(f"request {request_id}: hidden state for a token not sampled yet")
-        req.hidden_rows.append(hidden_row)
-
-    def _require_split(self) -> None:
-        if self.config.start_layer == 0:
-            raise ValueError("this engine is not a split engine (start_layer is 0)")
 
     def remote_kv_ready(
         self,
@@ -346,15 +214,6 @@ class LLMEngine:
         """Prefill role: the request's KV was handed off (or given up); free its blocks."""
         self.scheduler.release_held(request_id)
 
-    def _track(self, req: Request) -> None:
-        self._states[req.request_id] = _OutputState(
-            self._prompts.pop(req.request_id, None),
-            IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens
-            ),
-            StopChecker.from_params(req.params),
-        )
-
     def _new_request(
         self,
         prompt: str | list[int],
@@ -373,11 +232,11 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        if text is not None:
-            self._prompts[rid] = text
-        return Request(
+        req = Request(
             rid, token_ids, params, self.eos_token_ids, priority=priority, generator=generator
         )
+        self.outputs.remember_prompt(rid, text)
+        return req
 
     def _check_token_ids(self, prompt: Any) -> list[int]:
         vocab = self.model_config.vocab_size
@@ -397,7 +256,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
-        self._states.pop(request_id, None)
+        self.outputs.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -425,7 +284,7 @@ class LLMEngine:
             waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
             kv_usage=round(self.kv.usage, 4),
             free_blocks=self.kv.num_free_blocks,
-            used_blocks=self.kv.pool.counts()[2],
+            used_blocks=self.kv.num_used_blocks,
             prompt_tokens_computed=self._prompt_tokens_computed,
         )
 
@@ -436,7 +295,7 @@ class LLMEngine:
         if self.has_unfinished_requests() or self.scheduler.held:
             raise RuntimeError("the engine must be idle to switch roles")
         self.config = replace(self.config, role=role)
-        self.scheduler.config = replace(self.scheduler.config, role=role)
+        self.scheduler.switch_role(role)
 
     def pop_failures(self) -> list[RequestFailure]:
         """Requests ended because running them raised, since the last call."""
@@ -509,51 +368,14 @@ class LLMEngine:
     def _fail(self, req: Request, error: Exception) -> None:
         log.warning("request %s failed: %r", req.request_id, error)
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        self._states.pop(req.request_id, None)
+        self.outputs.drop(req.request_id)
         message = (
             f"the engine could not run request {req.request_id}: {type(error).__name__}: {error}"
         )
         self._failures.append(RequestFailure(req.request_id, message))
 
     def _make_output(self, req: Request, token: int) -> RequestOutput:
-        state = self._states[req.request_id]
-        delta = state.detok.add(token)
-        finished = req.status.finished or req.status is RequestStatus.KV_READY
-        if finished:
-            delta += state.detok.flush()
-        text = state.detok.text
-        match = state.stop.check(text, len(delta)) if state.stop else None
-        if match is not None:
-            text = text[: match.text_len]
-            if not finished:
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-                finished = True
-            req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = match.stop_str
-        visible = len(text) if finished or not state.stop else state.stop.streamable_text_len(text)
-        delta_text = text[state.sent_len : visible]
-        state.sent_len = visible
-        if finished:
-            del self._states[req.request_id]
-        completion = CompletionOutput(
-            index=0,
-            text=text[:visible],
-            token_ids=req.output_token_ids,
-            finish_reason=req.status.finish_reason,
-            stop_reason=req.stop_reason,
-            delta_text=delta_text,
-            delta_token_ids=[token],
-        )
-        completion.logprobs, completion.cumulative_logprob = output_logprobs(req)
-        return RequestOutput(
-            req.request_id,
-            state.prompt,
-            req.prompt_token_ids,
-            [completion],
-            finished,
-            req.num_cached_tokens,
-            prompt_logprobs(req),
-        )
+        return self.outputs.make(req, token, self.scheduler.finish)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -14,6 +14,7 @@ whose KV arrives from elsewhere: `add_remote` reserves their blocks up front
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -74,6 +75,10 @@ class Scheduler:
         self.remote: dict[str, Request] = {}  # waiting for KV from a prefill worker
         self.held: dict[str, Request] = {}  # prefill role: blocks held for hand-off
         self.requests: dict[str, Request] = {}
+
+    def switch_role(self, role: Role) -> None:
+        """Schedule as `role` from now on (the engine checks it is idle)."""
+        self.config = dataclasses.replace(self.config, role=role)
 
     # -- admission ---------------------------------------------------------------------
     def add_request(self, req: Request) -> None:

@@ -10,7 +10,8 @@ import pytest
 
 from hetero_pd import SamplingParams
 from hetero_pd.config import EngineConfig
-from hetero_pd.engine.llm_engine import EngineFault, LLMEngine
+from hetero_pd.engine.health import EngineFault
+from hetero_pd.engine.llm_engine import LLMEngine
 from hetero_pd.engine.stop import StopChecker, _Automaton
 
 

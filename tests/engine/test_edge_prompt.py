@@ -56,7 +56,7 @@ def test_edge_prompts_decode_like_the_unsplit_engine(
     assert [done[f"edge-{i}"] for i in range(3)] == want
     assert [done[f"plain-{i}"] for i in range(3)] == want
     engine.check_integrity()
-    assert engine.kv.pool.counts()[2] == 0
+    assert engine.kv.num_used_blocks == 0
 
 
 def test_bad_edge_prompts_are_refused(tiny_llama_dir: Path) -> None:

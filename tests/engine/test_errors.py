@@ -182,7 +182,7 @@ def llm(tiny_llama_dir: Path) -> LLM:
 
 def assert_clean(llm: LLM) -> None:
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.kv.pool.counts()[2] == 0
+    assert llm.engine.kv.num_used_blocks == 0
     llm.engine.check_integrity()
 
 

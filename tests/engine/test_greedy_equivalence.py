@@ -25,7 +25,7 @@ def assert_matches(llm: LLM, path: Path, prompts: list[list[int]], hf_greedy: Re
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, GREEDY.max_tokens)
     llm.engine.check_integrity()
-    assert llm.engine.kv.pool.counts()[2] == 0, "blocks still in use after all finished"
+    assert llm.engine.kv.num_used_blocks == 0, "blocks still in use after all finished"
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])

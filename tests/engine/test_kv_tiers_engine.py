@@ -36,7 +36,7 @@ def serve(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
             tokens.append(out.outputs[0].token_ids)
             cached += out.num_cached_tokens
     llm.engine.check_integrity()
-    assert llm.engine.kv.pool.counts()[2] == 0, "blocks still held after every request ended"
+    assert llm.engine.kv.num_used_blocks == 0, "blocks still held after every request ended"
     return tokens, cached
 
 

@@ -32,7 +32,7 @@ def completion(llm: LLM, prompt: str | list[int], params: SamplingParams) -> Com
 
 def assert_clean(llm: LLM) -> None:
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.kv.pool.counts()[2] == 0
+    assert llm.engine.kv.num_used_blocks == 0
     llm.engine.check_integrity()
 
 

@@ -59,7 +59,7 @@ def test_children_share_the_prompt_blocks(llm: LLM, monkeypatch: pytest.MonkeyPa
     assert [r.num_cached_tokens for r in added] == [0, 24, 24, 24]
     assert all(c.logprobs is not None and len(c.logprobs) == 4 for c in out.outputs)
     llm.engine.check_integrity()
-    assert llm.engine.kv.pool.counts()[2] == 0, "every block is free again"
+    assert llm.engine.kv.num_used_blocks == 0, "every block is free again"
 
 
 def test_greedy_n_and_prompt_logprobs_from_the_first_completion(llm: LLM) -> None:

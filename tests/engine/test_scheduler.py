@@ -62,7 +62,7 @@ def run_to_end(s: Scheduler, max_steps: int = 200) -> Iterator[SchedulerOutput]:
 
 def assert_idle(s: Scheduler) -> None:
     assert not s.has_unfinished() and not s.held and not s.requests
-    assert s.kv.pool.counts()[2] == 0, "blocks still in use"
+    assert s.kv.num_used_blocks == 0, "blocks still in use"
     s.kv.check_integrity()
 
 
@@ -162,7 +162,7 @@ def test_preemption_frees_the_latest_request_and_recomputes_it_later() -> None:
     assert b in s.waiting and b not in s.running
     generated = b.output_token_ids
     assert b.num_tokens == 8 + len(generated) == 13, "preempted when it needed a 4th block"
-    assert s.kv.pool.counts()[2] == len(a.block_ids)
+    assert s.kv.num_used_blocks == len(a.block_ids)
 
     recompute = None
     for out in run_to_end(s):
@@ -312,7 +312,7 @@ def test_prefill_role_holds_blocks_until_released() -> None:
     assert req.output_token_ids == [321]
     assert s.held == {"r": req} and req not in s.running
     assert not s.has_unfinished() and not s.schedule(), "a KV_READY request must not decode"
-    assert s.kv.pool.counts()[2] == len(req.block_ids) == 4
+    assert s.kv.num_used_blocks == len(req.block_ids) == 4
     s.release_held("r")
     assert req.status is RequestStatus.FINISHED_STOPPED and req.block_ids == []
     assert_idle(s)
@@ -344,7 +344,7 @@ def test_decode_role_reserves_blocks_and_joins_the_batch() -> None:
     blocks = s.add_remote(req)
     assert len(blocks) == 3 and blocks == req.block_ids
     assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert s.kv.pool.counts()[2] == 4
+    assert s.kv.num_used_blocks == 4
     out, _ = step(s)
     assert all(c.request is not req for c in out.chunks), "scheduled before its KV arrived"
     s.remote_kv_ready("remote", 555)
@@ -373,7 +373,7 @@ def test_decode_role_back_pressure_when_full() -> None:
     with pytest.raises(NoFreeBlocksError, match=r"request b: no room for 8 tokens.*1 blocks free"):
         s.add_remote(make_request("b", 8, first_token=2000))
     assert "b" not in s.requests
-    assert s.kv.pool.counts()[2] == 3
+    assert s.kv.num_used_blocks == 3
     s.abort("a")
     s.add_remote(make_request("b", 8, first_token=2000))  # the same id is usable again
     s.abort("b")
@@ -386,7 +386,7 @@ def test_decode_role_failed_transfer_recomputes_the_prompt() -> None:
     s.add_remote(req)
     s.remote_kv_failed("r")
     assert req.status is RequestStatus.WAITING and req.block_ids == []
-    assert s.kv.pool.counts()[2] == 0
+    assert s.kv.num_used_blocks == 0
     out, _ = step(s)
     assert layout(out) == [("r", 9)]
     list(run_to_end(s))
@@ -445,7 +445,7 @@ def test_decode_role_reuses_its_cached_prefix_for_remote_kv() -> None:
     longer = make_request("t2", 14, max_tokens=2)
     blocks = s.add_remote(longer, reuse_prefix=True)
     assert longer.num_cached_tokens == 8 and longer.num_computed_tokens == 8
-    assert len(blocks) == 4 and s.kv.pool.counts()[2] == 4
+    assert len(blocks) == 4 and s.kv.num_used_blocks == 4
     # The same 8 tokens as the whole prompt: only 1 full block may come from the cache.
     exact = make_request("t3", 8, max_tokens=2)
     s.add_remote(exact, reuse_prefix=True)

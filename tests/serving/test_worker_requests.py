@@ -12,7 +12,7 @@ import pytest
 
 from hetero_pd import SamplingParams
 from hetero_pd.engine.block_pool import NoFreeBlocksError
-from hetero_pd.engine.llm_engine import RequestFailure
+from hetero_pd.engine.health import RequestFailure
 from hetero_pd.outputs import CompletionOutput, Logprob, RequestOutput
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import sampling as W

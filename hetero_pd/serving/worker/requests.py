@@ -22,14 +22,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
-import torch
 
-from hetero_pd import hidden_codec
 from hetero_pd.engine.block_pool import NoFreeBlocksError
-from hetero_pd.engine.llm_engine import LLMEngine, RequestFailure
+from hetero_pd.engine.health import RequestFailure
+from hetero_pd.engine.llm_engine import LLMEngine
 from hetero_pd.outputs import RequestOutput
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import sampling as W
+from hetero_pd.serving.worker.edge_inputs import decode_frame, edge_prompt
 from hetero_pd.serving.worker.prefill_push import PushTracker
 from hetero_pd.serving.worker.prefix_share import PrefixPulls
 from hetero_pd.serving.worker.request import (
@@ -151,7 +151,7 @@ class RequestBook:
     def _add(
         self, msg: P.Generate | P.Reserve | P.Prefill, params: Any, remote_kv: bool = False
     ) -> list[int] | None:
-        edge = self._edge_prompt(msg.edge)
+        edge = edge_prompt(msg.edge, self.engine, self.id)
         if edge is None:
             if remote_kv:
                 reuse = isinstance(msg, P.Reserve) and msg.reuse_prefix
@@ -222,37 +222,6 @@ class RequestBook:
             )
         return skip // bs
 
-    def _edge_prompt(
-        self, edge: P.EdgePrompt | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """An edge prompt's hidden states [num_tokens, hidden] and, for a whole-model
-        worker, the device's early-layer KV [k, 2, num_tokens, kv_heads, head_dim]."""
-        start = self.engine.config.start_layer
-        if edge is None:
-            if start:
-                raise ValueError(
-                    f"worker {self.id} runs layers [{start}, L): it takes hidden states from "
-                    "an edge session, not prompt token ids"
-                )
-            return None
-        cfg = self.engine.model_config
-        hidden = _decode(edge.hidden, cfg.hidden_size, "hidden")
-        if start:
-            if edge.early_kv is not None:
-                raise ValueError(f"worker {self.id} runs layers [{start}, L): no early KV")
-            return hidden, None
-        k = edge.layer
-        if edge.early_kv is None or not 1 <= k < cfg.num_layers:
-            raise ValueError(
-                f"worker {self.id} runs the whole model: an edge prompt needs the KV of the "
-                f"device's layers (early_kv, layer in [1, {cfg.num_layers}))"
-            )
-        flat = _decode(edge.early_kv, cfg.num_kv_heads * cfg.head_dim, "early_kv")
-        n = hidden.shape[0]
-        if flat.shape[0] != 2 * k * n:
-            raise ValueError(f"early_kv holds {flat.shape[0]} rows, not 2 x {k} x {n}")
-        return hidden, flat.view(k, 2, n, cfg.num_kv_heads, cfg.head_dim)
-
     # -- messages about running requests -------------------------------------------------
     def _owned(self, owner: bytes, rid: str) -> WorkerRequest | None:
         """The request, if router `owner` started it (another router cannot touch it)."""
@@ -292,7 +261,7 @@ class RequestBook:
         if req is None or not self.engine.has_request(msg.rid):
             return  # aborted or finished meanwhile
         try:
-            row = _decode(msg.frame, self.engine.model_config.hidden_size, "hidden")
+            row = decode_frame(msg.frame, self.engine.model_config.hidden_size, "hidden")
             if row.shape[0] != 1:
                 raise ValueError(f"a hidden message carries one token, not {row.shape[0]}")
             self.engine.supply_hidden(msg.rid, row)
@@ -436,11 +405,3 @@ class RequestBook:
     def _end(self, req: WorkerRequest, code: P.ErrorCode, message: str) -> None:
         self.send(req.owner, P.Error(rid=req.rid, code=code, message=message))
         self._drop(req, self.engine.abort_request)
-
-
-def _decode(frame: P.HiddenFrame, width: int, field: str) -> torch.Tensor:
-    """A frame's values (the engine checks they fit its dtype); a refusal names `field`."""
-    try:
-        return hidden_codec.decode(frame.as_dict(), width)
-    except hidden_codec.CodecError as e:
-        raise hidden_codec.CodecError(f"{field}: {e}") from None

@@ -1,0 +1,106 @@
+"""A request's outputs as it generates: incremental detokenizing, stop strings, logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hetero_pd.engine.detokenizer import IncrementalDetokenizer
+from hetero_pd.engine.logprobs import output_logprobs, prompt_logprobs
+from hetero_pd.engine.request import Request, RequestStatus
+from hetero_pd.engine.stop import StopChecker
+from hetero_pd.outputs import CompletionOutput, RequestOutput
+from hetero_pd.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+Finish = Callable[[Request, RequestStatus], None]
+
+
+@dataclass(slots=True)
+class _OutputState:
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    stop: StopChecker
+    sent_len: int = 0
+
+
+class OutputBuilder:
+    """Per request: what has been sent of its text, and where a stop string cuts it."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _OutputState] = {}
+        self._prompts: dict[str, str] = {}
+
+    def remember_prompt(self, request_id: str, text: str | None) -> None:
+        """The prompt's text, for the request's outputs (None: it came as token ids)."""
+        if text is not None:
+            self._prompts[request_id] = text
+
+    def track(self, req: Request) -> None:
+        """Starts a request whose prompt is token ids."""
+        self._states[req.request_id] = _OutputState(
+            self._prompts.pop(req.request_id, None),
+            IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens
+            ),
+            StopChecker.from_params(req.params),
+        )
+
+    def track_hidden(self, request_id: str, params: SamplingParams) -> None:
+        """Starts a request whose prompt came as hidden states (no text, no token ids)."""
+        self._states[request_id] = _OutputState(
+            None,
+            IncrementalDetokenizer(self.tokenizer, [], params.skip_special_tokens),
+            StopChecker.from_params(params),
+        )
+
+    def drop(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+        self._prompts.pop(request_id, None)
+
+    def make(self, req: Request, token: int, finish: Finish) -> RequestOutput:
+        """The output for `req`'s new `token`: its text so far, held back while it could
+        still turn into a stop string, and cut at one when it has (then `finish` ends the
+        request in the scheduler)."""
+        state = self._states[req.request_id]
+        delta = state.detok.add(token)
+        finished = req.status.finished or req.status is RequestStatus.KV_READY
+        if finished:
+            delta += state.detok.flush()
+        text = state.detok.text
+        match = state.stop.check(text, len(delta)) if state.stop else None
+        if match is not None:
+            text = text[: match.text_len]
+            if not finished:
+                finish(req, RequestStatus.FINISHED_STOPPED)
+                finished = True
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = match.stop_str
+        visible = len(text) if finished or not state.stop else state.stop.streamable_text_len(text)
+        delta_text = text[state.sent_len : visible]
+        state.sent_len = visible
+        if finished:
+            del self._states[req.request_id]
+        completion = CompletionOutput(
+            index=0,
+            text=text[:visible],
+            token_ids=req.output_token_ids,
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            delta_text=delta_text,
+            delta_token_ids=[token],
+        )
+        completion.logprobs, completion.cumulative_logprob = output_logprobs(req)
+        return RequestOutput(
+            req.request_id,
+            state.prompt,
+            req.prompt_token_ids,
+            [completion],
+            finished,
+            req.num_cached_tokens,
+            prompt_logprobs(req),
+        )
