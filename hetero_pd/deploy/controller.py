@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from hetero_pd.deploy.sections import SupervisorSpec
-from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 
 log = logging.getLogger("hetero_pd.controller")
 COOLDOWN_INTERVALS = 3
@@ -40,7 +40,7 @@ class WorkerLoad:
     running: int = 0
 
     @classmethod
-    def of(cls, worker_id: str, role: str, load: P.WorkerLoad) -> WorkerLoad:
+    def of(cls, worker_id: str, role: str, load: V.WorkerLoad) -> WorkerLoad:
         """From a worker's heartbeat load."""
         return cls(worker_id, role, load.waiting_tokens, load.waiting, load.remote, load.running)
 

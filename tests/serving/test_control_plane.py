@@ -21,6 +21,7 @@ from hetero_pd import SamplingParams, secrets
 from hetero_pd.deploy.testing import Stack, deployment, running_stack
 from hetero_pd.serving.api import edge_protocol as E
 from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 from hetero_pd.serving.control.auth import CurveKeys, secure_client
 from hetero_pd.serving.control.server import ControlServer
 
@@ -30,7 +31,7 @@ PARAMS = P.WireParams.of(SamplingParams(max_tokens=4))
 def intruder_frames() -> list[bytes]:
     """What an outsider would send: a hello, a reservation of most of the cache, a free
     generation, a prefill pushing KV to an address of its choosing."""
-    blocks = P.Blocks(rid="x", ep=1, ids=[0, 1, 2], reg="kv")
+    blocks = V.Blocks(rid="x", ep=1, ids=[0, 1, 2], reg="kv")
     codec = P.worker_codec()
     return [
         codec.encode(P.Hello()),
@@ -58,7 +59,7 @@ def stack(tiny_llama_dir: Path) -> Iterator[Stack]:
         yield s
 
 
-def heartbeat_after(stack: Stack, worker: str, since: float) -> P.WorkerLoad:
+def heartbeat_after(stack: Stack, worker: str, since: float) -> V.WorkerLoad:
     """The worker's load from a heartbeat newer than `since`."""
     assert stack.router is not None
     client = stack.router.workers[worker]
@@ -189,10 +190,10 @@ def test_a_hostile_frame_cannot_amplify_memory() -> None:
 
 def test_decoding_a_hostile_map_is_bounded() -> None:
     big = {"v": 2, "t": "generate", "rid": "r", "params": {}, "prompt_ids": [1] * (2**21)}
-    with pytest.raises(P.MessageError, match="prompt_ids"):
+    with pytest.raises(V.MessageError, match="prompt_ids"):
         P.worker_codec().decode(msgpack.packb(big))
     params = msgspec.structs.asdict(PARAMS) | {"stop": ["s"] * 65}
-    with pytest.raises(P.MessageError, match="stop"):
+    with pytest.raises(V.MessageError, match="stop"):
         P.worker_codec().decode(
             msgpack.packb(
                 {"v": 2, "t": "generate", "rid": "r", "prompt_ids": [1], "params": params}
@@ -209,7 +210,7 @@ def test_a_lost_output_fails_the_request_instead_of_truncating_it(tiny_llama_dir
     secret = secrets.generate().encode()
     keys = CurveKeys.from_secret(secret)
     server = ControlServer("127.0.0.1", 0, keys)
-    info = P.WorkerInfo(address=f"tcp://127.0.0.1:{server.port}", max_model_len=64)
+    info = V.WorkerInfo(address=f"tcp://127.0.0.1:{server.port}", max_model_len=64)
 
     async def fake_worker(stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -15,6 +15,7 @@ from hetero_pd import SamplingParams, hidden_codec
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.llm_engine import LLMEngine
 from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 from hetero_pd.serving.worker.requests import RequestBook
 
 K = 1
@@ -50,9 +51,9 @@ def test_edge_values_the_cache_cannot_hold_are_refused(tiny_llama_dir: Path, poi
         early = hidden_codec.encode(flat, "float32")
     else:  # 127 x 3e38 is past even float32's largest
         early = int8_scaled(flat, 3e38)
-    edge = P.EdgePrompt(hidden=P.HiddenFrame.of(hidden), early_kv=P.HiddenFrame.of(early), layer=K)
+    edge = V.EdgePrompt(hidden=V.HiddenFrame.of(hidden), early_kv=V.HiddenFrame.of(early), layer=K)
     book.start(b"router", P.Generate(rid="r", prompt_ids=[0] * len(ids), params=PARAMS, edge=edge))
     [error] = sent
-    assert isinstance(error, P.Error) and error.code is P.ErrorCode.BAD_REQUEST
+    assert isinstance(error, P.Error) and error.code is V.ErrorCode.BAD_REQUEST
     assert "early_kv" in error.message
     assert not engine.has_unfinished_requests() and not book.requests

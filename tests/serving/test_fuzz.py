@@ -20,6 +20,7 @@ from hetero_pd import SamplingParams
 from hetero_pd.deploy.testing import Stack, deployment, running_stack
 from hetero_pd.serving.api import edge_protocol as E
 from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 from hetero_pd.serving.control.auth import secure_client
 
 FRAMES = 3000
@@ -64,7 +65,7 @@ def control_seeds(rng: random.Random) -> list[bytes]:
     codec = P.worker_codec()
     params = P.WireParams.of(SamplingParams(max_tokens=2, temperature=0))
     rid = f"fz{rng.randrange(10**9)}"
-    frame = P.HiddenFrame(
+    frame = V.HiddenFrame(
         version=1,
         dtype="float16",
         shape=[1, 64],
@@ -74,7 +75,7 @@ def control_seeds(rng: random.Random) -> list[bytes]:
         outlier_index=b"",
         outlier_value=b"",
     )
-    blocks = P.Blocks(rid=rid, ep=3, ids=[1, 2], reg="kv")
+    blocks = V.Blocks(rid=rid, ep=3, ids=[1, 2], reg="kv")
     msgs = [
         P.Hello(),
         P.Check(),

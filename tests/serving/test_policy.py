@@ -13,7 +13,7 @@ import openai
 
 from hetero_pd.deploy.testing import deployment, random_prompts, running_stack
 from hetero_pd.engine.kv_cache_manager import prompt_block_hashes
-from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 from hetero_pd.serving.router.policy import POLICIES, Chooser, RoutingConfig
 from hetero_pd.serving.router.prefix_index import HeldBlocks
 
@@ -25,13 +25,13 @@ def worker(
 ) -> Any:
     """A worker as the chooser sees it: an id, a load report, the router's counts and the
     prefix blocks it reported (the full blocks of `holds`, block size 4)."""
-    load = P.WorkerLoad(running=running, waiting_tokens=backlog, kv_usage=kv)
+    load = V.WorkerLoad(running=running, waiting_tokens=backlog, kv_usage=kv)
     held = HeldBlocks()
-    held.report(P.CachedBlocks.of(1, prompt_block_hashes(list(holds), 4)))
+    held.report(V.CachedBlocks.of(1, prompt_block_hashes(list(holds), 4)))
     return SimpleNamespace(
         id=wid,
         load=load,
-        info=P.WorkerInfo(block_size=4, num_blocks=100),
+        info=V.WorkerInfo(block_size=4, num_blocks=100),
         held=held,
         inflight=set(),
         backlog_tokens=backlog,
@@ -79,7 +79,7 @@ def test_prefix_aware_finds_a_prefill_worker_by_its_own_report() -> None:
     prompt = list(range(24))
     p0, p1 = worker("p0", 10), worker("p1", 30, holds=prompt[:16])
     assert chooser.pick([p0, p1], prompt) == (p1, 16)
-    p1.held.report(P.CachedBlocks.of(2, []))  # evicted since
+    p1.held.report(V.CachedBlocks.of(2, []))  # evicted since
     assert chooser.pick([p0, p1], prompt) == (p0, 0)
 
 

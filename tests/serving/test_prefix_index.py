@@ -10,18 +10,19 @@ from hetero_pd.engine.kv_cache_manager import KVCacheManager, prompt_block_hashe
 from hetero_pd.engine.request import Request
 from hetero_pd.sampling_params import SamplingParams
 from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 from hetero_pd.serving.router.prefix_index import HeldBlocks
 
 
 def test_report_replaces_and_records_expire() -> None:
     held = HeldBlocks(record_ttl_s=5.0)
     prompt = prompt_block_hashes(list(range(64)), 16)  # 4 blocks
-    held.report(P.CachedBlocks.of(1, prompt[:2]))
+    held.report(V.CachedBlocks.of(1, prompt[:2]))
     assert held.matched(prompt) == 2
     held.record(prompt, now=100.0)
     assert held.matched(prompt, now=101.0) == 4
     assert held.matched(prompt, now=106.0) == 2  # the record expired; the report stays
-    held.report(P.CachedBlocks.of(2, prompt[1:]))
+    held.report(V.CachedBlocks.of(2, prompt[1:]))
     assert held.matched(prompt, now=106.0) == 0  # a chain stops at the first block missing
     held.clear()
     assert held.matched(prompt) == 0 and len(held) == 0
@@ -42,12 +43,12 @@ def test_a_report_is_bounded_and_validated_by_the_codec() -> None:
         cached = {"version": 1, "packed": packed}
         return encode({"v": 2, "t": "heartbeat", "worker": "w", "load": {}, "cached": cached})
 
-    report = P.CachedBlocks.of(7, [0, 2**64 - 1, 12345])
+    report = V.CachedBlocks.of(7, [0, 2**64 - 1, 12345])
     ok = codec.decode(heartbeat(report.packed))
     assert ok.cached.hashes == [0, 2**64 - 1, 12345] and ok.cached.version == 1
-    too_many = P.CachedBlocks.of(1, [0] * (P.MAX_REPORTED_BLOCKS + 1)).packed
+    too_many = V.CachedBlocks.of(1, [0] * (V.MAX_REPORTED_BLOCKS + 1)).packed
     for bad in (b"\0" * 9, too_many, [1, 2], "x"):
-        with pytest.raises(P.MessageError, match="packed"):
+        with pytest.raises(V.MessageError, match="packed"):
             codec.decode(heartbeat(bad))
 
 

@@ -18,7 +18,7 @@ from hetero_pd import SamplingParams
 from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack
 from hetero_pd.engine.kv_cache_manager import prompt_block_hashes
 from hetero_pd.models.config import ModelConfig
-from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 
 DECISIONS = "hetero_pd_policy_decisions_total"
 BYTES = "hetero_pd_kv_transfer_bytes_total"
@@ -46,7 +46,7 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 60.0) -> N
         time.sleep(0.05)
 
 
-def load(stack: Stack, worker: str) -> P.WorkerLoad:
+def load(stack: Stack, worker: str) -> V.WorkerLoad:
     assert stack.router is not None
     return stack.router.workers[worker].load
 

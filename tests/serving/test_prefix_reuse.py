@@ -141,11 +141,12 @@ def test_the_router_refuses_a_decode_workers_claim_of_cached_tokens(
     from types import SimpleNamespace
 
     from hetero_pd.serving.control import protocol as P
+    from hetero_pd.serving.control import values as V
     from hetero_pd.serving.router.errors import RouterError
     from hetero_pd.serving.router.handoff import Handoff
 
     flow = SimpleNamespace(prompt_len=40)
-    blocks = P.Blocks(rid="r", ep=1, ids=[3], reg="decode-0")
+    blocks = V.Blocks(rid="r", ep=1, ids=[3], reg="decode-0")
     msg = P.Reserved(rid="r", blocks=blocks, cached_tokens=cached)
     if ok:
         assert Handoff._check_cached(flow, msg, reuse, 16) == cached  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ import pytest
 
 from hetero_pd import secrets
 from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 from hetero_pd.serving.control.auth import CurveKeys
 from hetero_pd.serving.control.server import ControlServer
 from hetero_pd.serving.router.router import Router, RouterConfig
@@ -73,7 +74,7 @@ class FakeWorker:
         self.thread.start()
 
     def _run(self) -> None:
-        info = P.WorkerInfo(address="", transfer_address="tcp://127.0.0.1:9")
+        info = V.WorkerInfo(address="", transfer_address="tcp://127.0.0.1:9")
         try:
             while not self.stop.is_set():
                 if self.server.poll(20):
@@ -81,7 +82,7 @@ class FakeWorker:
                         if isinstance(msg, P.Hello):
                             ready = P.Ready(worker="decode-9", role="decode", info=info)
                             self.server.send(ident, ready)
-                load = P.WorkerLoad(transfer_healthy=self.healthy)
+                load = V.WorkerLoad(transfer_healthy=self.healthy)
                 self.server.broadcast(P.Heartbeat(worker="decode-9", load=load))
                 self.server.flush()
         finally:

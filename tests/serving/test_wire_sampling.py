@@ -13,6 +13,7 @@ from hetero_pd import SamplingParams
 from hetero_pd.outputs import Logprob
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import sampling as W
+from hetero_pd.serving.control import values as V
 
 #: Every field away from its default, so a field the wire dropped would show.
 ALL_SET = SamplingParams(
@@ -73,7 +74,7 @@ def test_out_of_range_values_are_refused_naming_the_field(field: str, value: obj
     frame = msgspec.msgpack.encode(
         {"v": 2, "t": "generate", "rid": "r", "prompt_ids": [1], "params": {**params, field: value}}
     )
-    with pytest.raises(P.MessageError, match=field):
+    with pytest.raises(V.MessageError, match=field):
         P.worker_codec().decode(frame)
 
 
@@ -100,5 +101,5 @@ def test_a_position_is_bounded() -> None:
         {"v": 2, "t": "output", "rid": "r", "seq": 0, "text": "", "token_ids": [1],
          "logprobs": [too_many]}
     )  # fmt: skip
-    with pytest.raises(P.MessageError, match="logprobs"):
+    with pytest.raises(V.MessageError, match="logprobs"):
         P.router_codec().decode(frame)

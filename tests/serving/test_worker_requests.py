@@ -16,6 +16,7 @@ from hetero_pd.engine.health import RequestFailure
 from hetero_pd.outputs import CompletionOutput, Logprob, RequestOutput
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import sampling as W
+from hetero_pd.serving.control import values as V
 from hetero_pd.serving.worker.request import WorkerRequest, output_message, prefill_done
 from hetero_pd.serving.worker.requests import Phase, RequestBook
 from transfer import RemoteBlocks, TransferState
@@ -150,7 +151,7 @@ def test_prefill_skip_tokens_are_checked(book: Any, skip: int, prompt_len: int, 
     b, engine, _, sent = book
     engine.config.role = "prefill"
     try:
-        hidden = P.HiddenFrame(
+        hidden = V.HiddenFrame(
             version=1, dtype="float32", shape=[1, 8], scale=b"", data=bytes(32), outliers=0,
             outlier_index=b"", outlier_value=b"",
         )  # fmt: skip
@@ -160,12 +161,12 @@ def test_prefill_skip_tokens_are_checked(book: Any, skip: int, prompt_len: int, 
             params=PARAMS,
             dest_worker="d",
             dest_address="tcp://127.0.0.1:9",
-            dest_blocks=P.Blocks(rid="p", ep=1, ids=[1], reg="kv"),
+            dest_blocks=V.Blocks(rid="p", ep=1, ids=[1], reg="kv"),
             skip_tokens=skip,
-            edge=P.EdgePrompt(layer=1, hidden=hidden) if edge else None,
+            edge=V.EdgePrompt(layer=1, hidden=hidden) if edge else None,
         )
         b.start(A, msg)
-        assert sent[-1][1].code is P.ErrorCode.BAD_REQUEST
+        assert sent[-1][1].code is V.ErrorCode.BAD_REQUEST
         assert f"skip_tokens={skip} must be a multiple of the block size 4" in sent[-1][1].message
         assert engine.calls == [] and b.requests == {}
     finally:
@@ -188,7 +189,7 @@ def test_a_fenced_request_waits_out_its_fence(book: Any) -> None:
     b.abort(A, "r")
     assert b.requests["r"].phase is Phase.FENCED and ("abort", "r") not in engine.calls
     b.start(A, reserve("r"))  # the router retries at once
-    assert sent[-1][1].code is P.ErrorCode.KV_FENCED and sent[-1][1].recoverable
+    assert sent[-1][1].code is V.ErrorCode.KV_FENCED and sent[-1][1].recoverable
     deadline = time.monotonic() + 5
     while "r" in b.requests:
         assert time.monotonic() < deadline
@@ -212,13 +213,13 @@ def test_refusals_carry_their_code(book: Any) -> None:
     b, engine, _, sent = book
     engine.full = True
     b.start(A, reserve("r"))
-    assert sent[-1][1].code is P.ErrorCode.NO_FREE_BLOCKS and sent[-1][1].recoverable
+    assert sent[-1][1].code is V.ErrorCode.NO_FREE_BLOCKS and sent[-1][1].recoverable
     engine.full = False
     b.start(A, P.Generate(rid="g", prompt_ids=[1], params=PARAMS))
     b.start(A, P.Generate(rid="g", prompt_ids=[1], params=PARAMS))
-    assert sent[-1][1].code is P.ErrorCode.BAD_REQUEST and "is running" in sent[-1][1].message
+    assert sent[-1][1].code is V.ErrorCode.BAD_REQUEST and "is running" in sent[-1][1].message
     b.on_failure(RequestFailure("g", "the engine could not run request g: boom"))
-    assert sent[-1][1].code is P.ErrorCode.REQUEST_FAILED and "g" not in b.requests
+    assert sent[-1][1].code is V.ErrorCode.REQUEST_FAILED and "g" not in b.requests
     assert ("abort", "g") in engine.calls
 
 
@@ -226,7 +227,7 @@ def test_each_role_takes_only_its_messages(book: Any) -> None:
     """A Generate on a prefill worker once left its prompt's blocks held for a hand-off
     nobody would ask for (found by tests/serving/test_fuzz.py)."""
     b, engine, _, sent = book
-    blocks = P.Blocks(rid="p", ep=1, ids=[1], reg="kv")
+    blocks = V.Blocks(rid="p", ep=1, ids=[1], reg="kv")
     b.start(
         A,
         P.Prefill(
@@ -281,7 +282,7 @@ def test_n_above_one_is_refused_where_it_cannot_run(book: Any) -> None:
     b, engine, _, sent = book
     engine.config.role = "prefill"
     try:
-        blocks = P.Blocks(rid="p", ep=1, ids=[1], reg="kv")
+        blocks = V.Blocks(rid="p", ep=1, ids=[1], reg="kv")
         prefill = P.Prefill(
             rid="p",
             prompt_ids=[1],
@@ -291,7 +292,7 @@ def test_n_above_one_is_refused_where_it_cannot_run(book: Any) -> None:
             dest_blocks=blocks,
         )
         b.start(A, prefill)
-        assert sent[-1][1].code is P.ErrorCode.BAD_REQUEST
+        assert sent[-1][1].code is V.ErrorCode.BAD_REQUEST
         assert "n=2: a prefill computes one completion" in sent[-1][1].message
     finally:
         engine.config.role = "decode"

@@ -25,8 +25,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from hetero_pd.serving.control.protocol import HiddenFrame, Message, Name, Text
 from hetero_pd.serving.control.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, TokenId, TokenIds
+from hetero_pd.serving.control.values import HiddenFrame, Message, Name, Text
 
 VERSION: Literal[1] = 1
 MAX_MESSAGE_BYTES = 64 * 2**20

@@ -31,7 +31,7 @@ from hetero_pd.sampling_params import SamplingParams
 from hetero_pd.serving.api import edge_protocol as E
 from hetero_pd.serving.api import errors
 from hetero_pd.serving.api import protocol as oai
-from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 from hetero_pd.serving.router.router import EdgeRequest, Router, RouterError
 
 log = logging.getLogger("hetero_pd.edge")
@@ -102,7 +102,7 @@ async def _run(ws: web.WebSocketResponse, router: Router, cfg: EdgeSettings) -> 
             "same layer",
         )
     num_tokens = _rows(start.prompt, hidden_size, None)
-    prompt = EdgeRequest(P.EdgePrompt(hidden=start.prompt, layer=layer), num_tokens)
+    prompt = EdgeRequest(V.EdgePrompt(hidden=start.prompt, layer=layer), num_tokens)
     await _stream(ws, router, cfg, start, prompt, hidden_size)
 
 
@@ -133,7 +133,7 @@ async def _run_prompt_only(
     assert start.prompt_kv is not None  # prompt_only mode carries it (checked on decode)
     n = _rows(start.prompt, mc.hidden_size, None)
     _rows(start.prompt_kv, mc.num_kv_heads * mc.head_dim, 2 * k * n)
-    edge = P.EdgePrompt(hidden=start.prompt, early_kv=start.prompt_kv, layer=k)
+    edge = V.EdgePrompt(hidden=start.prompt, early_kv=start.prompt_kv, layer=k)
     await _stream(ws, router, cfg, start, EdgeRequest(edge, n), mc.hidden_size)
 
 
@@ -203,7 +203,7 @@ class _Gone(SessionError):
         super().__init__("closed", "the device closed the session")
 
 
-def _rows(frame: P.HiddenFrame, width: int, rows: int | None) -> int:
+def _rows(frame: V.HiddenFrame, width: int, rows: int | None) -> int:
     """The rows of a frame the router relays unread (the worker decodes and checks values)."""
     try:
         got = hidden_codec.frame_rows(frame.as_dict(), width)

@@ -22,6 +22,7 @@ import msgspec
 import zmq
 
 from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 from hetero_pd.serving.control.auth import CurveKeys, Gatekeeper, secure_server
 
 log = logging.getLogger("hetero_pd.worker")
@@ -79,7 +80,7 @@ class ControlServer:
             ident = parts[0].bytes
             try:
                 msg = self.codec.decode(parts[1].buffer)
-            except P.MessageError as e:
+            except V.MessageError as e:
                 self.invalid += 1
                 log.warning("rejected a control frame: %s", e)
                 continue

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 
 #: The HTTP status a client gets for each worker error code.
 _STATUS = {
-    P.ErrorCode.BAD_REQUEST: 400,
-    P.ErrorCode.NO_FREE_BLOCKS: 503,
-    P.ErrorCode.KV_FENCED: 503,
-    P.ErrorCode.DRAINING: 503,
-    P.ErrorCode.TRANSFER_FAILED: 503,
-    P.ErrorCode.REQUEST_FAILED: 500,
-    P.ErrorCode.UNKNOWN_REQUEST: 500,
-    P.ErrorCode.OVERLOADED: 503,
-    P.ErrorCode.INTERNAL: 500,
+    V.ErrorCode.BAD_REQUEST: 400,
+    V.ErrorCode.NO_FREE_BLOCKS: 503,
+    V.ErrorCode.KV_FENCED: 503,
+    V.ErrorCode.DRAINING: 503,
+    V.ErrorCode.TRANSFER_FAILED: 503,
+    V.ErrorCode.REQUEST_FAILED: 500,
+    V.ErrorCode.UNKNOWN_REQUEST: 500,
+    V.ErrorCode.OVERLOADED: 503,
+    V.ErrorCode.INTERNAL: 500,
 }
 
 

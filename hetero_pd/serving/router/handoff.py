@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from hetero_pd.sampling_params import SamplingParams
 from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 from hetero_pd.serving.router.errors import RouterError, worker_error
 from hetero_pd.serving.router.metrics import ServingMetrics
 from hetero_pd.serving.router.policy import Chooser
@@ -48,7 +49,7 @@ T = TypeVar("T")
 #: How long a prefix holder has to answer OfferPrefix before the prompt is computed.
 OFFER_TIMEOUT_S = 2.0
 #: Decode-worker answers to `Reserve` that mean "not now": back off and ask again.
-BACKPRESSURE = (P.ErrorCode.NO_FREE_BLOCKS, P.ErrorCode.KV_FENCED)
+BACKPRESSURE = (V.ErrorCode.NO_FREE_BLOCKS, V.ErrorCode.KV_FENCED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +58,7 @@ class EdgeRequest:
     ("prompt only" mode) it goes to whole-model workers, which then decode alone; without,
     to split workers starting at `prompt.layer`."""
 
-    prompt: P.EdgePrompt
+    prompt: V.EdgePrompt
     num_tokens: int
 
     @property
@@ -261,7 +262,7 @@ class Handoff:
         except WorkerUnreachable as e:
             raise RouterError(503, str(e), "worker_unreachable", 2.0) from None
 
-    async def _reserve(self, decode: WorkerClient, writer: WorkerClient) -> tuple[P.Blocks, int]:
+    async def _reserve(self, decode: WorkerClient, writer: WorkerClient) -> tuple[V.Blocks, int]:
         """Reserves the prompt's blocks on `decode` for `writer`; returns them and how many
         of the prompt's first tokens decode's prefix cache serves (their KV is not sent).
         The prefix is reused only when both workers' KV blocks are the same size."""
@@ -295,7 +296,7 @@ class Handoff:
             await asyncio.sleep(delay)  # back-pressure: decode is full, wait for room
             delay = min(delay * 2, 1.0)
 
-    async def _offer_prefix(self, reader: WorkerClient, cached: int) -> P.PrefixSource | None:
+    async def _offer_prefix(self, reader: WorkerClient, cached: int) -> V.PrefixSource | None:
         """Asks the worker holding the longest prefix of the prompt, when it holds at least
         `prefix_pull_min_tokens` more than `reader` (`cached`), to offer those blocks to
         `reader`; the ticket for `reader` to pull, or None (no holder, or no answer in
@@ -327,7 +328,7 @@ class Handoff:
             log.warning("request %s: %s offered %s", self.rid, holder.id, reply)
             return None
         self.metrics.decision("prefix_pull")
-        return P.PrefixSource(
+        return V.PrefixSource(
             peer=holder.id,
             address=holder.info.transfer_address,
             blocks=reply.blocks,
@@ -391,7 +392,7 @@ class Handoff:
                 case WorkerGone():
                     return PrefillFailed("WORKER_DIED", f"prefill worker {wid} died")
                 case P.Error():
-                    if msg.code in (P.ErrorCode.BAD_REQUEST, P.ErrorCode.REQUEST_FAILED):
+                    if msg.code in (V.ErrorCode.BAD_REQUEST, V.ErrorCode.REQUEST_FAILED):
                         raise worker_error(msg)  # the request itself: no other worker helps
                     reason = msg.code.name
                     if msg.transfer_status is not None:

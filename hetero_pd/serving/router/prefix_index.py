@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 
 #: How long a routed prompt counts as held before a report must confirm it.
 RECORD_TTL_S = 5.0
@@ -28,7 +28,7 @@ class HeldBlocks:
     """One worker's prefix-cache blocks as the router knows them."""
 
     def __init__(
-        self, record_ttl_s: float = RECORD_TTL_S, record_capacity: int = P.MAX_REPORTED_BLOCKS
+        self, record_ttl_s: float = RECORD_TTL_S, record_capacity: int = V.MAX_REPORTED_BLOCKS
     ) -> None:
         self.record_ttl_s = record_ttl_s
         self.record_capacity = record_capacity
@@ -44,7 +44,7 @@ class HeldBlocks:
     def __len__(self) -> int:
         return len(self._reported) + len(self._recorded)
 
-    def report(self, cached: P.CachedBlocks) -> None:
+    def report(self, cached: V.CachedBlocks) -> None:
         """The worker's own list (validated by the codec: bounded, 64-bit hashes)."""
         self.version = cached.version
         self._reported = frozenset(cached.hashes)

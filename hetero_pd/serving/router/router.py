@@ -24,6 +24,7 @@ import zmq.asyncio
 
 from hetero_pd.sampling_params import SamplingParams
 from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 from hetero_pd.serving.control.auth import CurveKeys
 from hetero_pd.serving.router.errors import RouterError, worker_error
 from hetero_pd.serving.router.handoff import EdgeRequest, Handoff, HandoffPolicy, next_message
@@ -242,7 +243,7 @@ class Router:
                 if not finished:
                     w.try_send(P.Abort(rid=rid))
 
-    def supply_hidden(self, rid: str, frame: P.HiddenFrame) -> None:
+    def supply_hidden(self, rid: str, frame: V.HiddenFrame) -> None:
         """Forwards an edge device's hidden state for split request `rid`'s newest token."""
         decode = self._decoder.get(rid)
         if decode is None:

@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 from hetero_pd.serving.control.auth import CurveKeys, secure_client
 from hetero_pd.serving.router.prefix_index import HeldBlocks
 
@@ -62,8 +63,8 @@ class WorkerClient:
         self.codec = P.router_codec()
         self.encoder = msgspec.msgpack.Encoder()
         self.role = "unknown"
-        self.info = P.WorkerInfo()
-        self.load = P.WorkerLoad()
+        self.info = V.WorkerInfo()
+        self.load = V.WorkerLoad()
         self.last_seen = 0.0
         self.alive = False
         self.dead_at = 0.0
@@ -152,7 +153,7 @@ class WorkerClient:
             frame = await self.sock.recv(copy=False)
             try:
                 msg = self.codec.decode(frame.buffer)
-            except P.MessageError as e:
+            except V.MessageError as e:
                 self.invalid_frames += 1
                 log.warning("worker %s: bad frame: %s", self.id, e)
                 continue

@@ -9,11 +9,11 @@ import torch
 
 from hetero_pd import hidden_codec
 from hetero_pd.engine.llm_engine import LLMEngine
-from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 
 
 def edge_prompt(
-    edge: P.EdgePrompt | None, engine: LLMEngine, worker_id: str
+    edge: V.EdgePrompt | None, engine: LLMEngine, worker_id: str
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """An edge prompt's hidden states [num_tokens, hidden] and, for a whole-model
     worker, the device's early-layer KV [k, 2, num_tokens, kv_heads, head_dim]."""
@@ -44,7 +44,7 @@ def edge_prompt(
     return hidden, flat.view(k, 2, n, cfg.num_kv_heads, cfg.head_dim)
 
 
-def decode_frame(frame: P.HiddenFrame, width: int, field: str) -> torch.Tensor:
+def decode_frame(frame: V.HiddenFrame, width: int, field: str) -> torch.Tensor:
     """A frame's values (the engine checks they fit its dtype); a refusal names `field`."""
     try:
         return hidden_codec.decode(frame.as_dict(), width)

@@ -35,6 +35,7 @@ from hetero_pd.engine.scheduler import Role, SchedulerOutput
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.models.fingerprint import model_fingerprint, split_fingerprint
 from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 from hetero_pd.serving.control.auth import CurveKeys
 from hetero_pd.serving.control.server import ControlServer
 from hetero_pd.serving.worker.config import WorkerConfig, transfer_config
@@ -111,9 +112,9 @@ class Worker:
         )
         return self.region.tensors
 
-    def info(self) -> P.WorkerInfo:
+    def info(self) -> V.WorkerInfo:
         e = self.engine
-        return P.WorkerInfo(
+        return V.WorkerInfo(
             address=self.address,
             transfer_address=self.transfer.address,  # advertised by the engine itself
             model=str(e.config.model),
@@ -175,7 +176,7 @@ class Worker:
             log.exception("%s: %s failed", self.id, type(msg).__name__)
             rid = getattr(msg, "rid", "")
             message = f"worker {self.id}: {type(msg).__name__} failed: {type(e).__name__}: {e}"
-            self.control.send(ident, P.Error(rid=rid, code=P.ErrorCode.INTERNAL, message=message))
+            self.control.send(ident, P.Error(rid=rid, code=V.ErrorCode.INTERNAL, message=message))
             if rid:
                 try:
                     self.book.abort(ident, rid)
@@ -192,7 +193,7 @@ class Worker:
                 if self.draining or self.switch_to is not None:
                     message = f"worker {self.id} is draining"
                     self.control.send(
-                        ident, P.Error(rid=msg.rid, code=P.ErrorCode.DRAINING, message=message)
+                        ident, P.Error(rid=msg.rid, code=V.ErrorCode.DRAINING, message=message)
                     )
                 else:
                     self.book.start(ident, msg)
@@ -213,7 +214,7 @@ class Worker:
                 if self.role == "both":
                     message = f"{self.id} (both) cannot switch to {role}"
                     self.control.send(
-                        ident, P.Error(rid="", code=P.ErrorCode.BAD_REQUEST, message=message)
+                        ident, P.Error(rid="", code=V.ErrorCode.BAD_REQUEST, message=message)
                     )
                 elif role != self.role:
                     self.switch_to = role
@@ -246,7 +247,7 @@ class Worker:
         self._last_heartbeat = now
         load = self.engine.load()
         transfer = self.transfer.metrics()
-        report = P.WorkerLoad(
+        report = V.WorkerLoad(
             waiting=load.waiting,
             running=load.running,
             remote=load.remote,
@@ -260,7 +261,7 @@ class Worker:
             transfer_healthy=self.transfer.healthy(),
             transfer_faults_injected=int(transfer.get("faults_injected_total", 0)),
             transfer={
-                name: P.TransportCounters.of(counters)
+                name: V.TransportCounters.of(counters)
                 for name, counters in transfer.get("transports", {}).items()
             },
             prompt_tokens_computed=load.prompt_tokens_computed,
@@ -284,7 +285,7 @@ class Worker:
             log.error("%s: its launcher (pid %s) is gone; stopping", self.id, self.cfg.parent_pid)
             self.draining = self.stopped = True
 
-    def _cache_report(self, now: float) -> P.CachedBlocks | None:
+    def _cache_report(self, now: float) -> V.CachedBlocks | None:
         """The prefix cache's hashes when they changed since the last report, or when that
         is CACHE_REPORT_S old (a heartbeat may be skipped); else None."""
         pool = self.engine.kv.pool
@@ -294,7 +295,7 @@ class Worker:
         ):
             return None
         self._reported = (pool.version, now)
-        return P.CachedBlocks.of(pool.version, pool.cached_hashes(P.MAX_REPORTED_BLOCKS))
+        return V.CachedBlocks.of(pool.version, pool.cached_hashes(V.MAX_REPORTED_BLOCKS))
 
     def _integrity(self) -> P.Integrity:
         try:

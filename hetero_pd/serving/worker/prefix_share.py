@@ -33,6 +33,7 @@ from hetero_pd.engine.block_pool import NoFreeBlocksError
 from hetero_pd.engine.kv_cache_manager import KVCacheManager
 from hetero_pd.engine.llm_engine import LLMEngine
 from hetero_pd.serving.control import protocol as P
+from hetero_pd.serving.control import values as V
 from transfer import RemoteBlocks, TransferEngine, TransferError, TransferHandle, TransferState
 
 log = logging.getLogger("hetero_pd.worker")
@@ -66,7 +67,7 @@ def offer_prefix(
         log.warning("request %s: no prefix offer to %s: %s", msg.rid, msg.reader, e)
         return P.PrefixOffered(rid=msg.rid)
     assert handle.blocks is not None
-    ticket = P.Blocks(**handle.blocks.to_wire())  # type: ignore[arg-type]
+    ticket = V.Blocks(**handle.blocks.to_wire())  # type: ignore[arg-type]
     return P.PrefixOffered(rid=msg.rid, blocks=ticket, tokens=len(blocks) * kv.block_size)
 
 

@@ -16,6 +16,7 @@ from hetero_pd.outputs import RequestOutput
 from hetero_pd.sampling_params import SamplingParams
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import sampling as W
+from hetero_pd.serving.control import values as V
 from transfer import TransferError, TransferHandle
 
 
@@ -49,13 +50,13 @@ class WorkerRequest:
 class RequestError(Exception):
     """Refuses a request start with an error code."""
 
-    def __init__(self, code: P.ErrorCode, message: str, transfer_status: int | None = None):
+    def __init__(self, code: V.ErrorCode, message: str, transfer_status: int | None = None):
         super().__init__(message)
         self.code, self.message, self.transfer_status = code, message, transfer_status
 
     @classmethod
     def of_transfer(cls, e: TransferError) -> RequestError:
-        return cls(P.ErrorCode.TRANSFER_FAILED, str(e), e.code.number)
+        return cls(V.ErrorCode.TRANSFER_FAILED, str(e), e.code.number)
 
 
 def fanout_for(
@@ -111,7 +112,7 @@ def prefill_done(req: WorkerRequest, first_token: int, stats: dict[str, Any]) ->
     return P.PrefillDone(
         rid=req.rid,
         first_token=first_token,
-        transfer=P.TransferStats(**stats),
+        transfer=V.TransferStats(**stats),
         first_logprobs=first,
         prompt_logprobs=prompt,
     )

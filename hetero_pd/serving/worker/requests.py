@@ -29,6 +29,7 @@ from hetero_pd.engine.llm_engine import LLMEngine
 from hetero_pd.outputs import RequestOutput
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import sampling as W
+from hetero_pd.serving.control import values as V
 from hetero_pd.serving.worker.edge_inputs import decode_frame, edge_prompt
 from hetero_pd.serving.worker.prefill_push import PushTracker
 from hetero_pd.serving.worker.prefix_share import PrefixPulls
@@ -99,11 +100,11 @@ class RequestBook:
             if old is not None and old.phase is Phase.FENCED:
                 wait = old.fence_until - time.monotonic()
                 raise RequestError(
-                    P.ErrorCode.KV_FENCED,
+                    V.ErrorCode.KV_FENCED,
                     f"request {msg.rid}: its previous blocks are fenced for {wait:.2f}s",
                 )
             if old is not None or msg.rid in self.pulls:
-                raise RequestError(P.ErrorCode.BAD_REQUEST, f"request {msg.rid} is running")
+                raise RequestError(V.ErrorCode.BAD_REQUEST, f"request {msg.rid} is running")
             self._check_role(msg)
             if isinstance(msg, P.Reserve) or not self.pulls.begin(owner, msg, self._resume):
                 self._open(owner, msg)
@@ -121,7 +122,7 @@ class RequestBook:
             code, message, status = e.code, e.message, e.transfer_status
             self.send(owner, P.Error(rid=rid, code=code, message=message, transfer_status=status))
         except (ValueError, TypeError, KeyError) as e:
-            self.send(owner, P.Error(rid=rid, code=P.ErrorCode.BAD_REQUEST, message=str(e)))
+            self.send(owner, P.Error(rid=rid, code=V.ErrorCode.BAD_REQUEST, message=str(e)))
 
     def _open(self, owner: bytes, msg: P.Generate | P.Reserve | P.Prefill) -> None:
         params = msg.params.to_params()
@@ -145,7 +146,7 @@ class RequestBook:
         if (role == "prefill") != isinstance(msg, P.Prefill):
             kind = type(msg).__name__
             raise RequestError(
-                P.ErrorCode.BAD_REQUEST, f"worker {self.id} ({role}) takes no {kind}"
+                V.ErrorCode.BAD_REQUEST, f"worker {self.id} ({role}) takes no {kind}"
             )
 
     def _add(
@@ -171,7 +172,7 @@ class RequestBook:
         try:
             block_ids = self._add(msg, params, remote_kv=True)
         except NoFreeBlocksError as e:
-            raise RequestError(P.ErrorCode.NO_FREE_BLOCKS, str(e)) from None
+            raise RequestError(V.ErrorCode.NO_FREE_BLOCKS, str(e)) from None
         assert block_ids is not None
         # The prefix this worker's cache serves stays out of the reservation: only the
         # rest's KV is written here.
@@ -193,7 +194,7 @@ class RequestBook:
             raise RequestError.of_transfer(e) from None
         self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.RESERVED, handle=handle)
         assert handle.blocks is not None
-        blocks = P.Blocks(**handle.blocks.to_wire())  # type: ignore[arg-type]
+        blocks = V.Blocks(**handle.blocks.to_wire())  # type: ignore[arg-type]
         self.send(owner, P.Reserved(rid=msg.rid, blocks=blocks, cached_tokens=cached))
 
     def _prefill(self, owner: bytes, msg: P.Prefill, params: Any) -> None:
@@ -246,7 +247,7 @@ class RequestBook:
         try:
             out = self.engine.remote_kv_ready(req.rid, msg.first_token, first, prompt)
         except ValueError as e:
-            self._end(req, P.ErrorCode.BAD_REQUEST, str(e))
+            self._end(req, V.ErrorCode.BAD_REQUEST, str(e))
             return
         self.on_output(out)
 
@@ -266,7 +267,7 @@ class RequestBook:
                 raise ValueError(f"a hidden message carries one token, not {row.shape[0]}")
             self.engine.supply_hidden(msg.rid, row)
         except ValueError as e:
-            self._end(req, P.ErrorCode.BAD_REQUEST, f"request {msg.rid}: {e}")
+            self._end(req, V.ErrorCode.BAD_REQUEST, f"request {msg.rid}: {e}")
 
     def abort(self, owner: bytes, rid: str) -> None:
         self.pulls.cancel(rid, owner)
@@ -312,7 +313,7 @@ class RequestBook:
                 params = req.fanout.child_params(index)
                 self.engine.add_request(req.prompt_ids, params, child, req.priority)
             except ValueError as e:
-                self._end(req, P.ErrorCode.REQUEST_FAILED, f"request {req.rid}: {e}")
+                self._end(req, V.ErrorCode.REQUEST_FAILED, f"request {req.rid}: {e}")
                 return False
             self.children[child] = req.rid
         return True
@@ -334,7 +335,7 @@ class RequestBook:
     def on_failure(self, failure: RequestFailure) -> None:
         req = self.requests.get(self.children.get(failure.request_id, failure.request_id))
         if req is not None:
-            self._end(req, P.ErrorCode.REQUEST_FAILED, failure.message)
+            self._end(req, V.ErrorCode.REQUEST_FAILED, failure.message)
 
     def _on_push_result(
         self, rid: str, first_token: int, error: TransferError | None, stats: dict[str, Any]
@@ -402,6 +403,6 @@ class RequestBook:
             del self.requests[req.rid]
             then(req.rid)
 
-    def _end(self, req: WorkerRequest, code: P.ErrorCode, message: str) -> None:
+    def _end(self, req: WorkerRequest, code: V.ErrorCode, message: str) -> None:
         self.send(req.owner, P.Error(rid=req.rid, code=code, message=message))
         self._drop(req, self.engine.abort_request)
