@@ -18,7 +18,6 @@ OVERSIZED = {
     "transfer/movers.py": 554,
     "transfer/receiver.py": 478,
     "transfer/sender.py": 465,
-    "hetero_pd/serving/api/app.py": 467,
     "transfer/datachan.py": 447,
     "transfer/engine.py": 439,
     "hetero_pd/serving/worker/requests.py": 408,

@@ -10,91 +10,30 @@ use OpenAI's JSON shape and status codes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
-import socket
-import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from hetero_pd import __version__
-from hetero_pd.serving.api import errors, responses
-from hetero_pd.serving.api import protocol as oai
+from hetero_pd.serving.api import errors, generate, responses
 from hetero_pd.serving.api import tokens as openai_tokenize
-from hetero_pd.serving.api.choices import Answer, Batch
 from hetero_pd.serving.api.edge_protocol import PATH as EDGE_PATH
 from hetero_pd.serving.api.edge_session import EdgeSettings, serve_session
-from hetero_pd.serving.api.request import GenerateRequest
-from hetero_pd.serving.router.router import Router, RouterError
+from hetero_pd.serving.api.state import STATE, ApiState, api_error, error_response, state_of
+from hetero_pd.serving.router.router import RouterError
 
 log = logging.getLogger("hetero_pd.api")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-@dataclass(slots=True)
-class ApiState:
-    router: Router
-    tokenizer: Any
-    model_names: list[str]
-    max_model_len: int
-    vocab_size: int
-    api_keys: tuple[str, ...] = ()
-    #: The model folder (edge sessions in prompt_only mode check the device's split with it).
-    model_dir: Path | None = None
-    #: A streaming client that has not taken a chunk for this long is cut off (its request
-    #: aborted, its slot freed).
-    write_timeout_s: float = 30.0
-    #: Kernel send buffer of a streaming response: what a client that stops reading can
-    #: leave queued before the write timeout starts counting.
-    stream_sndbuf_bytes: int = 64 * 1024
-    created: int = field(default_factory=lambda: int(time.time()))
-    #: Parsing, chat templates and tokenization run here, off the event loop, one at a time
-    #: (a tokenizer object is not safe to share between threads).
-    tokenize_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="hetero-pd-tokenize")
-    )
-    #: Characters a prompt may have before it cannot fit in max_model_len tokens whatever
-    #: the text (set from the tokenizer's longest token); 0 = not known.
-    max_prompt_chars: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.max_prompt_chars:
-            vocab: dict[str, int] = getattr(self.tokenizer, "get_vocab", dict)()
-            longest = max((len(t) for t in vocab), default=0)
-            self.max_prompt_chars = self.max_model_len * longest if longest else 0
-
-
-@dataclass(slots=True)
-class _Timing:
-    start: float = field(default_factory=time.perf_counter)
-    first: float | None = None
-    last: float | None = None
-    gaps: list[float] = field(default_factory=list)
-
-    def token(self) -> None:
-        now = time.perf_counter()
-        if self.first is None:
-            self.first = now
-        elif self.last is not None:
-            self.gaps.append(now - self.last)
-        self.last = now
-
-
-STATE = web.AppKey("state", ApiState)
-
-
 def create_app(state: ApiState) -> web.Application:
     app = web.Application(middlewares=[_errors], client_max_size=16 * 2**20)
     app[STATE] = state
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", generate.completions)
+    app.router.add_post("/v1/chat/completions", generate.chat)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
@@ -105,27 +44,14 @@ def create_app(state: ApiState) -> web.Application:
     return app
 
 
-def _error_response(err: errors.APIError, retry_after: float | None = None) -> web.Response:
-    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
-    return web.json_response(err.to_json(), status=err.status, headers=headers)
-
-
-def _api_error(e: RouterError) -> errors.APIError:
-    if e.status == 429:
-        return errors.too_many_requests(e.message)
-    if e.status == 400:
-        return errors.bad_request(e.message, code=e.code)
-    return errors.APIError(e.status, e.message, "server_error", None, e.code)
-
-
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except errors.APIError as e:
-        return _error_response(e)
+        return error_response(e)
     except RouterError as e:
-        return _error_response(_api_error(e), e.retry_after)
+        return error_response(api_error(e), e.retry_after)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -140,12 +66,8 @@ def _allow(e: web.HTTPException) -> dict[str, str] | None:
     return {"Allow": allow} if allow else None
 
 
-def _state(request: web.Request) -> ApiState:
-    return request.app[STATE]
-
-
 async def _models(request: web.Request) -> web.Response:
-    state = _state(request)
+    state = state_of(request)
     errors.check_api_key(request.headers, state.api_keys)
     return web.json_response(responses.models_response(state.model_names, state.created))
 
@@ -155,7 +77,7 @@ async def _health(request: web.Request) -> web.Response:
     (when keys are set) the answer also lists every worker (role, device, pid, liveness,
     load, supervisor state). `?live=1` is liveness: 200 whenever this process answers
     (Kubernetes must not restart a router that is only waiting for its workers)."""
-    state = _state(request)
+    state = state_of(request)
     router = state.router
     if request.query.get("live"):
         return web.json_response({"status": "alive"})
@@ -187,7 +109,7 @@ def _authorized(request: web.Request, state: ApiState) -> bool:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    state = _state(request)
+    state = state_of(request)
     errors.check_api_key(request.headers, state.api_keys)
     router = state.router
     router.refresh_metrics()
@@ -200,7 +122,7 @@ async def _version(request: web.Request) -> web.Response:
 
 
 async def _tokenize_route(request: web.Request) -> web.Response:
-    state = _state(request)
+    state = state_of(request)
     errors.check_api_key(request.headers, state.api_keys)
     body = errors.parse_json_body(await request.read())
     answer = await asyncio.get_running_loop().run_in_executor(
@@ -216,7 +138,7 @@ async def _tokenize_route(request: web.Request) -> web.Response:
 
 
 async def _detokenize_route(request: web.Request) -> web.Response:
-    state = _state(request)
+    state = state_of(request)
     errors.check_api_key(request.headers, state.api_keys)
     body = errors.parse_json_body(await request.read())
     answer = await asyncio.get_running_loop().run_in_executor(
@@ -226,242 +148,8 @@ async def _detokenize_route(request: web.Request) -> web.Response:
 
 
 async def _edge_session(request: web.Request) -> web.StreamResponse:
-    state = _state(request)
+    state = state_of(request)
     cfg = EdgeSettings(
         state.model_names, state.max_model_len, state.vocab_size, state.api_keys, state.model_dir
     )
     return await serve_session(request, state.router, cfg)
-
-
-async def _completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, oai.parse_completion_request)
-
-
-async def _chat(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, oai.parse_chat_request)
-
-
-def _prompt_ids(state: ApiState, req: GenerateRequest) -> list[int]:
-    ids = _tokenize(state, req)
-    # Also for text: a tokenizer may know more tokens than the model has embeddings.
-    bad = [t for t in ids if not 0 <= t < state.vocab_size]
-    if bad:
-        where = "the prompt's token ids" if req.prompt_token_ids is not None else "the tokenizer"
-        raise errors.bad_request(
-            f"token ids {bad[:5]} from {where} are outside the model's vocabulary "
-            f"[0, {state.vocab_size})",
-            "messages" if req.kind == "chat" else "prompt",
-        )
-    return ids
-
-
-def _tokenize(state: ApiState, req: GenerateRequest) -> list[int]:
-    tok = state.tokenizer
-    if req.kind == "chat":
-        if not getattr(tok, "chat_template", None):
-            raise errors.bad_request(
-                "this model has no chat template; use /v1/completions", "messages"
-            )
-        assert req.messages is not None
-        _check_chars(state, sum(len(m["content"]) for m in req.messages), "messages")
-        text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
-        return list(tok.encode(text, add_special_tokens=False))
-    if req.prompt_token_ids is not None:
-        return list(req.prompt_token_ids)
-    assert req.prompt is not None
-    _check_chars(state, len(req.prompt), "prompt")
-    return list(tok.encode(req.prompt))
-
-
-def _check_chars(state: ApiState, chars: int, param: str) -> None:
-    """A text longer than this cannot fit, whatever it tokenizes to: refuse it before
-    spending seconds of tokenizer time on it."""
-    if state.max_prompt_chars and chars > state.max_prompt_chars:
-        raise errors.bad_request(
-            f"This model's maximum context length is {state.max_model_len} tokens; the "
-            f"{param} has {chars} characters, more than any {state.max_model_len} tokens "
-            f"can hold ({state.max_prompt_chars})",
-            param,
-            "context_length_exceeded",
-        )
-
-
-def _prepare(
-    state: ApiState, body: bytes, parse: Callable[[Any], GenerateRequest]
-) -> tuple[GenerateRequest, list[tuple[GenerateRequest, list[int]]]]:
-    """Parses, validates and tokenizes a request (on the tokenizer thread): the request and
-    each of its prompts (one, or a completions batch) with its token ids."""
-    req = parse(errors.parse_json_body(body))
-    if req.model not in state.model_names:
-        raise errors.model_not_found(req.model)
-    oai.check_sampling_limits(req.params, state.vocab_size)
-    prompts = []
-    for one in req.each_prompt():
-        prompt_ids = _prompt_ids(state, one)
-        max_tokens = oai.check_context_length(one, len(prompt_ids), state.max_model_len)
-        if one.params.max_tokens is None:  # chat: one prompt
-            one.params.max_tokens = max_tokens
-        if one.echo:
-            one.echo_text = one.prompt or state.tokenizer.decode(prompt_ids)
-        prompts.append((one, prompt_ids))
-    return req, prompts
-
-
-async def _generate(
-    request: web.Request, parse: Callable[[Any], GenerateRequest]
-) -> web.StreamResponse:
-    state = _state(request)
-    errors.check_api_key(request.headers, state.api_keys)
-    body = await request.read()
-    split = state.router.split_info()
-    if split is not None:
-        raise errors.bad_request(
-            f"this deployment's workers run layers [{split[0]}, L) of the model for edge "
-            f"devices: connect with the edge client SDK (edge.EdgeClient) at {EDGE_PATH}",
-            code="edge_only",
-        )
-    loop = asyncio.get_running_loop()
-    req, prompts = await loop.run_in_executor(state.tokenize_pool, _prepare, state, body, parse)
-    decode = _decoder(state.tokenizer)
-    n = req.params.n
-    answers = [
-        Answer(one, ids, decode, one.echo_text, i * n) for i, (one, ids) in enumerate(prompts)
-    ]
-    # aclosing: however the handler ends (a client disconnect cancels it wherever it is
-    # awaiting), the router's generators are closed now, so their aborts reach the workers.
-    async with contextlib.AsyncExitStack() as closing:
-        streams = []
-        for i, (one, ids) in enumerate(prompts):
-            rid = req.request_id if len(prompts) == 1 else f"{req.request_id}-{i}"
-            gen = state.router.generate(rid, ids, one.params, one.priority)
-            streams.append(await closing.enter_async_context(contextlib.aclosing(gen)))
-        batch = Batch(answers)
-        merged = await closing.enter_async_context(contextlib.aclosing(batch.merge(streams)))
-        if req.stream:
-            return await _stream(request, state, req, merged, batch)
-        return await _collect(state, merged, batch)
-
-
-def _decoder(tokenizer: Any) -> Callable[[int], str]:
-    """One token's text, as logprobs show it (remembered: alternatives repeat)."""
-    return functools.cache(lambda token: tokenizer.decode([token]))
-
-
-def _outcome(e: RouterError) -> str:
-    return "rejected" if e.status == 429 else "error"
-
-
-def _observe(state: ApiState, timing: _Timing, prompt: int, gen: int, outcome: str) -> None:
-    end = time.perf_counter()
-    ttft = timing.first - timing.start if timing.first is not None else None
-    tpot = None
-    if timing.first is not None and gen > 1:
-        tpot = (end - timing.first) / (gen - 1)
-    e2e = end - timing.start if outcome in ("stop", "length") else None
-    state.router.metrics.observe_request(ttft, tpot, timing.gaps, e2e, prompt, gen, outcome)
-
-
-async def _collect(state: ApiState, stream: Any, batch: Batch) -> web.Response:
-    timing = _Timing()
-    outcome = "abort"
-    try:
-        async for answer, msg in stream:
-            timing.token()
-            answer.add(msg)
-        finish = batch.finish
-        outcome = finish if finish in ("stop", "length") else "abort"
-    except RouterError as e:
-        outcome = _outcome(e)
-        raise
-    finally:
-        _observe(state, timing, batch.prompt_tokens, batch.completion_tokens, outcome)
-    return web.json_response(batch.body())
-
-
-async def _stream(
-    request: web.Request,
-    state: ApiState,
-    req: GenerateRequest,
-    stream: Any,
-    batch: Batch,
-) -> web.StreamResponse:
-    timing = _Timing()
-    outcome = "abort"
-    resp: _Stream | None = None
-    try:
-        async for answer, msg in stream:
-            if resp is None:
-                # Headers go out with the first token, so an early failure can still be a
-                # proper HTTP error status.
-                resp = await _Stream.open(request, state)
-                for event in batch.first_events():
-                    await resp.write(responses.sse(event))
-            timing.token()
-            for event in answer.events(msg):
-                await resp.write(responses.sse(event))
-        finish = batch.finish
-        outcome = finish if finish in ("stop", "length") else "abort"
-        if resp is None:
-            resp = await _Stream.open(request, state)
-        if req.include_usage:
-            usage = responses.usage_chunk(req, batch.prompt_tokens, batch.completion_tokens)
-            await resp.write(responses.sse(usage))
-        await resp.write(responses.sse_done())
-        await resp.response.write_eof()
-        return resp.response
-    except RouterError as e:
-        outcome = _outcome(e)
-        if resp is None:
-            raise
-        await resp.write(responses.sse(_api_error(e).to_json()))
-        await resp.write(responses.sse_done())
-        return resp.response
-    except (ConnectionResetError, _SlowReader) as e:
-        # The client went away, or stopped reading: an abort, not a server error (aiohttp
-        # would log a traceback for a raised one); the router's generator is closed by the
-        # caller, which aborts the request on the workers.
-        if isinstance(e, _SlowReader):
-            log.warning("request %s: %s", req.request_id, e)
-            if request.transport is not None:
-                request.transport.abort()
-        outcome = "abort"
-        return resp.response if resp is not None else web.StreamResponse()
-    except asyncio.CancelledError:
-        outcome = "abort"
-        raise
-    finally:
-        _observe(state, timing, batch.prompt_tokens, batch.completion_tokens, outcome)
-
-
-class _SlowReader(Exception):
-    """A streaming client did not take a chunk within the write timeout."""
-
-
-@dataclass(slots=True)
-class _Stream:
-    """An SSE response whose writes give up on a client that stops reading."""
-
-    response: web.StreamResponse
-    timeout_s: float
-
-    @classmethod
-    async def open(cls, request: web.Request, state: ApiState) -> _Stream:
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await resp.prepare(request)
-        transport = request.transport
-        sock = transport.get_extra_info("socket") if transport is not None else None
-        if sock is not None and state.stream_sndbuf_bytes:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, state.stream_sndbuf_bytes)
-        return cls(resp, state.write_timeout_s)
-
-    async def write(self, data: bytes) -> None:
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                await self.response.write(data)
-        except TimeoutError:
-            raise _SlowReader(
-                f"the client took no data for {self.timeout_s}s; the request is aborted"
-            ) from None

@@ -1,0 +1,68 @@
+"""What the API's handlers share: the router, the tokenizer and its thread, the limits, and
+how a router error becomes an OpenAI error response."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from hetero_pd.serving.api import errors
+from hetero_pd.serving.router.router import Router, RouterError
+
+
+@dataclass(slots=True)
+class ApiState:
+    router: Router
+    tokenizer: Any
+    model_names: list[str]
+    max_model_len: int
+    vocab_size: int
+    api_keys: tuple[str, ...] = ()
+    #: The model folder (edge sessions in prompt_only mode check the device's split with it).
+    model_dir: Path | None = None
+    #: A streaming client that has not taken a chunk for this long is cut off (its request
+    #: aborted, its slot freed).
+    write_timeout_s: float = 30.0
+    #: Kernel send buffer of a streaming response: what a client that stops reading can
+    #: leave queued before the write timeout starts counting.
+    stream_sndbuf_bytes: int = 64 * 1024
+    created: int = field(default_factory=lambda: int(time.time()))
+    #: Parsing, chat templates and tokenization run here, off the event loop, one at a time
+    #: (a tokenizer object is not safe to share between threads).
+    tokenize_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="hetero-pd-tokenize")
+    )
+    #: Characters a prompt may have before it cannot fit in max_model_len tokens whatever
+    #: the text (set from the tokenizer's longest token); 0 = not known.
+    max_prompt_chars: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.max_prompt_chars:
+            vocab: dict[str, int] = getattr(self.tokenizer, "get_vocab", dict)()
+            longest = max((len(t) for t in vocab), default=0)
+            self.max_prompt_chars = self.max_model_len * longest if longest else 0
+
+
+STATE = web.AppKey("state", ApiState)
+
+
+def state_of(request: web.Request) -> ApiState:
+    return request.app[STATE]
+
+
+def error_response(err: errors.APIError, retry_after: float | None = None) -> web.Response:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
+    return web.json_response(err.to_json(), status=err.status, headers=headers)
+
+
+def api_error(e: RouterError) -> errors.APIError:
+    if e.status == 429:
+        return errors.too_many_requests(e.message)
+    if e.status == 400:
+        return errors.bad_request(e.message, code=e.code)
+    return errors.APIError(e.status, e.message, "server_error", None, e.code)
