@@ -23,7 +23,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -38,6 +38,25 @@ from transfer.intake import DataIn
 from transfer.ledger import Ledger
 from transfer.linker import Linker
 from transfer.loop import IOLoop
+from transfer.messages import (
+    Ack,
+    AnyMessage,
+    Auth,
+    Begin,
+    Bye,
+    Data,
+    End,
+    Error,
+    Grant,
+    Handshake,
+    Header,
+    Landed,
+    Ping,
+    Pull,
+    Regions,
+    Renew,
+    RoleName,
+)
 from transfer.metrics import Metrics
 from transfer.offers import OfferBook
 from transfer.outbox import Outbox
@@ -75,7 +94,7 @@ class Core:
         self.outbox.datachan = self.datachan
         self.me = Identity(
             engine_id,
-            role.value,
+            cast(RoleName, role.value),
             host_id(),
             os.getpid(),
             self.datachan.address if self.datachan is not None else "",
@@ -199,7 +218,7 @@ class Core:
             self.metrics.reject("bad_parts")
             return
         try:
-            msg_type, msg = wire.decode(parts[0].buffer, len(parts))
+            header = wire.decode(parts[0].buffer, len(parts))
         except wire.FrameError as exc:
             self.metrics.reject(exc.reason)
             return
@@ -207,90 +226,88 @@ class Core:
             self.metrics.reject("oversized")
             return
         try:
-            session = self._authenticate(msg_type, msg, parts[0], identity, link)
+            session = self._authenticate(header, parts[0], identity, link)
             if session is not None:
                 payload = parts[1].buffer if len(parts) == 2 else None
-                self._route(msg_type, msg, session, payload)
+                self._route(header.msg, session, payload)
         except wire.FrameError as exc:
             self.metrics.reject(exc.reason)
         except Exception:  # a bug handling one frame: count it, the thread goes on
-            log.exception("engine %s: handling %s failed", self.engine_id, msg_type)
+            log.exception("engine %s: handling %r failed", self.engine_id, header.msg)
             self.metrics.internal_errors_total += 1
             self.metrics.reject("internal_error")
 
     def _authenticate(
-        self,
-        msg_type: str,
-        msg: dict[str, Any],
-        first: zmq.Frame,
-        identity: bytes | None,
-        link: Link | None,
+        self, header: Header, first: zmq.Frame, identity: bytes | None, link: Link | None
     ) -> Session | None:
         """The session a frame belongs to; None when it was a handshake frame or refused."""
-        if msg_type in wire.HANDSHAKE:
-            peer_ip = _peer_ip(first) if msg_type == "auth" else ""
-            self.linker.on_handshake(msg_type, msg, identity, link, peer_ip)
+        msg = header.msg
+        if isinstance(msg, Handshake):
+            peer_ip = _peer_ip(first) if isinstance(msg, Auth) else ""
+            self.linker.on_handshake(msg, identity, link, peer_ip)
             return None
         session = self.linker.by_identity(identity) if identity is not None else None
         if link is not None:
             session = link.session
-            if session is None and msg_type == "error":
+            if session is None and isinstance(msg, Error):
                 self.linker.on_link_error(link, msg)
                 return None
-            restarted = msg_type == "error" and not msg["x"]
-            if session is not None and restarted and msg["sid"] != session.token:
+            restarted = isinstance(msg, Error) and not msg.transfer_id
+            if session is not None and restarted and header.sid != session.token:
                 # the engine at our link's address does not know our session (it
                 # restarted): all this can make us do is link again, so no token needed
+                assert isinstance(msg, Error)
                 self.linker.on_session_error(session, msg)
                 return None
-        if session is None or not session.alive or msg["sid"] != session.token:
+        if session is None or not session.alive or header.sid != session.token:
             self.metrics.reject("unauthenticated")
-            if identity is not None and msg_type != "error":
+            if identity is not None and not isinstance(msg, Error):
                 code = StatusCode.NOT_LINKED.number
-                self.outbox.to_identity(
-                    identity, wire.encode("error", x="", code=code, msg=_NOT_LINKED)
-                )
+                refusal = Error(transfer_id="", code=code, text=_NOT_LINKED)
+                self.outbox.to_identity(identity, wire.encode(refusal))
             return None
         return session
 
-    def _route(
-        self, msg_type: str, msg: dict[str, Any], session: Session, payload: memoryview | None
-    ) -> None:
-        if msg_type == "begin":
-            self.receiver.on_begin(session, msg)
-        elif msg_type == "data":
-            assert payload is not None
-            self.receiver.on_data(session, msg, payload)
-        elif msg_type == "landed":
-            self.receiver.on_landed(session, msg)
-        elif msg_type == "end":
-            self.receiver.on_end(session, msg)
-        elif msg_type == "pull":
-            self.pulls.serve(session, msg)
-        elif msg_type in ("grant", "ack"):
-            self.sender.on_reply(session, msg_type, msg)
-        elif msg_type == "error":
-            if not msg["x"]:
+    def _route(self, msg: AnyMessage, session: Session, payload: memoryview | None) -> None:
+        match msg:
+            case Begin():
+                self.receiver.on_begin(session, msg)
+            case Data():
+                assert payload is not None  # wire.decode: DATA always has its payload
+                self.receiver.on_data(session, msg, payload)
+            case Landed():
+                self.receiver.on_landed(session, msg)
+            case End():
+                self.receiver.on_end(session, msg)
+            case Pull():
+                self.pulls.serve(session, msg)
+            case Grant() | Ack():
+                self.sender.on_reply(session, msg)
+            case Error() if not msg.transfer_id:
                 self.linker.on_session_error(session, msg)
-            elif not self.puller.on_error(msg):
-                self.sender.on_reply(session, msg_type, msg)
-        elif msg_type == "regions":
-            session.regions = wire.region_descriptions(msg["regions"])
-        elif msg_type == "renew":
-            self._on_renew(session, msg)
-        elif msg_type == "bye":
-            self.linker.drop(session, "peer said bye")
-        # "ping" needs nothing: it proves the session is known (an unknown one gets NOT_LINKED)
+            case Error():
+                if not self.puller.on_error(msg):
+                    self.sender.on_reply(session, msg)
+            case Regions():
+                session.regions = wire.regions_by_name(msg.regions)
+            case Renew():
+                self._on_renew(session, msg)
+            case Bye():
+                self.linker.drop(session, "peer said bye")
+            case Ping():
+                pass  # it proves the session is known (an unknown one got NOT_LINKED)
+            case _:
+                self.metrics.reject("unexpected_handshake")  # handshakes never get here
 
     def ping(self, session: Session) -> None:
         """Probe a session on its link: a restarted peer answers NOT_LINKED (we re-link), a
         dead one makes the send fail (we drop the session)."""
         if session.alive:
-            self.outbox.send(session, "ping", wire.encode("ping", session.token))
+            self.outbox.post(session, Ping())
 
-    def _on_renew(self, session: Session, msg: dict[str, Any]) -> None:
+    def _on_renew(self, session: Session, msg: Renew) -> None:
         """A peer keeps our reservation (it writes) or our offer (it reads) alive."""
-        now, request_id, epoch, peer = time.monotonic(), msg["rid"], msg["ep"], session.peer_id
+        now, request_id, epoch, peer = time.monotonic(), msg.request_id, msg.epoch, session.peer_id
         try:
             if not self.ledger.renew(request_id, now, epoch=epoch, writer=peer):
                 self.pulls.renew(request_id, now, epoch=epoch, reader=peer)

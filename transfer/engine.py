@@ -26,7 +26,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from transfer import wire
 from transfer.addresses import parse_endpoint
 from transfer.auth import check_secret
 from transfer.checksum import requested as checksum_requested
@@ -34,6 +33,7 @@ from transfer.config import EngineConfig, Role
 from transfer.core import Core
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import Callback, RemoteBlocks, TransferHandle, TransferState
+from transfer.messages import Renew
 from transfer.movers import new_push
 from transfer.pulls import new_pull
 from transfer.region import KVRegion
@@ -371,8 +371,7 @@ class TransferEngine:
         def send() -> None:
             session = core.linker.session_for(peer)
             if session is not None:
-                header = wire.encode("renew", session.token, rid=blocks.request_id, ep=blocks.epoch)
-                core.outbox.send(session, "renew", header)
+                core.outbox.post(session, Renew(request_id=blocks.request_id, epoch=blocks.epoch))
 
         self._loop.call(send)
 

@@ -12,14 +12,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from transfer import checksum, kv_codec, kv_layouts, layout, wire
+from transfer import checksum, kv_codec, kv_layouts, layout
 from transfer.errors import StatusCode, TransferError
 from transfer.ledger import Ledger, Reservation
+from transfer.messages import Begin, End
 from transfer.region import KVRegion, parse_dtype
 from transfer.session import Identity, Session
 
@@ -67,7 +68,7 @@ class InTransfer:
     #: Chunks whose checksum the hashing threads are computing (frames for them: dropped).
     verifying: set[int] = field(default_factory=set)
     #: An END that arrived while chunks were being verified (handled once they are).
-    pending_end: tuple[Session, dict[str, Any]] | None = None
+    pending_end: tuple[Session, End] | None = None
     #: Direct writes: the chunks found bad by the check this END started (None: not done).
     direct_verdict: list[int] | None = None
     #: Direct writes: chunks checked when the writer said they landed, before END.
@@ -114,7 +115,7 @@ class InTransfer:
 
 
 def accept_begin(
-    msg: dict[str, Any],
+    msg: Begin,
     session: Session,
     me: Identity,
     regions: dict[str, KVRegion],
@@ -123,27 +124,21 @@ def accept_begin(
     accepted_codec: str = "none",
 ) -> InTransfer:
     """Validate a BEGIN from ``session``; the new :class:`InTransfer` or a TransferError."""
-    region = regions.get(msg["reg"])
+    region = regions.get(msg.region)
     if region is None:
-        raise TransferError(StatusCode.KV_CACHE_NOT_EXIST, f"no region {msg['reg']!r} here")
-    try:
-        dst = wire.int_list(msg["dst"], "dst")
-        shape = tuple(wire.int_list(msg["shape"], "shape"))
-        layer_range = wire.int_list(msg["lay"], "lay")
-    except wire.FrameError as exc:
-        raise TransferError(StatusCode.PARAM_INVALID, str(exc)) from None
+        raise TransferError(StatusCode.KV_CACHE_NOT_EXIST, f"no region {msg.region!r} here")
+    # types and bounds were checked by the decoder; here: what they mean for this region
+    dst, shape = msg.dst, tuple(msg.block_shape)
     region.check_blocks(dst, "destination")
-    if len(layer_range) != 2:
-        raise TransferError(StatusCode.PARAM_INVALID, f"layer range {layer_range!r}")
-    layers = range(layer_range[0], layer_range[1])
+    layers = range(*msg.layers)
     tensors = region.tensor_range((layers.start, layers.stop))
-    src_dtype = parse_dtype(msg["dt"])
-    block_size, num_src, num_tokens = msg["bs"], msg["nsrc"], msg["ntok"]
-    num_chunks, per_chunk, mode = msg["nf"], msg["bpc"], msg["mode"]
+    src_dtype = parse_dtype(msg.dtype)
+    block_size, num_src, num_tokens = msg.block_size, msg.num_src, msg.num_tokens
+    num_chunks, per_chunk, mode = msg.num_chunks, msg.blocks_per_chunk, msg.mode
     block_bytes = math.prod(shape) * torch.empty((), dtype=src_dtype).element_size()
     problems = []
-    if msg["tpl"] != region.tensors_per_layer:
-        problems.append(f"tensors per layer {msg['tpl']} != {region.tensors_per_layer}")
+    if msg.tensors_per_layer != region.tensors_per_layer:
+        problems.append(f"tensors per layer {msg.tensors_per_layer} != {region.tensors_per_layer}")
     if (
         len(shape) != len(region.block_shape)
         or shape[0] != block_size
@@ -160,9 +155,9 @@ def accept_begin(
         problems.append(f"chunk count {num_chunks}")
     if per_chunk * block_bytes > max_frame_bytes and mode == "tcp":
         problems.append(f"chunks of {per_chunk * block_bytes} bytes exceed max_frame_bytes")
-    if msg["ck"] is not None and msg["ck"] not in checksum.available():
-        problems.append(f"checksum {msg['ck']!r} not installed here")
-    codec_refusal = kv_codec.refusal(msg["kc"], accepted_codec, mode, src_dtype)
+    if msg.checksum is not None and msg.checksum not in checksum.available():
+        problems.append(f"checksum {msg.checksum!r} not installed here")
+    codec_refusal = kv_codec.refusal(msg.codec, accepted_codec, mode, src_dtype)
     if codec_refusal is not None:
         problems.append(codec_refusal)
     if mode not in ("tcp", *DIRECT):
@@ -173,21 +168,21 @@ def accept_begin(
         problems.append(f"region {region.name!r} is not in shared memory")
     elif mode == "local" and session.pid != me.pid:
         problems.append("local transport from another process")
-    problems += _layout_problems(msg["fmt"], shape, src_dtype, block_size, region)
+    problems += _layout_problems(msg.layout, shape, src_dtype, block_size, region)
     if problems:
         raise TransferError(StatusCode.PARAM_INVALID, "; ".join(problems))
     dst_array = np.asarray(dst, dtype=np.int64)
-    fingerprint = (msg["rid"], msg["ep"])
+    fingerprint = (msg.request_id, msg.epoch)
     reservation = ledger.check(region.name, *fingerprint, dst_array, writer=session.peer_id)
     return InTransfer(
-        msg["x"],
+        msg.transfer_id,
         session,
         reservation,
         region,
         torch.from_numpy(dst_array),
         dst_array,
         src_dtype,
-        msg["fmt"],
+        msg.layout,
         shape,
         block_bytes,
         tensors,
@@ -196,12 +191,12 @@ def accept_begin(
         num_tokens,
         num_chunks,
         per_chunk,
-        msg["ck"],
+        msg.checksum,
         mode,
         fingerprint,
         bytearray(num_chunks),
         bool(dst_array.size <= 1 or (np.diff(dst_array) == 1).all()),
-        codec=msg["kc"],
+        codec=msg.codec,
     )
 
 

@@ -31,6 +31,7 @@ from transfer.dataframe import FrameHeader
 from transfer.errors import StatusCode, TransferError
 from transfer.incoming import InTransfer
 from transfer.ledger import Ledger
+from transfer.messages import Begin, Data, End, tag
 from transfer.metrics import Metrics
 from transfer.receiver import Receiver
 from transfer.session import Session
@@ -196,14 +197,14 @@ class DataIn:
                 computed = self._running.value() if self._running is not None else None
                 self.receiver.landed(self._direct, frame.seq, body, digest, computed)
             elif body is not None:
-                msg = {
-                    "x": self.streams.get(frame.stream, ""),
-                    "s": frame.seq,
-                    "ti": frame.ti,
-                    "lo": frame.lo,
-                    "hi": frame.hi,
-                    "d": digest,
-                }
+                msg = Data(  # from a data-channel header, bounds checked by dataframe.parse
+                    transfer_id=self.streams.get(frame.stream, ""),
+                    seq=frame.seq,
+                    tensor=frame.ti,
+                    lo=frame.lo,
+                    hi=frame.hi,
+                    digest=digest,
+                )
                 assert self.session is not None
                 self.receiver.on_data(self.session, msg, body)
         except wire.FrameError as exc:
@@ -232,15 +233,16 @@ class DataIn:
         if not session.alive:
             self.close("session ended")
             return
-        msg_type, msg = wire.decode(body, 1)
-        if msg_type not in ("begin", "end") or msg["sid"] != session.token:
-            raise wire.FrameError("unauthenticated", f"{msg_type} on the data channel")
-        if msg_type == "end":
+        header = wire.decode(body, 1)
+        msg = header.msg
+        if not isinstance(msg, Begin | End) or header.sid != session.token:
+            raise wire.FrameError("unauthenticated", f"{tag(msg)} on the data channel")
+        if isinstance(msg, End):
             self.receiver.on_end(session, msg)
             return
-        if msg["mode"] != "tcp":
+        if msg.mode != "tcp":
             raise wire.FrameError("bad_field", "begin.mode on the data channel")
-        self.streams[frame.stream] = msg["x"]
+        self.streams[frame.stream] = msg.transfer_id
         self.streams.move_to_end(frame.stream)
         while len(self.streams) > MAX_STREAMS:
             self.streams.popitem(last=False)

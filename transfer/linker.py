@@ -14,7 +14,6 @@ import hmac
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 import zmq
 
@@ -23,6 +22,18 @@ from transfer.addresses import parse_endpoint, reachable
 from transfer.config import EngineConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.loop import IOLoop
+from transfer.messages import (
+    About,
+    Auth,
+    Bye,
+    Challenge,
+    Error,
+    Handshake,
+    Hello,
+    RegionInfo,
+    Regions,
+    Welcome,
+)
 from transfer.metrics import Metrics
 from transfer.outbox import Outbox
 from transfer.session import Identity, Link, Session
@@ -44,7 +55,7 @@ class Linker:
         loop: IOLoop,
         outbox: Outbox,
         metrics: Metrics,
-        describe_regions: Callable[[], list[dict[str, Any]]],
+        describe_regions: Callable[[], list[RegionInfo]],
         deliver: Callable[[Frames, Link], None],
     ) -> None:
         self.me, self.config, self.loop, self.outbox, self.metrics = (
@@ -60,7 +71,7 @@ class Linker:
         self._outbound: dict[str, Session] = {}
         self._inbound: dict[str, Session] = {}
         self._by_identity: dict[bytes, Session] = {}
-        self._pending: OrderedDict[bytes, tuple[dict[str, Any], bytes]] = OrderedDict()
+        self._pending: OrderedDict[bytes, tuple[Hello, bytes]] = OrderedDict()
         #: Where each peer listens, as last told (link, link_async, set_peer_address).
         self.addresses: dict[str, str] = {}
         self.on_linked: list[Callable[[Session], None]] = []
@@ -134,8 +145,8 @@ class Linker:
             link.waiters.append(waiter)
         self._links[sock] = link
         self.loop.watch(sock, zmq.POLLIN, lambda events: self._drain(link))
-        hello = wire.encode("hello", eid=self.me.engine_id, role=self.me.role, nonce=link.nonce)
-        sock.send(hello, zmq.NOBLOCK)
+        hello = Hello(engine_id=self.me.engine_id, role=self.me.role, nonce=link.nonce)
+        sock.send(wire.encode(hello), zmq.NOBLOCK)
         self.loop.at(self.config.link_timeout_s, lambda: self._expire(link))
 
     def moved(self, peer_id: str, address: str) -> None:
@@ -167,7 +178,7 @@ class Linker:
         for table in (self._outbound, self._inbound):
             session = table.get(peer_id)
             if session is not None:
-                self.outbox.send(session, "bye", wire.encode("bye", session.token))
+                self.outbox.post(session, Bye())
                 self.drop(session, "unlink")
 
     def _drain(self, link: Link) -> None:
@@ -206,130 +217,121 @@ class Linker:
 
     # ---- the handshake ------------------------------------------------------------------
     def on_handshake(
-        self,
-        msg_type: str,
-        msg: dict[str, Any],
-        identity: bytes | None,
-        link: Link | None,
-        peer_ip: str = "",
+        self, msg: Handshake, identity: bytes | None, link: Link | None, peer_ip: str = ""
     ) -> None:
         """Route a handshake frame to the side that expects it (``peer_ip``: where an
         inbound connection comes from, for a peer that advertises a wildcard host)."""
-        if identity is not None and msg_type == "hello":
+        if identity is not None and isinstance(msg, Hello):
             self._on_hello(identity, msg)
-        elif identity is not None and msg_type == "auth":
+        elif identity is not None and isinstance(msg, Auth):
             self._on_auth(identity, msg, peer_ip)
-        elif link is not None and msg_type == "challenge":
+        elif link is not None and isinstance(msg, Challenge):
             self._on_challenge(link, msg)
-        elif link is not None and msg_type == "welcome":
+        elif link is not None and isinstance(msg, Welcome):
             self._on_welcome(link, msg)
         else:
             self.metrics.reject("unexpected_handshake")
 
-    def on_link_error(self, link: Link, msg: dict[str, Any]) -> None:
+    def on_link_error(self, link: Link, msg: Error) -> None:
         """An ERROR answered our handshake (e.g. AUTH_FAILED)."""
-        code = StatusCode.from_number(msg["code"])
+        code = msg.status
         if code is StatusCode.AUTH_FAILED:
             self.metrics.auth_failures_total += 1
         self.metrics.link_failures_total += 1
-        self._fail_link(link, code, msg["msg"])
+        self._fail_link(link, code, msg.text)
 
-    def on_session_error(self, session: Session, msg: dict[str, Any]) -> None:
+    def on_session_error(self, session: Session, msg: Error) -> None:
         """A session-level error (NOT_LINKED: the peer restarted and forgot us): re-link."""
-        if StatusCode.from_number(msg["code"]) is StatusCode.NOT_LINKED and session.outbound:
+        if msg.status is StatusCode.NOT_LINKED and session.outbound:
             self.relink(session)
 
-    def _on_hello(self, identity: bytes, msg: dict[str, Any]) -> None:
+    def _on_hello(self, identity: bytes, msg: Hello) -> None:
         server_nonce = auth.new_nonce()
         self._pending[identity] = (msg, server_nonce)
         while len(self._pending) > MAX_PENDING_HELLOS:
             self._pending.popitem(last=False)
         me = self.me
         proof = auth.server_proof(
-            self.config.secret, msg["nonce"], server_nonce, msg["eid"], me.engine_id
+            self.config.secret, msg.nonce, server_nonce, msg.engine_id, me.engine_id
         )
-        reply = wire.encode(
-            "challenge", eid=me.engine_id, role=me.role, nonce=server_nonce, proof=proof
-        )
-        self._reply(identity, reply)
+        reply = Challenge(engine_id=me.engine_id, role=me.role, nonce=server_nonce, proof=proof)
+        self._reply(identity, wire.encode(reply))
 
-    def _on_challenge(self, link: Link, msg: dict[str, Any]) -> None:
+    def _on_challenge(self, link: Link, msg: Challenge) -> None:
         if link.session is not None or link.peer_hello is not None:
             self.metrics.reject("unexpected_handshake")
             return
         secret, me = self.config.secret, self.me.engine_id
-        expected = auth.server_proof(secret, link.nonce, msg["nonce"], me, msg["eid"])
-        if not auth.verify(expected, msg["proof"]):
+        expected = auth.server_proof(secret, link.nonce, msg.nonce, me, msg.engine_id)
+        if not auth.verify(expected, msg.proof):
             self.metrics.auth_failures_total += 1
             self._fail_link(link, StatusCode.AUTH_FAILED, "peer failed to prove the secret")
             return
-        if link.peer_id and msg["eid"] != link.peer_id:
-            found = f"expected engine {link.peer_id!r}, found {msg['eid']!r}"
+        if link.peer_id and msg.engine_id != link.peer_id:
+            found = f"expected engine {link.peer_id!r}, found {msg.engine_id!r}"
             self._fail_link(link, StatusCode.LINK_FAILED, found)
             return
         link.peer_hello = msg
-        proof = auth.client_proof(secret, link.nonce, msg["nonce"], me, msg["eid"])
+        proof = auth.client_proof(secret, link.nonce, msg.nonce, me, msg.engine_id)
         # the peer proved the secret: only now say who we are and what we hold
-        link.socket.send(wire.encode("auth", proof=proof, **self._about_me()), zmq.NOBLOCK)
+        link.socket.send(wire.encode(Auth(proof=proof, about=self._about_me())), zmq.NOBLOCK)
 
-    def _on_auth(self, identity: bytes, msg: dict[str, Any], peer_ip: str) -> None:
+    def _on_auth(self, identity: bytes, msg: Auth, peer_ip: str) -> None:
         pending = self._pending.pop(identity, None)
         if pending is None:
             self.metrics.reject("unexpected_handshake")
             return
         hello, server_nonce = pending
         expected = auth.client_proof(
-            self.config.secret, hello["nonce"], server_nonce, hello["eid"], self.me.engine_id
+            self.config.secret, hello.nonce, server_nonce, hello.engine_id, self.me.engine_id
         )
-        if not auth.verify(expected, msg["proof"]):
+        if not auth.verify(expected, msg.proof):
             self.metrics.auth_failures_total += 1
             self.metrics.reject("auth_failed")
             self._refuse(identity, StatusCode.AUTH_FAILED, "the link secrets differ")
             return
         try:
-            regions = wire.region_descriptions(msg["regions"])
-            data_address = reachable(wire.data_address(msg["da"]), peer_ip)
-            theirs = wire.fingerprint(msg["fp"])
+            data_address = reachable(wire.data_address(msg.about.data_address), peer_ip)
+            theirs = wire.fingerprint(msg.about.fingerprint)
         except wire.FrameError as exc:
             self.metrics.reject(exc.reason)
             self._refuse(identity, StatusCode.FRAME_INVALID, f"link refused: {exc}")
             return
-        mismatch = self._fingerprint_mismatch(hello["eid"], theirs)
+        mismatch = self._fingerprint_mismatch(hello.engine_id, theirs)
         if mismatch is not None:
             self.metrics.reject("fingerprint_mismatch")
             log.error("%s", mismatch)
             self._refuse(identity, StatusCode.PARAM_INVALID, mismatch)
             return
         token = auth.new_nonce()
-        session = _session(hello, msg, regions, token, data_address, identity=identity)
+        session = _session(hello, msg.about, token, data_address, identity=identity)
         old = self._inbound.get(session.peer_id)
         if old is not None:
             self.drop(old, "peer re-linked")
         self._inbound[session.peer_id] = session
         self._by_identity[identity] = session
-        self._reply(identity, wire.encode("welcome", token=token, **self._about_me()))
+        self._reply(identity, wire.encode(Welcome(token=token, about=self._about_me())))
         self._up(session)
 
-    def _on_welcome(self, link: Link, msg: dict[str, Any]) -> None:
+    def _on_welcome(self, link: Link, msg: Welcome) -> None:
         hello = link.peer_hello
         if hello is None or link.session is not None:
             self.metrics.reject("unexpected_handshake")
             return
         try:
-            regions = wire.region_descriptions(msg["regions"])
             dialled = parse_endpoint(link.address)[0]
-            data_address = reachable(wire.data_address(msg["da"]), dialled)
-            theirs = wire.fingerprint(msg["fp"])
+            data_address = reachable(wire.data_address(msg.about.data_address), dialled)
+            theirs = wire.fingerprint(msg.about.fingerprint)
         except wire.FrameError as exc:
             self.metrics.reject(exc.reason)
             self._fail_link(link, StatusCode.FRAME_INVALID, f"bad welcome: {exc}")
             return
-        mismatch = self._fingerprint_mismatch(hello["eid"], theirs)
+        mismatch = self._fingerprint_mismatch(hello.engine_id, theirs)
         if mismatch is not None:
             self.metrics.reject("fingerprint_mismatch")
             self._fail_link(link, StatusCode.PARAM_INVALID, mismatch)
             return
-        session = _session(hello, msg, regions, msg["token"], data_address, link=link)
+        session = _session(hello, msg.about, msg.token, data_address, link=link)
         link.session = session
         old = self._outbound.get(session.peer_id)
         if old is not None and old is not session:
@@ -346,17 +348,17 @@ class Linker:
         for listener in self.on_linked:
             listener(session)
 
-    def _about_me(self) -> dict[str, Any]:
+    def _about_me(self) -> About:
         """What an authenticated peer learns about us: host, pid, data address, regions,
         KV fingerprint."""
         me = self.me
-        return {
-            "host": me.host,
-            "pid": me.pid,
-            "da": me.data_address,
-            "regions": self._describe_regions(),
-            "fp": self.config.fingerprint,
-        }
+        return About(
+            host=me.host,
+            pid=me.pid,
+            data_address=me.data_address,
+            regions=self._describe_regions(),
+            fingerprint=self.config.fingerprint,
+        )
 
     def _fingerprint_mismatch(self, peer: str, theirs: str) -> str | None:
         """Why a peer whose KV fingerprint is ``theirs`` may not link with us, or None."""
@@ -370,7 +372,7 @@ class Linker:
         )
 
     def _refuse(self, identity: bytes, code: StatusCode, msg: str) -> None:
-        self._reply(identity, wire.encode("error", x="", code=code.number, msg=msg))
+        self._reply(identity, wire.encode(Error.of("", TransferError(code, msg))))
 
     def _reply(self, identity: bytes, header: bytes) -> None:
         if not self.outbox.to_identity(identity, header):
@@ -379,10 +381,9 @@ class Linker:
     # ---- sessions -----------------------------------------------------------------------
     def announce_regions(self) -> None:
         """Tell every peer about a region registered after linking."""
-        regions = self._describe_regions()
+        regions = Regions(regions=self._describe_regions())
         for session in self.sessions():
-            header = wire.encode("regions", session.token, regions=regions)
-            self.outbox.send(session, "regions", header)
+            self.outbox.post(session, regions)
 
     def drop(self, session: Session, reason: str) -> None:
         """Forget a session and close its connection (pending frames are discarded)."""
@@ -404,15 +405,14 @@ class Linker:
     def close(self) -> None:
         """Say goodbye on every session and close every link (engine shutdown)."""
         for session in self.sessions():
-            self.outbox.send(session, "bye", wire.encode("bye", session.token))
+            self.outbox.post(session, Bye())
         for link in list(self._links.values()):
             self._close_link(link)
 
 
 def _session(
-    hello: dict[str, Any],
-    about: dict[str, Any],
-    regions: dict[str, dict[str, Any]],
+    hello: Hello | Challenge,
+    about: About,
     token: bytes,
     data_address: str,
     identity: bytes | None = None,
@@ -420,11 +420,11 @@ def _session(
 ) -> Session:
     """A session from the peer's HELLO / CHALLENGE (who) and AUTH / WELCOME (about it)."""
     return Session(
-        hello["eid"],
-        hello["role"],
-        about["host"],
-        about["pid"],
-        regions,
+        hello.engine_id,
+        hello.role,
+        about.host,
+        about.pid,
+        wire.regions_by_name(about.regions),
         token,
         identity=identity,
         link=link,

@@ -23,6 +23,7 @@ from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
 from transfer.handle import RemoteBlocks, TransferHandle, TransferState
 from transfer.hashing import Hasher, tensor_digest
+from transfer.messages import Data
 from transfer.metrics import TransportMetrics
 from transfer.outbox import Outbox
 from transfer.region import KVRegion
@@ -75,7 +76,7 @@ class OutTransfer:
     via_data: bool = False
     #: Our number for this transfer on the data channel (named by its BEGIN).
     stream: int = 0
-    #: The msgpack BEGIN of the current attempt (resent in band before resent chunks).
+    #: The encoded BEGIN of the current attempt (resent in band before resent chunks).
     begin: bytes = b""
     #: Bytes of frames viewing our source blocks still queued on the data channel.
     queued: int = 0
@@ -205,16 +206,15 @@ def pump_stream(
                 hash_with=None if trail is None else checksum.Running(trail),
             )
         else:
-            header = wire.encode(
-                "data",
-                session.token,
-                x=out.handle.transfer_id,
-                s=seq,
-                ti=chunk.ti,
+            data = Data(
+                transfer_id=out.handle.transfer_id,
+                seq=seq,
+                tensor=chunk.ti,
                 lo=chunk.lo,
                 hi=chunk.hi,
-                d=digest,
+                digest=digest,
             )
+            header = wire.encode(data, session.token)
             sent = outbox.send(session, "data", header, buf, track=not outbox.faults_on)
         if sent is False:
             out.prepared[seq] = (buf, pending)

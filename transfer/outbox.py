@@ -15,10 +15,12 @@ from typing import Protocol
 
 import zmq
 
+from transfer import wire
 from transfer.checksum import Running
 from transfer.dataframe import TRAILER_BYTES
 from transfer.faults import FaultInjector
 from transfer.loop import IOLoop
+from transfer.messages import AnyMessage, tag
 from transfer.metrics import Metrics
 from transfer.session import Session
 
@@ -79,6 +81,10 @@ class Outbox:
         """True when faults are injected (frames may be delayed or repeated later)."""
         return self.injector is not None
 
+    def post(self, session: Session, msg: AnyMessage) -> zmq.MessageTracker | bool:
+        """Send a header-only message to ``session`` on its link; False if it could not go."""
+        return self.send(session, tag(msg), wire.encode(msg, session.token))
+
     def send(
         self,
         session: Session,
@@ -91,7 +97,8 @@ class Outbox:
         trailer: bytes | None = None,
         hash_with: Running | None = None,
     ) -> zmq.MessageTracker | bool:
-        """Send one frame to ``session``; False if it could not go.
+        """Send one frame to ``session``; False if it could not go. ``msg_type`` names
+        the frame's message (:func:`transfer.messages.tag`) for fault rules.
 
         ``via_data``: ``header`` is a data-channel header (:mod:`transfer.dataframe`) and the
         frame goes on the session's data channel; ``owner`` is the transfer whose source

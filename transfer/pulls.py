@@ -19,16 +19,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from transfer import wire
 from transfer.config import EngineConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import RemoteBlocks, TransferHandle, TransferState
 from transfer.linker import Linker
 from transfer.loop import IOLoop
+from transfer.messages import Error, Pull
 from transfer.metrics import Metrics
 from transfer.movers import OutTransfer
 from transfer.offers import Offer, OfferBook
@@ -43,7 +42,7 @@ class PendingPull:
     """A pull we asked a peer to serve; resent until the data commits or the deadline."""
 
     handle: TransferHandle
-    fields: dict[str, Any]
+    request: Pull
     deadline: float
     resend_at: float
 
@@ -68,22 +67,22 @@ def new_pull(
         src_region, src = src.region, src.block_ids
     nbytes = len(src) * region.block_bytes * len(region.tensor_range(layers))
     handle = TransferHandle(transfer_id, "pull", peer, dst.request_id, nbytes=nbytes, blocks=dst)
-    fields: dict[str, Any] = {
-        "x": transfer_id,
-        "rid": dst.request_id,
-        "ep": dst.epoch,
-        "reg": dst.region,
-        "dst": list(dst.block_ids),
-        "sreg": src_region,
-        "src": list(src),
-        "oreq": offer_request,
-        "oep": offer_epoch,
-        "lay": list(layers),
-        "ntok": num_tokens,
-        "ttl": float(timeout_s),
-    }
+    request = Pull(
+        transfer_id=transfer_id,
+        request_id=dst.request_id,
+        epoch=dst.epoch,
+        region=dst.region,
+        dst=list(dst.block_ids),
+        src_region=src_region,
+        src=list(src),
+        offer_request=offer_request,
+        offer_epoch=offer_epoch,
+        layers=layers,
+        num_tokens=num_tokens,
+        ttl=float(timeout_s),
+    )
     now = time.monotonic()
-    return PendingPull(handle, fields, now + timeout_s, now + resend_s)
+    return PendingPull(handle, request, now + timeout_s, now + resend_s)
 
 
 class Puller:
@@ -102,7 +101,7 @@ class Puller:
             return
         self.pending[pull.handle.transfer_id] = pull
         pull.handle.state = TransferState.IN_FLIGHT
-        self.outbox.send(session, "pull", wire.encode("pull", session.token, **pull.fields))
+        self.outbox.post(session, pull.request)
 
     def committed(self, transfer_id: str) -> None:
         """The push answering one of our pulls committed here: the pull is DONE."""
@@ -110,15 +109,15 @@ class Puller:
         if pull is not None:
             self.loop.finish(pull.handle, TransferState.DONE)
 
-    def on_error(self, msg: dict[str, Any]) -> bool:
+    def on_error(self, msg: Error) -> bool:
         """An ERROR about one of our pulls (a final one fails it); True if it was one."""
-        pull = self.pending.get(msg["x"])
+        pull = self.pending.get(msg.transfer_id)
         if pull is None:
             return False
-        code = StatusCode.from_number(msg["code"])
+        code = msg.status
         if not code.recoverable:
-            del self.pending[msg["x"]]
-            self.loop.finish(pull.handle, TransferState.FAILED, TransferError(code, msg["msg"]))
+            del self.pending[msg.transfer_id]
+            self.loop.finish(pull.handle, TransferState.FAILED, TransferError(code, msg.text))
         return True
 
     def tick(self, now: float) -> None:
@@ -132,8 +131,7 @@ class Puller:
                 pull.resend_at = now + self.config.ack_timeout_s
                 session = self.links.session_for(pull.handle.peer)
                 if session is not None:
-                    header = wire.encode("pull", session.token, **pull.fields)
-                    self.outbox.send(session, "pull", header)
+                    self.outbox.post(session, pull.request)
 
     def abort_all(self, err: TransferError) -> None:
         """Engine shutdown."""
@@ -158,47 +156,42 @@ class PullServer:
         self.config, self.loop, self.outbox, self.sender = config, loop, outbox, sender
         self.offers, self.regions, self.metrics = offers, regions, metrics
 
-    def serve(self, session: Session, msg: dict[str, Any]) -> None:
+    def serve(self, session: Session, msg: Pull) -> None:
         """A peer asks us to push our offered blocks ``src`` into its reserved blocks."""
-        transfer_id = msg["x"]
+        transfer_id = msg.transfer_id
         if transfer_id in self.sender.active:
             return  # the pull request was repeated; we are already serving it
         now = time.monotonic()
         try:
-            region = self.regions.get(msg["sreg"])
+            region = self.regions.get(msg.src_region)
             if region is None:
-                raise TransferError(StatusCode.KV_CACHE_NOT_EXIST, f"no region {msg['sreg']!r}")
-            src = wire.int_list(msg["src"], "src")
+                raise TransferError(StatusCode.KV_CACHE_NOT_EXIST, f"no region {msg.src_region!r}")
+            src = msg.src
             region.check_blocks(src, "source")
-            layer_range = msg["lay"] or [0, region.num_layers]
-            if len(layer_range) != 2 or not all(type(v) is int for v in layer_range):
-                raise TransferError(StatusCode.PARAM_INVALID, f"bad layer range {layer_range!r}")
-            layers = (layer_range[0], layer_range[1])
+            layers = msg.layers or (0, region.num_layers)
             num_tensors = len(region.tensor_range(layers))
-            dst_ids = tuple(wire.int_list(msg["dst"], "dst"))
-            dst = RemoteBlocks(msg["rid"], msg["ep"], dst_ids, msg["reg"])
+            dst = RemoteBlocks(msg.request_id, msg.epoch, tuple(msg.dst), msg.region)
             offer = self.offers.authorize(
-                session.peer_id, msg["oreq"], msg["oep"], region.name, src, range(*layers), now
+                session.peer_id,
+                msg.offer_request,
+                msg.offer_epoch,
+                region.name,
+                src,
+                range(*layers),
+                now,
             )
-        except (TransferError, wire.FrameError) as exc:
-            err = (
-                exc
-                if isinstance(exc, TransferError)
-                else TransferError(StatusCode.PARAM_INVALID, str(exc))
-            )
+        except TransferError as err:
             if err.code is StatusCode.NOT_GRANTED:
                 self.metrics.reject("not_granted")
-            code, text = err.code.number, err.message
-            header = wire.encode("error", session.token, x=transfer_id, code=code, msg=text)
-            self.outbox.send(session, "error", header)
+            self.outbox.post(session, Error.of(transfer_id, err))
             return
-        ttl = min(max(float(msg["ttl"]), 0.0), self.config.transfer_timeout_s)
+        ttl = min(msg.ttl, self.config.transfer_timeout_s)
         nbytes = len(src) * region.block_bytes * num_tensors
         handle = TransferHandle(
             transfer_id, "serve_pull", session.peer_id, dst.request_id, nbytes=nbytes
         )
         handle._cancel = self.sender.cancel
-        tokens = msg["ntok"] if msg["ntok"] is not None else len(src) * region.block_size
+        tokens = msg.num_tokens if msg.num_tokens is not None else len(src) * region.block_size
         out = OutTransfer(
             handle,
             region,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -31,6 +31,7 @@ from transfer.hashing import Hasher, tensor_digest
 from transfer.incoming import DIRECT, Early, InTransfer, accept_begin
 from transfer.ledger import Ledger, Reservation
 from transfer.loop import IOLoop
+from transfer.messages import Ack, Begin, Data, End, Error, Grant, Landed
 from transfer.metrics import Metrics
 from transfer.outbox import Outbox
 from transfer.region import KVRegion
@@ -68,9 +69,7 @@ class Receiver:
             self.metrics.of("tcp").stale_epoch_rejections_total += 1
         elif err.code is StatusCode.NOT_GRANTED:
             self.metrics.reject("not_granted")
-        code, text = err.code.number, err.message
-        header = wire.encode("error", session.token, x=transfer_id, code=code, msg=text)
-        self.outbox.send(session, "error", header)
+        self.outbox.post(session, Error.of(transfer_id, err))
 
     def _ack(
         self,
@@ -81,18 +80,18 @@ class Receiver:
         bad: list[int] | None = None,
         dup: bool = False,
     ) -> None:
-        header = wire.encode(
-            "ack", session.token, x=transfer_id, code=code.number, msg=text, bad=bad or [], dup=dup
+        ack = Ack(
+            transfer_id=transfer_id, code=code.number, text=text, bad=bad or [], duplicate=dup
         )
-        self.outbox.send(session, "ack", header)
+        self.outbox.post(session, ack)
 
     # ---- begin --------------------------------------------------------------------------
-    def on_begin(self, session: Session, msg: dict[str, Any]) -> None:
+    def on_begin(self, session: Session, msg: Begin) -> None:
         """Validate a new transfer against our reservation; grant direct writers a window."""
-        transfer_id, fingerprint = msg["x"], (msg["rid"], msg["ep"])
+        transfer_id, fingerprint = msg.transfer_id, (msg.request_id, msg.epoch)
         seen = self.ledger.committed(transfer_id)
         if seen is not None:
-            mode = msg["mode"] if msg["mode"] in DIRECT else "tcp"
+            mode = msg.mode if msg.mode in DIRECT else "tcp"
             self.metrics.of(mode).duplicates_total += 1
             if seen == fingerprint:
                 self._ack(session, transfer_id, dup=True)
@@ -136,10 +135,8 @@ class Receiver:
             incoming.grant += 1  # claims about earlier attempts' copies no longer count
             blocks = incoming.dst_array.tolist()
             self.ledger.grant(transfer_id, incoming.region.name, blocks, until)
-            header = wire.encode(
-                "grant", session.token, x=transfer_id, ttl=ttl, until=until, g=incoming.grant
-            )
-            self.outbox.send(session, "grant", header)
+            grant = Grant(transfer_id=transfer_id, ttl=ttl, until=until, grant=incoming.grant)
+            self.outbox.post(session, grant)
 
     # ---- chunks -------------------------------------------------------------------------
     def owned(self, session: Session, transfer_id: str) -> InTransfer | None:
@@ -170,15 +167,15 @@ class Receiver:
             return False
         return True
 
-    def on_data(self, session: Session, msg: dict[str, Any], payload: memoryview) -> None:
+    def on_data(self, session: Session, msg: Data, payload: memoryview) -> None:
         """Verify, then write one chunk that came as a ZMQ frame (or into staging)."""
-        incoming = self.owned(session, msg["x"])
+        incoming = self.owned(session, msg.transfer_id)
         if incoming is None:
             return
-        seq, tensor, lo, hi = msg["s"], msg["ti"], msg["lo"], msg["hi"]
+        seq, tensor, lo, hi = msg.seq, msg.tensor, msg.lo, msg.hi
         if not self.check_chunk(incoming, seq, tensor, lo, hi, len(payload)):
             return
-        algo, digest = incoming.algo, msg["d"]
+        algo, digest = incoming.algo, msg.digest
         if algo is not None and (digest is None or checksum.digest(algo, payload) != digest):
             self.metrics.of("tcp").checksum_failures_total += 1
             incoming.bad_checksum.add(seq)
@@ -282,9 +279,9 @@ class Receiver:
         self._refuse(incoming.session, incoming.transfer_id, err)
 
     # ---- end ----------------------------------------------------------------------------
-    def on_end(self, session: Session, msg: dict[str, Any]) -> None:
+    def on_end(self, session: Session, msg: End) -> None:
         """All chunks sent: verify completeness (direct writes: their digests), then commit."""
-        transfer_id = msg["x"]
+        transfer_id = msg.transfer_id
         incoming = self.active.get(transfer_id)
         if incoming is not None and incoming.peer != session.peer_id:
             err = TransferError(StatusCode.NOT_GRANTED, f"{transfer_id!r} is not yours")
@@ -306,7 +303,7 @@ class Receiver:
         if incoming.mode in DIRECT:
             if incoming.direct_verdict is None:
                 self.ledger.end_grant(transfer_id)  # the writer is done: no more writes
-                self._check_direct(incoming, msg["ds"])
+                self._check_direct(incoming, msg.digests)
                 if incoming.verifying:
                     incoming.pending_end = (session, msg)
                     return
@@ -345,25 +342,24 @@ class Receiver:
         self._ack(session, transfer_id)
         self.on_committed(transfer_id)
 
-    def on_landed(self, session: Session, msg: dict[str, Any]) -> None:
+    def on_landed(self, session: Session, msg: Landed) -> None:
         """A direct writer's chunks are in our blocks: verify them now, while it copies the
         next ones (END then only checks what was not verified here, or changed digest).
         Chunks the writer verified itself (``wv``) are not read here: it hashed them in our
         blocks while they were in its cache; END reads back only spot checks of them
         (:func:`spot_checks`), enough to catch a writer that claims copies it never made."""
-        incoming = self.owned(session, msg["x"])
+        incoming = self.owned(session, msg.transfer_id)
         if incoming is None or incoming.mode not in DIRECT or incoming.algo is None:
             return
-        if msg["g"] != incoming.grant:
+        if msg.grant != incoming.grant:
             return  # about an earlier attempt's copies (it arrived late): they were rewritten
-        seqs = wire.int_list(msg["s"], "s", incoming.num_chunks)
-        digests = msg["ds"]
-        if len(seqs) > incoming.num_chunks or len(digests) != len(seqs):
+        seqs, digests = msg.seqs, msg.digests  # types and bounds checked by the decoder
+        if len(seqs) > incoming.num_chunks or any(seq >= incoming.num_chunks for seq in seqs):
             raise wire.FrameError("bad_field", "landed.s")
-        if not all(type(d) is int and 0 <= d < 1 << 64 for d in digests):
+        if len(digests) != len(seqs):
             raise wire.FrameError("bad_field", "landed.ds")
         incoming.last_seen = time.monotonic()
-        if msg["wv"]:  # the writer hashed these in our blocks right after copying them
+        if msg.writer_verified:  # the writer hashed these in our blocks right after copying them
             for seq, expected in zip(seqs, digests, strict=True):
                 incoming.early[seq] = Early(expected, good=True, by_writer=True)
             return
@@ -384,7 +380,7 @@ class Receiver:
             incoming.dst_run,
         )
 
-    def _check_direct(self, incoming: InTransfer, digests: list[Any] | None) -> None:
+    def _check_direct(self, incoming: InTransfer, digests: list[int] | None) -> None:
         """Start comparing our blocks with the writer's digests, chunk by chunk on the
         hashing threads (chunks verified as they landed are not read again);
         ``direct_verdict`` lists the bad chunks once all are checked."""
@@ -415,7 +411,7 @@ class Receiver:
         for chunk, expected in todo:
             image = self._landed_image(incoming, chunk)
 
-            def verdict(value: int | None, seq: int = chunk.seq, want: Any = expected) -> None:
+            def verdict(value: int | None, seq: int = chunk.seq, want: int = expected) -> None:
                 if not self._still_verifying(incoming, seq):
                     return
                 if value != want:

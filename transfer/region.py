@@ -29,12 +29,13 @@ import os
 import secrets
 import shutil
 from dataclasses import dataclass, field
-from typing import Any
+from typing import cast
 
 import torch
 
 from transfer import kv_layouts
 from transfer.errors import StatusCode, TransferError
+from transfer.messages import Layout, RegionInfo
 
 SHM_ROOT = "/dev/shm"
 SHM_PREFIX = "hetero_pd"
@@ -224,19 +225,19 @@ class KVRegion:
         with os.fdopen(fd, "w") as f:
             f.write(engine_id)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> RegionInfo:
         """Wire description sent to peers after mutual authentication (never file paths)."""
-        return {
-            "name": self.name,
-            "nl": self.num_layers,
-            "tpl": self.tensors_per_layer,
-            "nb": self.num_blocks,
-            "shape": list(self.block_shape),
-            "dt": dtype_name(self.dtype),
-            "dev": self.tensors[0].device.type,
-            "shm": self.shm_token,
-            "fmt": self.layout,
-        }
+        return RegionInfo(
+            name=self.name,
+            num_layers=self.num_layers,
+            tensors_per_layer=self.tensors_per_layer,
+            num_blocks=self.num_blocks,
+            block_shape=list(self.block_shape),
+            dtype=dtype_name(self.dtype),
+            device=self.tensors[0].device.type,
+            shm=self.shm_token,
+            layout=cast(Layout, self.layout),  # one of LAYOUTS: checked when registered
+        )
 
     def close(self) -> None:
         """Remove the shared-memory files (mappings stay valid until dropped)."""

@@ -19,7 +19,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import cast
 
 from transfer import checksum, dataframe, layout, movers, transports, wire
 from transfer.config import EngineConfig
@@ -29,6 +29,7 @@ from transfer.handle import TransferHandle, TransferState
 from transfer.hashing import Hasher
 from transfer.linker import Linker
 from transfer.loop import IOLoop
+from transfer.messages import Ack, Begin, End, Error, Grant, Landed, Transport
 from transfer.metrics import Metrics, TransportMetrics
 from transfer.movers import WINDOW_BYTES, OutTransfer
 from transfer.outbox import Outbox
@@ -127,28 +128,27 @@ class Sender:
         )
         out.queue = deque(range(len(out.chunks)))
         out.prepared.clear()
-        header = wire.encode(
-            "begin",
-            session.token,
-            x=out.handle.transfer_id,
-            rid=out.dst.request_id,
-            ep=out.dst.epoch,
-            reg=out.dst.region,
+        begin = Begin(
+            transfer_id=out.handle.transfer_id,
+            request_id=out.dst.request_id,
+            epoch=out.dst.epoch,
+            region=out.dst.region,
             dst=list(out.dst.block_ids),
-            nsrc=num_blocks,
-            dt=dtype_name(out.region.dtype),
-            bs=out.region.block_size,
-            tpl=out.region.tensors_per_layer,
-            shape=list(out.region.block_shape),
-            lay=list(out.layers),
-            ntok=out.num_tokens,
-            nf=len(out.chunks),
-            bpc=out.blocks_per_chunk,
-            ck=out.algo,
-            mode=out.transport,
-            kc=out.codec,
-            fmt=out.region.layout,
+            num_src=num_blocks,
+            dtype=dtype_name(out.region.dtype),
+            block_size=out.region.block_size,
+            tensors_per_layer=out.region.tensors_per_layer,
+            block_shape=list(out.region.block_shape),
+            layers=out.layers,
+            num_tokens=out.num_tokens,
+            num_chunks=len(out.chunks),
+            blocks_per_chunk=out.blocks_per_chunk,
+            checksum=out.algo,
+            mode=cast(Transport, out.transport),  # transports.choose() picked it
+            codec=out.codec,
+            layout=out.region.layout,
         )
+        header = wire.encode(begin, session.token)
         out.via_data = (
             out.transport == "tcp"
             and self.outbox.datachan is not None
@@ -239,22 +239,19 @@ class Sender:
         theirs = [seq for seq in seqs if seq not in out.verified]
         for group, verified in ((mine, True), (theirs, False)):
             if group:
-                header = wire.encode(
-                    "landed",
-                    out.session.token,
-                    x=out.handle.transfer_id,
-                    s=group,
-                    ds=[out.digests[seq] for seq in group],
-                    wv=verified,
-                    g=out.grant,
+                landed = Landed(
+                    transfer_id=out.handle.transfer_id,
+                    seqs=group,
+                    digests=[out.digests[seq] for seq in group],
+                    writer_verified=verified,
+                    grant=out.grant,
                 )
-                self.outbox.send(out.session, "landed", header)
+                self.outbox.post(out.session, landed)
 
     def _send_end(self, out: OutTransfer, digests: list[int] | None) -> None:
         assert out.session is not None
-        header = wire.encode(
-            "end", out.session.token, x=out.handle.transfer_id, nf=len(out.chunks), ds=digests
-        )
+        end = End(transfer_id=out.handle.transfer_id, num_chunks=len(out.chunks), digests=digests)
+        header = wire.encode(end, out.session.token)
         if out.via_data:
             self._send_in_band(out, "end", header)
         else:
@@ -263,38 +260,38 @@ class Sender:
         out.attempt_until = time.monotonic() + self.config.ack_timeout_s
 
     # ---- answers ------------------------------------------------------------------------
-    def on_reply(self, session: Session, msg_type: str, msg: dict[str, Any]) -> None:
+    def on_reply(self, session: Session, msg: Grant | Ack | Error) -> None:
         """GRANT, ACK or ERROR about one of our transfers."""
-        out = self.active.get(msg["x"])
+        out = self.active.get(msg.transfer_id)
         if out is None or out.closing is not None or session.peer_id != out.handle.peer:
             return  # late answer to a finished transfer
-        if msg_type == "grant":
+        if isinstance(msg, Grant):
             self._on_grant(out, session, msg)
             return
-        code = StatusCode.from_number(msg["code"])
+        code = msg.status
         if code is StatusCode.SUCCESS:
-            if msg_type == "ack" and msg["dup"]:
+            if isinstance(msg, Ack) and msg.duplicate:
                 self._counters(out).duplicates_total += 1
             self._close(out, TransferState.DONE, None, "ack")
             return
-        err = TransferError(code, f"peer {session.peer_id!r}: {msg['msg']}")
-        bad = msg.get("bad") or []
+        err = TransferError(code, f"peer {session.peer_id!r}: {msg.text}")
+        bad = msg.bad if isinstance(msg, Ack) else []
         if code is StatusCode.CHECKSUM_MISMATCH:
             self._counters(out).checksum_failures_total += 1
-        if msg_type == "ack" and code.recoverable and bad and out.transport == "tcp":
+        if bad and code.recoverable and out.transport == "tcp":
             self._resend(out, bad, err)
         elif code.recoverable:
             self._retry(out, err)
         else:
             self._fail(out, err)
 
-    def _on_grant(self, out: OutTransfer, session: Session, msg: dict[str, Any]) -> None:
+    def _on_grant(self, out: OutTransfer, session: Session, msg: Grant) -> None:
         if out.phase != "grant" or out.transport not in transports.DIRECT:
             return
         try:
             description = session.regions[out.dst.region]
             out.dst_tensors = transports.open_destination(out.transport, session, description)
-            out.dst_layout = description["fmt"]
+            out.dst_layout = description.layout
         except (TransferError, OSError, KeyError) as exc:
             err = (
                 exc
@@ -306,20 +303,22 @@ class Sender:
         # The receiver's own deadline (same host, same monotonic clock), bounded by the
         # window's length counted from now in case the clocks disagree after all.
         now = time.monotonic()
-        until = min(float(msg["until"]), now + float(msg["ttl"])) - GRANT_MARGIN_S
+        until = min(msg.until, now + msg.ttl) - GRANT_MARGIN_S
         if until <= now:
             self._retry(out, TransferError(StatusCode.TIMEOUT, "grant arrived too late"))
             return
-        out.grant_until, out.phase, out.grant = until, "direct", int(msg["g"])
+        out.grant_until, out.phase, out.grant = until, "direct", msg.grant
 
-    def _resend(self, out: OutTransfer, bad: list[Any], err: TransferError) -> None:
+    def _resend(self, out: OutTransfer, bad: list[int], err: TransferError) -> None:
         """The receiver NACKed some chunks of a stream: send just those again."""
+        if any(seq >= len(out.chunks) for seq in bad):
+            raise wire.FrameError("bad_field", "ack.bad names chunks we never planned")
         self._counters(out).retries_total += 1
         if out.handle.attempts >= self.config.retry.attempts:
             self._fail(out, err)
             return
         out.handle.attempts += 1
-        out.queue = deque(wire.int_list(bad, "bad", len(out.chunks)))
+        out.queue = deque(bad)
         out.prepared.clear()
         if out.via_data:  # the data connection may be new: name the stream again
             self._send_in_band(out, "begin", out.begin)

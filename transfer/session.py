@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import zmq
 
+from transfer.messages import Challenge, RegionInfo, RoleName
+
 
 @dataclass(frozen=True, slots=True)
 class Identity:
@@ -17,7 +19,7 @@ class Identity:
     mutual authentication)."""
 
     engine_id: str
-    role: str
+    role: RoleName
     #: This machine and boot (:func:`host_id`): peers on the same one may share /dev/shm.
     host: str
     pid: int
@@ -45,7 +47,8 @@ class Link:
     nonce: bytes
     waiters: list[concurrent.futures.Future[None]] = field(default_factory=list)
     session: Session | None = None
-    peer_hello: dict[str, Any] | None = None
+    #: The listening side's CHALLENGE, once it proved the secret.
+    peer_hello: Challenge | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -60,7 +63,7 @@ class Session:
     role: str
     host: str
     pid: int
-    regions: dict[str, dict[str, Any]]
+    regions: dict[str, RegionInfo]
     token: bytes
     identity: bytes | None = None
     link: Link | None = None

@@ -23,6 +23,7 @@ from transfer import (
     check_secret,
     wire,
 )
+from transfer.messages import Challenge, Hello, Landed
 from transfer.testing import PeerProcess, blocks_digest, fill, make_config
 
 from .conftest import FAST, REGION
@@ -167,18 +168,7 @@ def _hello_reply(address: str) -> bytes:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     try:
-        # every field either protocol version asks for: whichever the engine speaks answers
-        hello = wire.encode(
-            "hello",
-            eid="stranger",
-            role="mixed",
-            host="elsewhere",
-            pid=1,
-            nonce=b"n" * 16,
-            regions=[],
-            da="",
-        )
-        sock.send(hello)
+        sock.send(wire.encode(Hello(engine_id="stranger", role="mixed", nonce=b"n" * 16)))
         assert sock.poll(5000), "no answer to hello"
         return bytes(sock.recv())
     finally:
@@ -191,7 +181,7 @@ def test_region_paths_only_after_authentication(
     eng = make_engine()
     eng.register_region(KVRegion.allocate("kv2", 1, 4, (16, 2, 8), shared=True))
     reply = _hello_reply(eng.address)
-    assert wire.decode(reply, 1)[0] == "challenge"
+    assert isinstance(wire.decode(reply, 1).msg, Challenge)
     assert b"/dev/shm" not in reply and b"hetero_pd-" not in reply and b"kv2" not in reply
 
 
@@ -252,8 +242,10 @@ def _say_landed(
     def send() -> None:
         session = core.linker.session_for(peer)
         assert session is not None
-        header = wire.encode("landed", session.token, x=transfer_id, s=seqs, ds=ds, wv=wv, g=grant)
-        core.outbox.send(session, "landed", header)
+        landed = Landed(
+            transfer_id=transfer_id, seqs=seqs, digests=ds, writer_verified=wv, grant=grant
+        )
+        core.outbox.post(session, landed)
 
     core.loop.call_wait(send, 5)
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import torch
 
 from transfer import EngineConfig, KVRegion, StatusCode, TransferEngine, TransferState, wire
 from transfer.errors import TransferError
 from transfer.kv_layouts import CONVERSIONS, FRACTAL_NZ, LAYOUTS, ND, nd_to_nz, nz_c0, nz_to_nd
+from transfer.messages import Regions
 
 INNER = (4, 8)  # kv_heads x head_dim: 32 values per token (2 strips of bf16, 4 of fp32)
 _ids = itertools.count()
@@ -45,10 +47,14 @@ def test_region_refuses_a_layout_its_blocks_cannot_have() -> None:
 
 def test_region_descriptions_validate_the_layout() -> None:
     desc = KVRegion.allocate("kv", 1, 4, (16, *INNER), layout=FRACTAL_NZ).describe()
-    assert wire.region_descriptions([desc])["kv"]["fmt"] == FRACTAL_NZ
+    header = wire.decode(wire.encode(Regions(regions=[desc])), 1)
+    assert isinstance(header.msg, Regions) and header.msg.regions[0].layout == FRACTAL_NZ
+    as_sent = msgspec.to_builtins(Regions(regions=[desc]))
     for bad in ("zz", 3, None):
-        with pytest.raises(wire.FrameError, match=r"regions\.fmt"):
-            wire.region_descriptions([{**desc, "fmt": bad}])
+        as_sent["regions"][0]["fmt"] = bad
+        forged = {"v": wire.VERSION, "sid": b"", "m": as_sent}
+        with pytest.raises(wire.FrameError, match=r"regions\[0\]\.fmt"):
+            wire.decode(wire.seal(msgspec.msgpack.encode(forged)), 1)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from transfer import (
     auth,
     wire,
 )
+from transfer.messages import About, AnyMessage, Auth, Challenge, Error, Hello
 from transfer.testing import PeerProcess, blocks_digest
 
 from .conftest import SECRET
@@ -50,7 +51,7 @@ def test_bad_dest_address_fails_fast_and_the_engine_lives(
     assert eng.healthy()
 
 
-def _fake_client(address: str, da: str, fp: str = "") -> tuple[str, dict[str, object]]:
+def _fake_client(address: str, da: str, fp: str = "") -> AnyMessage:
     """An authenticated peer (it knows the secret) that advertises ``da`` as its data address
     and ``fp`` as its KV fingerprint."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -58,15 +59,17 @@ def _fake_client(address: str, da: str, fp: str = "") -> tuple[str, dict[str, ob
     sock.connect(address)
     try:
         nonce = auth.new_nonce()
-        sock.send(wire.encode("hello", eid="fake", role="prefill", nonce=nonce))
+        sock.send(wire.encode(Hello(engine_id="fake", role="prefill", nonce=nonce)))
         assert sock.poll(5000)
-        _, challenge = wire.decode(sock.recv(), 1)
+        challenge = wire.decode(sock.recv(), 1).msg
+        assert isinstance(challenge, Challenge)
         proof = auth.client_proof(
-            SECRET.encode(), nonce, challenge["nonce"], "fake", challenge["eid"]
+            SECRET.encode(), nonce, challenge.nonce, "fake", challenge.engine_id
         )
-        sock.send(wire.encode("auth", proof=proof, host="h", pid=1, da=da, regions=[], fp=fp))
+        about = About(host="h", pid=1, data_address=da, regions=[], fingerprint=fp)
+        sock.send(wire.encode(Auth(proof=proof, about=about)))
         assert sock.poll(5000)
-        return wire.decode(sock.recv(), 1)
+        return wire.decode(sock.recv(), 1).msg
     finally:
         sock.close()
 
@@ -77,9 +80,9 @@ def test_bad_advertisement_is_refused_and_the_engine_lives(
 ) -> None:
     victim = make_engine()
     before = victim.metrics()["frames_rejected"].get("bad_field", 0)
-    msg_type, reply = _fake_client(victim.address, da)
-    assert msg_type == "error" and reply["code"] == StatusCode.FRAME_INVALID.number
-    assert "data address" in str(reply["msg"])
+    reply = _fake_client(victim.address, da)
+    assert isinstance(reply, Error) and reply.code == StatusCode.FRAME_INVALID.number
+    assert "data address" in reply.text
     assert victim.metrics()["frames_rejected"].get("bad_field", 0) == before + 1
     assert victim.peers() == []
     assert victim.healthy()
@@ -91,9 +94,9 @@ def test_bad_fingerprint_is_refused_and_the_engine_lives(
     receiver: PeerProcess, make_engine: Callable[..., TransferEngine], fp: str
 ) -> None:
     victim = make_engine()
-    msg_type, reply = _fake_client(victim.address, "", fp)
-    assert msg_type == "error" and reply["code"] == StatusCode.FRAME_INVALID.number
-    assert "fp" in str(reply["msg"])
+    reply = _fake_client(victim.address, "", fp)
+    assert isinstance(reply, Error) and reply.code == StatusCode.FRAME_INVALID.number
+    assert "fp" in reply.text
     assert victim.peers() == [] and victim.healthy()
     _push_works(victim, receiver, f"after-fp-{len(fp)}")
 

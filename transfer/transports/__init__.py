@@ -17,10 +17,9 @@ Grants, ACKs and errors always go over the engines' ZMQ link.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from transfer.messages import RegionInfo
 from transfer.region import KVRegion
 from transfer.session import Session
 from transfer.transports import cuda_ipc, local, shm
@@ -34,7 +33,7 @@ def choose(
     session: Session,
     my_host: str,
     src: KVRegion,
-    dst_desc: dict[str, Any],
+    dst_desc: RegionInfo,
 ) -> str:
     """Pick the best transport for sending ``src`` blocks to the peer's ``dst_desc`` region."""
     order = (forced,) if forced else allowed
@@ -51,9 +50,9 @@ def choose(
     raise ValueError(f"transport {forced!r} cannot reach peer {session.peer_id!r} from here")
 
 
-def open_destination(name: str, session: Session, desc: dict[str, Any]) -> list[torch.Tensor]:
+def open_destination(name: str, session: Session, desc: RegionInfo) -> list[torch.Tensor]:
     """Destination tensors of a direct transport (cached per session)."""
-    key = f"{name}:{desc['name']}"
+    key = f"{name}:{desc.name}"
     tensors = session.mapped.get(key)
     if tensors is None:
         opener = {

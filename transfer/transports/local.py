@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any
 
 import torch
 
+from transfer.messages import RegionInfo
 from transfer.region import KVRegion
 from transfer.session import Session
 
@@ -32,14 +32,14 @@ def publish(engine_id: str, regions: dict[str, KVRegion]) -> LocalEndpoint:
     return endpoint
 
 
-def available(session: Session, desc: dict[str, Any]) -> bool:
+def available(session: Session, desc: RegionInfo) -> bool:
     """True when the peer engine (and its region) is in this very process."""
     if session.pid != os.getpid():
         return False
     endpoint = _ENGINES.get(session.peer_id)
-    return endpoint is not None and desc["name"] in endpoint.regions
+    return endpoint is not None and desc.name in endpoint.regions
 
 
-def open_region(session: Session, desc: dict[str, Any]) -> list[torch.Tensor]:
+def open_region(session: Session, desc: RegionInfo) -> list[torch.Tensor]:
     """The peer's region tensors themselves."""
-    return _ENGINES[session.peer_id].regions[desc["name"]].tensors
+    return _ENGINES[session.peer_id].regions[desc.name].tensors

@@ -16,11 +16,11 @@ import mmap
 import os
 import re
 import stat
-from typing import Any
 
 import torch
 
 from transfer.errors import StatusCode, TransferError
+from transfer.messages import RegionInfo
 from transfer.region import OWNER_FILE, SHM_PREFIX, SHM_ROOT, KVRegion, parse_dtype
 from transfer.session import Session
 
@@ -28,17 +28,17 @@ _TOKEN = re.compile(r"[0-9a-f]{8}")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
-def available(src: KVRegion, desc: dict[str, Any]) -> bool:
+def available(src: KVRegion, desc: RegionInfo) -> bool:
     """True when the destination lives in /dev/shm and the source is host memory."""
-    return bool(desc.get("shm")) and src.tensors[0].device.type == "cpu"
+    return bool(desc.shm) and src.tensors[0].device.type == "cpu"
 
 
-def peer_directory(session: Session, desc: dict[str, Any]) -> str:
+def peer_directory(session: Session, desc: RegionInfo) -> str:
     """The peer's own region directory, verified; raises NOT_GRANTED otherwise."""
-    token, name = desc.get("shm"), desc.get("name")
-    if not (isinstance(token, str) and _TOKEN.fullmatch(token)):
+    token, name = desc.shm, desc.name
+    if not (token is not None and _TOKEN.fullmatch(token)):
         raise _refuse(session, f"shm token {token!r}")
-    if not (isinstance(name, str) and _NAME.fullmatch(name)):
+    if not _NAME.fullmatch(name):
         raise _refuse(session, f"region name {name!r}")
     root = os.path.join(SHM_ROOT, f"{SHM_PREFIX}-{session.pid}-{token}")
     try:
@@ -55,15 +55,15 @@ def peer_directory(session: Session, desc: dict[str, Any]) -> str:
     return root
 
 
-def open_region(session: Session, desc: dict[str, Any]) -> list[torch.Tensor]:
+def open_region(session: Session, desc: RegionInfo) -> list[torch.Tensor]:
     """Map the peer's region files as tensors ``[nb, *shape]``."""
     root = peer_directory(session, desc)
-    dtype = parse_dtype(desc["dt"])
-    shape = (desc["nb"], *desc["shape"])
+    dtype = parse_dtype(desc.dtype)
+    shape = (desc.num_blocks, *desc.block_shape)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     tensors = []
-    for i in range(desc["nl"] * desc["tpl"]):
-        path = os.path.join(root, f"{desc['name']}.{i}")
+    for i in range(desc.num_layers * desc.tensors_per_layer):
+        path = os.path.join(root, f"{desc.name}.{i}")
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as exc:
