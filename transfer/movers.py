@@ -7,6 +7,7 @@ the bytes of one attempt go out, a bounded slice per call so the I/O loop stays 
 from __future__ import annotations
 
 import ctypes
+import enum
 import itertools
 import time
 from collections import deque
@@ -42,6 +43,18 @@ PIECE_BYTES = 512 << 10
 LANDED_BYTES = 4 << 20
 
 
+class Phase(enum.Enum):
+    """Where the current attempt of an outgoing transfer is (diagram: :mod:`transfer.sender`)."""
+
+    LINK = "link"  # waiting for a session to the peer
+    GRANT = "grant"  # direct: BEGIN sent, waiting for the receiver's write window
+    DIRECT = "direct"  # direct: copying chunks into the peer's blocks
+    SEND = "send"  # stream: sending chunks
+    ACK = "ack"  # END sent, waiting for the ACK
+    BACKOFF = "backoff"  # waiting to start the next attempt
+    CLOSING = "closing"  # ended: waiting until no queued frame views the source blocks
+
+
 @dataclass(slots=True, eq=False)
 class OutTransfer:
     """State of one outgoing transfer (all attempts)."""
@@ -62,7 +75,7 @@ class OutTransfer:
     chunks: list[layout.Chunk] = field(default_factory=list)
     blocks_per_chunk: int = 1
     queue: deque[int] = field(default_factory=deque)
-    phase: str = "link"
+    phase: Phase = Phase.LINK
     attempt_until: float = 0.0
     retry_at: float = 0.0
     grant_until: float = 0.0
@@ -224,7 +237,7 @@ def pump_stream(
         out.queue.popleft()
         moved += len(buf)
         counters.bytes_sent_total += len(buf)
-        if out.phase != "send":
+        if out.phase is not Phase.SEND:
             return False  # the session went away under a fault; the attempt timer decides
     return not out.queue
 

@@ -31,7 +31,7 @@ from transfer.linker import Linker
 from transfer.loop import IOLoop
 from transfer.messages import Ack, Begin, End, Error, Grant, Landed, Transport
 from transfer.metrics import Metrics, TransportMetrics
-from transfer.movers import WINDOW_BYTES, OutTransfer
+from transfer.movers import WINDOW_BYTES, OutTransfer, Phase
 from transfer.outbox import Outbox
 from transfer.region import dtype_name
 from transfer.session import Identity, Session
@@ -94,7 +94,7 @@ class Sender:
                 why = f"no link to {peer!r}; call link() or set_peer_address() first"
                 self._fail(out, TransferError(StatusCode.NOT_LINKED, why))
                 return
-            out.phase, out.attempt_until = "link", now + self.config.link_timeout_s
+            out.phase, out.attempt_until = Phase.LINK, now + self.config.link_timeout_s
             self.links.connect(peer, address)
             return
         description = session.regions.get(out.dst.region)
@@ -161,7 +161,7 @@ class Sender:
             self._send_in_band(out, "begin", header)
         else:
             self.outbox.send(session, "begin", header)
-        out.phase = "grant" if direct else "send"
+        out.phase = Phase.GRANT if direct else Phase.SEND
         out.attempt_until = now + self.config.ack_timeout_s + out.handle.nbytes / MIN_RATE
 
     def _send_in_band(self, out: OutTransfer, msg_type: str, header: bytes) -> None:
@@ -184,9 +184,9 @@ class Sender:
         """0 if bytes can move now, a short nap if only the send window is full, else None."""
         hint = None
         for out in self.active.values():
-            if out.queue and out.phase == "direct":
+            if out.queue and out.phase is Phase.DIRECT:
                 return 0.0
-            if out.queue and out.phase == "send" and not out.waiting_digest:
+            if out.queue and out.phase is Phase.SEND and not out.waiting_digest:
                 if out.inflight < WINDOW_BYTES:
                     return 0.0
                 hint = 0.001
@@ -211,11 +211,11 @@ class Sender:
                 self._check(out, now)
 
     def _move(self, out: OutTransfer) -> None:
-        if out.phase == "send" and movers.pump_stream(
+        if out.phase is Phase.SEND and movers.pump_stream(
             out, self.outbox, self._counters(out), self.hasher
         ):
             self._send_end(out, None)
-        elif out.phase == "direct":
+        elif out.phase is Phase.DIRECT:
             if time.monotonic() > out.grant_until:
                 self._retry(out, TransferError(StatusCode.TIMEOUT, "direct-write grant ran out"))
                 return
@@ -256,7 +256,7 @@ class Sender:
             self._send_in_band(out, "end", header)
         else:
             self.outbox.send(out.session, "end", header)
-        out.phase = "ack"
+        out.phase = Phase.ACK
         out.attempt_until = time.monotonic() + self.config.ack_timeout_s
 
     # ---- answers ------------------------------------------------------------------------
@@ -286,7 +286,7 @@ class Sender:
             self._fail(out, err)
 
     def _on_grant(self, out: OutTransfer, session: Session, msg: Grant) -> None:
-        if out.phase != "grant" or out.transport not in transports.DIRECT:
+        if out.phase is not Phase.GRANT or out.transport not in transports.DIRECT:
             return
         try:
             description = session.regions[out.dst.region]
@@ -307,7 +307,7 @@ class Sender:
         if until <= now:
             self._retry(out, TransferError(StatusCode.TIMEOUT, "grant arrived too late"))
             return
-        out.grant_until, out.phase, out.grant = until, "direct", msg.grant
+        out.grant_until, out.phase, out.grant = until, Phase.DIRECT, msg.grant
 
     def _resend(self, out: OutTransfer, bad: list[int], err: TransferError) -> None:
         """The receiver NACKed some chunks of a stream: send just those again."""
@@ -322,7 +322,7 @@ class Sender:
         out.prepared.clear()
         if out.via_data:  # the data connection may be new: name the stream again
             self._send_in_band(out, "begin", out.begin)
-        out.phase = "send"
+        out.phase = Phase.SEND
         out.attempt_until = time.monotonic() + self.config.ack_timeout_s
 
     def _retry(self, out: OutTransfer, err: TransferError) -> None:
@@ -336,7 +336,7 @@ class Sender:
         if relink and session is not None and session.alive and session.outbound:
             self._counters(out).relinks_total += 1
             self.links.relink(session)
-        out.phase, out.session, out.dst_tensors, out.last_error = "backoff", None, None, err
+        out.phase, out.session, out.dst_tensors, out.last_error = Phase.BACKOFF, None, None, err
         out.retry_at = time.monotonic() + self.config.retry.delay(out.handle.attempts)
 
     def _check(self, out: OutTransfer, now: float) -> None:
@@ -351,14 +351,16 @@ class Sender:
             self._close(out, TransferState.TIMED_OUT, err, "lease_expired")
         elif now > out.deadline:
             last = f"; last error: {out.last_error.message}" if out.last_error else ""
-            why = f"not acknowledged within its deadline (phase {out.phase}){last}"
+            why = f"not acknowledged within its deadline (phase {out.phase.value}){last}"
             self._close(
                 out, TransferState.TIMED_OUT, TransferError(StatusCode.TIMEOUT, why), "timeout"
             )
-        elif out.phase == "backoff" and now >= out.retry_at:
+        elif out.phase is Phase.BACKOFF and now >= out.retry_at:
             self._attempt(out)
-        elif out.phase != "backoff" and now > out.attempt_until:
-            self._retry(out, TransferError(StatusCode.TIMEOUT, f"no answer in phase {out.phase}"))
+        elif out.phase is not Phase.BACKOFF and now > out.attempt_until:
+            self._retry(
+                out, TransferError(StatusCode.TIMEOUT, f"no answer in phase {out.phase.value}")
+            )
 
     # ---- leases -------------------------------------------------------------------------
     def renew(self, request_id: str, now: float, seconds: float | None = None) -> int:
@@ -381,13 +383,17 @@ class Sender:
     def on_linked(self, session: Session) -> None:
         """A (re-)link completed: resume transfers waiting for it."""
         for out in list(self.active.values()):
-            if out.phase == "link" and out.handle.peer == session.peer_id and out.closing is None:
+            if (
+                out.phase is Phase.LINK
+                and out.handle.peer == session.peer_id
+                and out.closing is None
+            ):
                 self._attempt(out)
 
     def on_link_failed(self, peer: str, err: TransferError) -> None:
         """A handshake failed: transfers waiting for it retry (or fail if non-recoverable)."""
         for out in list(self.active.values()):
-            if out.phase == "link" and out.handle.peer == peer and out.closing is None:
+            if out.phase is Phase.LINK and out.handle.peer == peer and out.closing is None:
                 (self._retry if err.recoverable else self._fail)(out, err)
 
     def on_data_unusable(self, session: Session) -> None:
@@ -402,7 +408,7 @@ class Sender:
         """Transfers on a dropped session wait for a new link until their attempt times out."""
         for out in self.active.values():
             if out.session is session and out.closing is None:
-                out.session, out.phase = None, "link"
+                out.session, out.phase = None, Phase.LINK
 
     # ---- ending -------------------------------------------------------------------------
     def _fail(self, out: OutTransfer, err: TransferError) -> None:
@@ -421,7 +427,7 @@ class Sender:
             counters.transfers_timed_out_total += 1
         else:
             counters.transfers_failed_total += 1
-        out.closing, out.phase = (state, err, released), "closing"
+        out.closing, out.phase = (state, err, released), Phase.CLOSING
         out.queue.clear()
         out.prepared.clear()
         if out.queued:
