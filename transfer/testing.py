@@ -1,8 +1,8 @@
 """A transfer engine in a child process, driven over a pipe: for tests and the benchmark.
 
-The control channel carries msgpack bytes (never pickles). The child owns one engine and one
-region filled with deterministic data; :class:`PeerProcess` is the parent's handle to it and
-always kills the child on exit.
+The control channel carries msgpack bytes (plain values through msgspec, never pickles). The
+child owns one engine and one region filled with deterministic data; :class:`PeerProcess` is
+the parent's handle to it and always kills the child on exit.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import multiprocessing as mp
 from multiprocessing.connection import Connection
 from typing import Any
 
-import msgpack
+import msgspec
 import torch
 
 from transfer import layout
@@ -81,19 +81,21 @@ def _serve(
     fill(reg, region.get("seed", 1))
     engine.register_region(reg)
     handles: dict[str, TransferHandle] = {}
-    conn.send_bytes(msgpack.packb({"address": engine.address, "data_address": engine.data_address}))
+    conn.send_bytes(
+        msgspec.msgpack.encode({"address": engine.address, "data_address": engine.data_address})
+    )
     try:
         while True:
-            cmd = msgpack.unpackb(conn.recv_bytes())
+            cmd = msgspec.msgpack.decode(conn.recv_bytes())
             if cmd["op"] == "stop":
                 break
             try:
                 out = _command(engine, reg, handles, cmd)
             except Exception as exc:  # reported to the parent, which raises it
-                conn.send_bytes(msgpack.packb({"ok": False, "error": repr(exc)}))
+                conn.send_bytes(msgspec.msgpack.encode({"ok": False, "error": repr(exc)}))
                 continue
             engine.progress()
-            conn.send_bytes(msgpack.packb({"ok": True, "out": out}))
+            conn.send_bytes(msgspec.msgpack.encode({"ok": True, "out": out}))
     except EOFError:
         pass
     finally:
@@ -188,11 +190,11 @@ class PeerProcess:
     def _recv(self, timeout: float) -> Any:
         if not self._conn.poll(timeout):
             raise TimeoutError(f"peer {self.engine_id} did not answer within {timeout}s")
-        return msgpack.unpackb(self._conn.recv_bytes())
+        return msgspec.msgpack.decode(self._conn.recv_bytes())
 
     def call(self, op: str, call_timeout: float = 30.0, **kwargs: Any) -> Any:
         """Run one command in the child and return its result (its errors re-raised here)."""
-        self._conn.send_bytes(msgpack.packb({"op": op, **kwargs}))
+        self._conn.send_bytes(msgspec.msgpack.encode({"op": op, **kwargs}))
         reply = self._recv(call_timeout)
         if not reply["ok"]:
             raise RuntimeError(f"peer {self.engine_id}: {op} failed: {reply['error']}")
@@ -208,7 +210,7 @@ class PeerProcess:
         """Stop the child gracefully, killing it if it does not exit quickly."""
         if self.process.is_alive():
             with contextlib.suppress(OSError):
-                self._conn.send_bytes(msgpack.packb({"op": "stop"}))
+                self._conn.send_bytes(msgspec.msgpack.encode({"op": "stop"}))
             self.process.join(5)
         self.kill()
         self._conn.close()
