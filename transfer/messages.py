@@ -29,13 +29,14 @@ from transfer.errors import StatusCode, TransferError
 
 VERSION: Literal[4] = 4
 
-#: Engine ids, roles, region names.
+#: Engine ids and region names.
 Name = Annotated[str, Meta(max_length=256)]
 #: Request ids and transfer ids (a transfer id embeds an engine id and a request id).
 Key = Annotated[str, Meta(max_length=1024)]
-#: Error texts; dtype, checksum, codec and layout names are short words.
+#: Error texts.
 MAX_TEXT = 4096
 Text = Annotated[str, Meta(max_length=MAX_TEXT)]
+#: dtype, device, checksum, codec and layout names.
 Word = Annotated[str, Meta(max_length=32)]
 #: Nonces, proofs and session tokens (16 or 32 bytes).
 Secret = Annotated[bytes, Meta(max_length=64)]
@@ -54,7 +55,7 @@ MAX_LIST = 1 << 20
 #: Block ids or chunk numbers.
 Indices = Annotated[list[Index], Meta(max_length=MAX_LIST)]
 Digests = Annotated[list[Digest], Meta(max_length=MAX_LIST)]
-#: ``[num_blocks, block_size, *inner]`` minus the first: at most 8 dimensions.
+#: A block's shape ``[block_size, *inner]``: 1 to 8 dimensions.
 Shape = Annotated[list[Index], Meta(min_length=1, max_length=8)]
 #: Most regions one engine describes.
 MAX_REGIONS = 64
