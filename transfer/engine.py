@@ -34,7 +34,7 @@ from transfer.core import Core
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import Callback, RemoteBlocks, TransferHandle, TransferState
 from transfer.messages import Renew
-from transfer.movers import new_push
+from transfer.outgoing import new_push
 from transfer.pulls import new_pull
 from transfer.region import KVRegion
 

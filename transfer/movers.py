@@ -7,13 +7,11 @@ the bytes of one attempt go out, a bounded slice per call so the I/O loop stays 
 from __future__ import annotations
 
 import ctypes
-import enum
 import itertools
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, wait
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,12 +20,11 @@ import zmq
 from transfer import checksum, dataframe, kv_codec, kv_layouts, layout, wire
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
-from transfer.handle import RemoteBlocks, TransferHandle, TransferState
 from transfer.hashing import Hasher, tensor_digest
 from transfer.messages import Data
 from transfer.metrics import TransportMetrics
 from transfer.outbox import Outbox
-from transfer.region import KVRegion
+from transfer.outgoing import OutTransfer, Phase
 from transfer.session import Session
 
 #: Bytes moved per transfer per loop iteration before polling the sockets again.
@@ -41,137 +38,6 @@ PIECE_BYTES = 512 << 10
 #: A direct writer reports landed chunks (LANDED) every this many bytes: the receiver then
 #: verifies them while they are still in the shared cache and the next ones are copied.
 LANDED_BYTES = 4 << 20
-
-
-class Phase(enum.Enum):
-    """Where the current attempt of an outgoing transfer is (diagram: :mod:`transfer.sender`)."""
-
-    LINK = "link"  # waiting for a session to the peer
-    GRANT = "grant"  # direct: BEGIN sent, waiting for the receiver's write window
-    DIRECT = "direct"  # direct: copying chunks into the peer's blocks
-    SEND = "send"  # stream: sending chunks
-    ACK = "ack"  # END sent, waiting for the ACK
-    BACKOFF = "backoff"  # waiting to start the next attempt
-    CLOSING = "closing"  # ended: waiting until no queued frame views the source blocks
-
-
-@dataclass(slots=True, eq=False)
-class OutTransfer:
-    """State of one outgoing transfer (all attempts)."""
-
-    handle: TransferHandle
-    region: KVRegion
-    src_ids: torch.Tensor
-    dst: RemoteBlocks
-    layers: tuple[int, int]
-    num_tokens: int
-    requested_algo: str | None
-    forced: str | None
-    deadline: float
-    lease_until: float
-    transport: str = ""
-    session: Session | None = None
-    algo: str | None = None
-    chunks: list[layout.Chunk] = field(default_factory=list)
-    blocks_per_chunk: int = 1
-    queue: deque[int] = field(default_factory=deque)
-    phase: Phase = Phase.LINK
-    attempt_until: float = 0.0
-    retry_at: float = 0.0
-    grant_until: float = 0.0
-    dst_tensors: list[torch.Tensor] | None = None
-    #: Direct writes: the destination region's block layout (its description's ``fmt``).
-    dst_layout: str = kv_layouts.ND
-    #: ``layout.is_run(src_ids)``, computed once per transfer.
-    src_run: bool | None = None
-    trackers: deque[tuple[zmq.MessageTracker, int]] = field(default_factory=deque)
-    #: Stream chunks go on the session's data channel (:mod:`transfer.datachan`).
-    via_data: bool = False
-    #: Our number for this transfer on the data channel (named by its BEGIN).
-    stream: int = 0
-    #: The encoded BEGIN of the current attempt (resent in band before resent chunks).
-    begin: bytes = b""
-    #: Bytes of frames viewing our source blocks still queued on the data channel.
-    queued: int = 0
-    closing: tuple[TransferState, TransferError | None, str] | None = None
-    last_error: TransferError | None = None
-    #: Called on the I/O thread once the transfer ended and released its source blocks.
-    on_closed: Callable[[TransferState], None] | None = None
-    #: Direct writes: destination block ids as a tensor (and whether they are a run), and
-    #: each chunk's digest (computed as it is first copied).
-    dst_ids: torch.Tensor | None = None
-    dst_ids_for: list[torch.Tensor] | None = None  # the mapping ``dst_ids`` were checked in
-    dst_run: bool | None = None
-    digests: dict[int, int] = field(default_factory=dict)
-    #: Direct writes: chunks of this attempt whose landed bytes we hashed right after
-    #: copying them and found equal to their digest (the receiver need not read them again).
-    verified: set[int] = field(default_factory=set)
-    #: Direct writes whose chunks are plain byte runs (:func:`_plain_runs`): per tensor, the
-    #: address of the first source and destination block, and the bytes of one block;
-    #: computed with ``dst_ids`` (None: not such a write, or not known yet).
-    plain: tuple[list[int], list[int], int] | None = None
-    #: Direct writes: the receiver's number for the grant we write under (LANDED names it).
-    grant: int = 0
-    #: Seconds one renewal extends the lease by (the lease it started with).
-    lease_s: float = 0.0
-    #: Stream chunks ready to send: their bytes and (with checksums) their digest's future.
-    prepared: dict[int, tuple[memoryview, Future[int] | None]] = field(default_factory=dict)
-    #: True while the next chunk waits for its digest (the hashing thread wakes the loop).
-    waiting_digest: bool = False
-    #: How stream chunks are encoded on the wire (named in BEGIN; direct writes: "none").
-    codec: str = "none"
-
-    @property
-    def on_cpu(self) -> bool:
-        """Both ends of a direct write in host memory (its chunks may be copied two at once)."""
-        dst = self.dst_tensors
-        return self.region.tensors[0].is_cpu and dst is not None and all(t.is_cpu for t in dst)
-
-    @property
-    def inflight(self) -> int:
-        """Bytes handed out zero-copy (ZMQ or the data channel) and not yet released."""
-        while self.trackers and self.trackers[0][0].done:
-            self.trackers.popleft()
-        return sum(n for _, n in self.trackers) + self.queued
-
-
-def new_push(
-    transfer_id: str,
-    peer: str,
-    region: KVRegion,
-    src: list[int],
-    dst: RemoteBlocks,
-    layers: tuple[int, int],
-    num_tokens: int | None,
-    checksum_algo: str | None,
-    transport: str | None,
-    timeout_s: float,
-    lease_s: float,
-) -> OutTransfer:
-    """A validated push of ``src`` (layers ``[first, last)``) into ``dst``, not started yet."""
-    region.check_blocks(src, "source")
-    if not src:
-        raise TransferError(StatusCode.PARAM_INVALID, "no source blocks")
-    tokens = num_tokens if num_tokens is not None else len(src) * region.block_size
-    if not 0 < tokens <= len(src) * region.block_size:
-        raise TransferError(StatusCode.PARAM_INVALID, f"num_tokens={tokens} for {len(src)} blocks")
-    nbytes = len(src) * region.block_bytes * len(region.tensor_range(layers))
-    handle = TransferHandle(transfer_id, "push", peer, dst.request_id, nbytes=nbytes)
-    now = time.monotonic()
-    src_ids = torch.tensor(src, dtype=torch.long)
-    return OutTransfer(
-        handle,
-        region,
-        src_ids,
-        dst,
-        layers,
-        tokens,
-        checksum_algo,
-        transport,
-        now + timeout_s,
-        now + lease_s,
-        lease_s=lease_s,
-    )
 
 
 def pump_stream(

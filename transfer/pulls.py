@@ -29,9 +29,9 @@ from transfer.linker import Linker
 from transfer.loop import IOLoop
 from transfer.messages import Error, Pull
 from transfer.metrics import Metrics
-from transfer.movers import OutTransfer
 from transfer.offers import Offer, OfferBook
 from transfer.outbox import Outbox
+from transfer.outgoing import OutTransfer
 from transfer.region import KVRegion
 from transfer.sender import Sender
 from transfer.session import Session

@@ -31,8 +31,9 @@ from transfer.linker import Linker
 from transfer.loop import IOLoop
 from transfer.messages import Ack, Begin, End, Error, Grant, Landed, Transport
 from transfer.metrics import Metrics, TransportMetrics
-from transfer.movers import WINDOW_BYTES, OutTransfer, Phase
+from transfer.movers import WINDOW_BYTES
 from transfer.outbox import Outbox
+from transfer.outgoing import OutTransfer, Phase
 from transfer.region import dtype_name
 from transfer.session import Identity, Session
 
