@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import msgpack
+import msgspec
 import numpy as np
 
 from edge.needle_search import find_all
@@ -130,7 +130,7 @@ def _id_needles(ids: list[int], window: int) -> Iterator[tuple[str, bytes, tuple
                 (start, start + w),
             )
     forms = {
-        "msgpack ints": ([msgpack.packb(i) for i in ids], b""),
+        "msgpack ints": ([msgspec.msgpack.encode(i) for i in ids], b""),
         "decimal list": ([str(i).encode() for i in ids], b","),
         "decimal list, spaced": ([str(i).encode() for i in ids], b", "),
     }
@@ -140,7 +140,7 @@ def _id_needles(ids: list[int], window: int) -> Iterator[tuple[str, bytes, tuple
             while end < len(ids) and len(sep.join(parts[start:end])) < MIN_VARIABLE_BYTES:
                 end += 1
             yield f"token ids ({label})", sep.join(parts[start:end]), (start, end)
-    yield "token ids (msgpack array)", msgpack.packb(ids), (0, len(ids))
+    yield "token ids (msgpack array)", msgspec.msgpack.encode(ids), (0, len(ids))
 
 
 def _fits(array: np.ndarray[tuple[int], np.dtype[np.int64]], dtype: str) -> bool:

@@ -1,7 +1,7 @@
 """Fast non-cryptographic checksums of KV chunks.
 
-``xxh3`` (64-bit, ~25 GB/s on one AVX2 core) is preferred, then hardware ``crc32c``, then
-zlib's ``crc32`` (always available, ~4 GB/s). Both ends name the algorithm in the transfer's
+``xxh3`` (64-bit, ~25 GB/s on one AVX2 core; xxhash is a dependency) by default; zlib's
+``crc32`` (~4 GB/s) where a peer asks for it. Both ends name the algorithm in the transfer's
 header, so a receiver verifies with exactly what the sender used.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Iterable
+
+import xxhash
 
 Buffer = bytes | bytearray | memoryview
 Digest = Callable[[Buffer], int]
@@ -29,40 +31,18 @@ _STREAMS["crc32"] = _crc32_stream
 #: crc-style checksums continue from a previous value: ``f(data, value)``.
 _CHAINED: dict[str, Callable[[Buffer, int], int]] = {"crc32": zlib.crc32}
 
-try:
-    import xxhash
 
-    _ALGOS["xxh3"] = xxhash.xxh3_64_intdigest
+def _xxh3_stream(parts: Iterable[Buffer]) -> int:
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(part)
+    return int(h.intdigest())
 
-    def _xxh3_stream(parts: Iterable[Buffer]) -> int:
-        h = xxhash.xxh3_64()
-        for part in parts:
-            h.update(part)
-        return int(h.intdigest())
 
-    _STREAMS["xxh3"] = _xxh3_stream
-except ImportError:  # optional dependency
-    pass
+_ALGOS["xxh3"] = xxhash.xxh3_64_intdigest
+_STREAMS["xxh3"] = _xxh3_stream
 
-try:
-    import crc32c as _crc32c_mod
-
-    def _crc32c(data: Buffer) -> int:
-        return int(_crc32c_mod.crc32c(data))
-
-    def _crc32c_stream(parts: Iterable[Buffer]) -> int:
-        value = 0
-        for part in parts:
-            value = _crc32c_mod.crc32c(part, value)
-        return int(value)
-
-    _ALGOS["crc32c"] = _crc32c
-    _CHAINED["crc32c"] = lambda data, value: int(_crc32c_mod.crc32c(data, value))
-    _STREAMS["crc32c"] = _crc32c_stream
-except ImportError:  # optional dependency
-    pass
-
-PREFERENCE = ("xxh3", "crc32c", "crc32")
+PREFERENCE = ("xxh3", "crc32")
 
 
 def available() -> list[str]:

@@ -79,7 +79,7 @@ class EngineConfig:
     #: (local, shm).
     checksum_stream: bool | None = None
     checksum_direct: bool | None = None
-    #: Checksum algorithm: "xxh3", "crc32c", "crc32" or "auto" (fastest installed).
+    #: Checksum algorithm: "xxh3", "crc32" or "auto" (xxh3).
     checksum_algo: str = "auto"
     #: How KV travels on the stream (TCP) wire: "none" (raw) or "int8" (a scale per token and
     #: head; :mod:`transfer.kv_codec`). Direct writes (local, shm) always move raw KV. As a

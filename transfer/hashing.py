@@ -1,6 +1,6 @@
 """Checksums off the I/O thread: helper threads hash chunks in the background.
 
-xxh3 (and crc32c, zlib's crc32) release the GIL on large buffers, so hashing here overlaps
+xxh3 (and zlib's crc32) release the GIL on large buffers, so hashing here overlaps
 the I/O thread's copies, socket writes and reads instead of adding to them. A job keeps its
 buffer alive until hashed; :meth:`Hasher.then` delivers the result back on the I/O thread.
 """

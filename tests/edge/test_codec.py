@@ -6,7 +6,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -33,7 +33,7 @@ def hidden(rows: int = 5, cols: int = 64, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("codec", ["float32", "float16", "int8"])
 def test_round_trip_through_msgpack(codec: str) -> None:
     h = hidden()
-    frame = msgpack.unpackb(msgpack.packb(encode(h, codec)))
+    frame = msgspec.msgpack.decode(msgspec.msgpack.encode(encode(h, codec)))
     payload = sum(len(v) for v in frame.values() if isinstance(v, bytes))
     assert payload == h.shape[0] * bytes_per_token(64, codec)
     out = decode(frame, hidden_size=64)
@@ -152,15 +152,15 @@ def test_hidden_size_mismatch_is_named() -> None:
 
 def test_random_bytes_never_crash() -> None:
     """Fuzz: flipped bytes in a packed frame either decode or raise ValueError."""
-    packed = bytearray(msgpack.packb(good()))
+    packed = bytearray(msgspec.msgpack.encode(good()))
     g = torch.Generator().manual_seed(0)
     for _ in range(300):
         data = bytearray(packed)
         for i in torch.randint(0, len(data), (3,), generator=g).tolist():
             data[i] = int(torch.randint(0, 256, (1,), generator=g))
         try:
-            frame = msgpack.unpackb(bytes(data))
-        except (ValueError, msgpack.UnpackException):
+            frame = msgspec.msgpack.decode(bytes(data))
+        except (ValueError, msgspec.DecodeError):
             continue
         with contextlib.suppress(ValueError):
             decode(frame)

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-import msgpack
+import msgspec
 import numpy as np
 import pytest
 
@@ -38,8 +38,8 @@ LEAKS: list[tuple[bytes, str]] = [
     (np.array(IDS, ">i4").tobytes(), "token ids (int32 big-endian)"),
     (np.array(IDS[5:12], "<i4").tobytes(), "token ids (int32 little-endian)"),
     (np.array(IDS, "<f4").tobytes(), "token ids (float32 little-endian)"),
-    (msgpack.packb({"prompt_token_ids": IDS}), "token ids (msgpack"),
-    (msgpack.packb(IDS[3:10]), "token ids (msgpack ints)"),
+    (msgspec.msgpack.encode({"prompt_token_ids": IDS}), "token ids (msgpack"),
+    (msgspec.msgpack.encode(IDS[3:10]), "token ids (msgpack ints)"),
     (b"[3, 1203, 48000, 7, 7]", "token ids (decimal list, spaced)"),
     (json.dumps({"ids": IDS}).encode(), "token ids (decimal list, spaced)"),
     (json.dumps({"ids": IDS}, separators=(",", ":")).encode(), "token ids (decimal list)"),
@@ -92,6 +92,6 @@ def test_hidden_state_frames_do_not_reveal_the_prompt(tiny_llama_dir: Path) -> N
     wire = b""
     for codec in ("float16", "int8", "float32"):
         frame = encode(rt.prefill(ids[:-1]), codec)
-        wire += msgpack.packb({"type": "prefill", "hidden": frame})
-        wire += msgpack.packb({"type": "step", "hidden": encode(rt.step(ids[-1]), codec)})
+        wire += msgspec.msgpack.encode({"type": "prefill", "hidden": frame})
+        wire += msgspec.msgpack.encode({"type": "step", "hidden": encode(rt.step(ids[-1]), codec)})
     assert_no_prompt_leak(wire, "the tiny model prompt", ids)

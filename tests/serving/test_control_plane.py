@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import msgspec
 import pytest
 import zmq
@@ -181,7 +180,7 @@ def _peak_bytes(decode: Any, frame: bytes) -> int:
 def test_a_hostile_frame_cannot_amplify_memory() -> None:
     """A 4 MiB msgpack array of empty maps once grew a worker by 289 MiB: decoding built
     every map before looking at it. Typed decoding refuses it at its first element."""
-    flood = msgpack.packb([{}] * (4 * 2**20))
+    flood = msgspec.msgpack.encode([{}] * (4 * 2**20))
     deep = b"\x91" * 100_000 + b"\xc0"  # arrays nested 100,000 deep
     for decode in (P.worker_codec().decode, P.router_codec().decode, E.unpack):
         for frame in (flood, deep):
@@ -191,11 +190,11 @@ def test_a_hostile_frame_cannot_amplify_memory() -> None:
 def test_decoding_a_hostile_map_is_bounded() -> None:
     big = {"v": 2, "t": "generate", "rid": "r", "params": {}, "prompt_ids": [1] * (2**21)}
     with pytest.raises(V.MessageError, match="prompt_ids"):
-        P.worker_codec().decode(msgpack.packb(big))
+        P.worker_codec().decode(msgspec.msgpack.encode(big))
     params = msgspec.structs.asdict(PARAMS) | {"stop": ["s"] * 65}
     with pytest.raises(V.MessageError, match="stop"):
         P.worker_codec().decode(
-            msgpack.packb(
+            msgspec.msgpack.encode(
                 {"v": 2, "t": "generate", "rid": "r", "prompt_ids": [1], "params": params}
             )
         )

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
+import msgspec
 import pytest
 import torch
 
@@ -95,11 +95,11 @@ def test_nothing_the_device_sends_reveals_the_prompt(stack: Stack, text_llama_di
     prompt = PROMPTS[2]
     done = asyncio.run(edge.complete(prompt, max_tokens=6, ignore_eos=True))
     assert len(done.token_ids) == 6 and len(sent) == 6  # start + one hidden per new token
-    kinds = [msgpack.unpackb(m)["t"] for m in sent]
+    kinds = [msgspec.msgpack.decode(m)["t"] for m in sent]
     assert kinds == ["start"] + ["hidden"] * 5
     ids = EdgeRuntime(text_llama_dir, SPLIT).tokenize(prompt)
     assert_no_prompt_leak(b"".join(sent), prompt, ids)
-    start = msgpack.unpackb(sent[0])
+    start = msgspec.msgpack.decode(sent[0])
     assert set(start) == {"v", "t", "model", "split_layer", "fingerprint", "params", "prompt"}
     assert start["prompt"]["shape"] == [len(ids), 64]
 
@@ -130,7 +130,7 @@ def test_bad_sessions_end_with_a_clear_error(stack: Stack, text_llama_dir: Path)
 
     assert asyncio.run(raw(b"\xc1 not msgpack")).code == "protocol"
     start = {"model": stack.dep.model, "split_layer": SPLIT, "fingerprint": "x", "params": {}}
-    empty_frame = msgpack.packb({"v": 1, "t": "start", **start, "prompt": {}})
+    empty_frame = msgspec.msgpack.encode({"v": 1, "t": "start", **start, "prompt": {}})
     assert asyncio.run(raw(empty_frame)).code == "protocol"
     frame = encode(torch.zeros(3, 64), "float16")
     assert asyncio.run(raw(pack("start", **start, prompt=frame))).code == "fingerprint_mismatch"
@@ -178,7 +178,9 @@ def test_prompt_only_sessions_decode_in_the_cloud_like_the_unsplit_engine(
     ids = [runtime.tokenize(p) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert got == [o.outputs[0].token_ids for o in reference.generate(ids, params)]
-    assert [msgpack.unpackb(m)["t"] for m in sent] == ["start"] * 3  # nothing after the prompt
+    assert [msgspec.msgpack.decode(m)["t"] for m in sent] == [
+        "start"
+    ] * 3  # nothing after the prompt
     assert whole_stack.metric(DECISIONS, decision="disaggregated") >= 2
     assert whole_stack.metric(DECISIONS, decision="recompute") == 0
     for name, report in whole_stack.wait_idle().items():

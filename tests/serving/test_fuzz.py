@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
-import msgpack
+import msgspec
 import pytest
 import zmq
 
@@ -135,7 +135,7 @@ async def _edge_sessions(url: str, frames: list[bytes]) -> list[tuple[int, str]]
                     reply = await ws.receive(timeout=30)
                     tag = "close"
                     if reply.type == aiohttp.WSMsgType.BINARY:
-                        tag = msgpack.unpackb(reply.data).get("t", "?")
+                        tag = msgspec.msgpack.decode(reply.data).get("t", "?")
                     out.append((101, tag))
             except aiohttp.WSServerHandshakeError as e:
                 out.append((e.status, "refused"))
