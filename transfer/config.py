@@ -16,7 +16,7 @@ class Role(enum.Enum):
 
     PREFILL = "prefill"
     DECODE = "decode"
-    MIXED = "mixed"
+    BOTH = "both"  # colocated: prefill and decode in one worker
 
 
 @dataclass(frozen=True, slots=True)

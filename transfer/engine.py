@@ -43,7 +43,7 @@ class TransferEngine:
     """Moves KV blocks between workers (see the module docstring for the flow)."""
 
     def __init__(
-        self, engine_id: str, role: Role | str = Role.MIXED, config: EngineConfig | None = None
+        self, engine_id: str, role: Role | str = Role.BOTH, config: EngineConfig | None = None
     ) -> None:
         self.engine_id = engine_id
         self.role = Role(role)

@@ -62,7 +62,7 @@ MAX_REGIONS = 64
 Transport = Literal["tcp", "local", "shm", "cuda_ipc"]
 #: Mirrors :data:`transfer.kv_layouts.LAYOUTS` (a test keeps them equal).
 Layout = Literal["nd", "fractal_nz"]
-RoleName = Literal["prefill", "decode", "mixed"]
+RoleName = Literal["prefill", "decode", "both"]
 
 
 class _Struct(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

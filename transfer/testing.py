@@ -69,7 +69,7 @@ def _serve(
     conn: Connection, engine_id: str, config: dict[str, Any], region: dict[str, Any]
 ) -> None:
     torch.set_num_threads(1)
-    engine = TransferEngine(engine_id, "mixed", make_config(config))
+    engine = TransferEngine(engine_id, "both", make_config(config))
     reg = KVRegion.allocate(
         "kv",
         region["layers"],

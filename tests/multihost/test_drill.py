@@ -97,6 +97,12 @@ def test_a_decode_pod_killed_under_load(cluster: Cluster, tiny_texts: Texts) -> 
 def test_a_replaced_decode_pod_takes_transfers_without_a_timeout(
     cluster: Cluster, tiny_texts: Texts
 ) -> None:
+    """A decode pod killed and started again (a new process at the same name): the first
+    transfers into it go through at once, not after a timeout on the old session."""
+    before = cluster.pids()
+    cluster.kill("decode-0")
+    cluster.run("decode-0")
+    cluster.wait_workers({"decode-0"}, pids=before)
     prompts = random_prompts([LONG] * 4, seed=15)
     rows = cluster.call(sequential, cluster.api, prompts, TOKENS)  # all to the new decode-0
     _check([r["answer"] for r in rows], tiny_texts(prompts, TOKENS))

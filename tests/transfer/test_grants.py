@@ -168,7 +168,7 @@ def _hello_reply(address: str) -> bytes:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     try:
-        sock.send(wire.encode(Hello(engine_id="stranger", role="mixed", nonce=b"n" * 16)))
+        sock.send(wire.encode(Hello(engine_id="stranger", role="both", nonce=b"n" * 16)))
         assert sock.poll(5000), "no answer to hello"
         return bytes(sock.recv())
     finally:

@@ -49,5 +49,5 @@ def open_datadist(role: Role, cluster_id: int) -> Any:
     if not available():
         raise TransferError(StatusCode.PARAM_INVALID, "llm_datadist is not installed here")
     mod = importlib.import_module("llm_datadist")
-    llm_role = {Role.PREFILL: "PROMPT", Role.DECODE: "DECODER", Role.MIXED: "MIX"}[role]
+    llm_role = {Role.PREFILL: "PROMPT", Role.DECODE: "DECODER", Role.BOTH: "MIX"}[role]
     return mod.LLMDataDist(getattr(mod.LLMRole, llm_role), cluster_id)

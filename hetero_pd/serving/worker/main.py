@@ -59,11 +59,10 @@ class Worker:
     def __init__(self, cfg: WorkerConfig, secret: bytes) -> None:
         self.cfg = cfg
         self.id = cfg.worker_id
-        role = {"prefill": "prefill", "decode": "decode"}.get(cfg.role, "mixed")
         #: Weights + tokenizer: prefill and decode compare it when they link.
         self.model_fingerprint: str = model_fingerprint(resolve_model(cfg.engine.model))
         self.transfer: TransferEngine = TransferEngine(
-            cfg.worker_id, role, transfer_config(cfg, secret, self.model_fingerprint)
+            cfg.worker_id, cfg.role, transfer_config(cfg, secret, self.model_fingerprint)
         )
         self.region: KVRegion | None = None
         self.engine: LLMEngine = LLMEngine(
