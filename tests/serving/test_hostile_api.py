@@ -92,6 +92,16 @@ def test_deeply_nested_json_is_a_400(stack: Stack) -> None:
     assert "nests deeper" in assert_400(stack, body, None)
 
 
+def test_an_integer_too_long_to_convert_is_a_400(stack: Stack) -> None:
+    """Python refuses to turn more than 4,300 digits into an int: that was a 500 with a
+    traceback, for any route that reads a body."""
+    digits = b"1" * 5000
+    body = b'{"model": "%s", "prompt": [1], "max_tokens": %s}' % (stack.dep.model.encode(), digits)
+    assert "digits" in assert_400(stack, body, None)
+    status, answer = post(stack, "/tokenize", b'{"prompt": [%s]}' % digits)
+    assert status == 400 and "digits" in answer["error"]["message"], answer
+
+
 def test_stop_string_floods_are_refused(stack: Stack) -> None:
     flood = completion(stack, stop=["x" * 16384] * 1000)
     assert "at most" in assert_400(stack, flood, "stop")

@@ -242,3 +242,14 @@ def test_context_length() -> None:
     assert check_context_length(chat_req, 60, 100) == 40
     with pytest.raises(APIError, match="100 in the messages"):
         check_context_length(chat_req, 100, 100)
+
+
+def test_hostile_bytes_are_client_errors_not_crashes() -> None:
+    """A JSON integer of more digits than Python converts, and an Authorization header that
+    is not UTF-8 (aiohttp hands it over with surrogate escapes), are 400 and 401."""
+    with pytest.raises(APIError) as info:
+        parse_json_body(b'{"max_tokens": ' + b"9" * 5000 + b"}")
+    assert info.value.status == 400 and "digits" in info.value.message
+    with pytest.raises(APIError) as info:
+        check_api_key({"Authorization": "Bearer \udcff\udcfe"}, ("key",))
+    assert info.value.status == 401

@@ -5,6 +5,7 @@ metrics, and client disconnects that free every block on both workers."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import time
 import urllib.error
@@ -224,6 +225,23 @@ def test_api_key_is_required(stack: Stack) -> None:
     body = json.dumps({"model": model(stack), "prompt": [1, 2], "max_tokens": 2}).encode()
     status, err = raw_post(stack, "/v1/completions", body, key=None)
     assert status == 401 and err["error"]["type"] == "authentication_error"
+
+
+def test_an_authorization_header_that_is_not_utf8_is_a_401(stack: Stack) -> None:
+    """It was an unauthenticated 500 with a traceback (the key check encoded it as UTF-8)."""
+    host, port = stack.url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        for path in ("/v1/models", "/metrics"):
+            conn.putrequest("GET", path)
+            conn.putheader("Authorization", b"Bearer \xff\xfe\x80")
+            conn.endheaders()
+            resp = conn.getresponse()
+            body = json.loads(resp.read())
+            assert resp.status == 401, body
+            assert body["error"]["type"] == "authentication_error"
+    finally:
+        conn.close()
 
 
 # -- models, health, metrics -----------------------------------------------------------------

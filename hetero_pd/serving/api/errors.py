@@ -81,13 +81,16 @@ MAX_JSON_DEPTH = 32
 
 
 def parse_json_body(raw: bytes) -> Any:
-    """Decode a request body, answering 400 when it is not JSON, nests deeper than
+    """Decode a request body, answering 400 when it is not JSON (or holds an integer of more
+    than the 4,300 digits Python converts), nests deeper than
     MAX_JSON_DEPTH, or holds a string that is not valid Unicode (a lone surrogate such as
     ``"\\ud800"``, which JSON escapes can spell but no tokenizer or encoder accepts)."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad_request(f"The request body is not valid JSON: {e}") from e
+    except (
+        ValueError
+    ) as e:  # not JSON, not UTF-8, or an integer of more digits than Python converts
+        raise bad_request(f"The request body is not valid JSON: {e}") from None
     except RecursionError:
         raise bad_request(f"The request body nests deeper than {MAX_JSON_DEPTH} levels") from None
     _check_json(body)
@@ -139,7 +142,9 @@ def check_api_key(headers: Mapping[str, str], keys: Collection[str]) -> None:
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
         raise unauthorized("Malformed Authorization header: expected 'Bearer YOUR_KEY'")
-    given = token.encode()
+    # aiohttp hands over header bytes that are not UTF-8 as surrogate escapes: compared as
+    # those bytes, they match no key.
+    given = token.encode("utf-8", "surrogateescape")
     matched = False
     for key in keys:
         matched |= hmac.compare_digest(given, key.encode())
