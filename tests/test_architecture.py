@@ -5,6 +5,7 @@ included), `backends/` imports none of ours, `hetero_pd.serving` never imports
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,16 @@ def test_no_source_file_grows_past_the_limit() -> None:
         rel for rel in set(OVERSIZED) - gone if len((REPO / rel).read_text().splitlines()) <= 400
     }
     assert not (gone | shrunk), f"take these off OVERSIZED: {sorted(gone | shrunk)}"
+
+
+def test_environment_variables_are_read_in_one_place_per_package() -> None:
+    """HETERO_PD_* are read in hetero_pd/envs.py (and, for the transfer engine, which
+    imports nothing of hetero_pd, in transfer/envs.py)."""
+    read = re.compile(r"""(environ\.get\(|getenv\(|environ\[)\s*["']HETERO_PD_""")
+    homes = {"hetero_pd/envs.py", "transfer/envs.py"}
+    elsewhere = [
+        rel
+        for path in _modules().values()
+        if (rel := str(path.relative_to(REPO))) not in homes and read.search(path.read_text())
+    ]
+    assert elsewhere == []

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import dataclass, field, fields
 
+from transfer import envs
 from transfer.addresses import valid_host
 from transfer.faults import FaultPlan
 from transfer.kv_codec import check_codec
@@ -129,15 +129,6 @@ class EngineConfig:
         bad = set(overrides) - names
         if bad:
             raise ValueError(f"EngineConfig: unknown key(s) {sorted(bad)}")
-        values: dict[str, object] = {}
-        secret = os.environ.get("HETERO_PD_TRANSFER_SECRET")
-        if secret:
-            values["secret"] = secret.encode()
-        host = os.environ.get("HETERO_PD_TRANSFER_HOST")
-        if host:
-            values["host"] = host
-        advertise = os.environ.get("HETERO_PD_TRANSFER_ADVERTISE_HOST")
-        if advertise:
-            values["advertise_host"] = advertise
+        values = envs.transfer_settings()
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]

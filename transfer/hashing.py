@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import os
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
 import torch
 
-from transfer import checksum, layout
+from transfer import checksum, envs, layout
 from transfer.devices import to_host
 from transfer.errors import TransferError
 
@@ -26,7 +25,7 @@ THREADS = 2
 #: Buffers up to this size are hashed at once on the calling thread: handing them to a
 #: helper and waking the I/O thread with the result costs more than hashing them (xxh3 runs
 #: at tens of GB/s on data the caller has just touched, so even a whole chunk takes ~0.1 ms).
-INLINE_BYTES = int(os.environ.get("HETERO_PD_HASH_INLINE_BYTES", 64 << 20))
+INLINE_BYTES = envs.hash_inline_bytes()
 Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
 
