@@ -97,11 +97,7 @@ class TransferEngine:
             fut.set_exception(exc)
             return fut
 
-        def start() -> None:
-            linker.addresses[peer_id] = address
-            linker.connect(peer_id, address, fut)
-
-        self._loop.call(start)
+        self._loop.call(lambda: linker.link(peer_id, address, fut))
         return fut
 
     def set_peer_address(self, peer_id: str, address: str) -> None:
@@ -171,7 +167,7 @@ class TransferEngine:
         self._loop.check_open()
         reg = self.region(region)
         handle = TransferHandle(f"{self.engine_id}/recv/{request_id}", "recv", "", request_id)
-        handle._cancel = self._release_handle
+        handle.cancel_with(self._release_handle)
         if callback is not None:
             handle.add_done_callback(callback)
         deadline = time.monotonic() + (timeout_s or self.config.transfer_timeout_s)
@@ -246,7 +242,7 @@ class TransferEngine:
             lease_s or self.config.lease_s,
         )
         sender = self._core.sender
-        out.handle._cancel = lambda h: self._loop.call(lambda: sender.cancel(h))
+        out.handle.cancel_with(lambda h: self._loop.call(lambda: sender.cancel(h)))
         if callback is not None:
             out.handle.add_done_callback(callback)
         self._loop.call(lambda: sender.start(out))
@@ -325,7 +321,7 @@ class TransferEngine:
         nbytes = len(ids) * reg.block_bytes * len(reg.tensor_range((first, last)))
         handle = TransferHandle(f"{self.engine_id}/offer/{request_id}", "offer", reader, request_id)
         handle.nbytes = nbytes
-        handle._cancel = lambda h: self.withdraw(h.request_id)
+        handle.cancel_with(lambda h: self.withdraw(h.request_id))
         if callback is not None:
             handle.add_done_callback(callback)
         lease = lease_s or self.config.lease_s

@@ -155,6 +155,10 @@ class TransferHandle:
         if self._cancel is not None and not self.done():
             self._cancel(self)
 
+    def cancel_with(self, cancel: Callable[[TransferHandle], None]) -> None:
+        """What `cancel()` does for this handle (set by the engine that made it)."""
+        self._cancel = cancel
+
     @property
     def latency_s(self) -> float | None:
         """Seconds from creation to completion (None while running)."""

@@ -107,6 +107,13 @@ class Linker:
         return None
 
     # ---- opening links ------------------------------------------------------------------
+    def link(
+        self, peer_id: str, address: str, waiter: concurrent.futures.Future[None] | None = None
+    ) -> None:
+        """``peer_id`` listens at ``address``: remember it (relinks go there) and connect."""
+        self.addresses[peer_id] = address
+        self.connect(peer_id, address, waiter)
+
     def connect(
         self, peer_id: str, address: str, waiter: concurrent.futures.Future[None] | None = None
     ) -> None:

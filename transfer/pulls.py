@@ -190,7 +190,7 @@ class PullServer:
         handle = TransferHandle(
             transfer_id, "serve_pull", session.peer_id, dst.request_id, nbytes=nbytes
         )
-        handle._cancel = self.sender.cancel
+        handle.cancel_with(self.sender.cancel)
         tokens = msg.num_tokens if msg.num_tokens is not None else len(src) * region.block_size
         out = OutTransfer(
             handle,

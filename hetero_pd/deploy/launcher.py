@@ -131,7 +131,7 @@ class Launcher:
         self.ready_timeout_s = ready_timeout_s or dep.supervisor.ready_timeout_s
         self.procs: dict[str, WorkerProcess] = {}
         self.supervisor = Supervisor(self, router, dep.supervisor)
-        router.supervision = self.supervisor.states
+        router.follow_supervision(self.supervisor.states)
 
     async def start(self) -> None:
         resolve_model(self.dep.model)  # fetch once here, not in every worker at the same time

@@ -237,6 +237,6 @@ def test_a_stopped_worker_is_killed_restarted_and_routed_around(tiny_llama_dir: 
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(old, signal.SIGKILL)
-        assert stack.router.supervision["prefill-0"]["restarts"] == 1
+        assert stack.router.supervision_of("prefill-0")["restarts"] == 1
         assert complete() == answer
         stack.wait_idle()

@@ -93,7 +93,7 @@ async def _health(request: web.Request) -> web.Response:
                 "load": {
                     k: v for k, v in msgspec.structs.asdict(w.load).items() if k != "transfer"
                 },
-                **router.supervision.get(w.id, {}),
+                **router.supervision_of(w.id),
             }
             for w in router.workers.values()
         }

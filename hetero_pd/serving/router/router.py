@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +70,7 @@ class Router:
         self._switching: set[str] = set()
         self._decoder: dict[str, WorkerClient] = {}  # split request id -> its decode worker
         #: Supervisor's view of each worker process (pid, restarts, state) for /health.
-        self.supervision: dict[str, dict[str, Any]] = {}
+        self._supervision: Mapping[str, Mapping[str, Any]] = {}
         self.handoff_policy = HandoffPolicy(
             cfg.max_retries,
             cfg.failure_policy,
@@ -103,6 +103,15 @@ class Router:
         for client in self.workers.values():
             await client.close()
         self.ctx.term()
+
+    def follow_supervision(self, states: Mapping[str, Mapping[str, Any]]) -> None:
+        """Where the supervisor keeps each worker process's state (pid, restarts, running,
+        restarting or down); /health shows it."""
+        self._supervision = states
+
+    def supervision_of(self, worker_id: str) -> dict[str, Any]:
+        """The supervisor's state of `worker_id`'s process ({} without a supervisor)."""
+        return dict(self._supervision.get(worker_id, {}))
 
     def live(self, *roles: str, split_layer: int | None = None) -> list[WorkerClient]:
         """Live workers in `roles`; with `split_layer`, only those that start at that layer
