@@ -250,7 +250,7 @@ class KVCacheManager:
         for block_id in self.tiers.offload(admitted) if admitted else []:
             self.pool.hold(block_id)
 
-    # -- sharing a prefix between workers (a pull: serving/prefix_pull.py) -------------------
+    # -- sharing a prefix between workers (a pull: serving/worker/prefix_share.py) -----------
     def pin_prefix(self, token_ids: list[int], max_blocks: int) -> list[int]:
         """Takes a reference on the device blocks holding the longest cached run of
         `token_ids`' first (at most `max_blocks`) full blocks, so they are not evicted while

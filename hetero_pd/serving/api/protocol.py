@@ -9,7 +9,7 @@ what the builders return. Every rejection is an :class:`APIError` (400) that nam
 offending field in ``param``. Unknown fields are ignored (clients send extras); fields that
 would change the output in a way we cannot honour (tools, JSON mode, ``suffix``, ...) are
 rejected, never silently dropped. ``n``, penalties, ``logit_bias``, ``logprobs`` and
-completion ``echo`` are read by ``openai_sampling``. ``null`` means "not given" for every
+completion ``echo`` are read by ``sampling``. ``null`` means "not given" for every
 optional field, as in OpenAI's API.
 
 A stream, as OpenAI sends it::

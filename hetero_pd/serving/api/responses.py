@@ -64,7 +64,7 @@ def choices_body(
     prompt_tokens: int,
     completion_tokens: int,
 ) -> dict[str, Any]:
-    """A non-streaming answer of several choices (``openai_choices`` builds them)."""
+    """A non-streaming answer of several choices (``choices`` builds them)."""
     obj = "chat.completion" if req.kind == "chat" else "text_completion"
     body = _head(req, obj, choices)
     body["usage"] = usage(prompt_tokens, completion_tokens)

@@ -6,7 +6,7 @@ when equal to it), ``presence_penalty``, ``frequency_penalty``, vLLM's
 ``sampling_fields`` reads them into ``SamplingParams`` keyword arguments. Each value is
 checked here against the control protocol's ranges, with a 400 naming the field;
 ``logit_bias`` token ids are checked against the model's vocabulary by
-``openai_protocol.check_sampling_limits`` (the parser does not know the model).
+``protocol.check_sampling_limits`` (the parser does not know the model).
 """
 
 from __future__ import annotations

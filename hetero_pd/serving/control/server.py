@@ -2,7 +2,7 @@
 nothing dropped silently.
 
 Inbound, a frame reaches the worker only if its sender passed the CurveZMQ handshake
-(`control_auth`) and it decodes to one `protocol.ToWorker` message; everything else is
+(`auth`) and it decodes to one `protocol.ToWorker` message; everything else is
 dropped and counted (`rejected`). Outbound, the socket is ROUTER_MANDATORY: a router that
 is not reading makes sends fail with EAGAIN instead of vanishing at the high-water mark,
 and what could not go yet waits in a bounded per-router queue, flushed every loop. A router

@@ -1,6 +1,6 @@
 """One request on a worker (`WorkerRequest`, its `Phase`), and the messages its engine
 outputs become: `Output` per new token of one of its `n` completions, `PrefillDone` when
-a prefill worker handed its prompt's KV off. `RequestBook` (worker_requests.py) owns the
+a prefill worker handed its prompt's KV off. `RequestBook` (requests.py) owns the
 transitions between phases.
 """
 
