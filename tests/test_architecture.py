@@ -22,7 +22,7 @@ OVERSIZED = {
     "transfer/datachan.py": 447,
     "transfer/engine.py": 439,
     "hetero_pd/serving/worker/requests.py": 408,
-    "transfer/linker.py": 432,
+    "transfer/linker.py": 433,
     "hetero_pd/serving/router/handoff.py": 421,
 }
 

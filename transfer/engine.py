@@ -97,7 +97,7 @@ class TransferEngine:
             fut.set_exception(exc)
             return fut
 
-        self._loop.call(lambda: linker.link(peer_id, address, fut))
+        self._loop.call(lambda: linker.connect(peer_id, address, fut))
         return fut
 
     def set_peer_address(self, peer_id: str, address: str) -> None:

@@ -107,17 +107,11 @@ class Linker:
         return None
 
     # ---- opening links ------------------------------------------------------------------
-    def link(
-        self, peer_id: str, address: str, waiter: concurrent.futures.Future[None] | None = None
-    ) -> None:
-        """``peer_id`` listens at ``address``: remember it (relinks go there) and connect."""
-        self.addresses[peer_id] = address
-        self.connect(peer_id, address, waiter)
-
     def connect(
         self, peer_id: str, address: str, waiter: concurrent.futures.Future[None] | None = None
     ) -> None:
-        """Start (or join) a handshake with the engine listening at ``address``."""
+        """Start (or join) a handshake with ``peer_id`` at ``address``, where relinks go too."""
+        self.addresses[peer_id] = address
         for link in self._links.values():
             if link.peer_id == peer_id and link.address == address and link.session is None:
                 if waiter is not None:
