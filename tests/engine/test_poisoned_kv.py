@@ -11,32 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge import EdgeRuntime
 from hetero_pd import SamplingParams
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.llm_engine import LLMEngine
+
+from .test_edge_prompt import device_side, run
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 K = 1  # the device's layers
 ATTACKER = [(7 * j) % 500 + 1 for j in range(40)]  # longest: the batch's context length
 VICTIMS = [[(3 * i + 5 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((3, 9, 21))]
-
-
-def device_side(model_dir: Path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    rt = EdgeRuntime(model_dir, K)
-    hidden = rt.prefill(ids)
-    return hidden, torch.stack([rt.past_k, rt.past_v], dim=1)
-
-
-def run(engine: LLMEngine) -> dict[str, list[int]]:
-    done: dict[str, list[int]] = {}
-    for _ in range(200):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return done
 
 
 def victims_beside(model_dir: Path, engine: LLMEngine, poison: bool) -> dict[str, list[int]]:
@@ -46,7 +30,7 @@ def victims_beside(model_dir: Path, engine: LLMEngine, poison: bool) -> dict[str
         # Stale KV a freed block may hold: every block the pool hands out starts as inf.
         for t in engine.runner.kv_tensors:
             t[: engine.kv.pool.num_blocks] = float("inf")
-    hidden, early = device_side(model_dir, ATTACKER)
+    hidden, early = device_side(model_dir, K, ATTACKER)
     engine.add_edge_prompt_request(hidden, early, GREEDY, "attacker")  # gets block 0 first
     if poison:
         # Early KV that got past the entry check: written into the attacker's own blocks,
@@ -54,7 +38,7 @@ def victims_beside(model_dir: Path, engine: LLMEngine, poison: bool) -> dict[str
         early.fill_(float("inf"))
     for i, ids in enumerate(VICTIMS):
         engine.add_request(ids, GREEDY, f"plain-{i}")
-        engine.add_edge_prompt_request(*device_side(model_dir, ids), GREEDY, f"edge-{i}")
+        engine.add_edge_prompt_request(*device_side(model_dir, K, ids), GREEDY, f"edge-{i}")
     done = run(engine)
     engine.check_integrity()
     victims = {f"{kind}-{i}" for kind in ("plain", "edge") for i in range(len(VICTIMS))}
@@ -108,7 +92,7 @@ def test_edge_values_outside_the_cache_dtype_are_refused(
     tiny_llama_dir: Path, dtype: str, too_big: float
 ) -> None:
     engine = engine_for(tiny_llama_dir, dtype)
-    hidden, early = device_side(tiny_llama_dir, [1, 2, 3])
+    hidden, early = device_side(tiny_llama_dir, K, [1, 2, 3])
     bad_early = early.clone()
     bad_early[0, 1, 2, 0, 5] = -too_big
     with pytest.raises(ValueError, match=rf"early_kv .*outside {dtype}'s finite range"):
@@ -125,7 +109,7 @@ def test_edge_values_outside_the_cache_dtype_are_refused(
 
 def test_a_split_engine_refuses_hidden_states_outside_its_dtype(tiny_llama_dir: Path) -> None:
     engine = engine_for(tiny_llama_dir, "bfloat16", start_layer=K)
-    hidden, _ = device_side(tiny_llama_dir, [1, 2, 3])
+    hidden, _ = device_side(tiny_llama_dir, K, [1, 2, 3])
     huge = hidden.clone()
     huge[2, 0] = 3.4e38  # finite in float32, past bfloat16's largest (~3.39e38)
     with pytest.raises(ValueError, match=r"hidden .*outside bfloat16's finite range"):
