@@ -17,6 +17,7 @@ from hetero_pd.models.fingerprint import split_fingerprint
 from hetero_pd.models.loader import (
     ModelLoadError,
     copy_tensor,
+    materialize,
     missing_tensors,
     weight_files,
 )
@@ -55,7 +56,7 @@ def load_edge_stack(
     positions = max_positions or cfg.max_position_embeddings
     with torch.device("meta"):
         stack = EdgeStack(cfg, split_layer, positions)
-    stack.to_empty(device=device)
+    materialize(stack, device)
     params = dict(stack.named_parameters())
     filled: dict[str, set[int | None]] = {}
     for file in weight_files(path):
