@@ -56,3 +56,19 @@ def compile_mode() -> str | None:
     if env and env not in ("on", "off"):
         raise ValueError(f"HETERO_PD_COMPILE must be 'on' or 'off', got {env!r}")
     return env or None
+
+
+#: How an engine runs rather than what it computes: a drill hands the ones set in its own
+#: environment to every pod it starts (an operator's `HETERO_PD_COMPILE=off` reaches them).
+ENGINE_TUNING = (
+    "HETERO_PD_COMPILE",
+    "HETERO_PD_AUTO_DTYPE",
+    "HETERO_PD_NUM_THREADS",
+    "HETERO_PD_ADAPTIVE_THREADS",
+    "HETERO_PD_NATIVE_ATTENTION",
+)
+
+
+def engine_tuning() -> dict[str, str]:
+    """The ENGINE_TUNING variables set in this process's environment."""
+    return {name: os.environ[name] for name in ENGINE_TUNING if name in os.environ}

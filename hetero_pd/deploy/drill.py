@@ -255,10 +255,13 @@ def _always(run: pods.PodProcess) -> Callable[[], pods.PodProcess]:
 
 def _image_env() -> dict[str, str]:
     """What the image's environment provides (there is no image here): PATH with the
-    installed `hetero-pd`, this source tree on PYTHONPATH, a HOME the pod may write."""
+    installed `hetero-pd`, this source tree on PYTHONPATH, a HOME the pod may write; and the
+    engine tuning the drill's caller set (`envs.ENGINE_TUNING`: tests run eager, like the
+    suite's own engines, and resolve `auto` alike in every process)."""
     source = Path(__file__).resolve().parents[2]
     path = f"{Path(sys.executable).parent}:{netns.SYSTEM_PATH}"
-    return {"PATH": path, "PYTHONPATH": str(source), "HOME": "/tmp", "LANG": "C.UTF-8"}
+    env = {"PATH": path, "PYTHONPATH": str(source), "HOME": "/tmp", "LANG": "C.UTF-8"}
+    return {**env, **envs.engine_tuning()}
 
 
 def _model_volume(model: str) -> tuple[str, dict[str, str]]:

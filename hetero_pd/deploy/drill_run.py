@@ -29,6 +29,7 @@ from hetero_pd.deploy.drill import (
     k8s_cluster,
 )
 from hetero_pd.deploy.drill_client import Answer, sequential, transferred_cleanly, under_load
+from hetero_pd.deploy.schema import Deployment
 from hetero_pd.deploy.testing import random_prompts
 
 
@@ -157,10 +158,15 @@ def _reference(cluster: Cluster, prompts: list[list[int]], max_tokens: int) -> l
     """The single-process engine's greedy answers (in this process, on this host)."""
     from hetero_pd import LLM, SamplingParams
 
-    engine = dict(cluster.dep.engine)
-    llm = LLM(_model_dir(cluster), **engine)
+    llm = LLM(_model_dir(cluster), **reference_options(cluster.dep))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [o.outputs[0].text for o in llm.generate(prompts, params)]
+
+
+def reference_options(dep: Deployment) -> dict[str, Any]:
+    """The single-process engine's options: the deployment's engine section and its dtype
+    (`LLM` alone would resolve `auto`, which is not what the pods run)."""
+    return {"dtype": dep.dtype, **dep.engine}
 
 
 def _model_dir(cluster: Cluster) -> str:
