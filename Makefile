@@ -25,14 +25,13 @@ run: setup
 generate: setup
 	$(VENV)/bin/hetero-pd generate --chat "$(PROMPT)"
 
-# The suite, then the tests marked `dtype` once more with `auto` forced to each dtype (the
-# first pass runs them as this CPU would, see tests/conftest.py): an AVX2 machine then
-# catches what only a machine with native bf16 would, and the reverse.
+# The suite on TEST_JOBS processes (whole files each, so a module's stack starts once), the
+# 20 slowest tests listed with their time. Tests marked `dtype` run once with `dtype: auto`
+# forced to each of float32 and bfloat16 (tests/conftest.py `auto_dtype`).
+TEST_JOBS ?= 2
 test: setup
 	$(VENV)/bin/hetero-pd fetch-model smollm2-135m-instruct
-	$(PY) -m pytest -q -m 'not dtype'
-	HETERO_PD_AUTO_DTYPE=float32 $(PY) -m pytest -q -m dtype
-	HETERO_PD_AUTO_DTYPE=bfloat16 $(PY) -m pytest -q -m dtype
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=20
 
 lint: setup
 	$(VENV)/bin/ruff check .

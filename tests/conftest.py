@@ -28,9 +28,30 @@ def _flags_dtype() -> str:
 
 
 # `dtype: auto` is forced for the whole run, workers included, so that every process of a
-# test resolves it alike: to $HETERO_PD_AUTO_DTYPE where set (`make test` runs the tests
-# marked `dtype` once each way), else to this CPU's choice by its flags.
+# test resolves it alike: to $HETERO_PD_AUTO_DTYPE where set, else to this CPU's choice by
+# its flags. Tests that run `auto` end to end take `auto_dtype` below instead.
 os.environ.setdefault("HETERO_PD_AUTO_DTYPE", _flags_dtype())
+
+#: What the tests marked `dtype` force `auto` to, each in turn: an AVX2 machine then
+#: catches what only a machine with native bf16 would, and the reverse.
+AUTO_DTYPES = ("float32", "bfloat16")
+
+
+@pytest.fixture(params=AUTO_DTYPES)
+def auto_dtype(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """`dtype: auto` forced to each of AUTO_DTYPES in turn, in this process and in every
+    process the test starts (they inherit the environment)."""
+    monkeypatch.setenv("HETERO_PD_AUTO_DTYPE", request.param)
+    return str(request.param)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test marked `dtype` depends on what `auto` resolves to: it must take `auto_dtype`."""
+    for item in items:
+        if item.get_closest_marker("dtype") and "auto_dtype" not in getattr(
+            item, "fixturenames", ()
+        ):
+            raise pytest.UsageError(f"{item.nodeid} is marked dtype but does not take auto_dtype")
 
 
 @pytest.fixture(scope="session")

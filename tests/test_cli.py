@@ -34,7 +34,7 @@ def test_help_lists_the_commands() -> None:
 
 
 @pytest.mark.dtype  # `generate` and the reference both run `auto`
-def test_generate_prints_the_completion(tiny_llama_dir: Path) -> None:
+def test_generate_prints_the_completion(tiny_llama_dir: Path, auto_dtype: str) -> None:
     from hetero_pd import LLM, SamplingParams
 
     result = hetero_pd("generate", "--model", str(tiny_llama_dir), "in the", "--max-tokens", "4")

@@ -110,7 +110,9 @@ def test_generate_sizes_the_kv_cache_for_the_prompt() -> None:
 
 
 @pytest.mark.dtype  # `generate` and the reference both run `auto`
-def test_generate_with_threads_prints_the_reference_completion(tiny_llama_dir: Path) -> None:
+def test_generate_with_threads_prints_the_reference_completion(
+    tiny_llama_dir: Path, auto_dtype: str
+) -> None:
     from hetero_pd import LLM, SamplingParams
 
     argv = ["generate", "--model", str(tiny_llama_dir), "in the", "a b", "--max-tokens", "5"]

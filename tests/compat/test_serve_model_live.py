@@ -21,7 +21,7 @@ DEADLINE_S = 120.0
 
 
 @pytest.fixture
-def served(tiny_llama_dir: Path) -> Iterator[str]:
+def served(tiny_llama_dir: Path, auto_dtype: str) -> Iterator[str]:
     argv = [str(tiny_llama_dir), "--port", "0", "--served-model-name", "tiny", "tiny-2"]
     argv += ["--api-key", "k", "--kv-cache-gb", "0.02", "--max-model-len", "256"]
     env = {**os.environ, "HETERO_PD_API_KEY": "from-env", "PYTHONPATH": str(REPO)}

@@ -52,10 +52,11 @@ def test_named_dtypes_are_kept_and_bad_ones_are_named() -> None:
 
 
 @pytest.mark.dtype
-def test_the_engine_says_which_dtype_it_chose(tiny_llama_dir: Path) -> None:
+def test_the_engine_says_which_dtype_it_chose(tiny_llama_dir: Path, auto_dtype: str) -> None:
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=16)
     assert llm.engine.model_config.checkpoint_dtype == "float32"
     choice = resolve_dtype("auto", "cpu", "float32")
+    assert choice.name == auto_dtype
     assert llm.engine.runner.kv_caches[0][0].dtype == choice.dtype
     assert f"dtype {choice.name} ({choice.reason})" in llm.engine.describe()
 
