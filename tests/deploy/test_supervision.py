@@ -231,12 +231,17 @@ def test_a_stopped_worker_is_killed_restarted_and_routed_around(tiny_llama_dir: 
                 assert time.monotonic() < deadline, "the stopped worker stayed in rotation"
                 time.sleep(0.05)
             assert complete() == answer  # prefilled on the decode worker meanwhile
-            while stack.launcher.pid("prefill-0") == old or not stack.router.live("prefill"):
+            # Events, not timing: the supervisor reports it running under a new pid.
+            while (state := stack.router.supervision_of("prefill-0"))["state"] != "running" or (
+                state["pid"] == old or not stack.router.live("prefill")
+            ):
                 assert time.monotonic() < deadline, "the stopped worker was never replaced"
                 time.sleep(0.1)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(old, signal.SIGKILL)
-        assert stack.router.supervision_of("prefill-0")["restarts"] == 1
+        # At least one restart, not exactly one: a slow machine may see the new process
+        # outlast hang_timeout_s before its first heartbeat and replace it once more.
+        assert state["restarts"] >= 1, state
         assert complete() == answer
         stack.wait_idle()
