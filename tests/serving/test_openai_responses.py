@@ -1,11 +1,14 @@
 """Response and SSE shapes: the official openai client's models accept them, and the client
-itself round-trips through a tiny aiohttp server built from our parse and build functions."""
+itself round-trips through the real app (`create_app`) over a real router and worker."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -14,7 +17,11 @@ from aiohttp import web
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from hetero_pd.serving.api.errors import APIError, check_api_key, parse_json_body
+from hetero_pd import SamplingParams, secrets
+from hetero_pd.config import EngineConfig
+from hetero_pd.models.tokenizer import load_tokenizer
+from hetero_pd.serving.api.app import create_app
+from hetero_pd.serving.api.errors import APIError
 from hetero_pd.serving.api.protocol import parse_chat_request, parse_completion_request
 from hetero_pd.serving.api.request import GenerateRequest
 from hetero_pd.serving.api.responses import (
@@ -28,8 +35,11 @@ from hetero_pd.serving.api.responses import (
     usage,
     usage_chunk,
 )
-
-DELTAS = ["Hel", "lo", " world"]
+from hetero_pd.serving.api.state import ApiState
+from hetero_pd.serving.control.auth import CurveKeys
+from hetero_pd.serving.router.router import Router, RouterConfig
+from hetero_pd.serving.worker.config import WorkerConfig
+from hetero_pd.serving.worker.main import Worker
 
 
 def completion_req(**fields: Any) -> GenerateRequest:
@@ -120,131 +130,172 @@ def test_sse_framing() -> None:
     assert usage(2, 3) == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
 
 
-# --- the official client against a tiny server made of our functions --------------------
+# --- the official client against the real app: a real router and an in-process worker ---
 
 KEY = "sk-test"
-SEEN = web.AppKey("seen", list)
+MODEL = "m"
 
 
-async def _generate(request: web.Request, parse: Callable[[Any], GenerateRequest]) -> Any:
+@dataclass(slots=True)
+class Served:
+    """What a test's app handed the router: (prompt ids, sampling params, priority) each."""
+
+    client: openai.AsyncOpenAI
+    seen: list[tuple[list[int], SamplingParams, int]] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def worker(chat_model: Path) -> Iterator[tuple[Worker, bytes]]:
+    """One colocated worker (the tiny chat model, float32) on a thread of this process: a
+    real engine behind a real control endpoint, without a process to start."""
+    secret = secrets.generate().encode()
+    engine = EngineConfig(model=str(chat_model), dtype="float32", num_threads=1, num_kv_blocks=64)
+    w = Worker(WorkerConfig("both-0", "both", engine), secret)
+    thread = threading.Thread(target=w.serve_forever, name="test-worker", daemon=True)
+    thread.start()
     try:
-        check_api_key(request.headers, [KEY])
-        req = parse(parse_json_body(await request.read()))
-    except APIError as e:
-        return web.json_response(e.to_json(), status=e.status)
-    request.app[SEEN].append(req)
-    chat = req.kind == "chat"
-    n = len(DELTAS)
-    if not req.stream:
-        build = chat_response if chat else completion_response
-        return web.json_response(build(req, "".join(DELTAS), "stop", 2, n))
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    if chat:
-        await resp.write(sse(chat_chunk(req, "", role="assistant")))
-    for delta in DELTAS:
-        await resp.write(sse(chat_chunk(req, delta) if chat else completion_chunk(req, delta)))
-    end = chat_chunk(req, None, finish_reason="stop") if chat else completion_chunk(req, "", "stop")
-    await resp.write(sse(end))
-    if req.include_usage:
-        await resp.write(sse(usage_chunk(req, 2, n)))
-    await resp.write(sse_done())
-    return resp
-
-
-async def _completions(request: web.Request) -> Any:
-    return await _generate(request, parse_completion_request)
-
-
-async def _chat(request: web.Request) -> Any:
-    return await _generate(request, parse_chat_request)
-
-
-async def _models(request: web.Request) -> web.Response:
-    return web.json_response(models_response(["m"], 1700000000))
-
-
-async def _with_client(body: Callable[[openai.AsyncOpenAI], Awaitable[None]]) -> list[Any]:
-    app = web.Application()
-    app[SEEN] = []
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_post("/v1/chat/completions", _chat)
-    app.router.add_get("/v1/models", _models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    client = openai.AsyncOpenAI(
-        api_key=KEY, base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=10
-    )
-    try:
-        await body(client)
+        yield w, secret
     finally:
-        await client.close()
-        await runner.cleanup()
-    return app[SEEN]
+        w.stopped = True
+        thread.join(10)
+        w.close()
 
 
-def run_with_client(body: Callable[[openai.AsyncOpenAI], Awaitable[None]]) -> list[Any]:
-    return asyncio.run(asyncio.wait_for(_with_client(body), timeout=30))
+async def _with_client(
+    worker: tuple[Worker, bytes], model_dir: Path, body: Callable[[Served], Awaitable[None]]
+) -> Served:
+    """`create_app` as `serve` builds it, over a router linked to `worker`, on a free port;
+    `body` drives it with the official async client."""
+    w, secret = worker
+    router = Router(RouterConfig(), CurveKeys.from_secret(secret))
+    runner: web.AppRunner | None = None
+    client: openai.AsyncOpenAI | None = None
+    try:
+        await router.add_worker(w.id, w.address, 30)
+        info = router.workers[w.id].info
+        state = ApiState(
+            router, load_tokenizer(model_dir), [MODEL], info.max_model_len, info.vocab_size, (KEY,)
+        )
+        runner = web.AppRunner(create_app(state))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        client = openai.AsyncOpenAI(
+            api_key=KEY, base_url=f"http://127.0.0.1:{port}/v1", max_retries=0, timeout=30
+        )
+        served = Served(client)
+        generate = router.generate
+
+        def spy(rid: str, ids: list[int], params: SamplingParams, priority: int = 0) -> Any:
+            served.seen.append((list(ids), params, priority))
+            return generate(rid, ids, params, priority)
+
+        router.generate = spy  # type: ignore[method-assign]
+        await body(served)
+        return served
+    finally:
+        if client is not None:
+            await client.close()
+        if runner is not None:
+            await runner.cleanup()
+        await router.close()
 
 
-@pytest.mark.timeout(60)
-def test_official_client_round_trip() -> None:
-    async def body(client: openai.AsyncOpenAI) -> None:
-        c = await client.completions.create(model="m", prompt="Hi", max_tokens=8, seed=1)
-        assert c.choices[0].text == "Hello world" and c.usage is not None
+def run_with_client(
+    worker: tuple[Worker, bytes], model_dir: Path, body: Callable[[Served], Awaitable[None]]
+) -> Served:
+    return asyncio.run(asyncio.wait_for(_with_client(worker, model_dir, body), timeout=60))
+
+
+@pytest.mark.timeout(90)
+def test_official_client_round_trip(
+    worker: tuple[Worker, bytes], chat_model: Path, hf_greedy: Callable[..., list[int]]
+) -> None:
+    """Completions and chat, whole and streamed, through the real app: greedy text is
+    transformers' for the same prompt, and the app hands the router what the client sent."""
+    tok = load_tokenizer(chat_model)
+    prompt = tok.encode("Hi")
+    text = tok.decode(hf_greedy(chat_model, prompt, 8))
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    chat_prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    chat_ids = tok.encode(chat_prompt, add_special_tokens=False)
+    chat_text = tok.decode(hf_greedy(chat_model, chat_ids, 6))
+    greedy: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+    async def body(served: Served) -> None:
+        client = served.client
+        c = await client.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=8, seed=1, **greedy
+        )
+        assert c.choices[0].text == text and c.choices[0].finish_reason == "length"
+        assert c.usage is not None
+        assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (len(prompt), 8)
         stream = await client.completions.create(
-            model="m", prompt="Hi", stream=True, stream_options={"include_usage": True}
+            model=MODEL,
+            prompt="Hi",
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            **greedy,
         )
         texts, usages = [], []
         async for chunk in stream:
             texts += [choice.text for choice in chunk.choices]
             usages += [chunk.usage] if chunk.usage else []
-        assert "".join(texts) == "Hello world" and usages[0].completion_tokens == 3
+        assert "".join(texts) == text and len(texts) > 1
+        assert [u.completion_tokens for u in usages] == [8]
         chat = await client.chat.completions.create(
-            model="m",
-            messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
             max_completion_tokens=4,
             temperature=0.5,
             top_p=0.5,
             stop=["\n"],
             extra_body={"top_k": 5, "priority": 2},
         )
-        assert chat.choices[0].message.content == "Hello world"
+        assert isinstance(chat.choices[0].message.content, str)
+        assert chat.choices[0].message.role == "assistant"
+        assert chat.usage is not None and 1 <= chat.usage.completion_tokens <= 4
         chunks = await client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "u"}], stream=True
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            stream=True,
+            **greedy,  # type: ignore[arg-type]
         )
-        parts = [ch.choices[0].delta.content async for ch in chunks if ch.choices]
-        assert "".join(p for p in parts if p) == "Hello world"
-        assert [m.id async for m in client.models.list()] == ["m"]
+        deltas = [ch.choices[0].delta async for ch in chunks if ch.choices]
+        assert deltas[0].role == "assistant"
+        assert "".join(d.content or "" for d in deltas) == chat_text
+        assert [m.id async for m in client.models.list()] == [MODEL]
 
-    seen = run_with_client(body)
-    assert [r.kind for r in seen] == ["completion", "completion", "chat", "chat"]
-    assert seen[0].params.max_tokens == 8 and seen[0].params.seed == 1
-    assert seen[1].stream and seen[1].include_usage
-    p = seen[2].params
+    seen = run_with_client(worker, chat_model, body).seen
+    assert [ids for ids, _, _ in seen] == [prompt, prompt, chat_ids, chat_ids]
+    assert seen[0][1].max_tokens == 8 and seen[0][1].seed == 1
+    p, priority = seen[2][1], seen[2][2]
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.stop) == (4, 0.5, 0.5, 5, ["\n"])
-    assert seen[2].priority == 2 and seen[2].messages is not None and len(seen[2].messages) == 2
+    assert priority == 2
 
 
-@pytest.mark.timeout(60)
-def test_official_client_raises_on_our_errors() -> None:
-    async def body(client: openai.AsyncOpenAI) -> None:
+@pytest.mark.timeout(90)
+def test_official_client_raises_on_our_errors(
+    worker: tuple[Worker, bytes], chat_model: Path
+) -> None:
+    async def body(served: Served) -> None:
+        client = served.client
         with pytest.raises(openai.BadRequestError) as info:
-            await client.completions.create(model="m", prompt="Hi", suffix="!")
+            await client.completions.create(model=MODEL, prompt="Hi", suffix="!")
         assert info.value.status_code == 400 and info.value.param == "suffix"
         assert info.value.code == "unsupported_parameter"
         with pytest.raises(openai.BadRequestError, match="top_p"):
             await client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "u"}], top_p=5
+                model=MODEL, messages=[{"role": "user", "content": "u"}], top_p=5
             )
-        client = client.with_options(api_key="sk-wrong")
+        wrong = client.with_options(api_key="sk-wrong")
         with pytest.raises(openai.AuthenticationError):
-            await client.completions.create(model="m", prompt="Hi")
+            await wrong.completions.create(model=MODEL, prompt="Hi")
 
-    assert run_with_client(body) == []
+    assert run_with_client(worker, chat_model, body).seen == []
 
 
 def test_error_json_is_what_clients_read() -> None:
