@@ -112,6 +112,26 @@ def text_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
     )
 
 
+#: ChatML, as the default model's tokenizer has it (the test tokenizer has no template).
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_model(text_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny text model, its tokenizer given a chat template."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("chat-model") / "model"
+    shutil.copytree(text_llama_dir, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = CHATML
+    tok.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM

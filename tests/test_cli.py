@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,23 @@ def test_generate_prints_the_completion(tiny_llama_dir: Path, auto_dtype: str) -
     )[0]
     assert expected.outputs[0].text.strip()
     assert result.stdout == expected.outputs[0].text + "\n"
+
+
+def test_generate_chat_answers_the_templated_prompt(
+    chat_model: Path, hf_greedy: Callable[..., list[int]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`generate --chat`: the prompt goes through the model's chat template, and the greedy
+    answer is transformers' for the templated prompt."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    messages = [{"role": "user", "content": "in the"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\nin the<|im_end|>\n<|im_start|>assistant\n"
+    want = tok.decode(hf_greedy(chat_model, tok.encode(text, add_special_tokens=False), 6))
+    argv = ["--model", str(chat_model), "--dtype", "float32", "--max-tokens", "6", "in the"]
+    assert main(["generate", "--chat", *argv]) == 0
+    assert capsys.readouterr().out == want + "\n"
 
 
 def test_bad_model_path_is_a_usage_error(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -26,23 +25,3 @@ class Reference:
 @pytest.fixture(scope="session")
 def tiny_reference(tiny_llama_dir: Path) -> Reference:
     return Reference(tiny_llama_dir)
-
-
-#: ChatML, as the default model's tokenizer has it (the test tokenizer has no template).
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-@pytest.fixture(scope="session")
-def chat_model(text_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny text model, its tokenizer given a chat template."""
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("chat-model") / "model"
-    shutil.copytree(text_llama_dir, folder)
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.chat_template = CHATML
-    tok.save_pretrained(folder)
-    return folder
