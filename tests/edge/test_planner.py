@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from edge import cli as edge_cli
 from edge.codec import bytes_per_token
 from edge.link_probe import measure_link, serve_link_probe
 from edge.planner import (
@@ -147,3 +148,46 @@ def test_measure_link_reports_unreachable_host() -> None:
         pass  # closed again: nothing listens there now
     with pytest.raises(ConnectionError, match=f"link probe to {host}:{port} failed"):
         measure_link(host, port, timeout_s=1.0)
+
+
+def test_edge_plan_command_prices_the_link_it_is_given(
+    tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`hetero-pd edge plan` for a described link: one row per split k (0 = unsplit); the link
+    columns are the RTT plus the bytes over the bandwidth given; the device's layers cost
+    --edge-slowdown times the cloud's; the row marked best minimizes TTFT + (output tokens
+    - 1) * TPOT. Printed in milliseconds to 0.01, hence the tolerances."""
+    args = "--prompt-len 20 --output-tokens 8 --codec float16 --edge-slowdown 10 --rtt-ms 10"
+    assert (
+        edge_cli.main(["plan", "--model", str(tiny_llama_dir), *args.split(), "--mbps", "80"]) == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("link: RTT 10.00 ms, 80.0 Mbit/s; device 10x this host's")
+    assert lines[1] == "split planner: prompt 20 tokens, codec float16, objective latency"
+    rows = {
+        int(line[1:].split()[0]): [float(x) for x in line[1:].split()[1:]] for line in lines[3:-1]
+    }
+    assert sorted(rows) == [0, 1, 2]  # unsplit, then k = 1 .. L-1 of the tiny model's 3 layers
+    token = 64 * 2  # hidden size 64 in float16
+    bytes_per_ms = 80e6 / 8 / 1e3
+    for k, (e_pf, l_pf, c_pf, ttft, e_dc, l_dc, c_dc, tpot) in rows.items():
+        wire = 4 if k == 0 else token  # unsplit: token ids
+        prompt_ms = (20 * wire + FRAME_OVERHEAD_BYTES) / bytes_per_ms
+        assert l_pf == pytest.approx(10 + prompt_ms, abs=0.006), k
+        assert l_dc == pytest.approx(10 + (wire + FRAME_OVERHEAD_BYTES) / bytes_per_ms, abs=0.006)
+        assert ttft == pytest.approx(e_pf + l_pf + c_pf, abs=0.02), k
+        assert tpot == pytest.approx(e_dc + l_dc + c_dc, abs=0.02), k
+    assert rows[0][0] == rows[0][4] == 0.0  # unsplit: nothing runs on the device
+    # Layer 1 runs on the device for k=2 and in the cloud for k=1: 10x the time there.
+    assert rows[2][0] - rows[1][0] == pytest.approx(10 * (rows[1][2] - rows[2][2]), abs=0.12)
+    assert rows[2][4] - rows[1][4] == pytest.approx(10 * (rows[1][6] - rows[2][6]), abs=0.12)
+    marked = [line for line in lines[3:-1] if line.startswith("*")]
+    assert len(marked) == 1
+    best = int(marked[0][1:].split()[0])
+    cost = {k: r[3] + 7 * r[7] for k, r in rows.items() if k}
+    assert cost[best] <= min(cost.values()) + 0.16, cost
+    assert lines[-1].startswith(f"recommended k={best}: predicted TTFT {rows[best][3]:.2f} ms")
+    sizes = (
+        f"{20 * token + FRAME_OVERHEAD_BYTES} B for the prompt, {token + FRAME_OVERHEAD_BYTES} B"
+    )
+    assert sizes in lines[-1]
