@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,9 +97,11 @@ class EdgeClient:
         runtime: Any | None = None,
         tap: Callable[[bytes], None] | None = None,
         mode: str = "split",
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         """`runtime` (an EdgeRuntime or OnnxEdgeRuntime) defaults to torch on the CPU;
-        `tap`, if given, sees every message this client sends (audits, benchmarks).
+        `tap`, if given, sees every message this client sends (audits, benchmarks);
+        `sleep` waits out the backoff between connection attempts (tests count its calls).
 
         `mode="split"` (default): the cloud runs layers [k, L) and this device runs its layers
         on every generated token. `mode="prompt_only"`: this device runs its layers on the
@@ -120,6 +122,7 @@ class EdgeClient:
         self.split_layer = split_layer
         self.sent_bytes = 0  # payload bytes this client put on the wire (for benchmarks)
         self.tap = tap
+        self.sleep = sleep
 
     async def stream(
         self,
@@ -225,7 +228,7 @@ class EdgeClient:
                 await session.close()
                 if attempt == self.retries:
                     raise EdgeError("unreachable", f"{self.url}: {e}") from e
-            await asyncio.sleep(delay)  # backoff before reconnecting (not a synchronisation)
+            await self.sleep(delay)  # backoff before reconnecting (not a synchronisation)
             delay *= 2
         raise AssertionError("unreachable")
 
