@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,11 @@ import pytest
 import torch
 
 from edge import EdgeClient, EdgeError, EdgeMismatchError, EdgeRuntime, encode
+from edge import cli as edge_cli
 from edge.wire_audit import assert_no_prompt_leak
 from hetero_pd import LLM, SamplingParams
 from hetero_pd.deploy.testing import Stack, deployment, running_stack
+from hetero_pd.models.tokenizer import load_tokenizer
 from hetero_pd.serving.api.edge_protocol import PATH, Token, pack, unpack
 
 SPLIT = 2
@@ -85,6 +89,86 @@ def test_greedy_tokens_equal_the_unsplit_engine(
     # The KV of layers [k, L) arrived whole: no decode worker fell back to computing it.
     assert stack.metric(DECISIONS, decision="recompute") == 0
     assert stack.router.workers["decode-0"].load.kv_fallbacks == 0
+    for name, report in stack.wait_idle().items():
+        assert report["ok"] and report["used_blocks"] == 0, (name, report)
+
+
+def test_edge_generate_command_streams_transformers_greedy_text(
+    stack: Stack,
+    text_llama_dir: Path,
+    hf_greedy: Callable[..., list[int]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`hetero-pd edge generate` with real arguments: it streams transformers' greedy text
+    for the prompt and reports the bytes this device sent (at least the prompt's hidden
+    states and one per generated token but the last, in float16)."""
+    prompt = "Name three colors."
+    args = ["--url", stack.url, "--api-key", KEY, "--split", str(SPLIT), "--max-tokens", "8"]
+    assert edge_cli.main(["generate", *args, "--model", str(text_llama_dir), prompt]) == 0
+    out, err = capsys.readouterr()
+    ids = EdgeRuntime(text_llama_dir, SPLIT).tokenize(prompt)
+    assert out == load_tokenizer(text_llama_dir).decode(hf_greedy(text_llama_dir, ids, 8))
+    sent = re.fullmatch(r"\n\[(\d+) bytes sent by this device\]\n", err)
+    assert sent is not None, err
+    assert int(sent.group(1)) >= (len(ids) + 8 - 1) * 64 * 2
+    for name, report in stack.wait_idle().items():
+        assert report["ok"] and report["used_blocks"] == 0, (name, report)
+
+
+@asynccontextmanager
+async def hanging_up(target: str, drop: Callable[[], bool]) -> AsyncIterator[str]:
+    """A TCP proxy to `target` that hangs up on each new connection while `drop()` holds,
+    and forwards the others; its URL."""
+    host, port = target.removeprefix("http://").rsplit(":", 1)
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if drop():
+            writer.close()
+            return
+        upstream = await asyncio.open_connection(host, int(port))
+        await asyncio.gather(pipe(reader, upstream[1]), pipe(upstream[0], writer))
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_a_client_whose_first_connections_drop_reconnects_with_backoff(
+    stack: Stack, text_llama_dir: Path, hf_greedy: Callable[..., list[int]]
+) -> None:
+    """The router's address hangs up on the device until it has backed off twice (0.2 s, then
+    0.4 s: recorded through the client's `sleep`, not slept); its last try connects, and the
+    session's tokens are still transformers' greedy ones."""
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    async def run() -> list[int]:
+        async with hanging_up(stack.url, lambda: len(waits) < 2) as url:
+            edge = EdgeClient(
+                url, text_llama_dir, SPLIT, model=stack.dep.model, api_key=KEY, sleep=sleep
+            )
+            done = await edge.complete(PROMPTS[1], max_tokens=8, ignore_eos=True)
+        return done.token_ids
+
+    got = asyncio.run(asyncio.wait_for(run(), 60))
+    assert waits == [0.2, 0.4]  # retries=2: the third and last try got through
+    ids = EdgeRuntime(text_llama_dir, SPLIT).tokenize(PROMPTS[1])
+    assert got == hf_greedy(text_llama_dir, ids, 8)
     for name, report in stack.wait_idle().items():
         assert report["ok"] and report["used_blocks"] == 0, (name, report)
 
