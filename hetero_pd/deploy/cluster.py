@@ -178,9 +178,8 @@ def max_model_len(dep: Deployment, cfg: ModelConfig) -> int:
     """What the workers will allow, known before any of them answers (the engine's rule)."""
     from hetero_pd.engine.llm_engine import MAX_DEFAULT_MODEL_LEN
 
-    configured = dep.engine.get("max_model_len")
-    if configured:
-        return int(configured)
+    if dep.engine.max_model_len is not None:
+        return dep.engine.max_model_len
     limit = cfg.max_position_embeddings
     if cfg.sliding_window:
         limit = min(limit, cfg.sliding_window)

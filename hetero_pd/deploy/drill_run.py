@@ -14,11 +14,13 @@ every check held, 1 otherwise, 2 when namespaces cannot be made here (needs root
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import sys
 import time
 from typing import Any
 
+from hetero_pd.config import EngineConfig
 from hetero_pd.deploy import drill_client, netns
 from hetero_pd.deploy.drill import (
     Cluster,
@@ -158,15 +160,16 @@ def _reference(cluster: Cluster, prompts: list[list[int]], max_tokens: int) -> l
     """The single-process engine's greedy answers (in this process, on this host)."""
     from hetero_pd import LLM, SamplingParams
 
-    llm = LLM(_model_dir(cluster), **reference_options(cluster.dep))
+    llm = LLM(**dataclasses.asdict(reference_config(cluster.dep, _model_dir(cluster))))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [o.outputs[0].text for o in llm.generate(prompts, params)]
 
 
-def reference_options(dep: Deployment) -> dict[str, Any]:
-    """The single-process engine's options: the deployment's engine section and its dtype
-    (`LLM` alone would resolve `auto`, which is not what the pods run)."""
-    return {"dtype": dep.dtype, **dep.engine}
+def reference_config(dep: Deployment, model: str) -> EngineConfig:
+    """The single-process engine's config: the deployment's engine section and the dtype
+    its pods run (the section's, else the deployment's; `LLM` alone would resolve `auto`,
+    which is not what the pods run)."""
+    return dep.engine.engine_config(model, dtype=dep.engine.dtype or dep.dtype)
 
 
 def _model_dir(cluster: Cluster) -> str:

@@ -4,6 +4,7 @@ A section is a frozen dataclass whose fields may carry constraints made with `op
 
     port: int = opt(8000, lo=0, hi=65535, doc="the HTTP port")
     policy: str = opt("least_loaded", choices=POLICIES)
+    kv_cache_gb: float = opt(1.0, gt=0)
 
 `build(cls, raw, "router", src)` rejects unknown keys (naming the allowed ones), checks each
 value's type and constraints, and records an issue at the exact key for each problem; it
@@ -29,16 +30,18 @@ def opt(
     choices: Sequence[Any] | None = None,
     lo: float | None = None,
     hi: float | None = None,
+    gt: float | None = None,
     doc: str = "",
 ) -> Any:
-    """A dataclass field with an immutable default and the constraints `build()` checks."""
-    meta = {"choices": choices, "lo": lo, "hi": hi, "doc": doc}
+    """A dataclass field with an immutable default and the constraints `build()` checks:
+    `choices`, bounds `lo` <= value <= `hi`, or `gt` < value (a positive size)."""
+    meta = {"choices": choices, "lo": lo, "hi": hi, "gt": gt, "doc": doc}
     return dataclasses.field(default=default, metadata=meta)
 
 
 def required(*, choices: Sequence[Any] | None = None, doc: str = "") -> Any:
     """A dataclass field without a default (a missing key is an error) and its choices."""
-    return dataclasses.field(metadata={"choices": choices, "lo": None, "hi": None, "doc": doc})
+    return dataclasses.field(metadata={"choices": choices, "doc": doc})
 
 
 def build(cls: type[T], raw: Any, key: str, src: Source) -> T | None:
@@ -117,9 +120,12 @@ def check_value(value: Any, tp: Any, key: str, src: Source, meta: Any = None) ->
 
 
 def _constrain(value: Any, key: str, src: Source, meta: Any) -> Any:
-    choices, lo, hi = meta.get("choices"), meta.get("lo"), meta.get("hi")
+    choices, lo, hi, gt = meta.get("choices"), meta.get("lo"), meta.get("hi"), meta.get("gt")
     if choices is not None and value not in choices:
         src.error(key, f"{value!r} is not allowed; allowed: {', '.join(map(str, choices))}")
+        return BAD
+    if gt is not None and value <= gt:
+        src.error(key, f"{value!r} is out of range; must be > {gt}")
         return BAD
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]" if lo is not None else f"<= {hi}"

@@ -22,16 +22,11 @@ class KVFormat:
     dtype: str
     kv_layout: str = "auto"
 
-    def engine_options(self) -> dict[str, str]:
-        """The EngineConfig fields this format sets."""
-        return {"dtype": self.dtype, "kv_layout": self.kv_layout}
-
 
 def worker_formats(dep: Deployment) -> dict[str, KVFormat]:
     """The format of every worker of `dep`, by worker id (`prefill-0`, `decode-1`, ...)."""
     ids = iter(worker_ids(dep.workers))
-    dtype = str(dep.engine.get("dtype", dep.dtype))
-    layout = str(dep.engine.get("kv_layout", "auto"))
+    dtype, layout = dep.engine.dtype or dep.dtype, dep.engine.kv_layout
     return {
         next(ids): KVFormat(
             spec.dtype or dtype, spec.kv_layout if spec.kv_layout != "auto" else layout
@@ -51,9 +46,7 @@ def worker_format(dep: Deployment, worker_id: str, role: str) -> KVFormat:
     for worker_role, wid in zip(roles, worker_ids(dep.workers), strict=True):
         if worker_role == role:
             return formats[wid]
-    return KVFormat(
-        str(dep.engine.get("dtype", dep.dtype)), str(dep.engine.get("kv_layout", "auto"))
-    )
+    return KVFormat(dep.engine.dtype or dep.dtype, dep.engine.kv_layout)
 
 
 def role_dtype(dep: Deployment, role: str) -> str:
@@ -63,7 +56,7 @@ def role_dtype(dep: Deployment, role: str) -> str:
     for worker_role, wid in zip(roles, worker_ids(dep.workers), strict=True):
         if worker_role in (role, "both"):
             return formats[wid].dtype
-    default = str(dep.engine.get("dtype", dep.dtype))
+    default = dep.engine.dtype or dep.dtype
     if dep.pd is not None:  # automatic counts: no workers yet
         return str(getattr(dep.pd, f"{role}_dtype")) or default
     return default

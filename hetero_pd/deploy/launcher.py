@@ -21,7 +21,6 @@ from typing import Any
 
 from backends.cpu import usable_cpus
 from hetero_pd import omp_wait_defaults, secrets
-from hetero_pd.config import EngineConfig
 from hetero_pd.deploy.formats import worker_format
 from hetero_pd.deploy.schema import Deployment
 from hetero_pd.deploy.supervisor import Supervisor
@@ -30,8 +29,6 @@ from hetero_pd.models.fetch import resolve_model
 from hetero_pd.serving.router.router import Router
 from hetero_pd.serving.worker.config import WorkerConfig
 from hetero_pd.serving.worker.main import READY_LINE, ready_address
-from transfer import EngineConfig as TransferConfig
-from transfer import FaultPlan, FaultRule
 
 log = logging.getLogger("hetero_pd.launcher")
 
@@ -75,40 +72,33 @@ def worker_config(
 ) -> WorkerConfig:
     """The WorkerConfig of worker `w` of `dep` (`extra` sets fields such as alive_file):
     `threads` at most, `initial_threads` at first (None: `threads`)."""
-    engine = {
-        "model": dep.model,
-        "device": w.device,
-        "num_threads": threads,
-        # A count the deployment sets is what the workers run (at most and at first).
-        "initial_threads": (
-            None if initial_threads == threads or "num_threads" in dep.engine else initial_threads
-        ),
-        **dep.engine,
-        **worker_format(dep, w.worker_id, w.role).engine_options(),  # dtype, kv_layout
-    }
-    if dep.edge is not None and dep.edge.enabled:
-        engine["start_layer"] = dep.edge.split_layer  # layers [k, L): edge sessions only
-    t = dep.transfer
-    rules = t.faults.get(w.worker_id, ())
-    transfer = TransferConfig(
-        host=host,
-        port=transfer_port,
-        transfer_timeout_s=t.timeout_s,
-        grant_s=t.grant_s,
-        transports=t.transports,
-        checksum=t.checksum,  # every transport (shm and direct writes too)
-        kv_codec=t.kv_codec,
-        faults=FaultPlan(tuple(FaultRule(**rule) for rule in rules)) if rules else None,
+    e = dep.engine
+    if e.num_threads is not None:  # a count the deployment sets is what the workers run
+        threads, initial_threads = e.num_threads, None
+    if e.initial_threads is not None:
+        initial_threads = e.initial_threads
+    elif initial_threads == threads:
+        initial_threads = None
+    fmt = worker_format(dep, w.worker_id, w.role)
+    engine = e.engine_config(
+        dep.model,
+        w.device,
+        num_threads=threads,
+        initial_threads=initial_threads,
+        dtype=fmt.dtype,
+        kv_layout=fmt.kv_layout,
+        # layers [k, L) on hidden states: the workers then serve edge sessions only
+        start_layer=dep.edge.split_layer if dep.edge and dep.edge.enabled else e.start_layer,
     )
     return WorkerConfig(
         worker_id=w.worker_id,
         role=w.role,  # type: ignore[arg-type]
-        engine=EngineConfig.from_kwargs(**engine),
-        transfer=transfer,
+        engine=engine,
+        transfer=dep.transfer.transfer_config(w.worker_id, host, transfer_port),
         host=host,
         port=port,
-        layerwise=t.layerwise,
-        remote_kv_timeout_s=t.remote_kv_timeout_s,
+        layerwise=dep.transfer.layerwise,
+        remote_kv_timeout_s=dep.transfer.remote_kv_timeout_s,
         cpus=w.cpus,
         **extra,
     )

@@ -77,8 +77,7 @@ def make_measure(dep: Deployment, use_calibration: bool) -> Measure:
         if (concrete, dtype) in cache:
             return cache[concrete, dtype]
         if here and use_calibration:
-            threads = dep.engine.get("num_threads")
-            speed = calibrate(dep.model, concrete, dtype, num_threads=threads)
+            speed = calibrate(dep.model, concrete, dtype, num_threads=dep.engine.num_threads)
             try:
                 checked = check_agreement(speed, profile_speed(concrete, costs(dtype), context))
             except CalibrationError as e:
@@ -122,7 +121,7 @@ def plan_deployment(dep: Deployment, measure: Measure, cores: int | None = None)
     devices = role_devices(dep)
     p_speed = measure("prefill", devices["prefill"])
     d_speed = measure("decode", devices["decode"])
-    max_batch = int(dep.engine.get("max_num_seqs", 64))
+    max_batch = dep.engine.max_num_seqs
     cap = dep.pd.max_instances if dep.pd else 0
     plan = plan_workers(dep.workload, p_speed, d_speed, max_batch, cap)
     for note in dict.fromkeys(p_speed.notes + d_speed.notes):

@@ -17,12 +17,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hetero_pd.config import DTYPE_CHOICES, EngineConfig
-from hetero_pd.deploy.fields import BAD, build, check_value
+from hetero_pd.config import DTYPE_CHOICES
+from hetero_pd.deploy.fields import build, check_value
 from hetero_pd.deploy.sections import (
     ROLES,
     Capacity,
     EdgeSpec,
+    EngineSpec,
     KubernetesSpec,
     PDSpec,
     RouterSpec,
@@ -40,9 +41,9 @@ from hetero_pd.deploy.workers import (
     worker_ids,
     workers_for_counts,
 )
+from hetero_pd.engine.kv_tiers.config import TierConfig
 
 VERSION = 1
-ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "role", "device"}
 TOP_KEYS: tuple[str, ...] = ("version", "model", "dtype", "workers", "pd", "workload")
 TOP_KEYS += ("router", "engine", "transfer", "edge", "supervisor", "kubernetes")
 
@@ -55,7 +56,7 @@ class Deployment:
     workers: tuple[WorkerSpec, ...]
     dtype: str = "float32"
     router: RouterSpec = field(default_factory=RouterSpec)
-    engine: dict[str, Any] = field(default_factory=dict)
+    engine: EngineSpec = field(default_factory=EngineSpec)
     transfer: TransferSpec = field(default_factory=TransferSpec)
     source: str = "<dict>"
     pd: PDSpec | None = None
@@ -119,7 +120,9 @@ def _parse(raw: Any, src: Source) -> Deployment:
     kubernetes = build(KubernetesSpec, raw.get("kubernetes"), "kubernetes", src)
     workload = _optional(WorkloadSpec, raw, "workload", src)
     edge = _optional(EdgeSpec, raw, "edge", src)
-    engine = _engine(raw.get("engine"), src)
+    engine = build(EngineSpec, raw.get("engine"), "engine", src)
+    if engine is not None:
+        _check_kv_tiers(engine, src)
     pd = _optional(PDSpec, raw, "pd", src)
     if pd is not None:
         _check_capacity(pd, src)
@@ -138,7 +141,7 @@ def _parse(raw: Any, src: Source) -> Deployment:
     if transfer is not None and workers is not None:
         transfer = replace(transfer, faults=check_faults(faults, worker_ids(workers), src))
     src.raise_if_any()
-    assert router and transfer and supervisor and kubernetes and workers is not None
+    assert router and engine and transfer and supervisor and kubernetes and workers is not None
     return Deployment(
         model=str(raw["model"]),
         dtype=str(dtype),
@@ -204,28 +207,20 @@ def _worker_list(raw: Any, src: Source) -> tuple[WorkerSpec, ...] | None:
     return tuple(out)
 
 
-def _engine(raw: Any, src: Source) -> dict[str, Any]:
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        src.error("engine", "must be a mapping of engine options")
-        return {}
-    hints = typing.get_type_hints(EngineConfig)
-    out = {}
-    for name, value in raw.items():
-        if name not in ENGINE_KEYS:
-            allowed = ", ".join(sorted(ENGINE_KEYS))
-            src.error(f"engine.{name}", f"unknown key; allowed in engine: {allowed}")
-            continue
-        value = check_value(value, hints[name], f"engine.{name}", src)
-        if value is not BAD:
-            out[name] = value
+def _check_kv_tiers(engine: EngineSpec, src: Source) -> None:
+    """The `kv_cache_*` options together (the tiers' own rule; each alone is checked)."""
+    caching = engine.enable_prefix_caching and engine.start_layer == 0
     try:
-        EngineConfig(model="-", **out)
-    except (ValueError, TypeError) as e:
-        bad = next((k for k in out if str(e).startswith(k)), "")
-        src.error(f"engine.{bad}" if bad else "engine", str(e))
-    return out
+        TierConfig.from_options(
+            engine.kv_cache_host_gb,
+            engine.kv_cache_disk_gb,
+            engine.kv_cache_disk_path,
+            caching,
+            engine.kv_cache_admit_after,
+        )
+    except ValueError as e:  # its message starts with the option it is about
+        key = "kv_cache_disk_gb" if str(e).startswith("kv_cache_disk_gb") else "kv_cache_host_gb"
+        src.error(f"engine.{key}", str(e))
 
 
 __all__ = [

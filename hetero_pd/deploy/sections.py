@@ -5,13 +5,17 @@ configs/README.md documents every key; the constraints here are what `validate` 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetero_pd.config import DTYPE_CHOICES
+from hetero_pd.config import COMPILE_MODES, DTYPE_CHOICES, EngineConfig
 from hetero_pd.deploy.fields import opt, required
 from hetero_pd.hidden_codec import CODECS as EDGE_CODECS
-from hetero_pd.serving.router.policy import FAILURE_POLICIES, POLICIES
+from hetero_pd.serving.router.policy import FAILURE_POLICIES, POLICIES, RoutingConfig
+from hetero_pd.serving.router.router import RouterConfig
+from transfer import EngineConfig as TransferConfig
+from transfer import FaultPlan, FaultRule
 from transfer.kv_codec import CODECS as KV_CODECS
 from transfer.kv_layouts import LAYOUTS as KV_LAYOUTS
 
@@ -63,7 +67,46 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """The `engine:` section: the EngineConfig options every worker runs with (its model,
+    role and device come from the deployment). Each option keeps EngineConfig's name and
+    default, except where "not set" means someone else decides: `dtype` "" (the
+    deployment's `dtype`) and `num_threads` / `initial_threads` None (the launcher's share
+    of the host's CPUs)."""
+
+    dtype: str = opt("", choices=WORKER_DTYPES, doc='"": the deployment\'s `dtype`')
+    kv_layout: str = opt("auto", choices=WORKER_KV_LAYOUTS)
+    block_size: int = opt(16, gt=0)
+    max_num_seqs: int = opt(64, gt=0)
+    max_num_batched_tokens: int = opt(1024, gt=0)
+    max_model_len: int | None = opt(None, gt=0, doc="None: the model's limit, at most 4096")
+    kv_cache_gb: float = opt(1.0, gt=0)
+    num_kv_blocks: int | None = opt(None, gt=0, doc="an exact block count instead of kv_cache_gb")
+    enable_prefix_caching: bool = True
+    kv_cache_host_gb: float = opt(0.0, lo=0)
+    kv_cache_disk_gb: float = opt(0.0, lo=0)
+    kv_cache_disk_path: str | None = None
+    kv_cache_admit_after: int = opt(2, lo=1)
+    num_threads: int | None = opt(None, gt=0)
+    initial_threads: int | None = opt(None, gt=0)
+    seed: int = 0
+    compile: str = opt("auto", choices=COMPILE_MODES)
+    start_layer: int = opt(0, lo=0)
+
+    def engine_config(self, model: str, device: str = "cpu", **overrides: Any) -> EngineConfig:
+        """One engine's config: `model` on `device` with these options (an unset `dtype`
+        leaves EngineConfig's), then `overrides` (what the launcher decides per worker)."""
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if not options["dtype"]:
+            del options["dtype"]
+        return EngineConfig.from_kwargs(model, device=device, **{**options, **overrides})
+
+
+@dataclass(frozen=True, slots=True)
 class RouterSpec:
+    """The `router:` section: where the API listens, its keys and limits, and the
+    RouterConfig (routing policy, failure policy) under the same names."""
+
     host: str = "127.0.0.1"
     port: int = opt(8000, lo=0, hi=65535, doc="0: any free port (one box only)")
     policy: str = opt("least_loaded", choices=POLICIES)
@@ -85,12 +128,36 @@ class RouterSpec:
     #: A streaming client that takes no data for this long is cut off and its request ended.
     write_timeout_s: float = opt(30.0, lo=0.1)
 
+    def router_config(self, block_size: int) -> RouterConfig:
+        """The Router's settings; `block_size` is the engines' (prompt hashes must agree)."""
+        return RouterConfig(
+            routing=RoutingConfig(
+                policy=self.policy,  # type: ignore[arg-type]
+                local_prefill_max_tokens=self.local_prefill_max_tokens,
+                elastic_prefill=self.elastic_prefill,
+                block_size=block_size,
+                kv_overlap_weight=self.kv_overlap_weight,
+                prefix_pull_min_tokens=self.prefix_pull_min_tokens,
+                decode_prefix_reuse=self.decode_prefix_reuse,
+            ),
+            failure_policy=self.failure_policy,  # type: ignore[arg-type]
+            max_inflight=self.max_inflight,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class TransferSpec:
+    """The `transfer:` section: a worker's transfer engine config under the same names
+    (`timeout_s` is the transfer config's `transfer_timeout_s`), plus what the worker
+    itself does with KV (`layerwise`, `remote_kv_timeout_s`) and the deployment secret."""
+
+    #: Push each layer's KV as soon as it is computed (the worker's, not the transfer's).
     layerwise: bool = False
+    #: Checksums on every transport (shm and direct writes too).
     checksum: bool = True
     transports: tuple[str, ...] = opt(TRANSPORTS, choices=TRANSPORTS)
+    #: Deadline of a whole transfer, all retries included.
     timeout_s: float = opt(30.0, lo=0.1)
     secret: str = ""
     #: Longest a shared-memory write into a decode worker's blocks may take; blocks released
@@ -105,6 +172,21 @@ class TransferSpec:
     #: (kind, msg_type, nth, count, delay_s) injected into that worker's outgoing transfer
     #: frames (see transfer/faults.py). Never set this in production.
     faults: dict[str, tuple[dict[str, Any], ...]] = field(default_factory=dict)
+
+    def transfer_config(self, worker_id: str, host: str, port: int) -> TransferConfig:
+        """Worker `worker_id`'s transfer engine config, listening on `host`:`port`; its
+        secret comes from the environment (`hetero_pd.secrets`), never from here."""
+        rules = self.faults.get(worker_id, ())
+        return TransferConfig(
+            host=host,
+            port=port,
+            transfer_timeout_s=self.timeout_s,
+            grant_s=self.grant_s,
+            transports=self.transports,
+            checksum=self.checksum,
+            kv_codec=self.kv_codec,
+            faults=FaultPlan(tuple(FaultRule(**rule) for rule in rules)) if rules else None,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,28 +40,9 @@ from hetero_pd.models.tokenizer import load_tokenizer
 from hetero_pd.serving.api.app import ApiState, create_app
 from hetero_pd.serving.control.auth import CurveKeys
 from hetero_pd.serving.router.metrics import ServingMetrics
-from hetero_pd.serving.router.policy import RoutingConfig
-from hetero_pd.serving.router.router import Router, RouterConfig
+from hetero_pd.serving.router.router import Router
 
 log = logging.getLogger("hetero_pd.serve")
-
-
-def router_config(dep: Deployment) -> RouterConfig:
-    r = dep.router
-    return RouterConfig(
-        routing=RoutingConfig(
-            policy=r.policy,  # type: ignore[arg-type]
-            local_prefill_max_tokens=r.local_prefill_max_tokens,
-            elastic_prefill=r.elastic_prefill,
-            block_size=int(dep.engine.get("block_size", 16)),
-            kv_overlap_weight=r.kv_overlap_weight,
-            prefix_pull_min_tokens=r.prefix_pull_min_tokens,
-            decode_prefix_reuse=r.decode_prefix_reuse,
-        ),
-        failure_policy=r.failure_policy,  # type: ignore[arg-type]
-        max_inflight=r.max_inflight,
-        heartbeat_timeout_s=r.heartbeat_timeout_s,
-    )
 
 
 async def serve(
@@ -84,7 +65,9 @@ async def serve(
     names = list(model_names or [dep.model])
     secret = deployment_secret(dep, generate=discover is None)
     router = Router(
-        router_config(dep), CurveKeys.from_secret(secret), ServingMetrics(model_name=names[0])
+        dep.router.router_config(dep.engine.block_size),
+        CurveKeys.from_secret(secret),
+        ServingMetrics(model_name=names[0]),
     )
     launcher = Launcher(dep, router, secret) if discover is None else None
     stop = stop or _signal_event()
@@ -159,8 +142,7 @@ def _controller(dep: Deployment, router: Router, launcher: Launcher | None) -> R
         return [WorkerLoad.of(w.id, w.role, w.load) for w in router.live("prefill", "decode")]
 
     switch = router.switch_role if launcher is None else launcher.switch_role
-    chunk = int(dep.engine.get("max_num_batched_tokens", 1024))
-    return RoleController(loads, switch, dep.supervisor, chunk)
+    return RoleController(loads, switch, dep.supervisor, dep.engine.max_num_batched_tokens)
 
 
 def _signal_event() -> asyncio.Event:

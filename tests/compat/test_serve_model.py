@@ -13,6 +13,7 @@ import pytest
 
 from hetero_pd.cli import VERSION, main
 from hetero_pd.deploy.model_deployment import resolve_model_target
+from hetero_pd.deploy.sections import EngineSpec
 from hetero_pd.deploy.serve import build_parser, load_target
 from hetero_pd.models.fetch import ModelNotFoundError
 
@@ -33,7 +34,7 @@ def test_a_model_folder_gets_one_prefill_and_one_decode_worker(tiny_llama_dir: P
     assert _workers(dep) == [("prefill", "cpu", 1), ("decode", "cpu", 1)]
     assert dep.model == str(tiny_llama_dir) and name == str(tiny_llama_dir)  # type: ignore[attr-defined]
     assert dep.router.host == "127.0.0.1" and dep.router.port == 8000  # type: ignore[attr-defined]
-    assert dep.engine == {}  # type: ignore[attr-defined]
+    assert dep.engine == EngineSpec()  # type: ignore[attr-defined]
 
 
 def test_vllm_flags_set_the_deployment(tiny_llama_dir: Path) -> None:
@@ -45,15 +46,15 @@ def test_vllm_flags_set_the_deployment(tiny_llama_dir: Path) -> None:
         *("--api-key", "k1", "--kv-cache-gb", "0.25"),
     )
     assert _workers(dep) == [("prefill", "cpu", 2), ("decode", "cpu", 3)]
-    assert dep.engine == {  # type: ignore[attr-defined]
-        "max_model_len": 256,
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": 128,
-        "block_size": 32,
-        "enable_prefix_caching": False,
-        "seed": 7,
-        "kv_cache_gb": 0.25,
-    }
+    assert dep.engine == EngineSpec(  # type: ignore[attr-defined]
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        block_size=32,
+        enable_prefix_caching=False,
+        seed=7,
+        kv_cache_gb=0.25,
+    )
     router = dep.router  # type: ignore[attr-defined]
     assert (router.host, router.port, router.api_keys) == ("0.0.0.0", 0, ("k1",))
     assert dep.dtype == "float32"  # type: ignore[attr-defined]

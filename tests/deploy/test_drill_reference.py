@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hetero_pd.config import resolve_dtype
-from hetero_pd.deploy.drill_run import reference_options
+from hetero_pd.deploy.drill_run import reference_config
 from hetero_pd.deploy.testing import deployment
 
 
@@ -17,7 +16,7 @@ def test_the_reference_runs_the_deployments_dtype_not_auto(
     """Pods run the deployment's dtype (float32 by default); `LLM` alone resolves `auto`,
     bfloat16 on a CPU with native bf16, and its greedy answers then differ from the pods'."""
     monkeypatch.setenv("HETERO_PD_AUTO_DTYPE", "bfloat16")
-    options = reference_options(deployment(tiny_llama_dir))
-    assert resolve_dtype(options["dtype"], "cpu").name == "float32"
-    named = reference_options(deployment(tiny_llama_dir, engine={"dtype": "bfloat16"}))
-    assert named["dtype"] == "bfloat16"  # an engine section's dtype wins, as in the pods
+    config = reference_config(deployment(tiny_llama_dir), str(tiny_llama_dir))
+    assert config.dtype_choice().name == "float32"
+    named = reference_config(deployment(tiny_llama_dir, engine={"dtype": "bfloat16"}), "m")
+    assert named.dtype == "bfloat16"  # an engine section's dtype wins, as in the pods

@@ -114,13 +114,6 @@ def test_kv_aware_holder_for_a_pull_never_counts_the_last_tokens_block() -> None
     assert chooser.holder([worker("c")], prompt) == (None, 0)
 
 
-def test_routing_config_refuses_negative_knobs() -> None:
-    import pytest
-
-    with pytest.raises(ValueError, match="kv_overlap_weight"):
-        RoutingConfig(policy="kv_aware", kv_overlap_weight=-1.0)
-
-
 def test_conditional_disaggregation() -> None:
     elastic = Chooser(RoutingConfig(local_prefill_max_tokens=32))
     fixed = Chooser(RoutingConfig(local_prefill_max_tokens=32, elastic_prefill=False))

@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from hetero_pd.engine.kv_cache_manager import prompt_block_hashes
 from hetero_pd.serving.router.worker_client import WorkerClient
 
 Policy = Literal["round_robin", "least_loaded", "prefix_aware", "kv_aware"]
 FailurePolicy = Literal["recompute", "retry", "fail"]
-POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
-FAILURE_POLICIES = ("recompute", "retry", "fail")
+POLICIES: tuple[str, ...] = get_args(Policy)
+FAILURE_POLICIES: tuple[str, ...] = get_args(FailurePolicy)
 
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
+    """How workers are picked (a deployment's `router:` section checks the values)."""
+
     policy: Policy = "least_loaded"
     # Conditional disaggregation: prefill on the decode worker itself when the prompt part
     # not already cached there is at most this long, ...
@@ -53,15 +55,6 @@ class RoutingConfig:
     decode_prefix_reuse: bool = True
     #: How long a pull may take before the puller computes the prefix itself.
     prefix_pull_timeout_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"router policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.kv_overlap_weight < 0 or self.prefix_pull_min_tokens < 0:
-            raise ValueError(
-                "kv_overlap_weight and prefix_pull_min_tokens must be >= 0, got "
-                f"{self.kv_overlap_weight} and {self.prefix_pull_min_tokens}"
-            )
 
 
 class Chooser:
