@@ -21,7 +21,6 @@ OVERSIZED = {
     "transfer/sender.py": 471,
     "transfer/datachan.py": 447,
     "transfer/engine.py": 439,
-    "hetero_pd/serving/worker/requests.py": 408,
     "transfer/linker.py": 433,
     "hetero_pd/serving/router/handoff.py": 421,
 }

@@ -10,7 +10,8 @@
 
 The book owns the transitions and the replies they cause; the worker's loop only feeds it
 messages, engine outputs and the clock. It needs no socket and no model: the engine and
-the transfer engine are its collaborators, and replies go out through `send`.
+the transfer engine are its collaborators, and replies go out through `send`. How a new
+request enters the engine (reservation, push target) is admission.py's.
 """
 
 from __future__ import annotations
@@ -21,16 +22,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgspec
-
-from hetero_pd.engine.block_pool import NoFreeBlocksError
 from hetero_pd.engine.health import RequestFailure
 from hetero_pd.engine.llm_engine import LLMEngine
 from hetero_pd.outputs import RequestOutput
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import sampling as W
 from hetero_pd.serving.control import values as V
-from hetero_pd.serving.worker.edge_inputs import decode_frame, edge_prompt
+from hetero_pd.serving.worker import admission
+from hetero_pd.serving.worker.edge_inputs import decode_frame
 from hetero_pd.serving.worker.prefill_push import PushTracker
 from hetero_pd.serving.worker.prefix_share import PrefixPulls
 from hetero_pd.serving.worker.request import (
@@ -42,7 +41,7 @@ from hetero_pd.serving.worker.request import (
     output_message,
     prefill_done,
 )
-from transfer import RemoteBlocks, TransferEngine, TransferError, TransferState
+from transfer import TransferEngine, TransferError, TransferState
 
 log = logging.getLogger("hetero_pd.worker")
 Send = Callable[[bytes, Any], None]
@@ -105,7 +104,7 @@ class RequestBook:
                 )
             if old is not None or msg.rid in self.pulls:
                 raise RequestError(V.ErrorCode.BAD_REQUEST, f"request {msg.rid} is running")
-            self._check_role(msg)
+            admission.check_role(self.id, self.engine, msg)
             if isinstance(msg, P.Reserve) or not self.pulls.begin(owner, msg, self._resume):
                 self._open(owner, msg)
 
@@ -133,95 +132,26 @@ class RequestBook:
         elif isinstance(msg, P.Prefill):
             self._prefill(owner, msg, first)
         else:
-            self._add(msg, first)
+            admission.add(self.engine, self.id, msg, first)
             self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.RUNNING)
         if fanout is not None:
             req = self.requests[msg.rid]
             req.fanout, req.prompt_ids, req.priority = fanout, msg.prompt_ids, msg.priority
 
-    def _check_role(self, msg: P.Generate | P.Reserve | P.Prefill) -> None:
-        """A prefill worker takes only Prefill; the others take only Generate and Reserve
-        (their engines would hold or hand off KV nobody asked for)."""
-        role = self.engine.config.role
-        if (role == "prefill") != isinstance(msg, P.Prefill):
-            kind = type(msg).__name__
-            raise RequestError(
-                V.ErrorCode.BAD_REQUEST, f"worker {self.id} ({role}) takes no {kind}"
-            )
-
-    def _add(
-        self, msg: P.Generate | P.Reserve | P.Prefill, params: Any, remote_kv: bool = False
-    ) -> list[int] | None:
-        edge = edge_prompt(msg.edge, self.engine, self.id)
-        if edge is None:
-            if remote_kv:
-                reuse = isinstance(msg, P.Reserve) and msg.reuse_prefix
-                return self.engine.add_remote_request(
-                    list(msg.prompt_ids), params, msg.rid, msg.priority, reuse_prefix=reuse
-                )
-            self.engine.add_request(list(msg.prompt_ids), params, msg.rid, msg.priority)
-            return None
-        hidden, early = edge
-        if early is None:
-            return self.engine.add_split_request(hidden, params, msg.rid, msg.priority, remote_kv)
-        return self.engine.add_edge_prompt_request(
-            hidden, early, params, msg.rid, msg.priority, remote_kv
-        )
-
     def _reserve(self, owner: bytes, msg: P.Reserve, params: Any) -> None:
-        try:
-            block_ids = self._add(msg, params, remote_kv=True)
-        except NoFreeBlocksError as e:
-            raise RequestError(V.ErrorCode.NO_FREE_BLOCKS, str(e)) from None
-        assert block_ids is not None
-        # The prefix this worker's cache serves stays out of the reservation: only the
-        # rest's KV is written here.
-        cached = self.engine.cached_tokens(msg.rid) if msg.edge is None else 0
-        block_ids = block_ids[cached // self.engine.config.block_size :]
-        start = self.engine.config.start_layer
-        # A split engine has no KV below its start layer: only [start, L) will arrive.
-        layers = (start, self.engine.model_config.num_layers) if start else None
-        try:
-            handle = self.transfer.reserve(
-                msg.rid,
-                block_ids,
-                timeout_s=self.remote_kv_timeout_s,
-                layers=layers,
-                writer=msg.writer,
-            )
-        except TransferError as e:
-            self.engine.abort_request(msg.rid)
-            raise RequestError.of_transfer(e) from None
+        timeout_s = self.remote_kv_timeout_s
+        handle, reply = admission.reserve(
+            self.engine, self.transfer, self.id, msg, params, timeout_s
+        )
         self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.RESERVED, handle=handle)
-        assert handle.blocks is not None
-        blocks = V.Blocks(**handle.blocks.to_wire())  # type: ignore[arg-type]
-        self.send(owner, P.Reserved(rid=msg.rid, blocks=blocks, cached_tokens=cached))
+        self.send(owner, reply)
 
     def _prefill(self, owner: bytes, msg: P.Prefill, params: Any) -> None:
-        peer, address = msg.dest_worker, msg.dest_address
-        check_endpoint(address)
-        skip_blocks = self._skip_blocks(msg)
-        # The router's current view of the peer: a no-op while unchanged; a decode worker
-        # restarted elsewhere is re-linked at once. Never blocks this loop.
-        try:
-            self.transfer.set_peer_address(peer, address)
-        except TransferError as e:
-            raise RequestError.of_transfer(e) from None
-        dest = RemoteBlocks.from_wire(msgspec.structs.asdict(msg.dest_blocks))
-        self._add(msg, params)
-        self.pushes.expect(msg.rid, peer, dest, skip_blocks)
+        check_endpoint(msg.dest_address)
+        dest, skip_blocks = admission.push_target(self.engine, self.transfer, msg)
+        admission.add(self.engine, self.id, msg, params)
+        self.pushes.expect(msg.rid, msg.dest_worker, dest, skip_blocks)
         self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.PREFILLING)
-
-    def _skip_blocks(self, msg: P.Prefill) -> int:
-        """The prompt's first blocks the decode worker already holds (not pushed)."""
-        skip, bs = msg.skip_tokens, self.engine.config.block_size
-        if skip and (msg.edge is not None or skip % bs or skip >= len(msg.prompt_ids)):
-            raise ValueError(
-                f"request {msg.rid}: skip_tokens={skip} must be a multiple of the block size "
-                f"{bs} below the prompt's {len(msg.prompt_ids)} tokens (and 0 for an edge "
-                "prompt)"
-            )
-        return skip // bs
 
     # -- messages about running requests -------------------------------------------------
     def _owned(self, owner: bytes, rid: str) -> WorkerRequest | None:
