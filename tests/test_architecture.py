@@ -22,7 +22,6 @@ OVERSIZED = {
     "transfer/datachan.py": 447,
     "transfer/engine.py": 439,
     "transfer/linker.py": 433,
-    "hetero_pd/serving/router/handoff.py": 421,
 }
 
 

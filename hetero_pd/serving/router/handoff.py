@@ -33,19 +33,19 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from hetero_pd.sampling_params import SamplingParams
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import values as V
 from hetero_pd.serving.router.errors import RouterError, worker_error
+from hetero_pd.serving.router.inbox import Inbox, answer_from, get_within, next_message
 from hetero_pd.serving.router.metrics import ServingMetrics
 from hetero_pd.serving.router.policy import Chooser
 from hetero_pd.serving.router.worker_client import WorkerClient, WorkerGone, WorkerUnreachable
 from transfer import StatusCode
 
 log = logging.getLogger("hetero_pd.router")
-T = TypeVar("T")
 #: How long a prefix holder has to answer OfferPrefix before the prompt is computed.
 OFFER_TIMEOUT_S = 2.0
 #: Decode-worker answers to `Reserve` that mean "not now": back off and ask again.
@@ -115,7 +115,7 @@ class Handoff:
         prompt_ids: list[int],
         params: SamplingParams,
         priority: int,
-        queue: asyncio.Queue[tuple[str, Any]],
+        queue: Inbox,
         edge: EdgeRequest | None,
     ) -> None:
         self.cfg, self.chooser, self.metrics, self.live = (
@@ -321,7 +321,7 @@ class Handoff:
             holder.send(offer)
         except WorkerUnreachable:
             return None
-        reply = await self._answer_from(holder, OFFER_TIMEOUT_S)
+        reply = await answer_from(self.queue, holder.id, P.PrefixOffered, OFFER_TIMEOUT_S)
         if reply is None or reply.blocks is None or reply.tokens <= cached:
             return None
         if reply.tokens > tokens or reply.tokens != len(reply.blocks.ids) * bs:
@@ -335,26 +335,6 @@ class Handoff:
             tokens=reply.tokens,
             timeout_s=cfg.prefix_pull_timeout_s,
         )
-
-    async def _answer_from(self, holder: WorkerClient, timeout_s: float) -> P.PrefixOffered | None:
-        """`holder`'s PrefixOffered within `timeout_s`; other messages go back in the queue."""
-        deadline = time.monotonic() + timeout_s
-        others: list[tuple[str, Any]] = []
-        reply = None
-        try:
-            while reply is None and (left := deadline - time.monotonic()) > 0:
-                try:
-                    wid, msg = await get_within(self.queue, left)
-                except TimeoutError:
-                    break
-                if wid == holder.id and isinstance(msg, P.PrefixOffered):
-                    reply = msg
-                else:
-                    others.append((wid, msg))
-        finally:
-            for item in others:
-                self.queue.put_nowait(item)
-        return reply
 
     def _check_cached(self, msg: P.Reserved, reuse: bool, block_size: int) -> int:
         cached = msg.cached_tokens
@@ -401,21 +381,3 @@ class Handoff:
                 case P.PrefillDone(transfer=stats):
                     self.metrics.observe_transfer("kv", stats.bytes, stats.seconds)
                     return FirstToken(msg)
-
-
-async def next_message(
-    queue: asyncio.Queue[tuple[str, Any]], timeout_s: float, rid: str
-) -> tuple[str, Any]:
-    try:
-        return await get_within(queue, timeout_s)
-    except TimeoutError:
-        raise RouterError(504, f"request {rid}: no progress for {timeout_s}s", "timeout") from None
-
-
-async def get_within(queue: asyncio.Queue[T], timeout_s: float) -> T:
-    """`queue.get()` with a deadline (TimeoutError). Not `asyncio.wait_for`: before Python
-    3.12 it returns the item and swallows a cancellation that lands as the item arrives,
-    so a client disconnect during a fast token stream could go unnoticed and the request
-    would run to the end."""
-    async with asyncio.timeout(timeout_s):
-        return await queue.get()

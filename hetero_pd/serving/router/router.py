@@ -27,13 +27,13 @@ from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import values as V
 from hetero_pd.serving.control.auth import CurveKeys
 from hetero_pd.serving.router.errors import RouterError, worker_error
-from hetero_pd.serving.router.handoff import EdgeRequest, Handoff, HandoffPolicy, next_message
+from hetero_pd.serving.router.handoff import EdgeRequest, Handoff, HandoffPolicy
+from hetero_pd.serving.router.inbox import Inbox, next_message
 from hetero_pd.serving.router.metrics import ServingMetrics
 from hetero_pd.serving.router.policy import Chooser, FailurePolicy, RoutingConfig
 from hetero_pd.serving.router.worker_client import WorkerClient, WorkerGone, WorkerUnreachable
 
 log = logging.getLogger("hetero_pd.router")
-Queue = asyncio.Queue[tuple[str, Any]]
 
 __all__ = ["EdgeRequest", "Router", "RouterConfig", "RouterError"]
 
@@ -62,7 +62,7 @@ class Router:
         self.ctx = zmq.asyncio.Context()
         self.workers: dict[str, WorkerClient] = {}
         self.chooser = Chooser(cfg.routing)
-        self.queues: dict[str, Queue] = {}
+        self.queues: dict[str, Inbox] = {}
         self._switching: set[str] = set()
         self._decoder: dict[str, WorkerClient] = {}  # split request id -> its decode worker
         #: Supervisor's view of each worker process (pid, restarts, state) for /health.
@@ -202,7 +202,7 @@ class Router:
         if not self.live("decode", "both", split_layer=layer):
             what = f"for split layer {layer}" if layer else "running the whole model"
             raise RouterError(503, f"no decode-capable worker {what} is alive", "no_workers", 2.0)
-        queue: Queue = asyncio.Queue()
+        queue: Inbox = asyncio.Queue()
         self.queues[rid] = queue
         flow = Handoff(self.handoff_policy, rid, prompt_ids, params, priority, queue, edge)
         finished = False
