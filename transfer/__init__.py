@@ -6,7 +6,7 @@ See ``transfer/README.md`` for the API, transports, state machine and error code
 from __future__ import annotations
 
 from transfer.auth import check_secret
-from transfer.config import EngineConfig, RetryPolicy, Role
+from transfer.config import RetryPolicy, Role, TransferConfig
 from transfer.engine import TransferEngine
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultPlan, FaultRule
@@ -14,7 +14,6 @@ from transfer.handle import RemoteBlocks, TransferHandle, TransferState
 from transfer.region import KVRegion
 
 __all__ = [
-    "EngineConfig",
     "FaultPlan",
     "FaultRule",
     "KVRegion",
@@ -22,6 +21,7 @@ __all__ = [
     "RetryPolicy",
     "Role",
     "StatusCode",
+    "TransferConfig",
     "TransferEngine",
     "TransferError",
     "TransferHandle",

@@ -78,7 +78,7 @@ def check_secret(host: str, secret: bytes) -> None:
 
     With an empty secret every peer that can reach ``host`` links and is trusted, so it is
     only acceptable on 127.0.0.1 / ::1 / localhost. Serving and deployment validation call
-    this (or set ``EngineConfig.require_secret``) for every non-loopback bind.
+    this (or set ``TransferConfig.require_secret``) for every non-loopback bind.
     """
     if not secret and not is_loopback(host):
         raise TransferError(

@@ -33,7 +33,7 @@ class RetryPolicy:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineConfig:
+class TransferConfig:
     """Settings of one :class:`~transfer.engine.TransferEngine`.
 
     Deadlines are in seconds. ``secret`` is the deployment's shared secret: peers prove they
@@ -103,22 +103,22 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.max_frame_bytes < self.chunk_bytes:
-            raise ValueError("EngineConfig: need 0 < chunk_bytes <= max_frame_bytes")
+            raise ValueError("TransferConfig: need 0 < chunk_bytes <= max_frame_bytes")
         for name in ("link_timeout_s", "transfer_timeout_s", "lease_s", "ack_timeout_s"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"EngineConfig.{name} must be > 0")
+                raise ValueError(f"TransferConfig.{name} must be > 0")
         if self.advertise_host and not valid_host(self.advertise_host):
             raise ValueError(
-                f"EngineConfig.advertise_host {self.advertise_host!r}: a host name or "
+                f"TransferConfig.advertise_host {self.advertise_host!r}: a host name or "
                 "address without a port"
             )
-        check_codec(self.kv_codec, "EngineConfig.kv_codec")
+        check_codec(self.kv_codec, "TransferConfig.kv_codec")
         unknown = set(self.transports) - {"local", "cuda_ipc", "shm", "tcp"}
         if unknown:
-            raise ValueError(f"EngineConfig.transports: unknown transport(s) {sorted(unknown)}")
+            raise ValueError(f"TransferConfig.transports: unknown transport(s) {sorted(unknown)}")
 
     @classmethod
-    def from_env(cls, **overrides: object) -> EngineConfig:
+    def from_env(cls, **overrides: object) -> TransferConfig:
         """Build a config from ``HETERO_PD_TRANSFER_*`` environment variables plus overrides.
 
         Reads ``HETERO_PD_TRANSFER_SECRET`` (the shared secret),
@@ -128,7 +128,7 @@ class EngineConfig:
         names = {f.name for f in fields(cls)}
         bad = set(overrides) - names
         if bad:
-            raise ValueError(f"EngineConfig: unknown key(s) {sorted(bad)}")
+            raise ValueError(f"TransferConfig: unknown key(s) {sorted(bad)}")
         values = envs.transfer_settings()
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]

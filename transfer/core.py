@@ -29,7 +29,7 @@ import zmq
 
 from transfer import wire
 from transfer.addresses import endpoint
-from transfer.config import EngineConfig, Role
+from transfer.config import Role, TransferConfig
 from transfer.datachan import DataChannel
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
@@ -75,7 +75,7 @@ _NOT_LINKED = "not linked: link (authenticate) first"
 class Core:
     """Everything one engine runs on its I/O thread."""
 
-    def __init__(self, engine_id: str, role: Role, config: EngineConfig) -> None:
+    def __init__(self, engine_id: str, role: Role, config: TransferConfig) -> None:
         self.engine_id, self.config = engine_id, config
         self.metrics = Metrics()
         self.loop = IOLoop(engine_id, self.metrics)
@@ -149,7 +149,7 @@ class Core:
         self._local = local.publish(engine_id, self.regions)
         self.loop.start()
 
-    def _listen(self, config: EngineConfig) -> zmq.Socket[bytes]:
+    def _listen(self, config: TransferConfig) -> zmq.Socket[bytes]:
         router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)

@@ -36,7 +36,7 @@ import zmq
 
 from transfer import auth, checksum, dataframe
 from transfer.addresses import is_ip, join_host_port, split_host_port
-from transfer.config import EngineConfig
+from transfer.config import TransferConfig
 from transfer.errors import TransferError
 from transfer.intake import DataIn
 from transfer.loop import IOLoop
@@ -264,7 +264,7 @@ class DataChannel:
 
     def __init__(
         self,
-        config: EngineConfig,
+        config: TransferConfig,
         loop: IOLoop,
         metrics: Metrics,
         engine_id: str,

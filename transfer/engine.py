@@ -29,7 +29,7 @@ from typing import Any
 from transfer.addresses import parse_endpoint
 from transfer.auth import check_secret
 from transfer.checksum import requested as checksum_requested
-from transfer.config import EngineConfig, Role
+from transfer.config import Role, TransferConfig
 from transfer.core import Core
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import Callback, RemoteBlocks, TransferHandle, TransferState
@@ -43,11 +43,11 @@ class TransferEngine:
     """Moves KV blocks between workers (see the module docstring for the flow)."""
 
     def __init__(
-        self, engine_id: str, role: Role | str = Role.BOTH, config: EngineConfig | None = None
+        self, engine_id: str, role: Role | str = Role.BOTH, config: TransferConfig | None = None
     ) -> None:
         self.engine_id = engine_id
         self.role = Role(role)
-        self.config = config or EngineConfig()
+        self.config = config or TransferConfig()
         if self.config.require_secret:
             check_secret(self.config.host, self.config.secret)
         self._core = Core(engine_id, self.role, self.config)
@@ -309,7 +309,7 @@ class TransferEngine:
         Returns a ``kind="offer"`` handle whose ``blocks`` is the ticket to hand to the reader
         (through the control plane) for its :meth:`pull_blocks`. Keep the blocks until the
         handle is terminal: DONE once every offered layer was pulled and ACKed, TIMED_OUT
-        (LEASE_EXPIRED) when ``lease_s`` (default ``EngineConfig.lease_s``) passes first,
+        (LEASE_EXPIRED) when ``lease_s`` (default ``TransferConfig.lease_s``) passes first,
         CANCELLED after :meth:`withdraw`. No other peer, epoch, block or layer is served.
         """
         reg = self.region(region)

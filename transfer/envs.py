@@ -7,7 +7,7 @@ import os
 
 
 def transfer_settings() -> dict[str, object]:
-    """`EngineConfig.from_env`'s values: $HETERO_PD_TRANSFER_SECRET (the shared secret),
+    """`TransferConfig.from_env`'s values: $HETERO_PD_TRANSFER_SECRET (the shared secret),
     $HETERO_PD_TRANSFER_HOST and $HETERO_PD_TRANSFER_ADVERTISE_HOST, those that are set."""
     values: dict[str, object] = {}
     secret = os.environ.get("HETERO_PD_TRANSFER_SECRET")

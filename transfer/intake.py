@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from transfer import checksum, dataframe, layout, wire
-from transfer.config import EngineConfig
+from transfer.config import TransferConfig
 from transfer.dataframe import FrameHeader
 from transfer.errors import StatusCode, TransferError
 from transfer.incoming import InTransfer
@@ -53,7 +53,7 @@ class DataIn:
     def __init__(
         self,
         sock: socket.socket,
-        config: EngineConfig,
+        config: TransferConfig,
         metrics: Metrics,
         receiver: Receiver,
         ledger: Ledger,

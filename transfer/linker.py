@@ -19,7 +19,7 @@ import zmq
 
 from transfer import auth, wire
 from transfer.addresses import parse_endpoint, reachable
-from transfer.config import EngineConfig
+from transfer.config import TransferConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.loop import IOLoop
 from transfer.messages import (
@@ -51,7 +51,7 @@ class Linker:
     def __init__(
         self,
         me: Identity,
-        config: EngineConfig,
+        config: TransferConfig,
         loop: IOLoop,
         outbox: Outbox,
         metrics: Metrics,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from transfer.config import EngineConfig
+from transfer.config import TransferConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import RemoteBlocks, TransferHandle, TransferState
 from transfer.linker import Linker
@@ -88,7 +88,7 @@ def new_pull(
 class Puller:
     """Pulls this engine asked for (I/O thread only)."""
 
-    def __init__(self, config: EngineConfig, loop: IOLoop, outbox: Outbox, links: Linker) -> None:
+    def __init__(self, config: TransferConfig, loop: IOLoop, outbox: Outbox, links: Linker) -> None:
         self.config, self.loop, self.outbox, self.links = config, loop, outbox, links
         self.pending: dict[str, PendingPull] = {}
 
@@ -145,7 +145,7 @@ class PullServer:
 
     def __init__(
         self,
-        config: EngineConfig,
+        config: TransferConfig,
         loop: IOLoop,
         outbox: Outbox,
         sender: Sender,

@@ -24,7 +24,7 @@ from typing import TypeVar
 import torch
 
 from transfer import checksum, kv_codec, kv_layouts, layout, wire
-from transfer.config import EngineConfig
+from transfer.config import TransferConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import TransferState
 from transfer.hashing import Hasher, tensor_digest
@@ -48,7 +48,7 @@ class Receiver:
     def __init__(
         self,
         me: Identity,
-        config: EngineConfig,
+        config: TransferConfig,
         loop: IOLoop,
         outbox: Outbox,
         ledger: Ledger,

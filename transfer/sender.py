@@ -22,7 +22,7 @@ from collections import deque
 from typing import cast
 
 from transfer import checksum, dataframe, layout, movers, transports, wire
-from transfer.config import EngineConfig
+from transfer.config import TransferConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
 from transfer.handle import TransferHandle, TransferState
@@ -53,7 +53,7 @@ class Sender:
     def __init__(
         self,
         me: Identity,
-        config: EngineConfig,
+        config: TransferConfig,
         loop: IOLoop,
         outbox: Outbox,
         links: Linker,

@@ -17,7 +17,7 @@ import msgspec
 import torch
 
 from transfer import layout
-from transfer.config import EngineConfig, RetryPolicy
+from transfer.config import RetryPolicy, TransferConfig
 from transfer.engine import TransferEngine
 from transfer.faults import FaultPlan, FaultRule
 from transfer.handle import RemoteBlocks, TransferHandle
@@ -40,8 +40,8 @@ def blocks_digest(region: KVRegion, ids: list[int], layers: tuple[int, int] | No
     return h.hexdigest()
 
 
-def make_config(spec: dict[str, Any]) -> EngineConfig:
-    """EngineConfig from plain values (faults as a list of rule dicts)."""
+def make_config(spec: dict[str, Any]) -> TransferConfig:
+    """TransferConfig from plain values (faults as a list of rule dicts)."""
     spec = dict(spec)
     faults = spec.pop("faults", None)
     retry = spec.pop("retry", None)
@@ -53,7 +53,7 @@ def make_config(spec: dict[str, Any]) -> EngineConfig:
         spec["faults"] = FaultPlan(tuple(FaultRule(**r) for r in faults))
     if retry:
         spec["retry"] = RetryPolicy(**retry)
-    return EngineConfig(**spec)
+    return TransferConfig(**spec)
 
 
 def _outcome(h: TransferHandle) -> dict[str, Any]:

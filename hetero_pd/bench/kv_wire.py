@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from hetero_pd.bench.machine import cpu_info
-from transfer import EngineConfig, KVRegion, TransferEngine, TransferState
+from transfer import KVRegion, TransferConfig, TransferEngine, TransferState
 from transfer.testing import fill
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
@@ -32,7 +32,7 @@ class Link:
     """A sender and a receiver engine for one codec, linked over loopback TCP."""
 
     def __init__(self, codec: str, num_blocks: int) -> None:
-        cfg = EngineConfig(secret=SECRET, transports=("tcp",), kv_codec=codec)
+        cfg = TransferConfig(secret=SECRET, transports=("tcp",), kv_codec=codec)
         self.src = TransferEngine(f"wire-p-{codec}", "prefill", cfg)
         self.dst = TransferEngine(f"wire-d-{codec}", "decode", cfg)
         shape = (BLOCK, HEADS, HEAD_DIM)

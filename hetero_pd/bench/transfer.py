@@ -24,7 +24,7 @@ import torch
 import zmq
 
 from hetero_pd.bench.machine import cpu_info
-from transfer import EngineConfig, KVRegion, RemoteBlocks, TransferEngine, TransferState
+from transfer import KVRegion, RemoteBlocks, TransferConfig, TransferEngine, TransferState
 from transfer.layout import as_bytes
 
 LAYERS, KV, HEADS, HEAD_DIM, BLOCK = 30, 2, 3, 64, 16
@@ -35,7 +35,7 @@ _tags = itertools.count()
 def _receiver(conn: Connection, num_blocks: int, secret: bytes) -> None:
     """Child process: a decode-side engine plus a raw PULL socket, driven over ``conn``."""
     torch.set_num_threads(1)
-    engine = TransferEngine("bench-d", "decode", EngineConfig(secret=secret))
+    engine = TransferEngine("bench-d", "decode", TransferConfig(secret=secret))
     region = KVRegion.allocate("kv", LAYERS, num_blocks, (BLOCK, HEADS, HEAD_DIM), shared=True)
     engine.register_region(region)
     pull: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PULL)
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver, args=(child, max_blocks, secret), daemon=True)
     proc.start()
-    engine = TransferEngine("bench-p", "prefill", EngineConfig(secret=secret))
+    engine = TransferEngine("bench-p", "prefill", TransferConfig(secret=secret))
     push: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.SNDHWM, 0)
     runs: list[dict[str, Any]] = []

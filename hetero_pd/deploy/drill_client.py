@@ -158,11 +158,11 @@ def transferred_cleanly(row: dict[str, Any]) -> bool:
     """Whether a request of `sequential` was prefilled remotely and its KV crossed the link
     without a failed transfer, a retry, a recomputation, or a wait for the transfer engine's
     ACK timeout (a transfer that took that long waited for a timer, it did not move bytes)."""
-    from transfer import EngineConfig
+    from transfer import TransferConfig
 
     moved = row["disaggregated"] == 1 and row["kv_bytes"] > 0
     failed = row["recompute"] or row["retry"] or row["fail"] or row["transfer_failures"]
-    return moved and not failed and row["kv_seconds"] < EngineConfig().ack_timeout_s
+    return moved and not failed and row["kv_seconds"] < TransferConfig().ack_timeout_s
 
 
 def anonymous_hello(address: str, wait_s: float = 3.0) -> bytes | None:

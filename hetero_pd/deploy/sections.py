@@ -14,8 +14,7 @@ from hetero_pd.deploy.fields import opt, required
 from hetero_pd.hidden_codec import CODECS as EDGE_CODECS
 from hetero_pd.serving.router.policy import FAILURE_POLICIES, POLICIES, RoutingConfig
 from hetero_pd.serving.router.router import RouterConfig
-from transfer import EngineConfig as TransferConfig
-from transfer import FaultPlan, FaultRule
+from transfer import FaultPlan, FaultRule, TransferConfig
 from transfer.kv_codec import CODECS as KV_CODECS
 from transfer.kv_layouts import LAYOUTS as KV_LAYOUTS
 

@@ -26,7 +26,7 @@ from hetero_pd.sampling_params import SamplingParams
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.worker.config import WorkerConfig
 from hetero_pd.serving.worker.main import READY_LINE
-from transfer import EngineConfig as TransferConfig
+from transfer import TransferConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

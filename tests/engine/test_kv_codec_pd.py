@@ -15,8 +15,7 @@ from hetero_pd.config import EngineConfig
 from hetero_pd.engine.kv_codec_agreement import token_agreement
 from hetero_pd.engine.llm_engine import LLMEngine
 from hetero_pd.sampling_params import SamplingParams
-from transfer import EngineConfig as TransferConfig
-from transfer import KVRegion, TransferEngine, TransferState
+from transfer import KVRegion, TransferConfig, TransferEngine, TransferState
 from transfer.kv_codec import decode, encode
 
 PROMPT = [(7 * i + 11) % 500 + 1 for i in range(45)]  # 3 blocks of 16, the last partial

@@ -19,7 +19,14 @@ from hetero_pd import secrets
 from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack, wait_gone
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control.auth import CurveKeys, secure_client
-from transfer import EngineConfig, KVRegion, RemoteBlocks, StatusCode, TransferEngine, TransferState
+from transfer import (
+    KVRegion,
+    RemoteBlocks,
+    StatusCode,
+    TransferConfig,
+    TransferEngine,
+    TransferState,
+)
 
 from .test_failures import DECISIONS, complete_all, delta, greedy, transfer_metrics
 
@@ -90,7 +97,7 @@ def test_only_the_chosen_prefill_worker_writes_reserved_blocks(
             dest = RemoteBlocks.from_wire(msgspec.structs.asdict(reserved.blocks))
             key = secrets.derive(secret, "transfer")
             intruder = TransferEngine(
-                "prefill-1", "prefill", EngineConfig(secret=key, transports=("shm", "tcp"))
+                "prefill-1", "prefill", TransferConfig(secret=key, transports=("shm", "tcp"))
             )
             try:
                 info = decode.info

@@ -126,7 +126,7 @@ def test_a_worker_advertises_its_host_for_transfers_and_derives_their_key() -> N
     from the deployment secret (required: an empty key never starts)."""
     from hetero_pd.config import EngineConfig
     from hetero_pd.serving.worker.config import WorkerConfig, transfer_config
-    from transfer import EngineConfig as TransferConfig
+    from transfer import TransferConfig
 
     secret = secrets.generate().encode()
     cfg = WorkerConfig(

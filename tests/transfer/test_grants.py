@@ -13,10 +13,10 @@ import pytest
 import zmq
 
 from transfer import (
-    EngineConfig,
     KVRegion,
     RemoteBlocks,
     StatusCode,
+    TransferConfig,
     TransferEngine,
     TransferError,
     TransferState,
@@ -217,12 +217,12 @@ def test_empty_secret_refused_off_loopback() -> None:
         with pytest.raises(TransferError) as info:
             check_secret(host, b"")
         assert info.value.code is StatusCode.PARAM_INVALID and host in info.value.message
-    required = EngineConfig(host="0.0.0.0", require_secret=True)  # loads without its secret
+    required = TransferConfig(host="0.0.0.0", require_secret=True)  # loads without its secret
     with pytest.raises(TransferError) as info:
         TransferEngine("open", "decode", required)
     assert info.value.code is StatusCode.PARAM_INVALID
     TransferEngine(
-        "closed", "decode", EngineConfig(host="0.0.0.0", secret=b"k", require_secret=True)
+        "closed", "decode", TransferConfig(host="0.0.0.0", secret=b"k", require_secret=True)
     ).close()
 
 

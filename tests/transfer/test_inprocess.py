@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from transfer import (
-    EngineConfig,
     KVRegion,
     StatusCode,
+    TransferConfig,
     TransferEngine,
     TransferError,
     TransferHandle,
@@ -23,7 +23,7 @@ from transfer.testing import fill
 
 @pytest.fixture
 def pair() -> Iterator[tuple[TransferEngine, TransferEngine]]:
-    cfg = EngineConfig(secret=b"s", chunk_bytes=4096, transfer_timeout_s=5)
+    cfg = TransferConfig(secret=b"s", chunk_bytes=4096, transfer_timeout_s=5)
     p, d = TransferEngine("p-local", "prefill", cfg), TransferEngine("d-local", "decode", cfg)
     try:
         src = KVRegion.allocate("kv", 2, 16, (16, 2, 8))
@@ -124,9 +124,9 @@ def test_unlink_then_push_is_not_linked(pair: tuple[TransferEngine, TransferEngi
 
 def test_config_from_env_rejects_unknown_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HETERO_PD_TRANSFER_SECRET", "from-env")
-    assert EngineConfig.from_env(lease_s=3.0).secret == b"from-env"
+    assert TransferConfig.from_env(lease_s=3.0).secret == b"from-env"
     with pytest.raises(ValueError, match="leese_s"):
-        EngineConfig.from_env(leese_s=3.0)
+        TransferConfig.from_env(leese_s=3.0)
 
 
 @pytest.mark.parametrize("transport", ["local", "tcp"])

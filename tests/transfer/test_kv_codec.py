@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from transfer import EngineConfig, KVRegion, StatusCode, TransferEngine, TransferState, kv_codec
+from transfer import KVRegion, StatusCode, TransferConfig, TransferEngine, TransferState, kv_codec
 from transfer.kv_codec import KVCodecError, decode, encode, encoded_nbytes
 
 Pair = tuple[TransferEngine, TransferEngine]
@@ -82,9 +82,9 @@ def test_decode_refuses_wrong_sizes_bad_scales_and_integers() -> None:
 
 
 def test_codec_settings_and_refusals_name_what_is_wrong() -> None:
-    with pytest.raises(ValueError, match=r"EngineConfig\.kv_codec 'int4'.*none, int8"):
-        EngineConfig(kv_codec="int4")
-    assert EngineConfig(kv_codec="int8").kv_codec == "int8"
+    with pytest.raises(ValueError, match=r"TransferConfig\.kv_codec 'int4'.*none, int8"):
+        TransferConfig(kv_codec="int4")
+    assert TransferConfig(kv_codec="int8").kv_codec == "int8"
     f32 = torch.float32
     assert kv_codec.refusal("none", "none", "shm", f32) is None
     assert kv_codec.refusal("int8", "int8", "tcp", f32) is None

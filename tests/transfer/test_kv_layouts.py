@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import torch
 
-from transfer import EngineConfig, KVRegion, StatusCode, TransferEngine, TransferState, wire
+from transfer import KVRegion, StatusCode, TransferConfig, TransferEngine, TransferState, wire
 from transfer.errors import TransferError
 from transfer.kv_layouts import CONVERSIONS, FRACTAL_NZ, LAYOUTS, ND, nd_to_nz, nz_c0, nz_to_nd
 from transfer.messages import Regions
@@ -60,7 +60,7 @@ def test_region_descriptions_validate_the_layout() -> None:
 @pytest.fixture
 def engines() -> Iterator[tuple[TransferEngine, TransferEngine]]:
     n = next(_ids)
-    cfg = EngineConfig(secret=b"s", chunk_bytes=4096, transfer_timeout_s=10)
+    cfg = TransferConfig(secret=b"s", chunk_bytes=4096, transfer_timeout_s=10)
     p, d = TransferEngine(f"p-fmt-{n}", "prefill", cfg), TransferEngine(f"d-fmt-{n}", "decode", cfg)
     try:
         yield p, d
@@ -136,7 +136,7 @@ def test_nz_destination_refuses_another_block_size(
 
 
 def _engine(name: str, fingerprint: str) -> TransferEngine:
-    cfg = EngineConfig(secret=b"s", fingerprint=fingerprint, link_timeout_s=5.0)
+    cfg = TransferConfig(secret=b"s", fingerprint=fingerprint, link_timeout_s=5.0)
     return TransferEngine(f"{name}-{next(_ids)}", "decode", cfg)
 
 

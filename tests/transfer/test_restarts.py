@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from transfer import EngineConfig, RemoteBlocks, TransferEngine, TransferState
+from transfer import RemoteBlocks, TransferConfig, TransferEngine, TransferState
 from transfer.testing import PeerProcess, blocks_digest
 
 from .conftest import FAST, REGION
@@ -86,12 +86,12 @@ def test_decode_restarted_at_the_same_address_is_relinked_at_once(
 
 
 def test_advertise_host_names_both_listeners() -> None:
-    cfg = EngineConfig(host="0.0.0.0", advertise_host="127.0.0.1", secret=b"s")
+    cfg = TransferConfig(host="0.0.0.0", advertise_host="127.0.0.1", secret=b"s")
     with TransferEngine("adv", "decode", cfg) as eng:
         assert eng.address.startswith("tcp://127.0.0.1:")
         assert eng.data_address.startswith("127.0.0.1:")
     with pytest.raises(ValueError, match="advertise_host"):
-        EngineConfig(advertise_host="host:123")
+        TransferConfig(advertise_host="host:123")
 
 
 def _data_links(peer: PeerProcess) -> int:

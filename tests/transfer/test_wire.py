@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from transfer import EngineConfig, Role, TransferEngine, kv_layouts, messages, wire
+from transfer import Role, TransferConfig, TransferEngine, kv_layouts, messages, wire
 from transfer.messages import (
     About,
     Ack,
@@ -184,7 +184,7 @@ def test_payloads_only_on_data() -> None:
 
 @pytest.fixture
 def engine() -> Iterator[TransferEngine]:
-    eng = TransferEngine("wire-victim", "decode", EngineConfig(secret=b"s"))
+    eng = TransferEngine("wire-victim", "decode", TransferConfig(secret=b"s"))
     try:
         yield eng
     finally:

@@ -30,5 +30,5 @@ def open_region(session: Session, desc: RegionInfo) -> list[torch.Tensor]:
     raise TransferError(
         StatusCode.PARAM_INVALID,
         "cuda_ipc transport is not validated on hardware yet; use tcp or shm "
-        "(EngineConfig.transports without 'cuda_ipc')",
+        "(TransferConfig.transports without 'cuda_ipc')",
     )

@@ -9,7 +9,7 @@ import msgspec
 from hetero_pd import secrets
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.scheduler import Role
-from transfer import EngineConfig as TransferConfig
+from transfer import TransferConfig
 
 
 @dataclass(frozen=True, slots=True)
