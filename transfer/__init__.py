@@ -11,6 +11,7 @@ from transfer.engine import TransferEngine
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultPlan, FaultRule
 from transfer.handle import RemoteBlocks, TransferHandle, TransferState
+from transfer.metrics import TransferHealth, TransferMetrics, TransportMetrics
 from transfer.region import KVRegion
 
 __all__ = [
@@ -25,6 +26,9 @@ __all__ = [
     "TransferEngine",
     "TransferError",
     "TransferHandle",
+    "TransferHealth",
+    "TransferMetrics",
     "TransferState",
+    "TransportMetrics",
     "check_secret",
 ]

@@ -57,7 +57,7 @@ from transfer.messages import (
     Renew,
     RoleName,
 )
-from transfer.metrics import Metrics
+from transfer.metrics import Metrics, TransferMetrics
 from transfer.offers import OfferBook
 from transfer.outbox import Outbox
 from transfer.pulls import Puller, PullServer
@@ -172,10 +172,10 @@ class Core:
             held.setdefault(name, set()).update(ids)
         return held
 
-    def metrics_snapshot(self) -> dict[str, Any]:
-        """Counters plus gauges, as plain dicts and numbers."""
+    def metrics_snapshot(self) -> TransferMetrics:
+        """Counters plus gauges."""
         return self.metrics.snapshot(
-            engine_id=self.engine_id,
+            self.engine_id,
             peers=len(self.linker.peers()),
             transfers_active=len(self.sender.active) + len(self.receiver.active),
             held_blocks=sum(len(ids) for ids in self.held_ids().values()),

@@ -24,7 +24,6 @@ import concurrent.futures
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from transfer.addresses import parse_endpoint
 from transfer.auth import check_secret
@@ -34,6 +33,7 @@ from transfer.core import Core
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import Callback, RemoteBlocks, TransferHandle, TransferState
 from transfer.messages import Renew
+from transfer.metrics import TransferHealth, TransferMetrics
 from transfer.outgoing import new_push
 from transfer.pulls import new_pull
 from transfer.region import KVRegion
@@ -388,19 +388,18 @@ class TransferEngine:
         """True while the engine's I/O thread runs; False once closed or after it died."""
         return self._loop.thread.is_alive() and not self._loop.closing
 
-    def health(self) -> dict[str, Any]:
-        """``healthy``, ``closed``, ``error`` (why the I/O thread died, or None) and
-        ``internal_errors`` (bugs contained on the I/O thread so far) for the worker's
-        health report: a worker whose transfer engine is unhealthy is not healthy."""
-        return {
-            "healthy": self.healthy(),
-            "closed": self._loop.closing,
-            "error": self._loop.fatal,
-            "internal_errors": self._core.metrics.internal_errors_total,
-        }
+    def health(self) -> TransferHealth:
+        """Whether the I/O thread runs, why it died, and the bugs it contained so far, for
+        the worker's health report: a worker whose transfer engine is unhealthy is not."""
+        return TransferHealth(
+            healthy=self.healthy(),
+            closed=self._loop.closing,
+            error=self._loop.fatal,
+            internal_errors=self._core.metrics.internal_errors_total,
+        )
 
-    def metrics(self) -> dict[str, Any]:
-        """Snapshot for the Prometheus exporter (plain dicts and numbers)."""
+    def metrics(self) -> TransferMetrics:
+        """A snapshot of the counters and gauges (see transfer/README.md, Metrics)."""
         return self._core.metrics_snapshot()
 
     def held_blocks(self) -> dict[str, int]:

@@ -1,16 +1,16 @@
-"""Transfer metrics: plain counters per transport, snapshotted as a dict for Prometheus.
+"""Transfer metrics: plain counters per transport; the engine's typed health and metrics.
 
-The engine's I/O thread is the only writer; :meth:`Metrics.snapshot` copies under a lock so
-the serving layer can read from any thread. Names follow Prometheus conventions (``_total``
-for counters, ``_seconds`` / ``_bytes`` units) so the exporter can map them one to one.
+The engine's I/O thread is the only writer; :meth:`Metrics.snapshot` copies under a lock into
+a frozen :class:`TransferMetrics`, so the serving layer can read it from any thread.
+Names follow Prometheus conventions (``_total`` for counters, ``_seconds`` / ``_bytes``
+units) so the exporter can map them one to one.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 #: Upper bounds (seconds) of the transfer latency histogram buckets.
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
@@ -88,20 +88,82 @@ class Metrics:
         with self.lock:
             self.frames_rejected[reason] += 1
 
-    def snapshot(self, **gauges: Any) -> dict[str, Any]:
-        """A deep copy as plain dicts and numbers, plus the given gauges."""
+    def snapshot(
+        self,
+        engine_id: str,
+        *,
+        peers: int,
+        transfers_active: int,
+        held_blocks: int,
+        reserved_blocks: int,
+    ) -> TransferMetrics:
+        """A copy of every counter (each transport's its own), plus the given gauges."""
         with self.lock:
-            return {
-                "transports": {name: asdict(c) for name, c in self.transports.items()},
-                "frames_rejected": dict(self.frames_rejected),
-                "frames_rejected_total": sum(self.frames_rejected.values()),
-                "links_total": self.links_total,
-                "link_failures_total": self.link_failures_total,
-                "auth_failures_total": self.auth_failures_total,
-                "data_links_total": self.data_links_total,
-                "data_fallbacks_total": self.data_fallbacks_total,
-                "faults_injected_total": self.faults_injected_total,
-                "internal_errors_total": self.internal_errors_total,
-                "latency_bucket_bounds": list(LATENCY_BUCKETS),
-                **gauges,
-            }
+            return TransferMetrics(
+                engine_id=engine_id,
+                transports={
+                    name: replace(c, latency_buckets=list(c.latency_buckets))
+                    for name, c in self.transports.items()
+                },
+                frames_rejected=dict(self.frames_rejected),
+                frames_rejected_total=sum(self.frames_rejected.values()),
+                links_total=self.links_total,
+                link_failures_total=self.link_failures_total,
+                auth_failures_total=self.auth_failures_total,
+                data_links_total=self.data_links_total,
+                data_fallbacks_total=self.data_fallbacks_total,
+                faults_injected_total=self.faults_injected_total,
+                internal_errors_total=self.internal_errors_total,
+                latency_bucket_bounds=LATENCY_BUCKETS,
+                peers=peers,
+                transfers_active=transfers_active,
+                held_blocks=held_blocks,
+                reserved_blocks=reserved_blocks,
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class TransferMetrics:
+    """One engine's metrics at one moment (``TransferEngine.metrics()``): counters, the
+    ``frames_rejected`` counts by reason, and gauges. ``transports`` holds copies."""
+
+    engine_id: str
+    transports: dict[str, TransportMetrics]
+    #: Frames rejected before use, by reason (``unauthenticated``, ``not_granted``, ...).
+    frames_rejected: dict[str, int]
+    frames_rejected_total: int
+    links_total: int
+    link_failures_total: int
+    auth_failures_total: int
+    data_links_total: int
+    data_fallbacks_total: int
+    faults_injected_total: int
+    internal_errors_total: int
+    latency_bucket_bounds: tuple[float, ...]
+    #: Gauges: peers with a live session, transfers in flight either way, source blocks
+    #: held, destination blocks reserved.
+    peers: int
+    transfers_active: int
+    held_blocks: int
+    reserved_blocks: int
+
+    def transport(self, name: str) -> TransportMetrics:
+        """Counters of transport ``name`` (all zero when it moved nothing yet)."""
+        return self.transports.get(name) or TransportMetrics()
+
+    def rejected(self, reason: str) -> int:
+        """Frames rejected for ``reason`` so far."""
+        return self.frames_rejected.get(reason, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferHealth:
+    """``TransferEngine.health()``: a worker whose transfer engine is unhealthy is not."""
+
+    #: The I/O thread runs and the engine is not closing.
+    healthy: bool
+    closed: bool
+    #: Why the I/O thread died, or None.
+    error: str | None
+    #: Bugs contained on the I/O thread so far (each failed one command, timer or frame).
+    internal_errors: int

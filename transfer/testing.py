@@ -1,8 +1,8 @@
 """A transfer engine in a child process, driven over a pipe: for tests and the benchmark.
 
 The control channel carries msgpack bytes (plain values through msgspec, never pickles). The
-child owns one engine and one region filled with deterministic data; :class:`PeerProcess` is
-the parent's handle to it and always kills the child on exit.
+child owns one engine and one region (a :class:`RegionSpec`) filled with deterministic data;
+:class:`PeerProcess` is the parent's handle to it and always kills the child on exit.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import multiprocessing as mp
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -21,7 +22,30 @@ from transfer.config import RetryPolicy, TransferConfig
 from transfer.engine import TransferEngine
 from transfer.faults import FaultPlan, FaultRule
 from transfer.handle import RemoteBlocks, TransferHandle
+from transfer.metrics import TransferMetrics
 from transfer.region import KVRegion, parse_dtype
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSpec:
+    """The child's region: ``layers`` x ``blocks`` blocks of ``block_shape``, in /dev/shm
+    when ``shared``, filled by :func:`fill` with ``seed``."""
+
+    layers: int = 4
+    blocks: int = 64
+    block_shape: tuple[int, ...] = (16, 2, 8)
+    dtype: str = "float32"
+    shared: bool = True
+    seed: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCounts:
+    """What :meth:`PeerProcess.counts` reports (after the child checked its integrity)."""
+
+    held: int
+    reserved: int
+    metrics: TransferMetrics
 
 
 def fill(region: KVRegion, seed: int) -> None:
@@ -65,20 +89,18 @@ def _outcome(h: TransferHandle) -> dict[str, Any]:
     }
 
 
-def _serve(
-    conn: Connection, engine_id: str, config: dict[str, Any], region: dict[str, Any]
-) -> None:
+def _serve(conn: Connection, engine_id: str, config: dict[str, Any], region: RegionSpec) -> None:
     torch.set_num_threads(1)
     engine = TransferEngine(engine_id, "both", make_config(config))
     reg = KVRegion.allocate(
         "kv",
-        region["layers"],
-        region["blocks"],
-        tuple(region["block_shape"]),
-        parse_dtype(region.get("dtype", "float32")),
-        shared=region.get("shared", True),
+        region.layers,
+        region.blocks,
+        region.block_shape,
+        parse_dtype(region.dtype),
+        shared=region.shared,
     )
-    fill(reg, region.get("seed", 1))
+    fill(reg, region.seed)
     engine.register_region(reg)
     handles: dict[str, TransferHandle] = {}
     conn.send_bytes(
@@ -155,11 +177,11 @@ def _command(
             t.zero_()
     elif op == "counts":
         engine.check_integrity()
-        out = {
-            "held": sum(engine.held_blocks().values()),
-            "reserved": sum(engine.reserved_blocks().values()),
-            "metrics": engine.metrics(),
-        }
+        out = PeerCounts(
+            held=sum(engine.held_blocks().values()),
+            reserved=sum(engine.reserved_blocks().values()),
+            metrics=engine.metrics(),
+        )
     return out
 
 
@@ -170,15 +192,16 @@ class PeerProcess:
         self,
         engine_id: str,
         config: dict[str, Any] | None = None,
-        region: dict[str, Any] | None = None,
+        region: RegionSpec | None = None,
         start_timeout: float = 60.0,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.engine_id = engine_id
         self._conn, child = ctx.Pipe()
-        region = region or {"layers": 4, "blocks": 64, "block_shape": [16, 2, 8]}
         self.process = ctx.Process(
-            target=_serve, args=(child, engine_id, config or {}, region), daemon=True
+            target=_serve,
+            args=(child, engine_id, config or {}, region or RegionSpec()),
+            daemon=True,
         )
         self.process.start()
         child.close()
@@ -199,6 +222,10 @@ class PeerProcess:
         if not reply["ok"]:
             raise RuntimeError(f"peer {self.engine_id}: {op} failed: {reply['error']}")
         return reply["out"]
+
+    def counts(self) -> PeerCounts:
+        """The child's held and reserved blocks and its metrics (it checks its integrity)."""
+        return msgspec.convert(self.call("counts"), PeerCounts)
 
     def kill(self) -> None:
         """SIGKILL the child (simulates a crashed worker)."""

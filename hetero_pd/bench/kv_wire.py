@@ -59,8 +59,7 @@ class Link:
         return self._sent() - before, seconds
 
     def _sent(self) -> int:
-        tcp = self.src.metrics()["transports"].get("tcp", {})
-        return int(tcp.get("bytes_sent_total", 0))
+        return self.src.metrics().transport("tcp").bytes_sent_total
 
     def close(self) -> None:
         self.src.close()

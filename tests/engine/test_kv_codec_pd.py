@@ -101,7 +101,7 @@ def test_int8_kv_between_engines_keeps_the_greedy_tokens(
         landed = got[dst].flatten(0, 1)[:n]
         assert torch.equal(landed, want.flatten(0, 1)[:n])  # the codec's image, not raw KV
         assert not torch.equal(landed, sent[src].flatten(0, 1)[:n])
-    wire = p.transfer.metrics()["transports"]["tcp"]["bytes_sent_total"]
+    wire = p.transfer.metrics().transport("tcp").bytes_sent_total
     raw = len(src) * p.region.block_bytes * len(p.region.tensors)
     assert wire == len(encode(p.region.tensors[0][src])) * len(p.region.tensors)
     assert wire / raw == pytest.approx((1 + 4 / shape[-1]) / 4)  # int8 + a float32 per head

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from transfer import KVRegion, TransferEngine
-from transfer.testing import PeerProcess, fill, make_config
+from transfer.testing import PeerProcess, RegionSpec, fill, make_config
 
 SECRET = "test-secret"
-REGION = {"layers": 4, "blocks": 64, "block_shape": [16, 2, 8], "seed": 7}
+REGION = RegionSpec(seed=7)
 #: Small frames so that a transfer of a few blocks spans many of them.
 FAST = {
     "secret": SECRET,

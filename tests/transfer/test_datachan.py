@@ -18,7 +18,7 @@ SCATTERED = [40, 31, 42, 33, 44, 35, 46, 37, 48, 39]  # through the staging buff
 
 
 def _rejected(peer: PeerProcess, reason: str) -> int:
-    return int(peer.call("counts")["metrics"]["frames_rejected"].get(reason, 0))
+    return peer.counts().metrics.rejected(reason)
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
@@ -35,15 +35,15 @@ def test_push_goes_over_the_data_channel(
 ) -> None:
     eng = make_engine()
     eng.link(receiver.engine_id, receiver.address)
-    before = receiver.call("counts")["metrics"]
+    before = receiver.counts().metrics
     blocks = RemoteBlocks.from_wire(receiver.call("reserve", rid=f"dc-{dst[1]}", ids=dst))
     h = eng.push_blocks(receiver.engine_id, SRC, blocks, transport="tcp")
     assert h.wait(10) is TransferState.DONE, h.error
     assert receiver.call("digest", ids=dst) == blocks_digest(eng.region(), SRC)
-    after = receiver.call("counts")["metrics"]
-    assert after["data_links_total"] == before["data_links_total"] + 1
-    received = after["transports"]["tcp"]["bytes_received_total"]
-    assert received - before["transports"].get("tcp", {}).get("bytes_received_total", 0) == h.nbytes
+    after = receiver.counts().metrics
+    assert after.data_links_total == before.data_links_total + 1
+    received = after.transport("tcp").bytes_received_total
+    assert received - before.transport("tcp").bytes_received_total == h.nbytes
     receiver.call("release", rid=f"dc-{dst[1]}")
     assert eng.held_blocks() == {}
 
@@ -57,13 +57,13 @@ def test_zmq_data_path_still_works_when_switched_off(
     eng = make_engine(data_channel=False, faults=[{"kind": kind, "msg_type": msg_type, "nth": 2}])
     assert eng.data_address == ""
     eng.link(receiver.engine_id, receiver.address)
-    links = receiver.call("counts")["metrics"]["data_links_total"]
+    links = receiver.counts().metrics.data_links_total
     rid = f"zmq-{kind}-{msg_type}"
     blocks = RemoteBlocks.from_wire(receiver.call("reserve", rid=rid, ids=RUN))
     h = eng.push_blocks(receiver.engine_id, SRC, blocks, transport="tcp")
     assert h.wait(10) is TransferState.DONE, h.error
     assert receiver.call("digest", ids=RUN) == blocks_digest(eng.region(), SRC)
-    assert receiver.call("counts")["metrics"]["data_links_total"] == links
+    assert receiver.counts().metrics.data_links_total == links
     receiver.call("release", rid=rid)
 
 
@@ -89,7 +89,7 @@ def test_data_before_preface_is_refused(receiver: PeerProcess) -> None:
 
 
 def test_garbage_and_oversized_headers_close_the_connection(receiver: PeerProcess) -> None:
-    before = receiver.call("counts")["metrics"]["frames_rejected_total"]
+    before = receiver.counts().metrics.frames_rejected_total
     with _connect(receiver) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\n" * 4)
         assert _closed_by_peer(sock)
@@ -100,7 +100,7 @@ def test_garbage_and_oversized_headers_close_the_connection(receiver: PeerProces
             )
         )
         assert _closed_by_peer(sock)
-    assert receiver.call("counts")["metrics"]["frames_rejected_total"] >= before + 2
+    assert receiver.counts().metrics.frames_rejected_total >= before + 2
 
 
 def test_header_round_trip_and_bounds() -> None:
@@ -147,7 +147,7 @@ def test_trailer_digest_is_hashed_as_the_kernel_takes_each_piece(
     h = p.push_blocks(d.engine_id, src, recv.blocks, transport="tcp")
     assert h.wait(10) is TransferState.DONE, h.error
     assert h.attempts == 1
-    assert d.metrics()["data_links_total"] == 1  # it went over the data channel
-    assert d.metrics()["transports"]["tcp"]["checksum_failures_total"] == 0
+    assert d.metrics().data_links_total == 1  # it went over the data channel
+    assert d.metrics().transport("tcp").checksum_failures_total == 0
     assert blocks_digest(d.region(), dst) == blocks_digest(p.region(), src)
     d.release("pieces")

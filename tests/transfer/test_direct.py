@@ -33,7 +33,7 @@ SRC, DST = [1, 2, 3, 4, 5, 6], [40, 41, 42, 43, 44, 45]
 
 
 def _checksum_failures(eng: TransferEngine, transport: str) -> int:
-    return int(eng.metrics()["transports"].get(transport, {}).get("checksum_failures_total", 0))
+    return eng.metrics().transport(transport).checksum_failures_total
 
 
 @pytest.mark.parametrize("transport", ["local", "shm"])
@@ -53,7 +53,7 @@ def test_corrupted_direct_write_is_detected_and_retried(
 
 
 def _read_back(eng: TransferEngine, transport: str) -> int:
-    return int(eng.metrics()["transports"].get(transport, {}).get("chunks_read_back_total", 0))
+    return eng.metrics().transport(transport).chunks_read_back_total
 
 
 @pytest.mark.parametrize("dst", [DST, [45, 40, 47, 42, 50, 44]], ids=["run", "scattered"])
@@ -193,7 +193,7 @@ def test_late_grant_writes_nothing(make_pair: Callable[..., Pair]) -> None:
     assert recv.blocks is not None
     h = p.push_blocks(d.engine_id, SRC, recv.blocks, transport="shm")
     deadline = time.monotonic() + 5
-    while d.metrics()["faults_injected_total"] < 1:  # the grant is on its (slow) way
+    while d.metrics().faults_injected_total < 1:  # the grant is on its (slow) way
         assert time.monotonic() < deadline, "no grant was issued"
         time.sleep(0.01)
     fence = d.release("late")
@@ -233,13 +233,13 @@ def test_only_the_grantee_renews(make_pair: Callable[..., Pair]) -> None:
     q.link(d.engine_id, d.address)
     recv = d.reserve("mine", DST, writer=p.engine_id, timeout_s=1.0)
     assert recv.blocks is not None
-    before = d.metrics()["frames_rejected"].get("not_granted", 0)
+    before = d.metrics().rejected("not_granted")
     end = time.monotonic() + 1.5
     while time.monotonic() < end:
         q.renew_remote(d.engine_id, recv.blocks)  # not the writer: ignored and counted
         time.sleep(0.2)
     assert recv.wait(5) is TransferState.TIMED_OUT
-    assert d.metrics()["frames_rejected"].get("not_granted", 0) > before
+    assert d.metrics().rejected("not_granted") > before
     d.release("mine")
 
 
@@ -363,8 +363,8 @@ def test_plain_runs_are_copied_by_address_and_verified(
     h = p.push_blocks(d.engine_id, src, recv.blocks, transport="shm")
     assert h.wait(10) is TransferState.DONE, h.error
     assert blocks_digest(d.region(), dst) == blocks_digest(p.region(), src)
-    shm = d.metrics()["transports"]["shm"]
+    shm = d.metrics().transport("shm")
     assert (len(calls) > 1) is by_address
     if by_address:
-        assert 1 <= shm["chunks_read_back_total"] < len(calls)  # spot checks only
+        assert 1 <= shm.chunks_read_back_total < len(calls)  # spot checks only
     d.release("plain")

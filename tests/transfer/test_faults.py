@@ -59,7 +59,7 @@ def test_fault_matrix_recovers_exactly(
     assert time.monotonic() - t0 < 8
     assert recv.wait(5) is TransferState.DONE
     assert blocks_digest(d.region(), DST) == blocks_digest(p.region(), SRC)
-    assert p.metrics()["faults_injected_total"] >= 1
+    assert p.metrics().faults_injected_total >= 1
     d.release("matrix")
     d.check_integrity()
     assert d.reserved_blocks() == {"kv": 0}
@@ -80,8 +80,8 @@ def test_corruption_without_retries_fails_loudly(
     assert h.wait(10) is TransferState.FAILED
     assert h.error is not None and h.error.code.name == "CHECKSUM_MISMATCH"
     assert receiver.call("wait", rid="corrupt-all", timeout=0.01)["state"] == "pending"
-    counts = receiver.call("counts")
-    assert counts["metrics"]["transports"]["tcp"]["checksum_failures_total"] >= 1
+    counts = receiver.counts()
+    assert counts.metrics.transport("tcp").checksum_failures_total >= 1
     receiver.call("release", rid="corrupt-all")
 
 
@@ -97,8 +97,8 @@ def test_lost_ack_is_retried_and_never_applied_twice(
         h = eng.push_blocks(peer.engine_id, SRC, blocks, transport="tcp")
         assert h.wait(10) is TransferState.DONE, h.error
         assert h.attempts >= 2
-        counts = peer.call("counts")
-        assert counts["metrics"]["transports"]["tcp"]["duplicates_total"] >= 1
+        counts = peer.counts()
+        assert counts.metrics.transport("tcp").duplicates_total >= 1
         assert peer.call("digest", ids=DST) == blocks_digest(eng.region(), SRC)
 
 
@@ -114,5 +114,5 @@ def test_lease_expires_when_acks_never_come(make_engine: Callable[..., TransferE
         assert 1.4 < time.monotonic() - t0 < 4
         assert h.error is not None and h.error.code.name == "LEASE_EXPIRED"
         assert h.released == "lease_expired"
-        assert eng.metrics()["transports"]["tcp"]["lease_expiries_total"] == 1
+        assert eng.metrics().transport("tcp").lease_expiries_total == 1
         assert eng.held_blocks() == {}

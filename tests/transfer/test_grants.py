@@ -52,7 +52,7 @@ def trio() -> Iterator[tuple[TransferEngine, TransferEngine, TransferEngine]]:
 
 
 def _rejected(eng: TransferEngine, reason: str) -> int:
-    return int(eng.metrics()["frames_rejected"].get(reason, 0))
+    return eng.metrics().rejected(reason)
 
 
 def _zeros(like: KVRegion) -> KVRegion:
@@ -203,7 +203,7 @@ def test_foreign_shm_paths_are_never_mapped(make_engine: Callable[..., TransferE
             h.wait(5)
             assert h.state is not TransferState.DONE
             assert bystander.call("digest", ids=DST) == before
-            assert bystander.call("counts")["metrics"]["transports"] == {}
+            assert bystander.counts().metrics.transports == {}
         finally:
             liar.close(close_regions=False)
 
@@ -253,7 +253,7 @@ def _say_landed(
 def _wait_rejected(eng: TransferEngine, reason: str, count: int) -> None:
     deadline = time.monotonic() + 10
     while _rejected(eng, reason) < count:
-        assert time.monotonic() < deadline, eng.metrics()["frames_rejected"]
+        assert time.monotonic() < deadline, eng.metrics().frames_rejected
         time.sleep(0.01)
 
 
@@ -303,7 +303,7 @@ def test_a_verified_claim_with_the_wrong_digest_vouches_for_nothing(
     assert recv.blocks is not None
     h = a.push_blocks(d.engine_id, SRC, recv.blocks, transport="shm")
     deadline = time.monotonic() + 10
-    while not d.metrics()["transports"].get("shm", {}).get("chunks_read_back_total"):
+    while not d.metrics().transport("shm").chunks_read_back_total:
         assert time.monotonic() < deadline, "the writer's own LANDED never came"
         time.sleep(0.01)  # d read chunk 0 back on the writer's LANDED: now the claim
     _say_landed(a, d.engine_id, h.transfer_id, [0], [1], wv=True)

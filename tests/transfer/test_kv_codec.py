@@ -101,7 +101,7 @@ def _push(p: TransferEngine, d: TransferEngine, rid: str, transport: str = "tcp"
 
 
 def _sent(engine: TransferEngine, transport: str) -> int:
-    return int(engine.metrics()["transports"][transport]["bytes_sent_total"])
+    return engine.metrics().transport(transport).bytes_sent_total
 
 
 @pytest.mark.parametrize("data_channel", [True, False])
@@ -121,7 +121,7 @@ def test_int8_push_over_tcp_lands_the_decoded_blocks(
         assert torch.equal(got[DST], want)
     raw = len(SRC) * 16 * 2 * 8 * 4 * len(p.region().tensors)
     assert _sent(p, "tcp") == raw // 4 + len(SRC) * 16 * 2 * 4 * len(p.region().tensors)
-    assert d.metrics()["transports"]["tcp"]["checksum_failures_total"] == 0
+    assert d.metrics().transport("tcp").checksum_failures_total == 0
     d.release("int8")
 
 
@@ -193,7 +193,7 @@ def test_frames_that_do_not_match_the_codec_are_never_written(
     recv, h = _push(p, d, damage)
     assert h.wait(30) is not TransferState.DONE
     assert recv.wait(0.01) is TransferState.PENDING  # never committed
-    rejected = d.metrics()["frames_rejected"]
+    rejected = d.metrics().frames_rejected
     assert rejected.get("bad_size" if damage == "raw_bytes" else "bad_field", 0) >= 1
     if damage == "raw_bytes":  # refused before a byte was read into the blocks
         assert torch.equal(d.region().tensors[0][DST], before)

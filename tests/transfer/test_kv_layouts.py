@@ -156,7 +156,7 @@ def test_mismatched_fingerprints_refuse_the_link_naming_both() -> None:
         assert err.code is StatusCode.PARAM_INVALID and not err.code.recoverable
         assert "aaaa1111" in err.message and "bbbb2222" in err.message
         assert "fingerprints differ" in err.message
-        assert b.metrics()["frames_rejected"].get("fingerprint_mismatch") == 1
+        assert b.metrics().rejected("fingerprint_mismatch") == 1
         assert a.peers() == [] and b.peers() == []
         a.link(c.engine_id, c.address)  # same fingerprint
         blank.link(a.engine_id, a.address)  # not checked when one side has none

@@ -3,6 +3,7 @@ repeated transfer ids, no leaks."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -83,7 +84,7 @@ def test_sender_killed_reservation_times_out_and_refuses_late_writes(
     drop_end = [{"kind": "drop", "msg_type": "end", "nth": 1, "count": 99}]
     sender_cfg = {**FAST, **extra, "faults": drop_end}
     with PeerProcess(
-        f"prefill-doomed-{transport}", sender_cfg, {**REGION, "shared": False}
+        f"prefill-doomed-{transport}", sender_cfg, dataclasses.replace(REGION, shared=False)
     ) as peer:
         peer.call("link", peer=eng.engine_id, address=eng.address)
         wire_dst = recv.blocks.to_wire()
@@ -142,7 +143,7 @@ def test_repeated_transfer_id_applied_once(
     again = eng.push_blocks(receiver.engine_id, SRC, blocks, transfer_id="xid-dup", transport="tcp")
     assert again.wait(5) is TransferState.DONE  # acknowledged as a duplicate...
     assert receiver.call("digest", ids=DST) == blocks_digest(_zeros(eng), DST)  # ...not re-applied
-    assert receiver.call("counts")["metrics"]["transports"]["tcp"]["duplicates_total"] >= 1
+    assert receiver.counts().metrics.transport("tcp").duplicates_total >= 1
     receiver.call("release", rid="dup")
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from transfer import RemoteBlocks, TransferEngine, TransferState
-from transfer.testing import PeerProcess, blocks_digest
+from transfer.testing import PeerProcess, RegionSpec, blocks_digest
 
 
 def _reserve(peer: PeerProcess, rid: str, ids: list[int]) -> RemoteBlocks:
@@ -29,9 +29,9 @@ def test_push_bytes_identical(
     assert receiver.call("wait", rid=f"push-{transport}", timeout=5)["state"] == "done"
     assert receiver.call("digest", ids=dst_ids) == blocks_digest(eng.region(), src)
     receiver.call("release", rid=f"push-{transport}")
-    counts = receiver.call("counts")
-    assert counts["reserved"] == 0 and eng.held_blocks() == {}
-    assert counts["metrics"]["transports"][transport]["transfers_received_total"] >= 1
+    counts = receiver.counts()
+    assert counts.reserved == 0 and eng.held_blocks() == {}
+    assert counts.metrics.transport(transport).transfers_received_total >= 1
 
 
 def test_layer_streaming_push(
@@ -61,7 +61,7 @@ def test_pull_over_tcp(make_engine: Callable[..., TransferEngine]) -> None:
     with PeerProcess(
         "prefill-src",
         {"secret": "test-secret"},
-        {"layers": 4, "blocks": 64, "block_shape": [16, 2, 8], "seed": 3, "shared": False},
+        RegionSpec(seed=3, shared=False),
     ) as prefill:
         prefill.call("link", peer=eng.engine_id, address=eng.address)
         ticket = prefill.call(
@@ -78,7 +78,7 @@ def test_pull_over_tcp(make_engine: Callable[..., TransferEngine]) -> None:
         )
         assert recv.wait(0.01) is TransferState.PENDING  # layers 0 and 3 never came
         eng.release("pull-1")
-        assert prefill.call("counts")["held"] == 0
+        assert prefill.counts().held == 0
 
 
 def test_unknown_region_and_bad_blocks(

@@ -79,11 +79,11 @@ def test_bad_advertisement_is_refused_and_the_engine_lives(
     receiver: PeerProcess, make_engine: Callable[..., TransferEngine], da: str
 ) -> None:
     victim = make_engine()
-    before = victim.metrics()["frames_rejected"].get("bad_field", 0)
+    before = victim.metrics().rejected("bad_field")
     reply = _fake_client(victim.address, da)
     assert isinstance(reply, Error) and reply.code == StatusCode.FRAME_INVALID.number
     assert "data address" in reply.text
-    assert victim.metrics()["frames_rejected"].get("bad_field", 0) == before + 1
+    assert victim.metrics().rejected("bad_field") == before + 1
     assert victim.peers() == []
     assert victim.healthy()
     _push_works(victim, receiver, f"after-da-{len(da)}")
@@ -138,7 +138,7 @@ def test_a_dead_io_thread_is_reported_not_hidden(
         assert time.monotonic() < deadline
         time.sleep(0.01)
     health = eng.health()
-    assert not health["healthy"] and "simulated fatal fault" in str(health["error"])
+    assert not health.healthy and "simulated fatal fault" in str(health.error)
     assert recv.wait(5) is TransferState.FAILED
     assert recv.error is not None and recv.error.code is StatusCode.ENGINE_CLOSED
     with pytest.raises(TransferError) as info:
@@ -158,4 +158,4 @@ def test_a_failing_command_or_timer_does_not_kill_the_thread(
     eng._core.loop.call(lambda: eng._core.loop.at(0.0, bug))
     _push_works(eng, receiver, "after-bug")
     assert eng.healthy()
-    assert eng.health()["internal_errors"] >= 2
+    assert eng.health().internal_errors >= 2

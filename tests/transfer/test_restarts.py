@@ -40,11 +40,11 @@ def _relink_counts(eng: TransferEngine) -> tuple[int, int, int]:
     """Links made, retries and timeouts so far (every transport). Relinked at once: one new
     link and no retry, which an attempt that waited for its (PATIENT: 8 s) ACK would count."""
     m = eng.metrics()
-    counters = m["transports"].values()
+    counters = m.transports.values()
     return (
-        m["links_total"],
-        sum(c["retries_total"] for c in counters),
-        sum(c["transfers_timed_out_total"] for c in counters),
+        m.links_total,
+        sum(c.retries_total for c in counters),
+        sum(c.transfers_timed_out_total for c in counters),
     )
 
 
@@ -95,7 +95,7 @@ def test_advertise_host_names_both_listeners() -> None:
 
 
 def _data_links(peer: PeerProcess) -> int:
-    return int(peer.call("counts")["metrics"]["data_links_total"])
+    return peer.counts().metrics.data_links_total
 
 
 def test_wildcard_bind_data_reaches_the_host_the_link_dialled(
@@ -130,5 +130,5 @@ def test_unreachable_data_channel_falls_back_to_the_link(
         assert _push(eng, peer, "far-1", transport="tcp") < 4.0
         assert _push(eng, peer, "far-2", transport="tcp") < 2.0  # no new attempt per push
         assert _data_links(peer) == before
-        assert eng.metrics()["data_fallbacks_total"] == 1
+        assert eng.metrics().data_fallbacks_total == 1
         assert eng.healthy()

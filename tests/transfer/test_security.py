@@ -26,7 +26,7 @@ def test_wrong_secret_fails_to_link(
     with pytest.raises(TransferError) as info:
         eng.link(receiver.engine_id, receiver.address)
     assert info.value.code in (StatusCode.AUTH_FAILED, StatusCode.LINK_FAILED)
-    assert eng.metrics()["auth_failures_total"] >= 1
+    assert eng.metrics().auth_failures_total >= 1
     assert eng.peers() == []
 
 
@@ -40,7 +40,7 @@ def test_push_without_link_is_not_linked(make_engine: Callable[..., TransferEngi
 def test_hostile_frames_are_counted_and_ignored(
     receiver: PeerProcess, make_engine: Callable[..., TransferEngine]
 ) -> None:
-    before = receiver.call("counts")["metrics"]["frames_rejected_total"]
+    before = receiver.counts().metrics.frames_rejected_total
     ctx = zmq.Context.instance()
     evil = ctx.socket(zmq.DEALER)
     evil.setsockopt(zmq.LINGER, 0)
@@ -80,5 +80,5 @@ def test_hostile_frames_are_counted_and_ignored(
     assert h.wait(5) is TransferState.DONE
     assert receiver.call("digest", ids=[60, 61]) == blocks_digest(eng.region(), [1, 2])
     receiver.call("release", rid="after-evil")
-    after = receiver.call("counts")["metrics"]["frames_rejected_total"]
+    after = receiver.counts().metrics.frames_rejected_total
     assert after - before >= len(frames)

@@ -14,6 +14,7 @@ from msgspec import Meta
 from hetero_pd.serving.control.sampling import (
     MAX_TOKENS,
 )
+from transfer import TransportMetrics
 
 #: Largest control frame; a prompt's hidden states (edge) are the big ones.
 MAX_FRAME_BYTES = 64 * 2**20
@@ -135,8 +136,8 @@ class TransportCounters(Value, kw_only=True, frozen=True):
     stale_epoch_rejections_total: Count = 0
 
     @classmethod
-    def of(cls, counters: dict[str, Any]) -> TransportCounters:
-        return cls(**{name: int(counters.get(name, 0)) for name in cls.__struct_fields__})
+    def of(cls, counters: TransportMetrics) -> TransportCounters:
+        return cls(**{name: int(getattr(counters, name)) for name in cls.__struct_fields__})
 
 
 class WorkerLoad(Value, kw_only=True, frozen=True):

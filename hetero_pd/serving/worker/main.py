@@ -258,10 +258,10 @@ class Worker:
             kv_fallbacks=self.book.kv_fallbacks,
             frames_rejected=self.control.rejected,
             transfer_healthy=self.transfer.healthy(),
-            transfer_faults_injected=int(transfer.get("faults_injected_total", 0)),
+            transfer_faults_injected=transfer.faults_injected_total,
             transfer={
                 name: V.TransportCounters.of(counters)
-                for name, counters in transfer.get("transports", {}).items()
+                for name, counters in transfer.transports.items()
             },
             prompt_tokens_computed=load.prompt_tokens_computed,
             prefix_pulls=self.book.pulls.done,
@@ -273,7 +273,7 @@ class Worker:
         if not report.transfer_healthy and self.fault is None:
             # Its I/O thread is gone for good: finish what needs no transfer, then exit so
             # the supervisor (or Kubernetes) starts a worker that can move KV again.
-            self.fault = f"transfer engine stopped ({self.transfer.health()['error']})"
+            self.fault = f"transfer engine stopped ({self.transfer.health().error})"
             log.error("%s: %s; draining, then exiting to be restarted", self.id, self.fault)
             self.draining = True
         self.book.pushes.renew_reservations()
