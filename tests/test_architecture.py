@@ -16,10 +16,8 @@ MAX_LINES = 400
 #: Files still over MAX_LINES, with the line count they may not grow past: the redesign
 #: issue splits them; the list only shrinks.
 OVERSIZED = {
-    "transfer/movers.py": 433,
     "transfer/receiver.py": 478,
     "transfer/sender.py": 471,
-    "transfer/datachan.py": 447,
     "transfer/engine.py": 439,
     "transfer/linker.py": 433,
 }

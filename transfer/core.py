@@ -30,11 +30,9 @@ import zmq
 from transfer import wire
 from transfer.addresses import endpoint
 from transfer.config import Role, TransferConfig
-from transfer.datachan import DataChannel
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
 from transfer.hashing import Hasher
-from transfer.intake import DataIn
 from transfer.ledger import Ledger
 from transfer.linker import Linker
 from transfer.loop import IOLoop
@@ -66,6 +64,8 @@ from transfer.region import KVRegion
 from transfer.sender import Sender
 from transfer.session import Identity, Link, Session, host_id
 from transfer.transports import local
+from transfer.transports.tcp.channel import DataChannel
+from transfer.transports.tcp.data_in import DataIn
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from transfer.devices import to_host
 from transfer.errors import TransferError
 
 #: Helper threads per engine: enough to keep up with one core's copies, no more (one of
-#: them also copies half of a direct write's chunks, movers._copy_in_two).
+#: them also copies half of a direct write's chunks, transports.direct._copy_in_two).
 THREADS = 2
 #: Buffers up to this size are hashed at once on the calling thread: handing them to a
 #: helper and waking the I/O thread with the result costs more than hashing them (xxh3 runs

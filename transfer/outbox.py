@@ -17,12 +17,12 @@ import zmq
 
 from transfer import wire
 from transfer.checksum import Running
-from transfer.dataframe import TRAILER_BYTES
 from transfer.faults import FaultInjector
 from transfer.loop import IOLoop
 from transfer.messages import AnyMessage, tag
 from transfer.metrics import Metrics
 from transfer.session import Session
+from transfer.transports.tcp.frames import TRAILER_BYTES
 
 Part = bytes | memoryview
 
@@ -36,7 +36,8 @@ class FrameOwner(Protocol):
 
 
 class DataPath(Protocol):
-    """The data channel, as the outbox uses it (:class:`transfer.datachan.DataChannel`)."""
+    """The data channel, as the outbox uses it
+    (:class:`transfer.transports.tcp.channel.DataChannel`)."""
 
     def send(
         self,
@@ -100,8 +101,8 @@ class Outbox:
         """Send one frame to ``session``; False if it could not go. ``msg_type`` names
         the frame's message (:func:`transfer.messages.tag`) for fault rules.
 
-        ``via_data``: ``header`` is a data-channel header (:mod:`transfer.dataframe`) and the
-        frame goes on the session's data channel; ``owner`` is the transfer whose source
+        ``via_data``: ``header`` is a data-channel header (:mod:`transfer.transports.tcp.frames`)
+        and the frame goes on the session's data channel; ``owner`` is the transfer whose source
         blocks ``payload`` views (held until the kernel took it). ``track``: return a ZMQ
         tracker that says when a zero-copy payload was released. A data-channel DATA frame
         whose header says so ends with a digest trailer: ``trailer`` (known), or computed by

@@ -1,6 +1,6 @@
 """One outgoing transfer's state across its attempts (`OutTransfer`, its `Phase`), and a
 validated push before it starts (`new_push`). :mod:`transfer.sender` drives it;
-:mod:`transfer.movers` moves its bytes."""
+:mod:`transfer.transports.direct` and :mod:`transfer.transports.tcp.stream` move its bytes."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ from transfer.errors import StatusCode, TransferError
 from transfer.handle import RemoteBlocks, TransferHandle, TransferState
 from transfer.region import KVRegion
 from transfer.session import Session
+
+#: Bytes moved per transfer per loop iteration before polling the sockets again.
+PUMP_BYTES = 16 << 20
 
 
 class Phase(enum.Enum):
@@ -63,7 +66,7 @@ class OutTransfer:
     #: ``layout.is_run(src_ids)``, computed once per transfer.
     src_run: bool | None = None
     trackers: deque[tuple[zmq.MessageTracker, int]] = field(default_factory=deque)
-    #: Stream chunks go on the session's data channel (:mod:`transfer.datachan`).
+    #: Stream chunks go on the session's data channel (:mod:`transfer.transports.tcp.channel`).
     via_data: bool = False
     #: Our number for this transfer on the data channel (named by its BEGIN).
     stream: int = 0

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from typing import cast
 
-from transfer import checksum, dataframe, layout, movers, transports, wire
+from transfer import checksum, layout, transports, wire
 from transfer.config import TransferConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
@@ -29,13 +29,15 @@ from transfer.handle import TransferHandle, TransferState
 from transfer.hashing import Hasher
 from transfer.linker import Linker
 from transfer.loop import IOLoop
-from transfer.messages import Ack, Begin, End, Error, Grant, Landed, Transport
+from transfer.messages import Ack, Begin, End, Error, Grant, Transport
 from transfer.metrics import Metrics, TransportMetrics
-from transfer.movers import WINDOW_BYTES
 from transfer.outbox import Outbox
 from transfer.outgoing import OutTransfer, Phase
 from transfer.region import dtype_name
 from transfer.session import Identity, Session
+from transfer.transports import direct
+from transfer.transports.tcp import frames
+from transfer.transports.tcp.stream import WINDOW_BYTES, pump_stream
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +171,7 @@ class Sender:
         """BEGIN / END on the data channel, in order with the chunks they frame."""
         if out.session is None:
             return  # the session went away; the attempt timer decides
-        frame = dataframe.message(out.stream, header)
+        frame = frames.message(out.stream, header)
         self.outbox.send(out.session, msg_type, frame, header, via_data=True)
 
     def _algo(self, out: OutTransfer, direct: bool) -> str | None:
@@ -212,7 +214,7 @@ class Sender:
                 self._check(out, now)
 
     def _move(self, out: OutTransfer) -> None:
-        if out.phase is Phase.SEND and movers.pump_stream(
+        if out.phase is Phase.SEND and pump_stream(
             out, self.outbox, self._counters(out), self.hasher
         ):
             self._send_end(out, None)
@@ -220,7 +222,7 @@ class Sender:
             if time.monotonic() > out.grant_until:
                 self._retry(out, TransferError(StatusCode.TIMEOUT, "direct-write grant ran out"))
                 return
-            digests = movers.pump_direct(
+            digests = direct.pump_direct(
                 out,
                 self.injector,
                 self._counters(out),
@@ -232,22 +234,10 @@ class Sender:
                 self._send_end(out, digests or None)
 
     def _send_landed(self, out: OutTransfer, seqs: list[int]) -> None:
-        """Tell a direct write's receiver which chunks are in place: those we verified in
-        its blocks as we copied them (``wv``), and the others, which it verifies now, in
-        parallel with our next copies, instead of all at END."""
+        """Tell a direct write's receiver which chunks are in place (LANDED)."""
         assert out.session is not None
-        mine = [seq for seq in seqs if seq in out.verified]
-        theirs = [seq for seq in seqs if seq not in out.verified]
-        for group, verified in ((mine, True), (theirs, False)):
-            if group:
-                landed = Landed(
-                    transfer_id=out.handle.transfer_id,
-                    seqs=group,
-                    digests=[out.digests[seq] for seq in group],
-                    writer_verified=verified,
-                    grant=out.grant,
-                )
-                self.outbox.post(out.session, landed)
+        for landed in direct.landed_reports(out, seqs):
+            self.outbox.post(out.session, landed)
 
     def _send_end(self, out: OutTransfer, digests: list[int] | None) -> None:
         assert out.session is not None
@@ -289,18 +279,16 @@ class Sender:
     def _on_grant(self, out: OutTransfer, session: Session, msg: Grant) -> None:
         if out.phase is not Phase.GRANT or out.transport not in transports.DIRECT:
             return
+        description = session.regions.get(out.dst.region)
         try:
-            description = session.regions[out.dst.region]
+            if description is None:
+                why = f"cannot open peer region: {out.dst.region!r}"
+                raise TransferError(StatusCode.KV_CACHE_NOT_EXIST, why)
             out.dst_tensors = transports.open_destination(out.transport, session, description)
-            out.dst_layout = description.layout
-        except (TransferError, OSError, KeyError) as exc:
-            err = (
-                exc
-                if isinstance(exc, TransferError)
-                else TransferError(StatusCode.KV_CACHE_NOT_EXIST, f"cannot open peer region: {exc}")
-            )
+        except TransferError as err:
             self._fail(out, err)
             return
+        out.dst_layout = description.layout
         # The receiver's own deadline (same host, same monotonic clock), bounded by the
         # window's length counted from now in case the clocks disagree after all.
         now = time.monotonic()

@@ -72,7 +72,8 @@ class Session:
     mapped: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     #: ``host:port`` of the peer's data listener ("" when it has none).
     data_address: str = ""
-    #: Our data connection to the peer (:class:`transfer.datachan.DataOut`), opened lazily.
+    #: Our data connection to the peer, opened lazily
+    #: (:class:`transfer.transports.tcp.data_out.DataOut`).
     data_out: Any = None
     #: The data address could not be connected to: stream transfers use the link.
     data_failed: bool = False

@@ -7,8 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
-from transfer import RemoteBlocks, TransferEngine, TransferState, datachan, dataframe, intake
+from transfer import RemoteBlocks, TransferEngine, TransferState
 from transfer.testing import PeerProcess, blocks_digest
+from transfer.transports.tcp import data_in, data_out, frames
 
 from .conftest import Pair
 
@@ -75,7 +76,7 @@ def _connect(peer: PeerProcess) -> socket.socket:
 def test_unknown_token_is_refused_and_counted(receiver: PeerProcess) -> None:
     before = _rejected(receiver, "data_unauthenticated")
     with _connect(receiver) as sock:
-        sock.sendall(b"".join(dataframe.preface(b"\x01" * 16)))
+        sock.sendall(b"".join(frames.preface(b"\x01" * 16)))
         assert _closed_by_peer(sock)
     assert _rejected(receiver, "data_unauthenticated") == before + 1
 
@@ -83,7 +84,7 @@ def test_unknown_token_is_refused_and_counted(receiver: PeerProcess) -> None:
 def test_data_before_preface_is_refused(receiver: PeerProcess) -> None:
     before = _rejected(receiver, "data_unauthenticated")
     with _connect(receiver) as sock:
-        sock.sendall(dataframe.data(1, 0, 0, 0, 1, 1024, None) + b"\x00" * 1024)
+        sock.sendall(frames.data(1, 0, 0, 0, 1, 1024, None) + b"\x00" * 1024)
         assert _closed_by_peer(sock)
     assert _rejected(receiver, "data_unauthenticated") == before + 1
 
@@ -95,40 +96,36 @@ def test_garbage_and_oversized_headers_close_the_connection(receiver: PeerProces
         assert _closed_by_peer(sock)
     with _connect(receiver) as sock:
         sock.sendall(
-            dataframe.HEADER.pack(
-                dataframe.MAGIC, dataframe.VERSION, 3, 0, 1, 0, 0, 0, 1, 1 << 40, 0
-            )
+            frames.HEADER.pack(frames.MAGIC, frames.VERSION, 3, 0, 1, 0, 0, 0, 1, 1 << 40, 0)
         )
         assert _closed_by_peer(sock)
     assert receiver.counts().metrics.frames_rejected_total >= before + 2
 
 
 def test_header_round_trip_and_bounds() -> None:
-    raw = dataframe.data(7, 3, 2, 10, 12, 4096, 0xDEADBEEF)
-    h = dataframe.unpack(raw, 1 << 20)
-    assert (h.kind, h.stream, h.seq, h.ti, h.lo, h.hi) == (dataframe.DATA, 7, 3, 2, 10, 12)
+    raw = frames.data(7, 3, 2, 10, 12, 4096, 0xDEADBEEF)
+    h = frames.unpack(raw, 1 << 20)
+    assert (h.kind, h.stream, h.seq, h.ti, h.lo, h.hi) == (frames.DATA, 7, 3, 2, 10, 12)
     assert (h.length, h.digest) == (4096, 0xDEADBEEF)
-    assert dataframe.unpack(dataframe.data(1, 0, 0, 0, 1, 8, None), 64).digest is None
+    assert frames.unpack(frames.data(1, 0, 0, 0, 1, 8, None), 64).digest is None
     with pytest.raises(Exception, match="oversized"):
-        dataframe.unpack(raw, 1024)
+        frames.unpack(raw, 1024)
     with pytest.raises(Exception, match="malformed"):
-        dataframe.unpack(b"XXXX" + raw[4:], 1 << 20)
+        frames.unpack(b"XXXX" + raw[4:], 1 << 20)
 
 
 def test_trailer_flag_round_trip_and_bounds() -> None:
-    h = dataframe.unpack(dataframe.data(7, 3, 2, 10, 12, 4096, None, trailer=True), 1 << 20)
+    h = frames.unpack(frames.data(7, 3, 2, 10, 12, 4096, None, trailer=True), 1 << 20)
     assert (h.trailer, h.digest, h.length) == (True, None, 4096)
-    assert dataframe.trailer(0xDEADBEEF) == (0xDEADBEEF).to_bytes(dataframe.TRAILER_BYTES, "little")
-    both = dataframe.HEADER.pack(
-        dataframe.MAGIC, dataframe.VERSION, dataframe.DATA, 3, 1, 0, 0, 0, 1, 8, 5
-    )
+    assert frames.trailer(0xDEADBEEF) == (0xDEADBEEF).to_bytes(frames.TRAILER_BYTES, "little")
+    both = frames.HEADER.pack(frames.MAGIC, frames.VERSION, frames.DATA, 3, 1, 0, 0, 0, 1, 8, 5)
     with pytest.raises(Exception, match="malformed"):  # a digest in the header and a trailer
-        dataframe.unpack(both, 64)
-    message = dataframe.HEADER.pack(
-        dataframe.MAGIC, dataframe.VERSION, dataframe.MESSAGE, 2, 1, 0, 0, 0, 0, 8, 0
+        frames.unpack(both, 64)
+    message = frames.HEADER.pack(
+        frames.MAGIC, frames.VERSION, frames.MESSAGE, 2, 1, 0, 0, 0, 0, 8, 0
     )
     with pytest.raises(Exception, match="malformed"):  # trailers are for DATA only
-        dataframe.unpack(message, 64)
+        frames.unpack(message, 64)
 
 
 @pytest.mark.parametrize("piece", [1000, 4096])
@@ -137,8 +134,8 @@ def test_trailer_digest_is_hashed_as_the_kernel_takes_each_piece(
 ) -> None:
     """Chunks of many pieces (odd sizes too): the digest computed while writing matches
     the receiver's, piece by piece, so nothing is NACKed and the blocks are equal."""
-    monkeypatch.setattr(datachan, "HASH_PIECE", piece)
-    monkeypatch.setattr(intake, "HASH_PIECE", piece)
+    monkeypatch.setattr(data_out, "HASH_PIECE", piece)
+    monkeypatch.setattr(data_in, "HASH_PIECE", piece)
     p, d = make_pair()
     dst = list(range(20, 60))  # one run: received straight into the blocks
     recv = d.reserve("pieces", dst, writer=p.engine_id)

@@ -22,10 +22,10 @@ from transfer import (
     TransferState,
     checksum,
     layout,
-    movers,
 )
 from transfer.hashing import tensor_digest
 from transfer.testing import blocks_digest
+from transfer.transports import direct
 
 from .conftest import Pair
 
@@ -125,16 +125,16 @@ def test_a_writer_that_claims_what_it_never_wrote_is_caught(
     def claim_by_address(out: Any, seq: int, plain: tuple[list[int], list[int], int]) -> int:
         chunk, (sources, _, block) = out.chunks[seq], plain
         nbytes = (chunk.hi - chunk.lo) * block
-        data = bytes(movers._bytes_at(sources[chunk.ti] + chunk.lo * block, nbytes))
+        data = bytes(direct._bytes_at(sources[chunk.ti] + chunk.lo * block, nbytes))
         out.digests[seq] = checksum.digest(out.algo, data)
         out.verified.add(seq)
         return nbytes
 
     if path == "tensors":
-        monkeypatch.setattr(movers, "_plain_runs", lambda out: None)
-        monkeypatch.setattr(movers, "_copy_verified", claim_only)
+        monkeypatch.setattr(direct, "_plain_runs", lambda out: None)
+        monkeypatch.setattr(direct, "_copy_verified", claim_only)
     else:
-        monkeypatch.setattr(movers, "_copy_plain", claim_by_address)
+        monkeypatch.setattr(direct, "_copy_plain", claim_by_address)
     p, d = make_pair(sender={"retry": {"attempts": 2, "base_delay_s": 0.01, "max_delay_s": 0.01}})
     _fails_uncommitted(p, d, "liar")
     assert _read_back(d, "shm") >= 1
@@ -284,15 +284,15 @@ def test_two_threads_copy_only_while_the_grant_is_open(monkeypatch: pytest.Monke
         time.sleep(0.06 if threading.current_thread().name.startswith("helper") else 0.04)
         return 1 << 20
 
-    monkeypatch.setattr(movers, "_copy_chunk", copy_chunk)
+    monkeypatch.setattr(direct, "_copy_chunk", copy_chunk)
     with ThreadPoolExecutor(1, "helper") as pool:
-        done, nbytes = movers._copy_in_two(out, pool.submit)  # type: ignore[arg-type]
+        done, nbytes = direct._copy_in_two(out, pool.submit)  # type: ignore[arg-type]
         assert nbytes == len(done) << 20
         assert sorted(done) == sorted(seq for seq, _ in copied) and len(done) == 5
         assert len({name for _, name in copied}) == 2  # both threads copied
         assert list(out.queue) == [seq for seq in range(8) if seq not in done]
         out.queue.extend([8, 9])
-        assert movers._copy_in_two(out, pool.submit) == ([], 0)  # type: ignore[arg-type]
+        assert direct._copy_in_two(out, pool.submit) == ([], 0)  # type: ignore[arg-type]
     assert list(out.queue) == [seq for seq in range(10) if seq not in done]
 
 
@@ -325,7 +325,7 @@ def _refused_grant(ids: list[int], sources: int) -> str:
         dst_ids=None,
     )
     with pytest.raises(TransferError) as err:
-        movers.pump_direct(out, None, None, None, None)  # type: ignore[arg-type]
+        direct.pump_direct(out, None, None, None, None)  # type: ignore[arg-type]
     assert err.value.code is StatusCode.KV_CACHE_NOT_EXIST
     assert all(int(t.count_nonzero()) == 0 for t in dst)
     return str(err.value)
@@ -350,13 +350,13 @@ def test_plain_runs_are_copied_by_address_and_verified(
     at a time without a tensor op; the writer verifies every chunk, the receiver reads back
     only its spot checks, and the blocks land equal. Anything else takes the tensor path."""
     calls: list[int] = []
-    real = movers._copy_plain
+    real = direct._copy_plain
 
     def counted(out: Any, seq: int, plain: tuple[list[int], list[int], int]) -> int:
         calls.append(seq)
         return real(out, seq, plain)
 
-    monkeypatch.setattr(movers, "_copy_plain", counted)
+    monkeypatch.setattr(direct, "_copy_plain", counted)
     p, d = make_pair(sender={"chunk_bytes": 4096})
     recv = d.reserve("plain", dst, writer=p.engine_id)
     assert recv.blocks is not None

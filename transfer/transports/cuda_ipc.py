@@ -18,8 +18,11 @@ from transfer.messages import RegionInfo
 from transfer.region import KVRegion
 from transfer.session import Session
 
+NAME = "cuda_ipc"
+SAME_HOST = True
 
-def available(src: KVRegion, desc: RegionInfo) -> bool:
+
+def available(session: Session, src: KVRegion, desc: RegionInfo) -> bool:
     """True when both sides are CUDA and the receiver published IPC handles: never yet, as
     region descriptions carry none (once they do: ``backend_for(device).supports_ipc()``)."""
     return False

@@ -14,6 +14,9 @@ from transfer.messages import RegionInfo
 from transfer.region import KVRegion
 from transfer.session import Session
 
+NAME = "local"
+SAME_HOST = True
+
 
 class LocalEndpoint:
     """The regions one engine of this process exposes to its in-process peers."""
@@ -32,7 +35,7 @@ def publish(engine_id: str, regions: dict[str, KVRegion]) -> LocalEndpoint:
     return endpoint
 
 
-def available(session: Session, desc: RegionInfo) -> bool:
+def available(session: Session, src: KVRegion, desc: RegionInfo) -> bool:
     """True when the peer engine (and its region) is in this very process."""
     if session.pid != os.getpid():
         return False

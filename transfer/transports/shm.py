@@ -24,11 +24,13 @@ from transfer.messages import RegionInfo
 from transfer.region import OWNER_FILE, SHM_PREFIX, SHM_ROOT, KVRegion, parse_dtype
 from transfer.session import Session
 
+NAME = "shm"
+SAME_HOST = True
 _TOKEN = re.compile(r"[0-9a-f]{8}")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
-def available(src: KVRegion, desc: RegionInfo) -> bool:
+def available(session: Session, src: KVRegion, desc: RegionInfo) -> bool:
     """True when the destination lives in /dev/shm and the source is host memory."""
     return bool(desc.shm) and src.tensors[0].device.type == "cpu"
 

@@ -1,9 +1,10 @@
 """Frames of the data channel: one fixed 48-byte binary header, then a body.
 
-The data channel (:mod:`transfer.datachan`) is a plain TCP stream, so every frame states
-its body length up front and the receiver can land the body wherever it wants (straight into
-destination blocks). Headers are parsed with :mod:`struct` and validated before use; bodies
-are raw tensor bytes or a msgpack header checked by :mod:`transfer.wire`. Never pickle::
+The data channel (:mod:`transfer.transports.tcp.channel`) is a plain TCP stream, so every
+frame states its body length up front and the receiver can land the body wherever it wants
+(straight into destination blocks). Headers are parsed with :mod:`struct` and validated
+before use; bodies are raw tensor bytes or a msgpack header checked by :mod:`transfer.wire`.
+Never pickle::
 
     offset  size  field
          0     4  magic  b"HPDC"

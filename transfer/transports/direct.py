@@ -1,13 +1,21 @@
-"""Outgoing transfer state and the code that moves its bytes (stream frames, direct copies).
+"""Direct writes (``local``, ``shm``, ``cuda_ipc``): copy an outgoing transfer's chunks into
+the peer's mapped destination blocks, verifying each as it lands.
 
-:mod:`transfer.sender` decides *when* (attempts, retries, ACKs); this module decides *how*
-the bytes of one attempt go out, a bounded slice per call so the I/O loop stays responsive.
+:mod:`transfer.sender` decides *when* (grants, attempts, ACKs); this module decides *how*
+the bytes of one attempt are copied, a bounded slice per call so the I/O loop stays
+responsive::
+
+    pump_direct ──> [no faults, host memory] _copy_in_two: this thread + a helper, one queue
+         │                                      each chunk: _copy_plain (by address) or
+         └──> [otherwise] _pump_one_by_one ──>  _copy_chunk ─> _copy_verified (hash as it lands)
+    every LANDED_BYTES: landed(seqs) ──> LANDED {wv: verified here | not} to the receiver
+
+The stream (``tcp``) counterpart is :mod:`transfer.transports.tcp.stream`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -15,120 +23,21 @@ from concurrent.futures import Future, wait
 from typing import Any
 
 import torch
-import zmq
 
-from transfer import checksum, dataframe, kv_codec, kv_layouts, layout, wire
+from transfer import checksum, kv_layouts, layout
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
-from transfer.hashing import Hasher, tensor_digest
-from transfer.messages import Data
+from transfer.hashing import tensor_digest
+from transfer.messages import Landed
 from transfer.metrics import TransportMetrics
-from transfer.outbox import Outbox
-from transfer.outgoing import OutTransfer, Phase
+from transfer.outgoing import PUMP_BYTES, OutTransfer
 from transfer.session import Session
 
-#: Bytes moved per transfer per loop iteration before polling the sockets again.
-PUMP_BYTES = 16 << 20
-#: Zero-copy bytes a stream transfer may have queued in ZMQ at once.
-WINDOW_BYTES = 64 << 20
-#: Stream chunks whose digests are computed ahead of sending, on the hashing threads.
-PREFETCH_CHUNKS = 2
 #: Direct copies hash what they copy in pieces of about this size (fits in a core's cache).
 PIECE_BYTES = 512 << 10
 #: A direct writer reports landed chunks (LANDED) every this many bytes: the receiver then
 #: verifies them while they are still in the shared cache and the next ones are copied.
 LANDED_BYTES = 4 << 20
-
-
-def pump_stream(
-    out: OutTransfer, outbox: Outbox, counters: TransportMetrics, hasher: Hasher
-) -> bool:
-    """Send a bounded slice of chunks; True once every chunk has been handed over.
-
-    Chunk digests are computed a few chunks ahead on the hashing threads, so hashing
-    overlaps the socket writes; a chunk whose digest is not ready yet waits (the hashing
-    thread wakes the loop when it is).
-    """
-    session = out.session
-    assert session is not None
-    if out.src_run is None:
-        out.src_run = layout.is_run(out.src_ids)
-    moved = 0
-    # On the data channel a chunk's digest trails its body and is computed piece by piece
-    # just before the kernel copies each piece (datachan.DataOut.flush), while it is cached.
-    # With faults on it is computed here, before a fault may change the bytes. ``trail``:
-    # the algorithm the data channel hashes with as it writes (None: digests here).
-    trail = out.algo if out.via_data and not outbox.faults_on else None
-    while out.queue and moved < PUMP_BYTES and out.inflight < WINDOW_BYTES:
-        _prepare(out, hasher, not outbox.faults_on, trail is None)
-        seq = out.queue[0]
-        buf, pending = out.prepared[seq]
-        if pending is not None and not pending.done():
-            out.waiting_digest = True
-            return False
-        digest = pending.result() if pending is not None else None
-        del out.prepared[seq]
-        chunk = out.chunks[seq]
-        if out.via_data:
-            header = dataframe.data(
-                out.stream, seq, chunk.ti, chunk.lo, chunk.hi, len(buf), None, out.algo is not None
-            )
-            owner = None if outbox.faults_on else out
-            sent = outbox.send(
-                session,
-                "data",
-                header,
-                buf,
-                via_data=True,
-                owner=owner,
-                trailer=None if digest is None else dataframe.trailer(digest),
-                hash_with=None if trail is None else checksum.Running(trail),
-            )
-        else:
-            data = Data(
-                transfer_id=out.handle.transfer_id,
-                seq=seq,
-                tensor=chunk.ti,
-                lo=chunk.lo,
-                hi=chunk.hi,
-                digest=digest,
-            )
-            header = wire.encode(data, session.token)
-            sent = outbox.send(session, "data", header, buf, track=not outbox.faults_on)
-        if sent is False:
-            out.prepared[seq] = (buf, pending)
-            return False  # not connected (yet): the attempt timer decides
-        if isinstance(sent, zmq.MessageTracker):
-            out.trackers.append((sent, len(buf)))
-        out.queue.popleft()
-        moved += len(buf)
-        counters.bytes_sent_total += len(buf)
-        if out.phase is not Phase.SEND:
-            return False  # the session went away under a fault; the attempt timer decides
-    return not out.queue
-
-
-def _prepare(out: OutTransfer, hasher: Hasher, safe_views: bool, digests: bool) -> None:
-    """Bytes (and, if ``digests``, digests) of the next few queued chunks."""
-    for seq in itertools.islice(out.queue, PREFETCH_CHUNKS):
-        if seq in out.prepared:
-            continue
-        chunk = out.chunks[seq]
-        data = layout.gather(
-            out.region.tensors[chunk.ti], out.src_ids[chunk.lo : chunk.hi], out.src_run
-        )
-        if not safe_views and data.device.type == "cpu":
-            data = data.clone()  # faults may send it later or twice: never a view
-        buf = layout.as_bytes(kv_codec.to_wire(out.codec, data))  # digests cover these bytes
-        pending = None
-        if out.algo and digests:
-            pending = hasher.submit_bytes(out.algo, buf)
-            hasher.then(pending, lambda digest: _ready(out))
-        out.prepared[seq] = (buf, pending)
-
-
-def _ready(out: OutTransfer) -> None:
-    out.waiting_digest = False  # runs on the I/O thread: the next pump sends the chunk
 
 
 def pump_direct(
@@ -172,6 +81,25 @@ def pump_direct(
     if not out.algo:
         return []
     return [out.digests[seq] for seq in range(len(out.chunks))]
+
+
+def landed_reports(out: OutTransfer, seqs: list[int]) -> list[Landed]:
+    """LANDED messages for chunks ``seqs`` now in the receiver's blocks: those verified in
+    its blocks as they were copied (``wv``), and the others, which the receiver verifies
+    then, in parallel with our next copies, instead of all at END."""
+    mine = [seq for seq in seqs if seq in out.verified]
+    theirs = [seq for seq in seqs if seq not in out.verified]
+    return [
+        Landed(
+            transfer_id=out.handle.transfer_id,
+            seqs=group,
+            digests=[out.digests[seq] for seq in group],
+            writer_verified=verified,
+            grant=out.grant,
+        )
+        for group, verified in ((mine, True), (theirs, False))
+        if group
+    ]
 
 
 def _inside(block_ids: tuple[int, ...], num_blocks: int, needed: int, tokens: int) -> torch.Tensor:

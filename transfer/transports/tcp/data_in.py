@@ -25,9 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from transfer import checksum, dataframe, layout, wire
+from transfer import checksum, layout, wire
 from transfer.config import TransferConfig
-from transfer.dataframe import FrameHeader
 from transfer.errors import StatusCode, TransferError
 from transfer.incoming import InTransfer
 from transfer.ledger import Ledger
@@ -35,6 +34,8 @@ from transfer.messages import Begin, Data, End, tag
 from transfer.metrics import Metrics
 from transfer.receiver import Receiver
 from transfer.session import Session
+from transfer.transports.tcp import frames
+from transfer.transports.tcp.frames import FrameHeader
 
 log = logging.getLogger(__name__)
 #: Bytes read from one connection per loop iteration before polling again.
@@ -68,13 +69,13 @@ class DataIn:
         self.session: Session | None = None
         self.closed = False
         self.streams: OrderedDict[int, str] = OrderedDict()
-        self._head = bytearray(dataframe.HEADER_BYTES)
+        self._head = bytearray(frames.HEADER_BYTES)
         self._head_view = memoryview(self._head)
         self._head_got = 0
         self.frame: FrameHeader | None = None
         self._got = 0
         self._end = 0  # bytes of the current frame after its header: body (+ trailer)
-        self._tail = bytearray(dataframe.TRAILER_BYTES)
+        self._tail = bytearray(frames.TRAILER_BYTES)
         self._body: memoryview | None = None  # where the body goes; None: scratch (dropped)
         self._direct: InTransfer | None = None  # set when the body lands in dst blocks
         #: The landing body's checksum, fed as bytes arrive (still in the cache).
@@ -92,9 +93,9 @@ class DataIn:
                     n = self.sock.recv_into(self._head_view[self._head_got :])
                     if n:
                         self._head_got += n
-                        if self._head_got == dataframe.HEADER_BYTES:
+                        if self._head_got == frames.HEADER_BYTES:
                             self._head_got = 0
-                            self._start(dataframe.unpack(self._head, max_payload))
+                            self._start(frames.unpack(self._head, max_payload))
                 else:
                     n = self._read_body(self.frame)
                     if n and self._got == self._end:
@@ -148,12 +149,12 @@ class DataIn:
     # ---- frames -------------------------------------------------------------------------
     def _start(self, frame: FrameHeader) -> None:
         self.frame, self._got, self._body, self._direct = frame, 0, None, None
-        self._end = frame.length + (dataframe.TRAILER_BYTES if frame.trailer else 0)
+        self._end = frame.length + (frames.TRAILER_BYTES if frame.trailer else 0)
         self._running = None
-        if self.session is None and frame.kind != dataframe.PREFACE:
+        if self.session is None and frame.kind != frames.PREFACE:
             self.metrics.reject("data_unauthenticated")
             raise wire.FrameError("unauthenticated", "data connection without preface")
-        if frame.kind != dataframe.DATA:
+        if frame.kind != frames.DATA:
             self._body = self._buffer(frame.length)
             return
         try:
@@ -187,17 +188,17 @@ class DataIn:
         body = self._body
         digest = int.from_bytes(self._tail, "little") if frame.trailer else frame.digest
         try:
-            if frame.kind == dataframe.PREFACE:
+            if frame.kind == frames.PREFACE:
                 assert body is not None
                 self._on_preface(bytes(body))
-            elif frame.kind == dataframe.MESSAGE:
+            elif frame.kind == frames.MESSAGE:
                 assert body is not None
                 self._on_message(frame, body)
             elif body is not None and self._direct is not None:
                 computed = self._running.value() if self._running is not None else None
                 self.receiver.landed(self._direct, frame.seq, body, digest, computed)
             elif body is not None:
-                msg = Data(  # from a data-channel header, bounds checked by dataframe.parse
+                msg = Data(  # from a data-channel header, bounds checked by frames.unpack
                     transfer_id=self.streams.get(frame.stream, ""),
                     seq=frame.seq,
                     tensor=frame.ti,

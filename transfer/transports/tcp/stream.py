@@ -1,0 +1,124 @@
+"""The stream (``tcp``) sender: an outgoing transfer's chunks as frames, on the session's
+data channel (:mod:`transfer.transports.tcp.channel`) or, without one, as zero-copy ZMQ
+frames on the link.
+
+:mod:`transfer.sender` decides *when* (attempts, resends, ACKs); :func:`pump_stream` sends a
+bounded slice per call::
+
+    queue ──> _prepare (gather, kv codec, digest a few chunks ahead on the hashing threads)
+          ──> data channel: DATA header + body [+ trailer digest, hashed behind the kernel]
+          └─> ZMQ link:     Data message + body (zero copy, tracked until ZMQ let go)
+    stop at PUMP_BYTES moved, WINDOW_BYTES in flight, or a digest not ready yet
+
+The direct counterpart is :mod:`transfer.transports.direct`.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import zmq
+
+from transfer import checksum, kv_codec, layout, wire
+from transfer.hashing import Hasher
+from transfer.messages import Data
+from transfer.metrics import TransportMetrics
+from transfer.outbox import Outbox
+from transfer.outgoing import PUMP_BYTES, OutTransfer, Phase
+from transfer.transports.tcp import frames
+
+#: Zero-copy bytes a stream transfer may have queued in ZMQ at once.
+WINDOW_BYTES = 64 << 20
+#: Stream chunks whose digests are computed ahead of sending, on the hashing threads.
+PREFETCH_CHUNKS = 2
+
+
+def pump_stream(
+    out: OutTransfer, outbox: Outbox, counters: TransportMetrics, hasher: Hasher
+) -> bool:
+    """Send a bounded slice of chunks; True once every chunk has been handed over.
+
+    Chunk digests are computed a few chunks ahead on the hashing threads, so hashing
+    overlaps the socket writes; a chunk whose digest is not ready yet waits (the hashing
+    thread wakes the loop when it is).
+    """
+    session = out.session
+    assert session is not None
+    if out.src_run is None:
+        out.src_run = layout.is_run(out.src_ids)
+    moved = 0
+    # On the data channel a chunk's digest trails its body and is computed piece by piece
+    # just before the kernel copies each piece (data_out.DataOut.flush), while it is cached.
+    # With faults on it is computed here, before a fault may change the bytes. ``trail``:
+    # the algorithm the data channel hashes with as it writes (None: digests here).
+    trail = out.algo if out.via_data and not outbox.faults_on else None
+    while out.queue and moved < PUMP_BYTES and out.inflight < WINDOW_BYTES:
+        _prepare(out, hasher, not outbox.faults_on, trail is None)
+        seq = out.queue[0]
+        buf, pending = out.prepared[seq]
+        if pending is not None and not pending.done():
+            out.waiting_digest = True
+            return False
+        digest = pending.result() if pending is not None else None
+        del out.prepared[seq]
+        chunk = out.chunks[seq]
+        if out.via_data:
+            header = frames.data(
+                out.stream, seq, chunk.ti, chunk.lo, chunk.hi, len(buf), None, out.algo is not None
+            )
+            owner = None if outbox.faults_on else out
+            sent = outbox.send(
+                session,
+                "data",
+                header,
+                buf,
+                via_data=True,
+                owner=owner,
+                trailer=None if digest is None else frames.trailer(digest),
+                hash_with=None if trail is None else checksum.Running(trail),
+            )
+        else:
+            data = Data(
+                transfer_id=out.handle.transfer_id,
+                seq=seq,
+                tensor=chunk.ti,
+                lo=chunk.lo,
+                hi=chunk.hi,
+                digest=digest,
+            )
+            header = wire.encode(data, session.token)
+            sent = outbox.send(session, "data", header, buf, track=not outbox.faults_on)
+        if sent is False:
+            out.prepared[seq] = (buf, pending)
+            return False  # not connected (yet): the attempt timer decides
+        if isinstance(sent, zmq.MessageTracker):
+            out.trackers.append((sent, len(buf)))
+        out.queue.popleft()
+        moved += len(buf)
+        counters.bytes_sent_total += len(buf)
+        if out.phase is not Phase.SEND:
+            return False  # the session went away under a fault; the attempt timer decides
+    return not out.queue
+
+
+def _prepare(out: OutTransfer, hasher: Hasher, safe_views: bool, digests: bool) -> None:
+    """Bytes (and, if ``digests``, digests) of the next few queued chunks."""
+    for seq in itertools.islice(out.queue, PREFETCH_CHUNKS):
+        if seq in out.prepared:
+            continue
+        chunk = out.chunks[seq]
+        data = layout.gather(
+            out.region.tensors[chunk.ti], out.src_ids[chunk.lo : chunk.hi], out.src_run
+        )
+        if not safe_views and data.device.type == "cpu":
+            data = data.clone()  # faults may send it later or twice: never a view
+        buf = layout.as_bytes(kv_codec.to_wire(out.codec, data))  # digests cover these bytes
+        pending = None
+        if out.algo and digests:
+            pending = hasher.submit_bytes(out.algo, buf)
+            hasher.then(pending, lambda digest: _ready(out))
+        out.prepared[seq] = (buf, pending)
+
+
+def _ready(out: OutTransfer) -> None:
+    out.waiting_digest = False  # runs on the I/O thread: the next pump sends the chunk
