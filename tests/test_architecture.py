@@ -15,12 +15,7 @@ PACKAGES = ("hetero_pd", "backends", "transfer", "edge")
 MAX_LINES = 400
 #: Files still over MAX_LINES, with the line count they may not grow past: the redesign
 #: issue splits them; the list only shrinks.
-OVERSIZED = {
-    "transfer/receiver.py": 478,
-    "transfer/sender.py": 471,
-    "transfer/engine.py": 439,
-    "transfer/linker.py": 433,
-}
+OVERSIZED: dict[str, int] = {}
 
 
 def _modules() -> dict[str, Path]:

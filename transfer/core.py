@@ -32,8 +32,9 @@ from transfer.addresses import endpoint
 from transfer.config import Role, TransferConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
+from transfer.handle import RemoteBlocks, TransferState
 from transfer.hashing import Hasher
-from transfer.ledger import Ledger
+from transfer.ledger import Ledger, Reservation
 from transfer.linker import Linker
 from transfer.loop import IOLoop
 from transfer.messages import (
@@ -181,6 +182,34 @@ class Core:
             held_blocks=sum(len(ids) for ids in self.held_ids().values()),
             reserved_blocks=sum(self.ledger.reserved_blocks().values()),
         )
+
+    # ---- what the engine hands to the I/O thread -----------------------------------------
+    def add_region(self, region: KVRegion) -> None:
+        """Register ``region``: the ledger tracks its blocks, every peer hears of it."""
+        if region.name in self.regions:
+            raise TransferError(StatusCode.PARAM_INVALID, f"region {region.name!r} exists")
+        self.regions[region.name] = region
+        self.ledger.add_region(region)
+        self.linker.announce_regions()
+
+    def drop_reservation(self, reservation: Reservation) -> None:
+        """A released reservation: forget its incoming transfers, cancel its handle."""
+        why = f"request {reservation.blocks.request_id!r} released"
+        self.receiver.release(reservation)
+        self.loop.finish(
+            reservation.handle, TransferState.CANCELLED, TransferError(StatusCode.CANCELLED, why)
+        )
+
+    def renew_held(self, request_id: str, now: float, seconds: float | None) -> None:
+        """Extend the leases of our pushes and of our offer for ``request_id``."""
+        self.sender.renew(request_id, now, seconds)
+        self.pulls.renew(request_id, now, seconds)
+
+    def send_renew(self, peer: str, blocks: RemoteBlocks) -> None:
+        """Ask ``peer`` to keep its reservation or offer ``blocks`` alive (if linked)."""
+        session = self.linker.session_for(peer)
+        if session is not None:
+            self.outbox.post(session, Renew(request_id=blocks.request_id, epoch=blocks.epoch))
 
     def _intake(self, sock: socket.socket, on_closed: Any) -> DataIn:
         return DataIn(

@@ -31,9 +31,9 @@ from transfer.checksum import requested as checksum_requested
 from transfer.config import Role, TransferConfig
 from transfer.core import Core
 from transfer.errors import StatusCode, TransferError
-from transfer.handle import Callback, RemoteBlocks, TransferHandle, TransferState
-from transfer.messages import Renew
+from transfer.handle import Callback, RemoteBlocks, TransferHandle
 from transfer.metrics import TransferHealth, TransferMetrics
+from transfer.offers import new_offer
 from transfer.outgoing import new_push
 from transfer.pulls import new_pull
 from transfer.region import KVRegion
@@ -125,17 +125,9 @@ class TransferEngine:
     # ---- regions and reservations -------------------------------------------------------
     def register_region(self, region: KVRegion) -> None:
         """Make ``region`` available for pushes (as destination) and offers (as source)."""
-        core = self._core
         region.claim(self.engine_id)
-
-        def add() -> None:
-            if region.name in core.regions:
-                raise TransferError(StatusCode.PARAM_INVALID, f"region {region.name!r} exists")
-            core.regions[region.name] = region
-            core.ledger.add_region(region)
-            core.linker.announce_regions()
-
-        self._loop.call_wait(add, 10.0)
+        core = self._core
+        self._loop.call_wait(lambda: core.add_region(region), 10.0)
 
     def region(self, name: str = "kv") -> KVRegion:
         """A registered region."""
@@ -167,7 +159,7 @@ class TransferEngine:
         self._loop.check_open()
         reg = self.region(region)
         handle = TransferHandle(f"{self.engine_id}/recv/{request_id}", "recv", "", request_id)
-        handle.cancel_with(self._release_handle)
+        handle.cancel_with(lambda h: self.release(h.request_id))
         if callback is not None:
             handle.add_done_callback(callback)
         deadline = time.monotonic() + (timeout_s or self.config.transfer_timeout_s)
@@ -176,9 +168,6 @@ class TransferEngine:
         self._core.ledger.reserve(reg, request_id, ids, layer_range, handle, deadline, writer)
         handle.nbytes = len(ids) * reg.block_bytes * len(reg.tensor_range(layers))
         return handle
-
-    def _release_handle(self, handle: TransferHandle) -> None:
-        self.release(handle.request_id)
 
     def release(self, request_id: str) -> float:
         """Free a reservation (after use, timeout or abort); late writes are refused.
@@ -189,13 +178,8 @@ class TransferEngine:
         core = self._core
         reservation, wait = core.ledger.release(request_id)
         if reservation is not None:
-            err = TransferError(StatusCode.CANCELLED, f"request {request_id!r} released")
-
-            def drop() -> None:
-                core.receiver.release(reservation)
-                self._loop.finish(reservation.handle, TransferState.CANCELLED, err)
-
-            self._loop.call(drop)
+            released = reservation
+            self._loop.call(lambda: core.drop_reservation(released))
         return wait
 
     # ---- transfers ----------------------------------------------------------------------
@@ -313,21 +297,13 @@ class TransferEngine:
         CANCELLED after :meth:`withdraw`. No other peer, epoch, block or layer is served.
         """
         reg = self.region(region)
-        ids = list(block_ids)
-        reg.check_blocks(ids, "offered")
-        if not ids:
-            raise TransferError(StatusCode.PARAM_INVALID, "no blocks to offer")
-        first, last = reg.layer_bounds(layers)
-        nbytes = len(ids) * reg.block_bytes * len(reg.tensor_range((first, last)))
-        handle = TransferHandle(f"{self.engine_id}/offer/{request_id}", "offer", reader, request_id)
-        handle.nbytes = nbytes
+        ids, bounds = list(block_ids), reg.layer_bounds(layers)
+        handle = new_offer(self.engine_id, reg, request_id, ids, reader, bounds)
         handle.cancel_with(lambda h: self.withdraw(h.request_id))
         if callback is not None:
             handle.add_done_callback(callback)
-        lease = lease_s or self.config.lease_s
-        self._core.offers.add(
-            reg.name, request_id, ids, reader, range(first, last), lease, handle, time.monotonic()
-        )
+        lease, now = lease_s or self.config.lease_s, time.monotonic()
+        self._core.offers.add(reg.name, request_id, ids, reader, range(*bounds), lease, handle, now)
         return handle
 
     def withdraw(self, request_id: str) -> None:
@@ -348,12 +324,7 @@ class TransferEngine:
         """
         core, now = self._core, time.monotonic()
         core.ledger.renew(request_id, now, seconds)
-
-        def extend() -> None:
-            core.sender.renew(request_id, now, seconds)
-            core.pulls.renew(request_id, now, seconds)
-
-        self._loop.call(extend)
+        self._loop.call(lambda: core.renew_held(request_id, now, seconds))
 
     def renew_remote(self, peer: str, blocks: RemoteBlocks) -> None:
         """Ask ``peer`` to keep its reservation or offer ``blocks`` alive (fire and forget).
@@ -363,13 +334,7 @@ class TransferEngine:
         original duration, only for the grantee named in it; others are counted and ignored.
         """
         core = self._core
-
-        def send() -> None:
-            session = core.linker.session_for(peer)
-            if session is not None:
-                core.outbox.post(session, Renew(request_id=blocks.request_id, epoch=blocks.epoch))
-
-        self._loop.call(send)
+        self._loop.call(lambda: core.send_renew(peer, blocks))
 
     # ---- progress, health, metrics, lifecycle -------------------------------------------
     def progress(self) -> list[TransferHandle]:

@@ -108,7 +108,7 @@ class TransferHandle:
         default_factory=list, repr=False
     )
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _cancel: Callable[[TransferHandle], None] | None = field(default=None, repr=False)
+    _cancel: Callable[[TransferHandle], object] | None = field(default=None, repr=False)
 
     @property
     def epoch(self) -> int:
@@ -155,7 +155,7 @@ class TransferHandle:
         if self._cancel is not None and not self.done():
             self._cancel(self)
 
-    def cancel_with(self, cancel: Callable[[TransferHandle], None]) -> None:
+    def cancel_with(self, cancel: Callable[[TransferHandle], object]) -> None:
         """What `cancel()` does for this handle (set by the engine that made it)."""
         self._cancel = cancel
 

@@ -1,4 +1,5 @@
-"""Links and sessions: the authenticated handshake (:mod:`transfer.auth`), re-links, teardown.
+"""Links and sessions: the authenticated handshake (:mod:`transfer.auth`,
+:mod:`transfer.handshake`), re-links, teardown.
 
 The linker owns every session table (links we opened, sessions both ways, pending
 handshakes, where each peer listens) and publishes what happens to them: ``on_linked``
@@ -17,8 +18,8 @@ from collections.abc import Callable
 
 import zmq
 
-from transfer import auth, wire
-from transfer.addresses import parse_endpoint, reachable
+from transfer import auth, handshake, wire
+from transfer.addresses import parse_endpoint
 from transfer.config import TransferConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.loop import IOLoop
@@ -292,20 +293,19 @@ class Linker:
             self._refuse(identity, StatusCode.AUTH_FAILED, "the link secrets differ")
             return
         try:
-            data_address = reachable(wire.data_address(msg.about.data_address), peer_ip)
-            theirs = wire.fingerprint(msg.about.fingerprint)
+            data_address, theirs = handshake.peer_facts(msg.about, peer_ip)
         except wire.FrameError as exc:
             self.metrics.reject(exc.reason)
             self._refuse(identity, StatusCode.FRAME_INVALID, f"link refused: {exc}")
             return
-        mismatch = self._fingerprint_mismatch(hello.engine_id, theirs)
+        mismatch = handshake.fingerprint_mismatch(self.me.engine_id, self.config, hello, theirs)
         if mismatch is not None:
             self.metrics.reject("fingerprint_mismatch")
             log.error("%s", mismatch)
             self._refuse(identity, StatusCode.PARAM_INVALID, mismatch)
             return
         token = auth.new_nonce()
-        session = _session(hello, msg.about, token, data_address, identity=identity)
+        session = handshake.new_session(hello, msg.about, token, data_address, identity=identity)
         old = self._inbound.get(session.peer_id)
         if old is not None:
             self.drop(old, "peer re-linked")
@@ -320,19 +320,17 @@ class Linker:
             self.metrics.reject("unexpected_handshake")
             return
         try:
-            dialled = parse_endpoint(link.address)[0]
-            data_address = reachable(wire.data_address(msg.about.data_address), dialled)
-            theirs = wire.fingerprint(msg.about.fingerprint)
+            data_address, theirs = handshake.peer_facts(msg.about, parse_endpoint(link.address)[0])
         except wire.FrameError as exc:
             self.metrics.reject(exc.reason)
             self._fail_link(link, StatusCode.FRAME_INVALID, f"bad welcome: {exc}")
             return
-        mismatch = self._fingerprint_mismatch(hello.engine_id, theirs)
+        mismatch = handshake.fingerprint_mismatch(self.me.engine_id, self.config, hello, theirs)
         if mismatch is not None:
             self.metrics.reject("fingerprint_mismatch")
             self._fail_link(link, StatusCode.PARAM_INVALID, mismatch)
             return
-        session = _session(hello, msg.about, msg.token, data_address, link=link)
+        session = handshake.new_session(hello, msg.about, msg.token, data_address, link=link)
         link.session = session
         old = self._outbound.get(session.peer_id)
         if old is not None and old is not session:
@@ -350,27 +348,7 @@ class Linker:
             listener(session)
 
     def _about_me(self) -> About:
-        """What an authenticated peer learns about us: host, pid, data address, regions,
-        KV fingerprint."""
-        me = self.me
-        return About(
-            host=me.host,
-            pid=me.pid,
-            data_address=me.data_address,
-            regions=self._describe_regions(),
-            fingerprint=self.config.fingerprint,
-        )
-
-    def _fingerprint_mismatch(self, peer: str, theirs: str) -> str | None:
-        """Why a peer whose KV fingerprint is ``theirs`` may not link with us, or None."""
-        ours = self.config.fingerprint
-        if not ours or not theirs or ours == theirs:
-            return None
-        return (
-            f"KV fingerprints differ: {self.me.engine_id!r} has {ours}, {peer!r} has {theirs}; "
-            "the two hold different models (weights or tokenizer), so their KV is not "
-            "interchangeable: deploy the same model folder on both"
-        )
+        return handshake.about(self.me, self._describe_regions(), self.config.fingerprint)
 
     def _refuse(self, identity: bytes, code: StatusCode, msg: str) -> None:
         self._reply(identity, wire.encode(Error.of("", TransferError(code, msg))))
@@ -409,25 +387,3 @@ class Linker:
             self.outbox.post(session, Bye())
         for link in list(self._links.values()):
             self._close_link(link)
-
-
-def _session(
-    hello: Hello | Challenge,
-    about: About,
-    token: bytes,
-    data_address: str,
-    identity: bytes | None = None,
-    link: Link | None = None,
-) -> Session:
-    """A session from the peer's HELLO / CHALLENGE (who) and AUTH / WELCOME (about it)."""
-    return Session(
-        hello.engine_id,
-        hello.role,
-        about.host,
-        about.pid,
-        wire.regions_by_name(about.regions),
-        token,
-        identity=identity,
-        link=link,
-        data_address=data_address,
-    )

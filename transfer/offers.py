@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from transfer.epochs import EpochSource
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import RemoteBlocks, TransferHandle, TransferState
+from transfer.region import KVRegion
 
 
 @dataclass(slots=True, eq=False)
@@ -186,3 +187,21 @@ def _overlaps(layers: range, offer: Offer) -> bool:
     for _, serving in offer.serving.values():
         taken.update(serving)
     return any(layer in taken for layer in layers)
+
+
+def new_offer(
+    engine_id: str,
+    region: KVRegion,
+    request_id: str,
+    block_ids: list[int],
+    reader: str,
+    layers: tuple[int, int],
+) -> TransferHandle:
+    """The handle of a validated offer of ``block_ids`` (``layers``) to ``reader``, not
+    booked yet (:meth:`OfferBook.add`)."""
+    region.check_blocks(block_ids, "offered")
+    if not block_ids:
+        raise TransferError(StatusCode.PARAM_INVALID, "no blocks to offer")
+    handle = TransferHandle(f"{engine_id}/offer/{request_id}", "offer", reader, request_id)
+    handle.nbytes = len(block_ids) * region.block_bytes * len(region.tensor_range(layers))
+    return handle

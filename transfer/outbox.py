@@ -82,6 +82,11 @@ class Outbox:
         """True when faults are injected (frames may be delayed or repeated later)."""
         return self.injector is not None
 
+    def has_data_channel(self, session: Session) -> bool:
+        """Whether frames to ``session``'s peer can go on a data channel: ours is on, and
+        its address is known and was not found unusable."""
+        return self.datachan is not None and bool(session.data_address) and not session.data_failed
+
     def post(self, session: Session, msg: AnyMessage) -> zmq.MessageTracker | bool:
         """Send a header-only message to ``session`` on its link; False if it could not go."""
         return self.send(session, tag(msg), wire.encode(msg, session.token))

@@ -1,5 +1,6 @@
-"""One outgoing transfer's state across its attempts (`OutTransfer`, its `Phase`), and a
-validated push before it starts (`new_push`). :mod:`transfer.sender` drives it;
+"""One outgoing transfer's state across its attempts (`OutTransfer`, its `Phase`), a
+validated push before it starts (`new_push`) and each attempt's plan and BEGIN
+(`plan_attempt`). :mod:`transfer.sender` drives it;
 :mod:`transfer.transports.direct` and :mod:`transfer.transports.tcp.stream` move its bytes."""
 
 from __future__ import annotations
@@ -10,14 +11,17 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import zmq
 
-from transfer import kv_layouts, layout
+from transfer import checksum, kv_layouts, layout
+from transfer.config import TransferConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import RemoteBlocks, TransferHandle, TransferState
-from transfer.region import KVRegion
+from transfer.messages import Begin, Transport
+from transfer.region import KVRegion, dtype_name
 from transfer.session import Session
 
 #: Bytes moved per transfer per loop iteration before polling the sockets again.
@@ -153,3 +157,47 @@ def new_push(
         now + lease_s,
         lease_s=lease_s,
     )
+
+
+def plan_attempt(out: OutTransfer, config: TransferConfig, direct: bool) -> Begin:
+    """Plan the next attempt of ``out`` over its chosen transport (checksum, codec, chunks,
+    queue) and return the BEGIN that announces it."""
+    out.algo = _checksum(out, config, direct)
+    out.codec = "none" if direct else config.kv_codec
+    num_blocks = out.src_ids.numel()
+    # direct copies are chunked too: the grant window is checked before every chunk
+    out.blocks_per_chunk = layout.blocks_per_chunk(
+        out.region.block_bytes, config.chunk_bytes, num_blocks
+    )
+    out.chunks = layout.plan(out.region.tensor_range(out.layers), num_blocks, out.blocks_per_chunk)
+    out.queue = deque(range(len(out.chunks)))
+    out.prepared.clear()
+    return Begin(
+        transfer_id=out.handle.transfer_id,
+        request_id=out.dst.request_id,
+        epoch=out.dst.epoch,
+        region=out.dst.region,
+        dst=list(out.dst.block_ids),
+        num_src=num_blocks,
+        dtype=dtype_name(out.region.dtype),
+        block_size=out.region.block_size,
+        tensors_per_layer=out.region.tensors_per_layer,
+        block_shape=list(out.region.block_shape),
+        layers=out.layers,
+        num_tokens=out.num_tokens,
+        num_chunks=len(out.chunks),
+        blocks_per_chunk=out.blocks_per_chunk,
+        checksum=out.algo,
+        mode=cast(Transport, out.transport),  # transports.choose() picked it
+        codec=out.codec,
+        layout=out.region.layout,
+    )
+
+
+def _checksum(out: OutTransfer, config: TransferConfig, direct: bool) -> str | None:
+    if out.requested_algo == "off":
+        return None
+    if out.requested_algo is not None:
+        return checksum.resolve(out.requested_algo)
+    on = config.checksums_on(direct)
+    return checksum.resolve(config.checksum_algo) if on else None

@@ -9,26 +9,24 @@ are answered with ``ACK(dup=True)`` and nothing is written::
 
     BEGIN  ─> accept_begin ─> [direct] GRANT {until}   [stream] wait for chunks
     DATA   ─> planned? ours? checksum ok? ─> write_if_current ─> good[seq] = 1
-    END    ─> every chunk good (direct: recompute the digests from our blocks)?
+    LANDED ─> [direct] DirectChecks: verify the chunks in our blocks (transfer.direct_checks)
+    END    ─> every chunk good (direct: DirectChecks reads back what is not verified yet)?
               no  -> ACK {code, bad=[seq...]}  (the sender resends those)
               yes -> commit_if_current -> ACK ok -> reservation DONE once every layer came
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
-from typing import TypeVar
-
-import torch
 
 from transfer import checksum, kv_codec, kv_layouts, layout, wire
 from transfer.config import TransferConfig
+from transfer.direct_checks import DirectChecks
 from transfer.errors import StatusCode, TransferError
 from transfer.handle import TransferState
-from transfer.hashing import Hasher, tensor_digest
-from transfer.incoming import DIRECT, Early, InTransfer, accept_begin
+from transfer.hashing import Hasher
+from transfer.incoming import DIRECT, InTransfer, accept_begin
 from transfer.ledger import Ledger, Reservation
 from transfer.loop import IOLoop
 from transfer.messages import Ack, Begin, Data, End, Error, Grant, Landed
@@ -36,10 +34,6 @@ from transfer.metrics import Metrics
 from transfer.outbox import Outbox
 from transfer.region import KVRegion
 from transfer.session import Identity, Session
-
-T = TypeVar("T")
-
-Fingerprint = tuple[str, int]
 
 
 class Receiver:
@@ -62,6 +56,7 @@ class Receiver:
         #: Told the id of every transfer committed here (a pull we asked for may be done).
         self.on_committed: Callable[[str], None] = lambda transfer_id: None
         self._next_tick = 0.0
+        self.direct = DirectChecks(metrics, hasher, self._still_verifying, self._resume_end)
 
     # ---- replies ------------------------------------------------------------------------
     def _refuse(self, session: Session, transfer_id: str, err: TransferError) -> None:
@@ -303,7 +298,7 @@ class Receiver:
         if incoming.mode in DIRECT:
             if incoming.direct_verdict is None:
                 self.ledger.end_grant(transfer_id)  # the writer is done: no more writes
-                self._check_direct(incoming, msg.digests)
+                self.direct.check(incoming, msg.digests)
                 if incoming.verifying:
                     incoming.pending_end = (session, msg)
                     return
@@ -343,84 +338,10 @@ class Receiver:
         self.on_committed(transfer_id)
 
     def on_landed(self, session: Session, msg: Landed) -> None:
-        """A direct writer's chunks are in our blocks: verify them now, while it copies the
-        next ones (END then only checks what was not verified here, or changed digest).
-        Chunks the writer verified itself (``wv``) are not read here: it hashed them in our
-        blocks while they were in its cache; END reads back only spot checks of them
-        (:func:`spot_checks`), enough to catch a writer that claims copies it never made."""
+        """A direct writer's chunks are in our blocks (:meth:`DirectChecks.on_landed`)."""
         incoming = self.owned(session, msg.transfer_id)
-        if incoming is None or incoming.mode not in DIRECT or incoming.algo is None:
-            return
-        if msg.grant != incoming.grant:
-            return  # about an earlier attempt's copies (it arrived late): they were rewritten
-        seqs, digests = msg.seqs, msg.digests  # types and bounds checked by the decoder
-        if len(seqs) > incoming.num_chunks or any(seq >= incoming.num_chunks for seq in seqs):
-            raise wire.FrameError("bad_field", "landed.s")
-        if len(digests) != len(seqs):
-            raise wire.FrameError("bad_field", "landed.ds")
-        incoming.last_seen = time.monotonic()
-        if msg.writer_verified:  # the writer hashed these in our blocks right after copying them
-            for seq, expected in zip(seqs, digests, strict=True):
-                incoming.early[seq] = Early(expected, good=True, by_writer=True)
-            return
-        chunks = incoming.plan()
-        self.metrics.of(incoming.mode).chunks_read_back_total += len(seqs)
-        for seq, expected in zip(seqs, digests, strict=True):
-            value = tensor_digest(incoming.algo, self._landed_image(incoming, chunks[seq]))
-            incoming.early[seq] = Early(expected, good=value == expected, by_writer=False)
-
-    def _landed_image(self, incoming: InTransfer, chunk: layout.Chunk) -> torch.Tensor:
-        return layout.landed_image(
-            incoming.region.tensors[chunk.ti],
-            incoming.dst_ids,
-            chunk.lo,
-            chunk.hi - chunk.lo,
-            incoming.src_block_shape[0],
-            incoming.num_tokens,
-            incoming.dst_run,
-        )
-
-    def _check_direct(self, incoming: InTransfer, digests: list[int] | None) -> None:
-        """Start comparing our blocks with the writer's digests, chunk by chunk on the
-        hashing threads (chunks verified as they landed are not read again);
-        ``direct_verdict`` lists the bad chunks once all are checked."""
-        if incoming.algo is None:
-            incoming.direct_verdict = []
-            return
-        chunks = incoming.plan()
-        if digests is None or len(digests) != len(chunks):
-            incoming.direct_verdict = [c.seq for c in chunks]
-            return
-        bad: list[int] = []
-        todo, claimed = [], []
-        for chunk, expected in zip(chunks, digests, strict=True):
-            seen = incoming.early.get(chunk.seq)
-            if seen is None or seen.digest != expected:
-                todo.append((chunk, expected))
-            elif not seen.good:
-                bad.append(chunk.seq)
-            elif seen.by_writer:
-                claimed.append((chunk, expected))
-        todo += spot_checks(claimed)
-        incoming.early.clear()
-        if not todo:
-            incoming.direct_verdict = sorted(bad)
-            return
-        incoming.verifying = {chunk.seq for chunk, _ in todo}
-        self.metrics.of(incoming.mode).chunks_read_back_total += len(todo)
-        for chunk, expected in todo:
-            image = self._landed_image(incoming, chunk)
-
-            def verdict(value: int | None, seq: int = chunk.seq, want: int = expected) -> None:
-                if not self._still_verifying(incoming, seq):
-                    return
-                if value != want:
-                    bad.append(seq)
-                if not incoming.verifying:
-                    incoming.direct_verdict = sorted(bad)
-                    self._resume_end(incoming)
-
-            self.hasher.then(self.hasher.submit(incoming.algo, image), verdict)
+        if incoming is not None:
+            self.direct.on_landed(incoming, msg)
 
     def _forget(self, incoming: InTransfer) -> None:
         self.active.pop(incoming.transfer_id, None)
@@ -453,22 +374,3 @@ class Receiver:
         """Engine shutdown: every reservation fails."""
         for reservation in self.ledger.reservations():
             self.loop.finish(reservation.handle, TransferState.FAILED, err)
-
-
-#: One in this many chunks a writer says it verified is read back anyway (at least one per
-#: transfer), chosen at END, after the grant closed, where the writer cannot know which.
-SPOT_CHECK_EVERY = 16
-_spot = random.SystemRandom()
-
-
-def spot_checks(claimed: list[T]) -> list[T]:
-    """The chunks the writer vouched for that we read back ourselves: one at random, and
-    each other one with probability 1 / ``SPOT_CHECK_EVERY``. A writer that skipped a
-    copy is caught for sure if it skipped them all, and with that probability per chunk
-    otherwise; honest writers cost us a sixteenth of a read-back."""
-    if not claimed:
-        return []
-    first = _spot.randrange(len(claimed))
-    return [
-        c for i, c in enumerate(claimed) if i == first or _spot.randrange(SPOT_CHECK_EVERY) == 0
-    ]

@@ -2,8 +2,9 @@
 
 Phases of one attempt (see the handle diagram in :mod:`transfer.handle`)::
 
-    link ──> [direct] grant ──> direct (copy chunks) ──> ack ──> DONE
-         └─> [stream] send (chunks) ───────────────────> ack ──┘
+    link ──> choose a transport, plan_attempt ──> BEGIN
+         ──> [direct] grant ──> direct (transports.direct.pump_direct) ──> ack ──> DONE
+         └─> [stream] send (transports.tcp.stream.pump_stream) ───────> ack ──┘
     any phase: deadline -> TIMED_OUT; lease -> TIMED_OUT (LEASE_EXPIRED);
     no answer by attempt_until / recoverable error -> backoff -> (re-link) -> link ...
 
@@ -19,9 +20,8 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import cast
 
-from transfer import checksum, layout, transports, wire
+from transfer import transports, wire
 from transfer.config import TransferConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
@@ -29,15 +29,13 @@ from transfer.handle import TransferHandle, TransferState
 from transfer.hashing import Hasher
 from transfer.linker import Linker
 from transfer.loop import IOLoop
-from transfer.messages import Ack, Begin, End, Error, Grant, Transport
+from transfer.messages import Ack, End, Error, Grant
 from transfer.metrics import Metrics, TransportMetrics
 from transfer.outbox import Outbox
-from transfer.outgoing import OutTransfer, Phase
-from transfer.region import dtype_name
+from transfer.outgoing import OutTransfer, Phase, plan_attempt
 from transfer.session import Identity, Session
 from transfer.transports import direct
-from transfer.transports.tcp import frames
-from transfer.transports.tcp.stream import WINDOW_BYTES, pump_stream
+from transfer.transports.tcp.stream import WINDOW_BYTES, pump_stream, send_framing
 
 log = logging.getLogger(__name__)
 
@@ -119,68 +117,14 @@ class Sender:
             out.handle.state = TransferState.IN_FLIGHT
             self._counters(out).transfers_started_total += 1
         direct = out.transport in transports.DIRECT
-        out.algo = self._algo(out, direct)
-        out.codec = "none" if direct else self.config.kv_codec
-        num_blocks = out.src_ids.numel()
-        # direct copies are chunked too: the grant window is checked before every chunk
-        out.blocks_per_chunk = layout.blocks_per_chunk(
-            out.region.block_bytes, self.config.chunk_bytes, num_blocks
-        )
-        out.chunks = layout.plan(
-            out.region.tensor_range(out.layers), num_blocks, out.blocks_per_chunk
-        )
-        out.queue = deque(range(len(out.chunks)))
-        out.prepared.clear()
-        begin = Begin(
-            transfer_id=out.handle.transfer_id,
-            request_id=out.dst.request_id,
-            epoch=out.dst.epoch,
-            region=out.dst.region,
-            dst=list(out.dst.block_ids),
-            num_src=num_blocks,
-            dtype=dtype_name(out.region.dtype),
-            block_size=out.region.block_size,
-            tensors_per_layer=out.region.tensors_per_layer,
-            block_shape=list(out.region.block_shape),
-            layers=out.layers,
-            num_tokens=out.num_tokens,
-            num_chunks=len(out.chunks),
-            blocks_per_chunk=out.blocks_per_chunk,
-            checksum=out.algo,
-            mode=cast(Transport, out.transport),  # transports.choose() picked it
-            codec=out.codec,
-            layout=out.region.layout,
-        )
-        header = wire.encode(begin, session.token)
-        out.via_data = (
-            out.transport == "tcp"
-            and self.outbox.datachan is not None
-            and bool(session.data_address)
-            and not session.data_failed
-        )
+        begin = plan_attempt(out, self.config, direct)
+        out.via_data = out.transport == "tcp" and self.outbox.has_data_channel(session)
         if out.via_data:
             out.stream = out.stream or next(self._streams)
-            out.begin = header
-            self._send_in_band(out, "begin", header)
-        else:
-            self.outbox.send(session, "begin", header)
+        out.begin = wire.encode(begin, session.token)
+        send_framing(self.outbox, out, "begin", out.begin)
         out.phase = Phase.GRANT if direct else Phase.SEND
         out.attempt_until = now + self.config.ack_timeout_s + out.handle.nbytes / MIN_RATE
-
-    def _send_in_band(self, out: OutTransfer, msg_type: str, header: bytes) -> None:
-        """BEGIN / END on the data channel, in order with the chunks they frame."""
-        if out.session is None:
-            return  # the session went away; the attempt timer decides
-        frame = frames.message(out.stream, header)
-        self.outbox.send(out.session, msg_type, frame, header, via_data=True)
-
-    def _algo(self, out: OutTransfer, direct: bool) -> str | None:
-        if out.requested_algo == "off":
-            return None
-        if out.requested_algo is not None:
-            return checksum.resolve(out.requested_algo)
-        on = self.config.checksums_on(direct)
-        return checksum.resolve(self.config.checksum_algo) if on else None
 
     # ---- moving bytes -------------------------------------------------------------------
     def busy_hint(self) -> float | None:
@@ -242,11 +186,7 @@ class Sender:
     def _send_end(self, out: OutTransfer, digests: list[int] | None) -> None:
         assert out.session is not None
         end = End(transfer_id=out.handle.transfer_id, num_chunks=len(out.chunks), digests=digests)
-        header = wire.encode(end, out.session.token)
-        if out.via_data:
-            self._send_in_band(out, "end", header)
-        else:
-            self.outbox.send(out.session, "end", header)
+        send_framing(self.outbox, out, "end", wire.encode(end, out.session.token))
         out.phase = Phase.ACK
         out.attempt_until = time.monotonic() + self.config.ack_timeout_s
 
@@ -310,7 +250,7 @@ class Sender:
         out.queue = deque(bad)
         out.prepared.clear()
         if out.via_data:  # the data connection may be new: name the stream again
-            self._send_in_band(out, "begin", out.begin)
+            send_framing(self.outbox, out, "begin", out.begin)
         out.phase = Phase.SEND
         out.attempt_until = time.monotonic() + self.config.ack_timeout_s
 

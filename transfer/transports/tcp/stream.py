@@ -101,6 +101,18 @@ def pump_stream(
     return not out.queue
 
 
+def send_framing(outbox: Outbox, out: OutTransfer, msg_type: str, header: bytes) -> None:
+    """BEGIN / END of ``out`` (``header``: encoded): in band on the data channel, in order
+    with the chunks they frame, or else on the link."""
+    if out.session is None:
+        return  # the session went away; the attempt timer decides
+    if out.via_data:
+        frame = frames.message(out.stream, header)
+        outbox.send(out.session, msg_type, frame, header, via_data=True)
+    else:
+        outbox.send(out.session, msg_type, header)
+
+
 def _prepare(out: OutTransfer, hasher: Hasher, safe_views: bool, digests: bool) -> None:
     """Bytes (and, if ``digests``, digests) of the next few queued chunks."""
     for seq in itertools.islice(out.queue, PREFETCH_CHUNKS):
