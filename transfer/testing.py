@@ -1,8 +1,10 @@
 """A transfer engine in a child process, driven over a pipe: for tests and the benchmark.
 
-The control channel carries msgpack bytes (plain values through msgspec, never pickles). The
-child owns one engine and one region (a :class:`RegionSpec`) filled with deterministic data;
-:class:`PeerProcess` is the parent's handle to it and always kills the child on exit.
+The child starts from its :class:`~transfer.config.TransferConfig` and :class:`RegionSpec`
+(process arguments); after that the control channel carries msgpack bytes (plain values
+through msgspec, never pickles) and typed answers (:class:`Outcome`, :class:`PeerCounts`).
+The child owns one engine and one region filled with deterministic data; :class:`PeerProcess`
+is the parent's handle to it and always kills the child on exit.
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ class PeerCounts:
     metrics: TransferMetrics
 
 
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A child's handle once waited for: its state (``TransferState.value``), error code
+    name, why a push's hold ended, and attempts so far."""
+
+    state: str
+    code: str | None
+    released: str | None
+    attempts: int
+
+
 def fill(region: KVRegion, seed: int) -> None:
     """Deterministic contents, different per tensor and block."""
     gen = torch.Generator().manual_seed(seed)
@@ -80,18 +93,14 @@ def make_config(spec: dict[str, Any]) -> TransferConfig:
     return TransferConfig(**spec)
 
 
-def _outcome(h: TransferHandle) -> dict[str, Any]:
-    return {
-        "state": h.state.value,
-        "code": h.error.code.name if h.error else None,
-        "released": h.released,
-        "attempts": h.attempts,
-    }
+def _outcome(h: TransferHandle) -> Outcome:
+    code = h.error.code.name if h.error else None
+    return Outcome(h.state.value, code, h.released, h.attempts)
 
 
-def _serve(conn: Connection, engine_id: str, config: dict[str, Any], region: RegionSpec) -> None:
+def _serve(conn: Connection, engine_id: str, config: TransferConfig, region: RegionSpec) -> None:
     torch.set_num_threads(1)
-    engine = TransferEngine(engine_id, "both", make_config(config))
+    engine = TransferEngine(engine_id, "both", config)
     reg = KVRegion.allocate(
         "kv",
         region.layers,
@@ -191,7 +200,7 @@ class PeerProcess:
     def __init__(
         self,
         engine_id: str,
-        config: dict[str, Any] | None = None,
+        config: TransferConfig | None = None,
         region: RegionSpec | None = None,
         start_timeout: float = 60.0,
     ) -> None:
@@ -200,7 +209,7 @@ class PeerProcess:
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=_serve,
-            args=(child, engine_id, config or {}, region or RegionSpec()),
+            args=(child, engine_id, config or TransferConfig(), region or RegionSpec()),
             daemon=True,
         )
         self.process.start()
@@ -222,6 +231,10 @@ class PeerProcess:
         if not reply["ok"]:
             raise RuntimeError(f"peer {self.engine_id}: {op} failed: {reply['error']}")
         return reply["out"]
+
+    def wait(self, rid: str, timeout: float) -> Outcome:
+        """Wait up to ``timeout`` for the child's reservation ``rid``; its outcome so far."""
+        return msgspec.convert(self.call("wait", rid=rid, timeout=timeout), Outcome)
 
     def counts(self) -> PeerCounts:
         """The child's held and reserved blocks and its metrics (it checks its integrity)."""

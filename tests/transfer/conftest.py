@@ -29,7 +29,7 @@ _ids = itertools.count()
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[PeerProcess]:
     """A decode-side engine in its own process (shared-memory region)."""
-    peer = PeerProcess(f"decode-{next(_ids)}", FAST, REGION)
+    peer = PeerProcess(f"decode-{next(_ids)}", make_config(FAST), REGION)
     try:
         yield peer
     finally:

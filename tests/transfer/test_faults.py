@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from transfer import RemoteBlocks, TransferEngine, TransferState
-from transfer.testing import PeerProcess, blocks_digest
+from transfer.testing import PeerProcess, blocks_digest, make_config
 
 from .conftest import FAST, REGION
 
@@ -79,7 +79,7 @@ def test_corruption_without_retries_fails_loudly(
     h = eng.push_blocks(receiver.engine_id, SRC, blocks, transport="tcp")
     assert h.wait(10) is TransferState.FAILED
     assert h.error is not None and h.error.code.name == "CHECKSUM_MISMATCH"
-    assert receiver.call("wait", rid="corrupt-all", timeout=0.01)["state"] == "pending"
+    assert receiver.wait("corrupt-all", 0.01).state == "pending"
     counts = receiver.counts()
     assert counts.metrics.transport("tcp").checksum_failures_total >= 1
     receiver.call("release", rid="corrupt-all")
@@ -90,7 +90,7 @@ def test_lost_ack_is_retried_and_never_applied_twice(
 ) -> None:
     """The receiver's first ACK is dropped: the sender re-links, resends BEGIN, gets dup ACK."""
     faults = {**FAST, "faults": [{"kind": "drop", "msg_type": "ack", "nth": 1}]}
-    with PeerProcess("decode-lossy", faults, REGION) as peer:
+    with PeerProcess("decode-lossy", make_config(faults), REGION) as peer:
         eng = make_engine()
         eng.link(peer.engine_id, peer.address)
         blocks = RemoteBlocks.from_wire(peer.call("reserve", rid="ack-lost", ids=DST))
@@ -104,7 +104,7 @@ def test_lost_ack_is_retried_and_never_applied_twice(
 
 def test_lease_expires_when_acks_never_come(make_engine: Callable[..., TransferEngine]) -> None:
     faults = {**FAST, "faults": [{"kind": "drop", "msg_type": "ack", "nth": 1, "count": 1000}]}
-    with PeerProcess("decode-mute", faults, REGION) as peer:
+    with PeerProcess("decode-mute", make_config(faults), REGION) as peer:
         eng = make_engine()
         eng.link(peer.engine_id, peer.address)
         blocks = RemoteBlocks.from_wire(peer.call("reserve", rid="lease", ids=DST))

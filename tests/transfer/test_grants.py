@@ -187,7 +187,7 @@ def test_region_paths_only_after_authentication(
 
 def test_foreign_shm_paths_are_never_mapped(make_engine: Callable[..., TransferEngine]) -> None:
     """A peer that names a bystander's /dev/shm files gets nothing written there."""
-    with PeerProcess("bystander", FAST, REGION) as bystander:
+    with PeerProcess("bystander", make_config(FAST), REGION) as bystander:
         (root,) = glob.glob(f"/dev/shm/hetero_pd-{bystander.process.pid}-*")
         paths = sorted(glob.glob(os.path.join(root, "kv.*")), key=lambda p: int(p.rsplit(".")[-1]))
         before = bystander.call("digest", ids=DST)

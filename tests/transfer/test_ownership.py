@@ -11,7 +11,7 @@ import pytest
 
 from transfer import KVRegion, RemoteBlocks, TransferEngine, TransferError, TransferState
 from transfer.region import sweep_stale_shm
-from transfer.testing import PeerProcess, blocks_digest
+from transfer.testing import PeerProcess, blocks_digest, make_config
 
 from .conftest import FAST, REGION
 
@@ -34,7 +34,7 @@ def test_receiver_killed_mid_transfer(
     forced, extra = KILLABLE[transport]
     delay_end = [{"kind": "delay", "msg_type": "end", "nth": 1, "delay_s": 0.5}]
     eng = make_engine(faults=delay_end, **extra)
-    with PeerProcess(f"decode-doomed-{transport}", FAST, REGION) as peer:
+    with PeerProcess(f"decode-doomed-{transport}", make_config(FAST), REGION) as peer:
         eng.link(peer.engine_id, peer.address)
         blocks = RemoteBlocks.from_wire(peer.call("reserve", rid="doomed", ids=DST))
         t0 = time.monotonic()
@@ -84,7 +84,9 @@ def test_sender_killed_reservation_times_out_and_refuses_late_writes(
     drop_end = [{"kind": "drop", "msg_type": "end", "nth": 1, "count": 99}]
     sender_cfg = {**FAST, **extra, "faults": drop_end}
     with PeerProcess(
-        f"prefill-doomed-{transport}", sender_cfg, dataclasses.replace(REGION, shared=False)
+        f"prefill-doomed-{transport}",
+        make_config(sender_cfg),
+        dataclasses.replace(REGION, shared=False),
     ) as peer:
         peer.call("link", peer=eng.engine_id, address=eng.address)
         wire_dst = recv.blocks.to_wire()

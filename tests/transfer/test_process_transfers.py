@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from transfer import RemoteBlocks, TransferEngine, TransferState
-from transfer.testing import PeerProcess, RegionSpec, blocks_digest
+from transfer.testing import PeerProcess, RegionSpec, blocks_digest, make_config
 
 
 def _reserve(peer: PeerProcess, rid: str, ids: list[int]) -> RemoteBlocks:
@@ -26,7 +26,7 @@ def test_push_bytes_identical(
     h = eng.push_blocks(receiver.engine_id, src, blocks, transport=transport)
     assert h.wait(10) is TransferState.DONE, h.error
     assert h.released == "ack"
-    assert receiver.call("wait", rid=f"push-{transport}", timeout=5)["state"] == "done"
+    assert receiver.wait(f"push-{transport}", 5).state == "done"
     assert receiver.call("digest", ids=dst_ids) == blocks_digest(eng.region(), src)
     receiver.call("release", rid=f"push-{transport}")
     counts = receiver.counts()
@@ -48,9 +48,9 @@ def test_layer_streaming_push(
         )
         if layer < 3:
             assert handles[-1].wait(10) is TransferState.DONE
-            assert receiver.call("wait", rid="stream", timeout=0.05)["state"] == "pending"
+            assert receiver.wait("stream", 0.05).state == "pending"
     assert handles[-1].wait(10) is TransferState.DONE
-    assert receiver.call("wait", rid="stream", timeout=5)["state"] == "done"
+    assert receiver.wait("stream", 5).state == "done"
     assert receiver.call("digest", ids=[5, 6, 7]) == blocks_digest(eng.region(), [0, 1, 2])
     receiver.call("release", rid="stream")
 
@@ -60,7 +60,7 @@ def test_pull_over_tcp(make_engine: Callable[..., TransferEngine]) -> None:
     eng = make_engine()
     with PeerProcess(
         "prefill-src",
-        {"secret": "test-secret"},
+        make_config({"secret": "test-secret"}),
         RegionSpec(seed=3, shared=False),
     ) as prefill:
         prefill.call("link", peer=eng.engine_id, address=eng.address)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from transfer import RemoteBlocks, TransferConfig, TransferEngine, TransferState
-from transfer.testing import PeerProcess, blocks_digest
+from transfer.testing import PeerProcess, blocks_digest, make_config
 
 from .conftest import FAST, REGION
 
@@ -53,13 +53,13 @@ def test_decode_restarted_at_a_new_address_is_relinked_at_once(
     make_engine: Callable[..., TransferEngine], transport: str
 ) -> None:
     eng = make_engine(ack_timeout_s=8.0, transfer_timeout_s=20.0)
-    first = PeerProcess("decode-phoenix", PATIENT, REGION)
+    first = PeerProcess("decode-phoenix", make_config(PATIENT), REGION)
     try:
         eng.set_peer_address(first.engine_id, first.address)
         _push(eng, first, "before", transport=transport)
     finally:
         first.kill()
-    with PeerProcess("decode-phoenix", PATIENT, REGION) as second:
+    with PeerProcess("decode-phoenix", make_config(PATIENT), REGION) as second:
         assert second.address != first.address
         before = _relink_counts(eng)
         eng.set_peer_address(second.engine_id, second.address)  # the router's view
@@ -72,13 +72,13 @@ def test_decode_restarted_at_the_same_address_is_relinked_at_once(
 ) -> None:
     fixed = {**PATIENT, "port": _free_port(), "data_port": _free_port()}
     eng = make_engine(ack_timeout_s=8.0, transfer_timeout_s=20.0)
-    first = PeerProcess("decode-same", fixed, REGION)
+    first = PeerProcess("decode-same", make_config(fixed), REGION)
     try:
         eng.link(first.engine_id, first.address)
         _push(eng, first, "before", transport="tcp")
     finally:
         first.kill()
-    with PeerProcess("decode-same", fixed, REGION) as second:
+    with PeerProcess("decode-same", make_config(fixed), REGION) as second:
         assert second.address == first.address
         before = _relink_counts(eng)
         _push(eng, second, "after", transport="tcp")
@@ -102,7 +102,7 @@ def test_wildcard_bind_data_reaches_the_host_the_link_dialled(
     make_engine: Callable[..., TransferEngine],
 ) -> None:
     """Bound to 0.0.0.0 without advertise_host: peers use the host they reached us by."""
-    with PeerProcess("decode-wild", {**FAST, "host": "0.0.0.0"}, REGION) as peer:
+    with PeerProcess("decode-wild", make_config({**FAST, "host": "0.0.0.0"}), REGION) as peer:
         port = peer.address.rsplit(":", 1)[1]
         eng = make_engine()
         eng.link(peer.engine_id, f"tcp://127.0.0.2:{port}")
@@ -122,7 +122,7 @@ def test_wildcard_bind_data_reaches_the_host_the_link_dialled(
 def test_unreachable_data_channel_falls_back_to_the_link(
     make_engine: Callable[..., TransferEngine], advertised: dict[str, str]
 ) -> None:
-    with PeerProcess("decode-far", {**PATIENT, **advertised}, REGION) as peer:
+    with PeerProcess("decode-far", make_config({**PATIENT, **advertised}), REGION) as peer:
         bound = advertised.get("host", "127.0.0.1")
         eng = make_engine(ack_timeout_s=8.0, transfer_timeout_s=20.0)
         eng.link(peer.engine_id, f"tcp://{bound}:{peer.address.rsplit(':', 1)[1]}")
