@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from transfer.errors import StatusCode, TransferError
+from transfer.messages import RemoteBlocks
 
 
 class TransferState(enum.Enum):
@@ -41,40 +42,6 @@ class TransferState(enum.Enum):
     def terminal(self) -> bool:
         """True once the state can no longer change."""
         return self not in (TransferState.PENDING, TransferState.IN_FLIGHT)
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteBlocks:
-    """Destination blocks reserved by a receiver, as the sender must name them.
-
-    A decode worker gets this from :meth:`TransferEngine.reserve` and hands it (through the
-    router or the control plane) to the prefill worker, which passes it to ``push_blocks``.
-    The receiver refuses any write whose ``epoch`` is not the blocks' current one.
-    """
-
-    request_id: str
-    epoch: int
-    block_ids: tuple[int, ...]
-    region: str = "kv"
-
-    def to_wire(self) -> dict[str, object]:
-        """Plain dict (msgpack / JSON friendly) for the control plane."""
-        return {
-            "rid": self.request_id,
-            "ep": self.epoch,
-            "ids": list(self.block_ids),
-            "reg": self.region,
-        }
-
-    @classmethod
-    def from_wire(cls, obj: dict[str, object]) -> RemoteBlocks:
-        """Inverse of :meth:`to_wire` (validates types)."""
-        rid, ep, ids, reg = obj.get("rid"), obj.get("ep"), obj.get("ids"), obj.get("reg")
-        if not (isinstance(rid, str) and isinstance(ep, int) and isinstance(reg, str)):
-            raise TransferError(StatusCode.PARAM_INVALID, f"bad RemoteBlocks {obj!r:.200}")
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            raise TransferError(StatusCode.PARAM_INVALID, "RemoteBlocks.ids must be ints")
-        return cls(rid, ep, tuple(ids), reg)
 
 
 Callback = Callable[["TransferHandle"], None]

@@ -104,6 +104,34 @@ class About(_Struct, frozen=True, kw_only=True):
     fingerprint: Annotated[str, Meta(max_length=1024)] = field(name="fp")
 
 
+class RemoteBlocks(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Destination blocks reserved by a receiver, as the sender must name them.
+
+    A decode worker gets this from :meth:`TransferEngine.reserve` and hands it (through the
+    router or the control plane, which carry this very type) to the prefill worker, which
+    passes it to ``push_blocks``. The receiver refuses any write whose ``epoch`` is not the
+    blocks' current one.
+    """
+
+    request_id: Annotated[str, Meta(min_length=1, max_length=1024)] = field(name="rid")
+    epoch: Epoch = field(name="ep")
+    block_ids: Annotated[tuple[Index, ...], Meta(max_length=MAX_LIST)] = field(name="ids")
+    region: Name = field(name="reg", default="kv")
+
+    def to_wire(self) -> dict[str, object]:
+        """Plain values (msgpack / JSON friendly), under the wire's short names."""
+        out: dict[str, object] = msgspec.to_builtins(self)
+        return out
+
+    @classmethod
+    def from_wire(cls, obj: object) -> RemoteBlocks:
+        """Inverse of :meth:`to_wire`, checking every type and bound."""
+        try:
+            return msgspec.convert(obj, cls)
+        except msgspec.ValidationError as e:
+            raise TransferError(StatusCode.PARAM_INVALID, f"bad RemoteBlocks: {e}") from None
+
+
 # ---- handshake (before authentication nothing but ids and nonces) ---------------------
 class Hello(Message, tag="hello", frozen=True, kw_only=True):
     """Who links, and its nonce."""

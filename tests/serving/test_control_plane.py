@@ -23,6 +23,7 @@ from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import values as V
 from hetero_pd.serving.control.auth import CurveKeys, secure_client
 from hetero_pd.serving.control.server import ControlServer
+from transfer import RemoteBlocks
 
 PARAMS = P.WireParams.of(SamplingParams(max_tokens=4))
 
@@ -30,7 +31,7 @@ PARAMS = P.WireParams.of(SamplingParams(max_tokens=4))
 def intruder_frames() -> list[bytes]:
     """What an outsider would send: a hello, a reservation of most of the cache, a free
     generation, a prefill pushing KV to an address of its choosing."""
-    blocks = V.Blocks(rid="x", ep=1, ids=[0, 1, 2], reg="kv")
+    blocks = RemoteBlocks("x", 1, (0, 1, 2), "kv")
     codec = P.worker_codec()
     return [
         codec.encode(P.Hello()),

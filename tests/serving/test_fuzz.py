@@ -22,6 +22,7 @@ from hetero_pd.serving.api import edge_protocol as E
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import values as V
 from hetero_pd.serving.control.auth import secure_client
+from transfer import RemoteBlocks
 
 FRAMES = 3000
 SESSIONS = 300
@@ -75,7 +76,7 @@ def control_seeds(rng: random.Random) -> list[bytes]:
         outlier_index=b"",
         outlier_value=b"",
     )
-    blocks = V.Blocks(rid=rid, ep=3, ids=[1, 2], reg="kv")
+    blocks = RemoteBlocks(rid, 3, (1, 2), "kv")
     msgs = [
         P.Hello(),
         P.Check(),

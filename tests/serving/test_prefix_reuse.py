@@ -18,6 +18,7 @@ from hetero_pd import SamplingParams
 from hetero_pd.config import parse_dtype
 from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack
 from hetero_pd.models.config import ModelConfig
+from transfer import RemoteBlocks
 
 BYTES = "hetero_pd_kv_transfer_bytes_total"
 DECISIONS = "hetero_pd_policy_decisions_total"
@@ -141,12 +142,11 @@ def test_the_router_refuses_a_decode_workers_claim_of_cached_tokens(
     from types import SimpleNamespace
 
     from hetero_pd.serving.control import protocol as P
-    from hetero_pd.serving.control import values as V
     from hetero_pd.serving.router.errors import RouterError
     from hetero_pd.serving.router.handoff import Handoff
 
     flow = SimpleNamespace(prompt_len=40)
-    blocks = V.Blocks(rid="r", ep=1, ids=[3], reg="decode-0")
+    blocks = RemoteBlocks("r", 1, (3,), "decode-0")
     msg = P.Reserved(rid="r", blocks=blocks, cached_tokens=cached)
     if ok:
         assert Handoff._check_cached(flow, msg, reuse, 16) == cached  # type: ignore[arg-type]

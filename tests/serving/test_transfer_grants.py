@@ -21,7 +21,6 @@ from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control.auth import CurveKeys, secure_client
 from transfer import (
     KVRegion,
-    RemoteBlocks,
     StatusCode,
     TransferConfig,
     TransferEngine,
@@ -94,7 +93,7 @@ def test_only_the_chosen_prefill_worker_writes_reserved_blocks(
                 ),
                 P.Reserved,
             )
-            dest = RemoteBlocks.from_wire(msgspec.structs.asdict(reserved.blocks))
+            dest = reserved.blocks
             key = secrets.derive(secret, "transfer")
             intruder = TransferEngine(
                 "prefill-1", "prefill", TransferConfig(secret=key, transports=("shm", "tcp"))

@@ -139,7 +139,7 @@ def test_reserved_blocks_leave_out_the_cached_prefix(book: Any) -> None:
     engine.cached = 4  # one block of 4 tokens
     b.start(A, P.Reserve(**{**msgspec.structs.asdict(reserve("r")), "reuse_prefix": True}))
     assert transfer.handles["r"].blocks.block_ids == (2,)
-    assert sent[-1][1].cached_tokens == 4 and sent[-1][1].blocks.ids == [2]
+    assert sent[-1][1].cached_tokens == 4 and sent[-1][1].blocks.block_ids == (2,)
 
 
 @pytest.mark.parametrize(
@@ -161,7 +161,7 @@ def test_prefill_skip_tokens_are_checked(book: Any, skip: int, prompt_len: int, 
             params=PARAMS,
             dest_worker="d",
             dest_address="tcp://127.0.0.1:9",
-            dest_blocks=V.Blocks(rid="p", ep=1, ids=[1], reg="kv"),
+            dest_blocks=RemoteBlocks("p", 1, (1,), "kv"),
             skip_tokens=skip,
             edge=V.EdgePrompt(layer=1, hidden=hidden) if edge else None,
         )
@@ -227,7 +227,7 @@ def test_each_role_takes_only_its_messages(book: Any) -> None:
     """A Generate on a prefill worker once left its prompt's blocks held for a hand-off
     nobody would ask for (found by tests/serving/test_fuzz.py)."""
     b, engine, _, sent = book
-    blocks = V.Blocks(rid="p", ep=1, ids=[1], reg="kv")
+    blocks = RemoteBlocks("p", 1, (1,), "kv")
     b.start(
         A,
         P.Prefill(
@@ -282,7 +282,7 @@ def test_n_above_one_is_refused_where_it_cannot_run(book: Any) -> None:
     b, engine, _, sent = book
     engine.config.role = "prefill"
     try:
-        blocks = V.Blocks(rid="p", ep=1, ids=[1], reg="kv")
+        blocks = RemoteBlocks("p", 1, (1,), "kv")
         prefill = P.Prefill(
             rid="p",
             prompt_ids=[1],

@@ -34,7 +34,6 @@ from hetero_pd.serving.control.sampling import (
 )
 from hetero_pd.serving.control.values import (
     MAX_FRAME_BYTES,
-    Blocks,
     CachedBlocks,
     Count,
     EdgePrompt,
@@ -52,6 +51,7 @@ from hetero_pd.serving.control.values import (
     WorkerInfo,
     WorkerLoad,
 )
+from transfer import RemoteBlocks
 
 VERSION: Literal[2] = 2
 
@@ -99,7 +99,7 @@ class Prefill(_Msg, tag="prefill", kw_only=True, frozen=True):
     edge: EdgePrompt | None = None
     dest_worker: Name
     dest_address: Name
-    dest_blocks: Blocks
+    dest_blocks: RemoteBlocks
     #: The first prompt tokens whose KV the decode worker already holds (Reserved's
     #: cached_tokens): computed here but not pushed. A multiple of the block size, below the
     #: prompt's length (checked by the worker).
@@ -195,7 +195,7 @@ class Reserved(_Msg, tag="reserved", kw_only=True, frozen=True):
     are served by the decode worker's prefix cache (0 unless Reserve asked to reuse it)."""
 
     rid: Rid
-    blocks: Blocks
+    blocks: RemoteBlocks
     cached_tokens: PromptCount = 0
 
 
@@ -204,7 +204,7 @@ class PrefixOffered(_Msg, tag="prefix_offered", kw_only=True, frozen=True):
     (whole blocks), or `blocks` None and 0 tokens when nothing is held or offered."""
 
     rid: Rid
-    blocks: Blocks | None = None
+    blocks: RemoteBlocks | None = None
     tokens: PromptCount = 0
 
 

@@ -14,7 +14,7 @@ from msgspec import Meta
 from hetero_pd.serving.control.sampling import (
     MAX_TOKENS,
 )
-from transfer import TransportMetrics
+from transfer import RemoteBlocks, TransportMetrics
 
 #: Largest control frame; a prompt's hidden states (edge) are the big ones.
 MAX_FRAME_BYTES = 64 * 2**20
@@ -91,15 +91,6 @@ class EdgePrompt(Value, kw_only=True, frozen=True):
     hidden: HiddenFrame
     early_kv: HiddenFrame | None = None
     layer: Annotated[int, Meta(ge=0, lt=4096)] = 0
-
-
-class Blocks(Value, kw_only=True, frozen=True):
-    """Reserved destination blocks (`transfer.RemoteBlocks` on the wire)."""
-
-    rid: Rid
-    ep: Count
-    ids: Annotated[list[Annotated[int, Meta(ge=0, lt=2**31)]], Meta(max_length=MAX_TOKENS)]
-    reg: Name
 
 
 class WorkerInfo(Value, kw_only=True, frozen=True):
@@ -204,7 +195,7 @@ class PrefixSource(Value, kw_only=True, frozen=True):
 
     peer: Annotated[str, Meta(min_length=1, max_length=256)]
     address: Name
-    blocks: Blocks
+    blocks: RemoteBlocks
     tokens: PromptCount
     timeout_s: Annotated[float, Meta(gt=0.0, le=3600.0)] = 10.0
 

@@ -43,7 +43,7 @@ from hetero_pd.serving.router.inbox import Inbox, answer_from, get_within, next_
 from hetero_pd.serving.router.metrics import ServingMetrics
 from hetero_pd.serving.router.policy import Chooser
 from hetero_pd.serving.router.worker_client import WorkerClient, WorkerGone, WorkerUnreachable
-from transfer import StatusCode
+from transfer import RemoteBlocks, StatusCode
 
 log = logging.getLogger("hetero_pd.router")
 #: How long a prefix holder has to answer OfferPrefix before the prompt is computed.
@@ -262,7 +262,9 @@ class Handoff:
         except WorkerUnreachable as e:
             raise RouterError(503, str(e), "worker_unreachable", 2.0) from None
 
-    async def _reserve(self, decode: WorkerClient, writer: WorkerClient) -> tuple[V.Blocks, int]:
+    async def _reserve(
+        self, decode: WorkerClient, writer: WorkerClient
+    ) -> tuple[RemoteBlocks, int]:
         """Reserves the prompt's blocks on `decode` for `writer`; returns them and how many
         of the prompt's first tokens decode's prefix cache serves (their KV is not sent).
         The prefix is reused only when both workers' KV blocks are the same size."""
@@ -324,7 +326,7 @@ class Handoff:
         reply = await answer_from(self.queue, holder.id, P.PrefixOffered, OFFER_TIMEOUT_S)
         if reply is None or reply.blocks is None or reply.tokens <= cached:
             return None
-        if reply.tokens > tokens or reply.tokens != len(reply.blocks.ids) * bs:
+        if reply.tokens > tokens or reply.tokens != len(reply.blocks.block_ids) * bs:
             log.warning("request %s: %s offered %s", self.rid, holder.id, reply)
             return None
         self.metrics.decision("prefix_pull")

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from hetero_pd.engine.block_pool import NoFreeBlocksError
 from hetero_pd.engine.llm_engine import LLMEngine
 from hetero_pd.serving.control import protocol as P
@@ -85,7 +83,7 @@ def reserve(
         engine.abort_request(msg.rid)
         raise RequestError.of_transfer(e) from None
     assert handle.blocks is not None
-    blocks = V.Blocks(**handle.blocks.to_wire())  # type: ignore[arg-type]
+    blocks = handle.blocks
     return handle, P.Reserved(rid=msg.rid, blocks=blocks, cached_tokens=cached)
 
 
@@ -106,4 +104,4 @@ def push_target(
         transfer.set_peer_address(msg.dest_worker, msg.dest_address)
     except TransferError as e:
         raise RequestError.of_transfer(e) from None
-    return RemoteBlocks.from_wire(msgspec.structs.asdict(msg.dest_blocks)), skip // bs
+    return msg.dest_blocks, skip // bs

@@ -33,7 +33,6 @@ from hetero_pd.engine.block_pool import NoFreeBlocksError
 from hetero_pd.engine.kv_cache_manager import KVCacheManager
 from hetero_pd.engine.llm_engine import LLMEngine
 from hetero_pd.serving.control import protocol as P
-from hetero_pd.serving.control import values as V
 from transfer import RemoteBlocks, TransferEngine, TransferError, TransferHandle, TransferState
 
 log = logging.getLogger("hetero_pd.worker")
@@ -67,7 +66,7 @@ def offer_prefix(
         log.warning("request %s: no prefix offer to %s: %s", msg.rid, msg.reader, e)
         return P.PrefixOffered(rid=msg.rid)
     assert handle.blocks is not None
-    ticket = V.Blocks(**handle.blocks.to_wire())  # type: ignore[arg-type]
+    ticket = handle.blocks
     return P.PrefixOffered(rid=msg.rid, blocks=ticket, tokens=len(blocks) * kv.block_size)
 
 
@@ -117,7 +116,7 @@ class PrefixPulls:
                 f"request {msg.rid}: a prefix pull of {src.tokens} tokens must be whole blocks "
                 f"of {bs} below the prompt's {len(prompt)} tokens (and not for an edge prompt)"
             )
-        if len(src.blocks.ids) != wanted or src.peer == self.id:
+        if len(src.blocks.block_ids) != wanted or src.peer == self.id:
             raise ValueError(f"request {msg.rid}: the prefix offer of {src.peer} is malformed")
         pinned = self.kv.pin_prefix(prompt, wanted)
         first = len(pinned)
@@ -149,8 +148,7 @@ class PrefixPulls:
     def _send(self, pull: _Pull) -> None:
         msg, src = pull.msg, pull.msg.pull
         assert src is not None and pull.dst is not None
-        offered = msgspec.structs.asdict(src.blocks)
-        ticket = RemoteBlocks.from_wire({**offered, "ids": list(src.blocks.ids[pull.first :])})
+        ticket = msgspec.structs.replace(src.blocks, block_ids=src.blocks.block_ids[pull.first :])
 
         def ended(handle: TransferHandle) -> None:
             if self._pulls.get(msg.rid) is not pull:
