@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# Two threads for a serial run; one per process when pytest-xdist runs two side by side on
+# two cores (`make test`): two threads each would oversubscribe the CPUs.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 # Engines run eager unless a test asks for `compile="on"`: compiling takes a minute or more,
 # so only the tests that check the compiled step pay for it (workers inherit this too).
 os.environ.setdefault("HETERO_PD_COMPILE", "off")
