@@ -239,6 +239,42 @@ def http_json(
         return e.code, json.loads(e.read())
 
 
+class Probe:
+    """GETs or POSTs `url` over and over on a thread, recording each answer's latency; for
+    tests that check the router stays responsive while it handles something expensive.
+
+        with Probe(stack.url + "/health?live=1") as probe:
+            ...                                   # the expensive request, answered
+        assert probe.statuses == {200} and probe.worst_s < bound
+    """
+
+    def __init__(self, url: str, body: Any = None, key: str | None = None, min_calls: int = 3):
+        self.url, self.body, self.key, self.min_calls = url, body, key, min_calls
+        self.latencies: list[float] = []
+        self.statuses: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hetero-pd-probe", daemon=True)
+
+    def __enter__(self) -> Probe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(120)
+
+    def _run(self) -> None:
+        while not self._stop.is_set() or len(self.latencies) < self.min_calls:
+            start = time.perf_counter()
+            status, _ = http_json(self.url, self.body, self.key)
+            self.latencies.append(time.perf_counter() - start)
+            self.statuses.add(status)
+
+    @property
+    def worst_s(self) -> float:
+        return max(self.latencies)
+
+
 @contextlib.contextmanager
 def serve_process(
     argv: list[str], timeout_s: float, env: dict[str, str] | None = None

@@ -19,7 +19,7 @@ from typing import Any
 import openai
 import pytest
 
-from hetero_pd.deploy.testing import Stack, deployment, running_stack, wait_gone
+from hetero_pd.deploy.testing import Probe, Stack, deployment, running_stack, wait_gone
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +94,13 @@ def test_deeply_nested_json_is_a_400(stack: Stack) -> None:
 
 def test_an_integer_too_long_to_convert_is_a_400(stack: Stack) -> None:
     """Python refuses to turn more than 4,300 digits into an int: that was a 500 with a
-    traceback, for any route that reads a body."""
+    traceback, for any route that reads a body. Decoded by msgspec, such a number is out of
+    the 64-bit range, and the 400 names its field."""
     digits = b"1" * 5000
     body = b'{"model": "%s", "prompt": [1], "max_tokens": %s}' % (stack.dep.model.encode(), digits)
-    assert "digits" in assert_400(stack, body, None)
+    assert "out of range" in assert_400(stack, body, "max_tokens")
     status, answer = post(stack, "/tokenize", b'{"prompt": [%s]}' % digits)
-    assert status == 400 and "digits" in answer["error"]["message"], answer
+    assert status == 400 and "out of range" in answer["error"]["message"], answer
 
 
 def test_stop_string_floods_are_refused(stack: Stack) -> None:
@@ -138,6 +139,67 @@ def test_the_router_loop_answers_while_megabyte_prompts_arrive(stack: Stack) -> 
         assert (status, error["code"], error["param"]) == (400, "context_length_exceeded", "prompt")
         assert "1800000 characters" in error["message"], error
     assert _get(f"{stack.url}/health?live=1") == 200
+
+
+#: Generous on purpose: the issue's bound for /health is 100 ms; the tests share two cores
+#: with other processes, so a probe is allowed ten times that. Before the bounded decoding,
+#: a 16 MiB body of integers held the router's loop (or its tokenizer thread) for 6-10 s.
+RESPONSIVE_S = 1.0
+#: A body of 16 MiB (the API's limit) less what the rest of a request needs.
+SIXTEEN_MIB_OF_INTS = b"[" + b"1," * (8 * 2**20 - 256) + b"1]"
+
+
+def answers_while_probed(stack: Stack, posts: list[tuple[str, bytes]]) -> list[Any]:
+    """POSTs each body (all of them sent but their last byte, then those last bytes at once)
+    while one client probes /health and another tokenizes a word; returns (status, answer)
+    of each and asserts the probes were answered within RESPONSIVE_S."""
+    host, port = stack.url.removeprefix("http://").rsplit(":", 1)
+    conns = [http.client.HTTPConnection(host, int(port), timeout=120) for _ in posts]
+    try:
+        for conn, (path, body) in zip(conns, posts, strict=True):
+            conn.putrequest("POST", path)
+            conn.putheader("Content-Type", "application/json")
+            conn.putheader("Content-Length", str(len(body)))
+            conn.endheaders()
+            conn.send(body[:-1])
+        health = Probe(f"{stack.url}/health?live=1")
+        tokenize = Probe(f"{stack.url}/tokenize", {"prompt": "hello"})
+        with health, tokenize:
+            for conn, (_, body) in zip(conns, posts, strict=True):
+                conn.send(body[-1:])
+            answers = [conn.getresponse() for conn in conns]
+            out = [(a.status, json.loads(a.read())) for a in answers]
+    finally:
+        for conn in conns:
+            conn.close()
+    assert health.statuses == {200} and tokenize.statuses == {200}
+    assert health.worst_s < RESPONSIVE_S, health.latencies
+    assert tokenize.worst_s < RESPONSIVE_S, tokenize.latencies
+    return out
+
+
+def test_16_mib_of_integers_is_refused_while_the_router_stays_responsive(stack: Stack) -> None:
+    """The issue's cheap request: 16 MiB of integers took 0.5 s to parse and 6-10 s for a
+    Python walk over every element, on the event loop (/tokenize, /detokenize) or on the one
+    tokenizer thread (completions). Each route now decodes its body with its counts bounded
+    before any Python object is made: every one is refused, naming the field, while /health
+    and a small /tokenize keep being answered."""
+    model = stack.dep.model.encode()
+    answers = answers_while_probed(
+        stack,
+        [
+            ("/v1/completions", b'{"model": "%s", "prompt": %s}' % (model, SIXTEEN_MIB_OF_INTS)),
+            ("/tokenize", b'{"prompt": %s}' % SIXTEEN_MIB_OF_INTS),
+            ("/tokenize", b'{"prompt": "hi", "unknown": %s}' % SIXTEEN_MIB_OF_INTS),
+            ("/detokenize", b'{"tokens": %s}' % SIXTEEN_MIB_OF_INTS),
+        ],
+    )
+    (s1, a1), (s2, a2), (s3, a3), (s4, a4) = answers
+    e1, e2, e4 = a1["error"], a2["error"], a4["error"]
+    assert (s1, e1["param"], e1["code"]) == (400, "prompt", "context_length_exceeded"), e1
+    assert (s2, e2["param"]) == (400, "prompt"), e2
+    assert (s3, a3["count"]) == (200, 1), a3  # an unknown field is skipped, however large
+    assert (s4, e4["param"]) == (400, "tokens") and "at most" in e4["message"], e4
 
 
 def test_a_streaming_client_that_stops_reading_loses_its_slot(stack: Stack) -> None:

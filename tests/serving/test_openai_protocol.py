@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from hetero_pd.serving.api.bodies import decode_body
 from hetero_pd.serving.api.errors import (
     APIError,
     check_api_key,
     model_not_found,
-    parse_json_body,
     server_error,
     too_many_requests,
 )
@@ -185,11 +185,11 @@ def test_null_means_not_given_and_unknown_fields_are_ignored() -> None:
     assert parse_completion_request(completion(max_tokens=8.0)).params.max_tokens == 8
 
 
-def test_parse_json_body() -> None:
-    assert parse_json_body(b'{"model": "m"}') == {"model": "m"}
+def test_decode_body() -> None:
+    assert decode_body(b'{"model": "m", "other": [1]}', "completion", 8) == {"model": "m"}
     for raw in (b"{", b"\xff\xfe", b""):
         with pytest.raises(APIError) as info:
-            parse_json_body(raw)
+            decode_body(raw, "completion", 8)
         assert info.value.status == 400 and "not valid JSON" in info.value.message
 
 
@@ -248,8 +248,9 @@ def test_hostile_bytes_are_client_errors_not_crashes() -> None:
     """A JSON integer of more digits than Python converts, and an Authorization header that
     is not UTF-8 (aiohttp hands it over with surrogate escapes), are 400 and 401."""
     with pytest.raises(APIError) as info:
-        parse_json_body(b'{"max_tokens": ' + b"9" * 5000 + b"}")
-    assert info.value.status == 400 and "digits" in info.value.message
+        decode_body(b'{"max_tokens": ' + b"9" * 5000 + b"}", "completion", 8)
+    assert (info.value.status, info.value.param) == (400, "max_tokens")
+    assert "out of range" in info.value.message
     with pytest.raises(APIError) as info:
         check_api_key({"Authorization": "Bearer \udcff\udcfe"}, ("key",))
     assert info.value.status == 401

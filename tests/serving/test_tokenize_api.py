@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import hetero_pd
-from hetero_pd.deploy.testing import Stack, deployment, http_json, running_stack
+from hetero_pd.deploy.testing import Probe, Stack, deployment, http_json, running_stack
 
 KEY = "k"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
@@ -97,3 +97,22 @@ def test_bad_bodies_are_400s_naming_the_field(
 def test_an_unknown_model_is_404(stack: Stack) -> None:
     status, r = call(stack, "/detokenize", {"model": "nope", "tokens": [1]})
     assert status == 404 and r["error"]["code"] == "model_not_found", r
+
+
+def test_a_chat_of_20000_empty_messages_is_refused_by_its_count(stack: Stack) -> None:
+    """20,000 empty messages (0.66 MB) once passed the length check, which counted only
+    their content, and cost seconds of chat-template rendering on the tokenizer thread that
+    every client shares. The count is capped: a 400 naming 'messages', before any rendering,
+    while /health and a small /tokenize keep being answered (within 1 s: the issue's bound
+    is 100 ms, ten times that for two shared cores; rendering took 1.2 s or more)."""
+    many = [{"role": "user", "content": ""}] * 20_000
+    chat = {"model": stack.dep.model, "messages": many, "max_tokens": 1}
+    health = Probe(f"{stack.url}/health?live=1")
+    tokenize = Probe(f"{stack.url}/tokenize", {"prompt": "hello"}, KEY)
+    with health, tokenize:
+        answers = [call(stack, "/v1/chat/completions", chat), call(stack, "/tokenize", chat)]
+    for status, r in answers:
+        assert (status, r["error"]["param"]) == (400, "messages"), r
+        assert "at most 2048" in r["error"]["message"], r
+    assert health.statuses == {200} and tokenize.statuses == {200}
+    assert max(health.worst_s, tokenize.worst_s) < 1.0, (health.latencies, tokenize.latencies)

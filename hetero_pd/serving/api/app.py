@@ -20,6 +20,7 @@ from aiohttp import web
 from hetero_pd import __version__
 from hetero_pd.serving.api import errors, generate, responses
 from hetero_pd.serving.api import tokens as openai_tokenize
+from hetero_pd.serving.api.bodies import decode_body
 from hetero_pd.serving.api.edge_protocol import PATH as EDGE_PATH
 from hetero_pd.serving.api.edge_session import EdgeSettings, serve_session
 from hetero_pd.serving.api.state import STATE, ApiState, api_error, error_response, state_of
@@ -124,15 +125,9 @@ async def _version(request: web.Request) -> web.Response:
 async def _tokenize_route(request: web.Request) -> web.Response:
     state = state_of(request)
     errors.check_api_key(request.headers, state.api_keys)
-    body = errors.parse_json_body(await request.read())
+    raw = await request.read()
     answer = await asyncio.get_running_loop().run_in_executor(
-        state.tokenize_pool,
-        openai_tokenize.tokenize,
-        state.tokenizer,
-        body,
-        state.model_names,
-        state.max_model_len,
-        state.max_prompt_chars,
+        state.tokenize_pool, _tokenize, state, raw
     )
     return web.json_response(answer)
 
@@ -140,11 +135,24 @@ async def _tokenize_route(request: web.Request) -> web.Response:
 async def _detokenize_route(request: web.Request) -> web.Response:
     state = state_of(request)
     errors.check_api_key(request.headers, state.api_keys)
-    body = errors.parse_json_body(await request.read())
+    raw = await request.read()
     answer = await asyncio.get_running_loop().run_in_executor(
-        state.tokenize_pool, openai_tokenize.detokenize, state.tokenizer, body, state.model_names
+        state.tokenize_pool, _detokenize, state, raw
     )
     return web.json_response(answer)
+
+
+# The body is decoded on the tokenizer thread too, bounded as for completions (`bodies`).
+def _tokenize(state: ApiState, raw: bytes) -> dict[str, Any]:
+    body = decode_body(raw, "tokenize", state.max_model_len)
+    return openai_tokenize.tokenize(
+        state.tokenizer, body, state.model_names, state.max_model_len, state.max_prompt_chars
+    )
+
+
+def _detokenize(state: ApiState, raw: bytes) -> dict[str, str]:
+    body = decode_body(raw, "detokenize", state.max_model_len)
+    return openai_tokenize.detokenize(state.tokenizer, body, state.model_names)
 
 
 async def _edge_session(request: web.Request) -> web.StreamResponse:

@@ -9,7 +9,6 @@ In a stream the router sends ``sse(err.to_json())`` and then ``sse_done()``.
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -74,54 +73,6 @@ def too_many_requests(message: str) -> APIError:
 def server_error(message: str, status: int = 500) -> APIError:
     """5xx: our failure (500), or no worker can take the request now (503)."""
     return APIError(status, message, "server_error", None, None)
-
-
-#: Deepest nesting of arrays and objects accepted in a request body.
-MAX_JSON_DEPTH = 32
-
-
-def parse_json_body(raw: bytes) -> Any:
-    """Decode a request body, answering 400 when it is not JSON (or holds an integer of more
-    than the 4,300 digits Python converts), nests deeper than
-    MAX_JSON_DEPTH, or holds a string that is not valid Unicode (a lone surrogate such as
-    ``"\\ud800"``, which JSON escapes can spell but no tokenizer or encoder accepts)."""
-    try:
-        body = json.loads(raw)
-    except (
-        ValueError
-    ) as e:  # not JSON, not UTF-8, or an integer of more digits than Python converts
-        raise bad_request(f"The request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise bad_request(f"The request body nests deeper than {MAX_JSON_DEPTH} levels") from None
-    _check_json(body)
-    return body
-
-
-def _check_json(body: Any) -> None:
-    stack: list[tuple[Any, int, str]] = [(body, 0, "")]
-    while stack:
-        value, depth, path = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                where = f" at {path}" if path else ""
-                raise bad_request(
-                    f"The request body holds a string that is not valid Unicode{where} "
-                    "(a lone surrogate escape such as \\ud800)",
-                    path.split(".", 1)[0].split("[", 1)[0] or None,
-                ) from None
-            continue
-        if not isinstance(value, (list, dict)):
-            continue
-        if depth >= MAX_JSON_DEPTH:
-            raise bad_request(f"The request body nests deeper than {MAX_JSON_DEPTH} levels")
-        if isinstance(value, dict):
-            for key, item in value.items():
-                stack.append((key, depth + 1, path))
-                stack.append((item, depth + 1, f"{path}.{key}" if path else str(key)))
-        else:
-            stack.extend((item, depth + 1, f"{path}[{i}]") for i, item in enumerate(value))
 
 
 def check_api_key(headers: Mapping[str, str], keys: Collection[str]) -> None:

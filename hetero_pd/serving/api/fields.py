@@ -19,6 +19,11 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 #: Most prompts one /v1/completions request may batch.
 MAX_PROMPTS = 256
+#: Most messages one chat may hold (OpenAI's limit): each costs chat-template time whatever
+#: its length, so the count is capped as well as the characters.
+MAX_MESSAGES = 2048
+#: Most content parts one message may hold.
+MAX_CONTENT_PARTS = 256
 
 
 def parse_prompts(value: Any) -> list[tuple[str | None, list[int] | None]]:
@@ -59,6 +64,11 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
     """Chat ``messages`` as ``{"role", "content"}`` dicts with plain-text content."""
     if not isinstance(value, list) or not value:
         raise bad_request("'messages' is required and must be a non-empty list", "messages")
+    if len(value) > MAX_MESSAGES:
+        raise bad_request(
+            f"'messages' holds {len(value)} messages; at most {MAX_MESSAGES} are accepted",
+            "messages",
+        )
     out = []
     for i, message in enumerate(value):
         where = f"messages[{i}]"
@@ -89,6 +99,11 @@ def _content(value: Any, where: str, optional: bool) -> str:
         return ""
     if not isinstance(value, list):
         raise bad_request(f"'{where}' must be a string or a list of text parts", where)
+    if len(value) > MAX_CONTENT_PARTS:
+        raise bad_request(
+            f"'{where}' holds {len(value)} content parts; at most {MAX_CONTENT_PARTS} are accepted",
+            where,
+        )
     texts = []
     for j, part in enumerate(value):
         if not isinstance(part, dict) or part.get("type") != "text":

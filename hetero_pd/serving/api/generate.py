@@ -17,6 +17,7 @@ from aiohttp import web
 
 from hetero_pd.serving.api import errors, responses
 from hetero_pd.serving.api import protocol as oai
+from hetero_pd.serving.api.bodies import BodyKind, decode_body
 from hetero_pd.serving.api.choices import Answer, Batch
 from hetero_pd.serving.api.edge_protocol import PATH as EDGE_PATH
 from hetero_pd.serving.api.request import GenerateRequest
@@ -43,11 +44,11 @@ class _Timing:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, oai.parse_completion_request)
+    return await _generate(request, "completion", oai.parse_completion_request)
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, oai.parse_chat_request)
+    return await _generate(request, "chat", oai.parse_chat_request)
 
 
 def _prompt_ids(state: ApiState, req: GenerateRequest) -> list[int]:
@@ -96,11 +97,11 @@ def _check_chars(state: ApiState, chars: int, param: str) -> None:
 
 
 def _prepare(
-    state: ApiState, body: bytes, parse: Callable[[Any], GenerateRequest]
+    state: ApiState, body: bytes, kind: BodyKind, parse: Callable[[Any], GenerateRequest]
 ) -> tuple[GenerateRequest, list[tuple[GenerateRequest, list[int]]]]:
-    """Parses, validates and tokenizes a request (on the tokenizer thread): the request and
-    each of its prompts (one, or a completions batch) with its token ids."""
-    req = parse(errors.parse_json_body(body))
+    """Decodes (bounded), validates and tokenizes a request (on the tokenizer thread): the
+    request and each of its prompts (one, or a completions batch) with its token ids."""
+    req = parse(decode_body(body, kind, state.max_model_len))
     if req.model not in state.model_names:
         raise errors.model_not_found(req.model)
     oai.check_sampling_limits(req.params, state.vocab_size)
@@ -117,7 +118,7 @@ def _prepare(
 
 
 async def _generate(
-    request: web.Request, parse: Callable[[Any], GenerateRequest]
+    request: web.Request, kind: BodyKind, parse: Callable[[Any], GenerateRequest]
 ) -> web.StreamResponse:
     state = state_of(request)
     errors.check_api_key(request.headers, state.api_keys)
@@ -130,7 +131,9 @@ async def _generate(
             code="edge_only",
         )
     loop = asyncio.get_running_loop()
-    req, prompts = await loop.run_in_executor(state.tokenize_pool, _prepare, state, body, parse)
+    req, prompts = await loop.run_in_executor(
+        state.tokenize_pool, _prepare, state, body, kind, parse
+    )
     decode = _decoder(state.tokenizer)
     n = req.params.n
     answers = [

@@ -47,6 +47,7 @@ from hetero_pd.serving.api.sampling import sampling_fields
 from hetero_pd.serving.control.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, WireParams
 
 __all__ = [
+    "UNSUPPORTED",
     "check_context_length",
     "check_sampling_limits",
     "parse_chat_request",
@@ -59,7 +60,7 @@ _PRIORITY_BOUND = 2**31
 
 
 # Fields we cannot honour, and the values that leave the output unchanged (so they pass).
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (),
     "suffix": ("",),
     "tools": ([],),
@@ -155,7 +156,7 @@ def _request(
     model = b.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a non-empty string", "model")
-    for name, neutral in _UNSUPPORTED.items():
+    for name, neutral in UNSUPPORTED.items():
         value = b.get(name)
         if value is not None and not any(same_json(value, n) for n in neutral):
             keep = f" or set it to {json.dumps(neutral[0])}" if neutral else ""
