@@ -111,7 +111,12 @@ class RouterSpec:
     policy: str = opt("least_loaded", choices=POLICIES)
     failure_policy: str = opt("recompute", choices=FAILURE_POLICIES)
     api_keys: tuple[str, ...] = ()
-    max_inflight: int = opt(256, lo=1)
+    #: API keys whose requests may set `priority` (each also in api_keys); others get 400.
+    priority_api_keys: tuple[str, ...] = ()
+    max_inflight: int = opt(256, lo=1, doc="completions in flight (prompts x n); above: 429")
+    max_inflight_per_key: int = opt(
+        0, lo=0, doc="completions in flight per API key; 0: max_inflight / number of keys"
+    )
     local_prefill_max_tokens: int = opt(32, lo=0)
     elastic_prefill: bool = opt(
         True, doc="prefill on the decode worker when prefill is busier (see configs/README.md)"
@@ -141,8 +146,16 @@ class RouterSpec:
             ),
             failure_policy=self.failure_policy,  # type: ignore[arg-type]
             max_inflight=self.max_inflight,
+            max_inflight_per_key=self.share_per_key(),
             heartbeat_timeout_s=self.heartbeat_timeout_s,
         )
+
+    def share_per_key(self) -> int:
+        """Each API key's share of the completions in flight: as set, else an equal part of
+        the whole (all of it for one key, or without keys, when every client is one)."""
+        if not self.api_keys:
+            return self.max_inflight
+        return self.max_inflight_per_key or max(1, self.max_inflight // len(self.api_keys))
 
 
 @dataclass(frozen=True, slots=True)

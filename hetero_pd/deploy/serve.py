@@ -59,6 +59,12 @@ async def serve(
     Locally the workers are started and supervised here. With `discover` (several hosts),
     the router connects to the workers it finds instead and serves at once; /health
     answers 503 until a decode worker is up."""
+    stray = len(set(dep.router.priority_api_keys) - set(dep.router.api_keys))
+    if stray:
+        raise ValueError(
+            f"router.priority_api_keys: {stray} of them not in router.api_keys (or "
+            "--api-key, HETERO_PD_API_KEY): a key may set priority only if it is an API key"
+        )
     model_dir = resolve_model(dep.model)
     cfg = ModelConfig.from_dir(model_dir)
     tokenizer = load_tokenizer(model_dir)
@@ -91,6 +97,7 @@ async def serve(
             max_len,
             cfg.vocab_size,
             dep.router.api_keys,
+            dep.router.priority_api_keys,
             model_dir=Path(model_dir),
             write_timeout_s=dep.router.write_timeout_s,
         )

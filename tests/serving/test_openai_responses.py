@@ -174,7 +174,13 @@ async def _with_client(
         await router.add_worker(w.id, w.address, 30)
         info = router.workers[w.id].info
         state = ApiState(
-            router, load_tokenizer(model_dir), [MODEL], info.max_model_len, info.vocab_size, (KEY,)
+            router,
+            load_tokenizer(model_dir),
+            [MODEL],
+            info.max_model_len,
+            info.vocab_size,
+            (KEY,),
+            priority_keys=(KEY,),
         )
         runner = web.AppRunner(create_app(state))
         await runner.setup()
@@ -187,9 +193,11 @@ async def _with_client(
         served = Served(client)
         generate = router.generate
 
-        def spy(rid: str, ids: list[int], params: SamplingParams, priority: int = 0) -> Any:
+        def spy(
+            rid: str, ids: list[int], params: SamplingParams, priority: int = 0, **kw: Any
+        ) -> Any:
             served.seen.append((list(ids), params, priority))
-            return generate(rid, ids, params, priority)
+            return generate(rid, ids, params, priority, **kw)
 
         router.generate = spy  # type: ignore[method-assign]
         await body(served)

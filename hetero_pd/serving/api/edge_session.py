@@ -14,6 +14,7 @@ the workers'; anything malformed ends it with an `error` message naming the prob
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import uuid
@@ -56,13 +57,16 @@ class EdgeSettings:
     model_dir: Path | None = None
     #: Longest wait for the device's next message (its layers on one token).
     receive_timeout_s: float = 60.0
+    #: The session's API key (set once checked): its completions count against its share.
+    key: str = ""
 
 
 async def serve_session(
     request: web.Request, router: Router, cfg: EdgeSettings
 ) -> web.StreamResponse:
     """Runs one edge session to its end; errors go to the device as `error` messages."""
-    errors.check_api_key(request.headers, cfg.api_keys)  # before the upgrade: a plain 401
+    key = errors.check_api_key(request.headers, cfg.api_keys)  # before the upgrade: a plain 401
+    cfg = dataclasses.replace(cfg, key=key)
     ws = web.WebSocketResponse(max_msg_size=E.MAX_MESSAGE_BYTES)
     await ws.prepare(request)
     try:
@@ -149,19 +153,27 @@ async def _stream(
     (checked for shape and size here, decoded only by the worker)."""
     params = _params(start, prompt.num_tokens, cfg)
     rid = f"edge-{uuid.uuid4().hex}"
-    async with contextlib.aclosing(router.generate(rid, [], params, 0, prompt)) as stream:
-        async for out in stream:
-            token = E.pack(
-                "token", token_ids=out.token_ids, text=out.text, finish_reason=out.finish_reason
-            )
-            await ws.send_bytes(token)
-            if out.finish_reason is not None:
-                return
-            if prompt.prompt.early_kv is not None:
-                continue  # prompt_only: the cloud decodes alone
-            msg = await _receive(ws, E.HiddenMsg, cfg.receive_timeout_s)
-            _rows(msg.frame, hidden_size, 1)
-            router.supply_hidden(rid, msg.frame)
+    slots = router.admission.admit(cfg.key, params.n)
+    generate = router.generate(rid, [], params, 0, prompt, admitted=True)
+    try:
+        async with contextlib.aclosing(generate) as stream:
+            async for out in stream:
+                token = E.pack(
+                    "token",
+                    token_ids=out.token_ids,
+                    text=out.text,
+                    finish_reason=out.finish_reason,
+                )
+                await ws.send_bytes(token)
+                if out.finish_reason is not None:
+                    return
+                if prompt.prompt.early_kv is not None:
+                    continue  # prompt_only: the cloud decodes alone
+                msg = await _receive(ws, E.HiddenMsg, cfg.receive_timeout_s)
+                _rows(msg.frame, hidden_size, 1)
+                router.supply_hidden(rid, msg.frame)
+    finally:
+        slots.release()
 
 
 @functools.lru_cache(maxsize=8)

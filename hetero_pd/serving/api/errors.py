@@ -75,14 +75,15 @@ def server_error(message: str, status: int = 500) -> APIError:
     return APIError(status, message, "server_error", None, None)
 
 
-def check_api_key(headers: Mapping[str, str], keys: Collection[str]) -> None:
+def check_api_key(headers: Mapping[str, str], keys: Collection[str]) -> str:
     """Require ``Authorization: Bearer <key>`` with one of ``keys``; no keys, no check.
+    Returns the key the client gave ("" when no keys are set): admission counts per key.
 
     Each key is compared in constant time, and all of them are compared, so timing tells
     neither the key nor which one matched. The given key is never echoed back.
     """
     if not keys:
-        return
+        return ""
     value = _header(headers, "authorization")
     if value is None:
         raise unauthorized(
@@ -96,11 +97,13 @@ def check_api_key(headers: Mapping[str, str], keys: Collection[str]) -> None:
     # aiohttp hands over header bytes that are not UTF-8 as surrogate escapes: compared as
     # those bytes, they match no key.
     given = token.encode("utf-8", "surrogateescape")
-    matched = False
+    matched = ""
     for key in keys:
-        matched |= hmac.compare_digest(given, key.encode())
+        if hmac.compare_digest(given, key.encode()):
+            matched = key
     if not matched:
         raise unauthorized("Incorrect API key provided")
+    return matched
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:

@@ -96,15 +96,47 @@ def _check_chars(state: ApiState, chars: int, param: str) -> None:
         )
 
 
-def _prepare(
-    state: ApiState, body: bytes, kind: BodyKind, parse: Callable[[Any], GenerateRequest]
-) -> tuple[GenerateRequest, list[tuple[GenerateRequest, list[int]]]]:
-    """Decodes (bounded), validates and tokenizes a request (on the tokenizer thread): the
-    request and each of its prompts (one, or a completions batch) with its token ids."""
+def _parse(
+    state: ApiState,
+    body: bytes,
+    kind: BodyKind,
+    parse: Callable[[Any], GenerateRequest],
+    key: str,
+) -> GenerateRequest:
+    """Decodes (bounded) and validates a request, on the tokenizer thread."""
     req = parse(decode_body(body, kind, state.max_model_len))
     if req.model not in state.model_names:
         raise errors.model_not_found(req.model)
     oai.check_sampling_limits(req.params, state.vocab_size)
+    if req.priority:
+        if key not in state.priority_keys:
+            raise errors.bad_request(
+                "'priority' may be set only with an API key the deployment allows to "
+                "(router.priority_api_keys); leave it out or 0 with this key",
+                "priority",
+            )
+        req.priority = max(-oai.PRIORITY_LIMIT, min(oai.PRIORITY_LIMIT, req.priority))
+    choices = _choices(req)
+    largest = state.router.admission.largest
+    if choices > largest:
+        raise errors.bad_request(
+            f"this request asks for {choices} completions ({len(req.batch) or 1} prompts x "
+            f"n={req.params.n}); at most {largest} may be in flight for one API key",
+            "n",
+        )
+    return req
+
+
+def _choices(req: GenerateRequest) -> int:
+    """The completions a request asks for: what it holds of the in-flight limits."""
+    return (len(req.batch) or 1) * req.params.n
+
+
+def _tokenize_prompts(
+    state: ApiState, req: GenerateRequest
+) -> list[tuple[GenerateRequest, list[int]]]:
+    """Each of a request's prompts (one, or a completions batch) with its token ids, on the
+    tokenizer thread."""
     prompts = []
     for one in req.each_prompt():
         prompt_ids = _prompt_ids(state, one)
@@ -114,14 +146,14 @@ def _prepare(
         if one.echo:
             one.echo_text = one.prompt or state.tokenizer.decode(prompt_ids)
         prompts.append((one, prompt_ids))
-    return req, prompts
+    return prompts
 
 
 async def _generate(
     request: web.Request, kind: BodyKind, parse: Callable[[Any], GenerateRequest]
 ) -> web.StreamResponse:
     state = state_of(request)
-    errors.check_api_key(request.headers, state.api_keys)
+    key = errors.check_api_key(request.headers, state.api_keys)
     body = await request.read()
     split = state.router.split_info()
     if split is not None:
@@ -131,9 +163,26 @@ async def _generate(
             code="edge_only",
         )
     loop = asyncio.get_running_loop()
-    req, prompts = await loop.run_in_executor(
-        state.tokenize_pool, _prepare, state, body, kind, parse
-    )
+    req = await loop.run_in_executor(state.tokenize_pool, _parse, state, body, kind, parse, key)
+    # Admitted before the tokenizer spends time on it; the slots come back however it ends.
+    try:
+        slots = state.router.admission.admit(key, _choices(req))
+    except RouterError as e:
+        _observe(state, _Timing(), 0, 0, _outcome(e))
+        raise
+    try:
+        prompts = await loop.run_in_executor(state.tokenize_pool, _tokenize_prompts, state, req)
+        return await _answer(request, state, req, prompts)
+    finally:
+        slots.release()
+
+
+async def _answer(
+    request: web.Request,
+    state: ApiState,
+    req: GenerateRequest,
+    prompts: list[tuple[GenerateRequest, list[int]]],
+) -> web.StreamResponse:
     decode = _decoder(state.tokenizer)
     n = req.params.n
     answers = [
@@ -145,7 +194,7 @@ async def _generate(
         streams = []
         for i, (one, ids) in enumerate(prompts):
             rid = req.request_id if len(prompts) == 1 else f"{req.request_id}-{i}"
-            gen = state.router.generate(rid, ids, one.params, one.priority)
+            gen = state.router.generate(rid, ids, one.params, one.priority, admitted=True)
             streams.append(await closing.enter_async_context(contextlib.aclosing(gen)))
         batch = Batch(answers)
         merged = await closing.enter_async_context(contextlib.aclosing(batch.merge(streams)))

@@ -47,6 +47,7 @@ from hetero_pd.serving.api.sampling import sampling_fields
 from hetero_pd.serving.control.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, WireParams
 
 __all__ = [
+    "PRIORITY_LIMIT",
     "UNSUPPORTED",
     "check_context_length",
     "check_sampling_limits",
@@ -56,7 +57,9 @@ __all__ = [
 
 #: OpenAI's default ``max_tokens`` for /v1/completions; chat defaults to "until EOS".
 COMPLETION_DEFAULT_MAX_TOKENS = 16
-_PRIORITY_BOUND = 2**31
+#: A request's priority (lower is served first, as in vLLM) is clamped into
+#: [-PRIORITY_LIMIT, PRIORITY_LIMIT]; only API keys the deployment allows may set it.
+PRIORITY_LIMIT = 10
 
 
 # Fields we cannot honour, and the values that leave the output unchanged (so they pass).
@@ -170,9 +173,7 @@ def _request(
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
     include_usage = opt_bool(options or {}, "include_usage", "stream_options.include_usage")
-    priority = opt_int(b, "priority") or 0
-    if not -_PRIORITY_BOUND <= priority < _PRIORITY_BOUND:
-        raise bad_request(f"'priority' must be in [-2**31, 2**31), got {priority}", "priority")
+    priority = opt_int(b, "priority") or 0  # checked against the API key, clamped: generate
     user = b.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_request(f"'user' must be a string, got {show(user)}", "user")

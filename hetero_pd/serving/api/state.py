@@ -23,6 +23,8 @@ class ApiState:
     max_model_len: int
     vocab_size: int
     api_keys: tuple[str, ...] = ()
+    #: The API keys whose requests may set `priority` (each one of api_keys).
+    priority_keys: tuple[str, ...] = ()
     #: The model folder (edge sessions in prompt_only mode check the device's split with it).
     model_dir: Path | None = None
     #: A streaming client that has not taken a chunk for this long is cut off (its request

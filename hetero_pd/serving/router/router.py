@@ -26,6 +26,7 @@ from hetero_pd.sampling_params import SamplingParams
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import values as V
 from hetero_pd.serving.control.auth import CurveKeys
+from hetero_pd.serving.router.admission import Admission
 from hetero_pd.serving.router.errors import RouterError, worker_error
 from hetero_pd.serving.router.handoff import EdgeRequest, Handoff, HandoffPolicy
 from hetero_pd.serving.router.inbox import Inbox, next_message
@@ -45,7 +46,10 @@ class RouterConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     failure_policy: FailurePolicy = "recompute"
     max_retries: int = 2
+    #: Completions in flight (each request's prompts x n), in all and per API key (0: as
+    #: many as max_inflight); above either, a 429.
     max_inflight: int = 256
+    max_inflight_per_key: int = 0
     reserve_timeout_s: float = 30.0
     prefill_timeout_s: float = 120.0
     token_timeout_s: float = 120.0  # longest silence between two outputs of one request
@@ -63,6 +67,7 @@ class Router:
         self.workers: dict[str, WorkerClient] = {}
         self.chooser = Chooser(cfg.routing)
         self.queues: dict[str, Inbox] = {}
+        self.admission = Admission(cfg.max_inflight, cfg.max_inflight_per_key or cfg.max_inflight)
         self._switching: set[str] = set()
         self._decoder: dict[str, WorkerClient] = {}  # split request id -> its decode worker
         #: Supervisor's view of each worker process (pid, restarts, state) for /health.
@@ -190,18 +195,20 @@ class Router:
         params: SamplingParams,
         priority: int = 0,
         edge: EdgeRequest | None = None,
+        admitted: bool = False,
     ) -> AsyncGenerator[P.Output, None]:
         """Yields the decode worker's `Output` messages until each of the request's `n`
         completions (`Output.index`) has had one with a finish reason.
 
+        Unless the caller `admitted` them (`self.admission`, e.g. for a whole batch and its
+        API key), the `n` completions are admitted here, without a key; a 429 when full.
         With `edge`, the prompt is hidden states for workers starting at its layer
         (`prompt_ids` is empty), and each token needs `supply_hidden` before the next."""
-        if len(self.queues) >= self.cfg.max_inflight:
-            raise RouterError(429, "the server is at capacity; retry shortly", "overloaded", 1.0)
         layer = edge.worker_layer if edge is not None else 0
         if not self.live("decode", "both", split_layer=layer):
             what = f"for split layer {layer}" if layer else "running the whole model"
             raise RouterError(503, f"no decode-capable worker {what} is alive", "no_workers", 2.0)
+        slots = None if admitted else self.admission.admit("", params.n)
         queue: Inbox = asyncio.Queue()
         self.queues[rid] = queue
         flow = Handoff(self.handoff_policy, rid, prompt_ids, params, priority, queue, edge)
@@ -240,6 +247,8 @@ class Router:
                         if finished:
                             return
         finally:
+            if slots is not None:
+                slots.release()
             flow.prompt_done()
             self.queues.pop(rid, None)
             self._decoder.pop(rid, None)
