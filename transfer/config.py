@@ -56,7 +56,7 @@ class TransferConfig:
     #: Deadline of one link handshake.
     link_timeout_s: float = 5.0
     #: Default deadline of a whole transfer, all retries included (LLM-DataDist sync_kv_timeout).
-    transfer_timeout_s: float = 30.0
+    timeout_s: float = 30.0
     #: How long the sender holds its source blocks waiting for the ACK.
     lease_s: float = 60.0
     #: How long one attempt waits for the peer's answer before re-linking and retrying.
@@ -104,7 +104,7 @@ class TransferConfig:
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.max_frame_bytes < self.chunk_bytes:
             raise ValueError("TransferConfig: need 0 < chunk_bytes <= max_frame_bytes")
-        for name in ("link_timeout_s", "transfer_timeout_s", "lease_s", "ack_timeout_s"):
+        for name in ("link_timeout_s", "timeout_s", "lease_s", "ack_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransferConfig.{name} must be > 0")
         if self.advertise_host and not valid_host(self.advertise_host):

@@ -162,7 +162,7 @@ class TransferEngine:
         handle.cancel_with(lambda h: self.release(h.request_id))
         if callback is not None:
             handle.add_done_callback(callback)
-        deadline = time.monotonic() + (timeout_s or self.config.transfer_timeout_s)
+        deadline = time.monotonic() + (timeout_s or self.config.timeout_s)
         layer_range = range(*reg.layer_bounds(layers))
         ids = list(block_ids)
         self._core.ledger.reserve(reg, request_id, ids, layer_range, handle, deadline, writer)
@@ -222,7 +222,7 @@ class TransferEngine:
             num_tokens,
             checksum_requested(checksum, self.config.checksum_algo),
             transport,
-            timeout_s or self.config.transfer_timeout_s,
+            timeout_s or self.config.timeout_s,
             lease_s or self.config.lease_s,
         )
         sender = self._core.sender
@@ -268,7 +268,7 @@ class TransferEngine:
             dst,
             (first, last),
             num_tokens,
-            timeout_s or self.config.transfer_timeout_s,
+            timeout_s or self.config.timeout_s,
             self.config.ack_timeout_s,
         )
         if callback is not None:

@@ -185,7 +185,7 @@ class PullServer:
                 self.metrics.reject("not_granted")
             self.outbox.post(session, Error.of(transfer_id, err))
             return
-        ttl = min(msg.ttl, self.config.transfer_timeout_s)
+        ttl = min(msg.ttl, self.config.timeout_s)
         nbytes = len(src) * region.block_bytes * num_tensors
         handle = TransferHandle(
             transfer_id, "serve_pull", session.peer_id, dst.request_id, nbytes=nbytes

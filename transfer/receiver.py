@@ -367,7 +367,7 @@ class Receiver:
             )
             self.loop.finish(reservation.handle, TransferState.TIMED_OUT, err)
         for incoming in list(self.active.values()):
-            if now - incoming.last_seen > self.config.transfer_timeout_s:
+            if now - incoming.last_seen > self.config.timeout_s:
                 self._forget(incoming)
 
     def abort_all(self, err: TransferError) -> None:

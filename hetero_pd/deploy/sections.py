@@ -161,7 +161,7 @@ class RouterSpec:
 @dataclass(frozen=True, slots=True)
 class TransferSpec:
     """The `transfer:` section: a worker's transfer engine config under the same names
-    (`timeout_s` is the transfer config's `transfer_timeout_s`), plus what the worker
+    (`timeout_s` too: one name end to end), plus what the worker
     itself does with KV (`layerwise`, `remote_kv_timeout_s`) and the deployment secret."""
 
     #: Push each layer's KV as soon as it is computed (the worker's, not the transfer's).
@@ -192,7 +192,7 @@ class TransferSpec:
         return TransferConfig(
             host=host,
             port=port,
-            transfer_timeout_s=self.timeout_s,
+            timeout_s=self.timeout_s,
             grant_s=self.grant_s,
             transports=self.transports,
             checksum=self.checksum,

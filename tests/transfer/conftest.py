@@ -19,7 +19,7 @@ FAST = {
     "chunk_bytes": 4096,
     "ack_timeout_s": 0.5,
     "link_timeout_s": 2.0,
-    "transfer_timeout_s": 8.0,
+    "timeout_s": 8.0,
     "retry": {"attempts": 6, "base_delay_s": 0.01, "max_delay_s": 0.1},
 }
 

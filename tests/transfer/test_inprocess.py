@@ -23,7 +23,7 @@ from transfer.testing import fill
 
 @pytest.fixture
 def pair() -> Iterator[tuple[TransferEngine, TransferEngine]]:
-    cfg = TransferConfig(secret=b"s", chunk_bytes=4096, transfer_timeout_s=5)
+    cfg = TransferConfig(secret=b"s", chunk_bytes=4096, timeout_s=5)
     p, d = TransferEngine("p-local", "prefill", cfg), TransferEngine("d-local", "decode", cfg)
     try:
         src = KVRegion.allocate("kv", 2, 16, (16, 2, 8))

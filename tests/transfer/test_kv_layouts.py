@@ -60,7 +60,7 @@ def test_region_descriptions_validate_the_layout() -> None:
 @pytest.fixture
 def engines() -> Iterator[tuple[TransferEngine, TransferEngine]]:
     n = next(_ids)
-    cfg = TransferConfig(secret=b"s", chunk_bytes=4096, transfer_timeout_s=10)
+    cfg = TransferConfig(secret=b"s", chunk_bytes=4096, timeout_s=10)
     p, d = TransferEngine(f"p-fmt-{n}", "prefill", cfg), TransferEngine(f"d-fmt-{n}", "decode", cfg)
     try:
         yield p, d

@@ -16,7 +16,7 @@ from .conftest import FAST, REGION
 
 SRC, DST = [1, 2, 3, 4], [20, 21, 22, 23]
 #: Long enough that waiting for any timeout would fail the time bounds below.
-PATIENT = {**FAST, "ack_timeout_s": 8.0, "transfer_timeout_s": 20.0}
+PATIENT = {**FAST, "ack_timeout_s": 8.0, "timeout_s": 20.0}
 
 
 def _push(eng: TransferEngine, peer: PeerProcess, rid: str, **kw: object) -> float:
@@ -52,7 +52,7 @@ def _relink_counts(eng: TransferEngine) -> tuple[int, int, int]:
 def test_decode_restarted_at_a_new_address_is_relinked_at_once(
     make_engine: Callable[..., TransferEngine], transport: str
 ) -> None:
-    eng = make_engine(ack_timeout_s=8.0, transfer_timeout_s=20.0)
+    eng = make_engine(ack_timeout_s=8.0, timeout_s=20.0)
     first = PeerProcess("decode-phoenix", make_config(PATIENT), REGION)
     try:
         eng.set_peer_address(first.engine_id, first.address)
@@ -71,7 +71,7 @@ def test_decode_restarted_at_the_same_address_is_relinked_at_once(
     make_engine: Callable[..., TransferEngine],
 ) -> None:
     fixed = {**PATIENT, "port": _free_port(), "data_port": _free_port()}
-    eng = make_engine(ack_timeout_s=8.0, transfer_timeout_s=20.0)
+    eng = make_engine(ack_timeout_s=8.0, timeout_s=20.0)
     first = PeerProcess("decode-same", make_config(fixed), REGION)
     try:
         eng.link(first.engine_id, first.address)
@@ -124,7 +124,7 @@ def test_unreachable_data_channel_falls_back_to_the_link(
 ) -> None:
     with PeerProcess("decode-far", make_config({**PATIENT, **advertised}), REGION) as peer:
         bound = advertised.get("host", "127.0.0.1")
-        eng = make_engine(ack_timeout_s=8.0, transfer_timeout_s=20.0)
+        eng = make_engine(ack_timeout_s=8.0, timeout_s=20.0)
         eng.link(peer.engine_id, f"tcp://{bound}:{peer.address.rsplit(':', 1)[1]}")
         before = _data_links(peer)
         assert _push(eng, peer, "far-1", transport="tcp") < 4.0
