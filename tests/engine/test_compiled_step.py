@@ -36,11 +36,14 @@ def run_compiled(path: Path, seed: int, hf_greedy: Ref) -> LLM:
     # entries of the same code: start from none, so a recompile counted below is this one's.
     torch._dynamo.reset()
     # A 40-token budget mixes chunked prefills (eager) with decode batches (compiled), and
-    # batch sizes shrink to 1 (eager) as requests finish.
+    # batch sizes shrink to 1 (eager) as requests finish. One thread, fixed: a compiled step
+    # recompiles when the thread governor changes torch's thread count (once per count), and
+    # the governor follows the load of whatever else runs on the machine.
     llm = LLM(
         str(path),
         dtype="float32",
         compile="on",
+        num_threads=1,
         max_num_batched_tokens=40,
         block_size=8,
         num_kv_blocks=128,
