@@ -51,6 +51,9 @@ class StatusCode(enum.Enum):
     #: The peer holds no grant for this: only a reservation's writer may push into it, and
     #: only an offer's reader may pull it (for that request and epoch, before its lease ends).
     NOT_GRANTED = (17, False)
+    #: The source of a pull gave up serving it: its push failed after its own retries (the
+    #: text says why). Final for the puller: asking again would start the same push again.
+    NOT_SERVED = (18, False)
 
     @property
     def number(self) -> int:

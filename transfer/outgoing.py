@@ -81,7 +81,7 @@ class OutTransfer:
     closing: tuple[TransferState, TransferError | None, str] | None = None
     last_error: TransferError | None = None
     #: Called on the I/O thread once the transfer ended and released its source blocks.
-    on_closed: Callable[[TransferState], None] | None = None
+    on_closed: Callable[[TransferState, TransferError | None], None] | None = None
     #: Direct writes: destination block ids as a tensor (and whether they are a run), and
     #: each chunk's digest (computed as it is first copied).
     dst_ids: torch.Tensor | None = None

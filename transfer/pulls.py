@@ -204,13 +204,26 @@ class PullServer:
             min(now + ttl, offer.lease_until),
             offer.lease_until,
         )
-        out.on_closed = lambda state: self._served(offer, transfer_id, state)
+        out.on_closed = lambda state, err: self._served(offer, session, transfer_id, state, err)
         self.offers.serving(offer, transfer_id, handle, range(*layers))
         self.sender.start(out)
 
-    def _served(self, offer: Offer, transfer_id: str, state: TransferState) -> None:
+    def _served(
+        self,
+        offer: Offer,
+        session: Session,
+        transfer_id: str,
+        state: TransferState,
+        err: TransferError | None,
+    ) -> None:
         if self.offers.served(offer, transfer_id, state is TransferState.DONE):
             self.offers.end(offer.ticket.request_id, TransferState.DONE, None)
+        elif state in (TransferState.FAILED, TransferState.TIMED_OUT) and session.alive:
+            # Our retries are spent: the puller's next PULL would only start this again. Tell
+            # it, and end the offer so its blocks are not held until the lease lapses.
+            why = TransferError(StatusCode.NOT_SERVED, f"the source gave up: {err}")
+            self.outbox.post(session, Error.of(transfer_id, why))
+            self.offers.end(offer.ticket.request_id, TransferState.FAILED, why)
         self._settle(offer)
 
     def renew(

@@ -377,7 +377,7 @@ class Sender:
         self.active.pop(out.handle.transfer_id, None)
         self.loop.finish(out.handle, *out.closing)
         if out.on_closed is not None:
-            out.on_closed(out.closing[0])
+            out.on_closed(out.closing[0], out.closing[1])
 
     def cancel(self, handle: TransferHandle) -> None:
         """Caller-requested cancel."""

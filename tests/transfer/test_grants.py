@@ -311,3 +311,27 @@ def test_a_verified_claim_with_the_wrong_digest_vouches_for_nothing(
     assert h.attempts == 2  # chunk 0 was NACKed, whatever the claim said
     assert blocks_digest(d.region(), DST) == blocks_digest(a.region(), SRC)
     d.release("claim")
+
+
+def test_a_pull_the_source_cannot_serve_fails_at_once_not_at_its_deadline(
+    make_engine: Callable[..., TransferEngine],
+) -> None:
+    """Every data frame the source sends is corrupted: its push fails its checksums on every
+    attempt and the source gives up. The puller is told (NOT_SERVED, final) instead of
+    resending its PULL, which started the same doomed push again, until its own deadline."""
+    corrupt = [{"kind": "corrupt", "msg_type": "data", "nth": 1, "count": 10**6}]
+    source = make_engine(transports=["tcp"], faults=corrupt, retry={"attempts": 2})
+    reader = make_engine(transports=["tcp"])
+    reader.link(source.engine_id, source.address)
+    offer = source.offer("doomed", [5, 6], reader=reader.engine_id)
+    assert offer.blocks is not None
+    recv = reader.reserve("doomed-dst", [20, 21])
+    assert recv.blocks is not None
+    h = reader.pull_blocks(source.engine_id, offer.blocks, recv.blocks, timeout_s=120.0)
+    assert h.wait(20) is TransferState.FAILED, h.error  # not TIMED_OUT at 120 s
+    assert h.error is not None and h.error.code is StatusCode.NOT_SERVED, h.error
+    assert "checksum" in str(h.error).lower(), h.error  # the source's reason travels along
+    assert offer.wait(20) is TransferState.FAILED  # the offer ended: its blocks are free
+    source.progress()
+    assert source.held_blocks() == {}
+    reader.release("doomed-dst")
