@@ -89,8 +89,8 @@ class EdgeStack(nn.Module):
         attn = layer.self_attn
         heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         q, k, v = attn.qkv_proj(layer.input_layernorm(x)).split(attn.split, dim=-1)
-        q = apply_rope(q.view(-1, heads, dim), cos, sin)
-        k = apply_rope(k.view(-1, kv_heads, dim), cos, sin)
+        q, k = attn.norm_heads(q.view(-1, heads, dim), k.view(-1, kv_heads, dim))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # k_all, v_all: [total, kv_heads, dim]
         k_all = torch.cat((past_k, k.reshape(-1, kv_heads, dim)), dim=0)
         v_all = torch.cat((past_v, v.reshape(-1, kv_heads, dim)), dim=0)

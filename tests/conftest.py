@@ -69,9 +69,23 @@ def tokenizer_dir(default_model_dir: Path) -> Path:
     return default_model_dir
 
 
-def _save_tiny(config: Any, model_cls: Any, dest: Path, tokenizer_src: Path, seed: int) -> Path:
+def _save_tiny(
+    config: Any,
+    model_cls: Any,
+    dest: Path,
+    tokenizer_src: Path,
+    seed: int,
+    random_norms: bool = False,
+) -> Path:
+    """`random_norms` draws every RMSNorm weight around 1 (transformers initialises them to
+    exactly 1, where a norm weight loaded into the wrong place would go unnoticed)."""
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    if random_norms:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
     model.save_pretrained(dest)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_src / name, dest / name)
@@ -141,6 +155,22 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
     config = Qwen2Config(**TINY, tie_word_embeddings=True)
     return _save_tiny(
         config, Qwen2ForCausalLM, tmp_path_factory.mktemp("tiny-qwen2"), tokenizer_dir, 2
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """Qwen3: per-head q/k RMSNorm, and a head_dim (32) that is not hidden / heads (16)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True, rope_theta=1e6)
+    return _save_tiny(
+        config,
+        Qwen3ForCausalLM,
+        tmp_path_factory.mktemp("tiny-qwen3"),
+        tokenizer_dir,
+        seed=4,
+        random_norms=True,
     )
 
 

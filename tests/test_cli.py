@@ -133,3 +133,15 @@ def test_idle_openmp_threads_spin_briefly_unless_told_otherwise() -> None:
         )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == want
+
+
+def test_serve_names_the_supported_architectures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    assert main(["serve", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hetero-pd: error:") and "unsupported architecture" in err
+    from hetero_pd.models.config import SUPPORTED_ARCHITECTURES
+
+    assert all(arch in err for arch in SUPPORTED_ARCHITECTURES), err

@@ -12,7 +12,11 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
+#: Families whose attention normalises each q and k head (RMSNorm over head_dim) before rope.
+QK_NORM_FAMILIES = ("qwen3",)
+SUPPORTED_ACTIVATIONS = ("silu",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -41,6 +45,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
+    #: RMSNorm on each q and k head before rope (Qwen3's `q_norm`, `k_norm`).
+    qk_norm: bool
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
@@ -101,6 +107,7 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         family = SUPPORTED_ARCHITECTURES[arch]
+        _reject_unsupported(raw, source)
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         return cls(
             architecture=arch,
@@ -120,11 +127,23 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
             o_bias=family != "qwen2" and bool(raw.get("attention_bias", False)),
+            qk_norm=family in QK_NORM_FAMILIES,
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=_checkpoint_dtype(raw),
         )
+
+
+def _reject_unsupported(raw: dict[str, Any], source: str) -> None:
+    """Config fields whose other values this model code would silently get wrong."""
+    act = raw.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ModelConfigError(
+            f"{source}: unsupported hidden_act {act!r}; supported: {SUPPORTED_ACTIVATIONS}"
+        )
+    if raw.get("mlp_bias"):
+        raise ModelConfigError(f"{source}: unsupported mlp_bias true (MLP layers with biases)")
 
 
 def _checkpoint_dtype(raw: dict[str, Any]) -> str | None:

@@ -1,4 +1,4 @@
-"""The Llama family (llama, mistral, qwen2) over a paged KV cache, runnable by layer range."""
+"""The Llama family (llama, mistral, qwen2, qwen3) over a paged KV cache, by layer range."""
 
 from __future__ import annotations
 
@@ -96,6 +96,16 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim**-0.5
+        # Qwen3: RMSNorm over each head's head_dim, on q and k before rope.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [num_tokens, heads, head_dim], k [num_tokens, kv_heads, head_dim], normalised
+        per head where the model says so (else returned as they are)."""
+        if self.q_norm is None or self.k_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
     def forward(
         self,
@@ -110,6 +120,8 @@ class Attention(nn.Module):
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         # Rotary on q and k together: qk [num_tokens, heads + kv_heads, head_dim]
         qk = qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, dim)
+        if self.q_norm is not None:
+            qk = torch.cat(self.norm_heads(*qk.split([heads, kv_heads], dim=1)), dim=1)
         q, k = apply_rope_swapped(qk, cos, sin_signed).split([heads, kv_heads], dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, kv_heads, dim)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)

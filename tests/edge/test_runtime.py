@@ -29,7 +29,7 @@ def run_sequence(rt: EdgeRuntime) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_torch_edge_equals_full_model(
     request: pytest.FixtureRequest, reference: Reference, family: str, split: int
 ) -> None:
@@ -52,7 +52,7 @@ def test_extend_in_chunks_equals_one_prefill(tiny_llama_dir: Path) -> None:
     torch.testing.assert_close(parts, whole, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_onnx_edge_equals_torch_edge(
     request: pytest.FixtureRequest, tmp_path: Path, family: str
 ) -> None:

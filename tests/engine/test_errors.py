@@ -73,6 +73,23 @@ def test_unsupported_architecture(model_copy: Path) -> None:
     assert "LlamaForCausalLM" in str(e.value) and str(model_copy) in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [("hidden_act", "gelu", "unsupported hidden_act 'gelu'"), ("mlp_bias", True, "mlp_bias")],
+)
+def test_unsupported_config_fields_are_named(
+    model_copy: Path, key: str, value: Any, message: str
+) -> None:
+    """A field this model code would get wrong is refused, never run as a wrong model."""
+
+    def edit(cfg: dict[str, Any]) -> None:
+        cfg[key] = value
+
+    edit_config(model_copy, edit)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load(model_copy)
+
+
 def test_config_that_is_not_json(model_copy: Path) -> None:
     (model_copy / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=re.escape("config.json: not valid JSON")):

@@ -108,7 +108,7 @@ def test_one_layer_at_a_time_equals_full(model: CausalLM) -> None:
     torch.testing.assert_close(h, h_full, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 @pytest.mark.parametrize("kernels", [False, True])
 def test_full_stack_logits_equal_transformers(
     model_fixture: str, kernels: bool, request: pytest.FixtureRequest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,3 +26,16 @@ class Reference:
 @pytest.fixture(scope="session")
 def tiny_reference(tiny_llama_dir: Path) -> Reference:
     return Reference(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def reference_for() -> Callable[[Path], Reference]:
+    """The Reference of any model folder, built once per folder."""
+    cache: dict[Path, Reference] = {}
+
+    def get(model: Path) -> Reference:
+        if model not in cache:
+            cache[model] = Reference(model)
+        return cache[model]
+
+    return get
