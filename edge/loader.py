@@ -67,7 +67,7 @@ def load_edge_stack(
                     copy_tensor(cfg, params, filled, name, f.get_tensor(name), file)
         except SafetensorError as e:
             raise ModelLoadError(f"{file}: corrupt or unreadable safetensors file ({e})") from e
-    missing = [name for p in params for name in missing_tensors(p, filled.get(p, set()))]
+    missing = [name for p in params for name in missing_tensors(cfg, p, filled.get(p, set()))]
     if missing:
         raise ModelLoadError(
             f"{path}: weights missing for {len(missing)} tensor(s) the edge needs "

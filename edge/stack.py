@@ -39,7 +39,7 @@ class EdgeStack(nn.Module):
             )
         self.cfg, self.split_layer, self.max_positions = cfg, split_layer, max_positions
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(split_layer))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(split_layer))
         # cos and sin per position: [max_positions, 2, head_dim], the engine's own table.
         self.register_buffer("cos_sin", rope_table(cfg, max_positions), persistent=False)
 

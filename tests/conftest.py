@@ -78,7 +78,10 @@ def _save_tiny(
     random_norms: bool = False,
 ) -> Path:
     """`random_norms` draws every RMSNorm weight around 1 (transformers initialises them to
-    exactly 1, where a norm weight loaded into the wrong place would go unnoticed)."""
+    exactly 1, where a norm weight loaded into the wrong place would go unnoticed), and
+    scales MoE routers up 50x: at transformers' init their softmax is near uniform, the 2nd
+    and 3rd expert ~1e-5 apart, where even transformers' generate and its own full forward
+    pick different experts."""
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     if random_norms:
@@ -86,6 +89,8 @@ def _save_tiny(
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.uniform_(0.5, 1.5)
+                elif name.endswith(".gate.weight"):  # a MoE router
+                    p.mul_(50)
     model.save_pretrained(dest)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_src / name, dest / name)
@@ -172,6 +177,39 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
         seed=4,
         random_norms=True,
     )
+
+
+#: Eight experts, two per token: routing decides the output.
+TINY_MOE = dict(TINY, intermediate_size=96)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """Mixtral: every layer a mixture of experts, top-k weights renormalised."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**TINY_MOE, num_local_experts=8, num_experts_per_tok=2)
+    dest = tmp_path_factory.mktemp("tiny-mixtral")
+    return _save_tiny(config, MixtralForCausalLM, dest, tokenizer_dir, seed=5, random_norms=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """Qwen3-MoE: q/k norms, top-k weights as the router gives them (norm_topk_prob false),
+    and layer 1 a dense MLP (mlp_only_layers)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **TINY_MOE,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+    )
+    dest = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    return _save_tiny(config, Qwen3MoeForCausalLM, dest, tokenizer_dir, seed=6, random_norms=True)
 
 
 #: How far a half-precision engine's log-probabilities may stand from transformers' in the

@@ -13,9 +13,12 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 #: Families whose attention normalises each q and k head (RMSNorm over head_dim) before rope.
-QK_NORM_FAMILIES = ("qwen3",)
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
 SUPPORTED_ACTIVATIONS = ("silu",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -52,6 +55,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     #: The dtype the checkpoint was saved in ("bfloat16", "float32", ...), if it says.
     checkpoint_dtype: str | None = None
+    # Mixture of experts (moe.py); num_experts 0 = a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    #: Top-k router weights renormalised to sum to 1 (Mixtral always; Qwen3-MoE if it says).
+    norm_topk_prob: bool = False
+    #: The layers whose MLP is the MoE block (Qwen3-MoE may keep some dense).
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -132,6 +143,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=_checkpoint_dtype(raw),
+            **(_moe_fields(raw, family, source) if family in MOE_FAMILIES else {}),
         )
 
 
@@ -144,6 +156,37 @@ def _reject_unsupported(raw: dict[str, Any], source: str) -> None:
         )
     if raw.get("mlp_bias"):
         raise ModelConfigError(f"{source}: unsupported mlp_bias true (MLP layers with biases)")
+
+
+def _moe_fields(raw: dict[str, Any], family: str, source: str) -> dict[str, Any]:
+    """The MoE fields of a Mixtral or Qwen3-MoE config.json."""
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    top_k = int(raw.get("num_experts_per_tok") or 0)
+    if not 0 < top_k <= experts:
+        raise ModelConfigError(
+            f"{source}: num_experts_per_tok {top_k} must be in [1, num_experts {experts}]"
+        )
+    layers = int(raw["num_hidden_layers"])
+    size_key = "intermediate_size" if family == "mixtral" else "moe_intermediate_size"
+    if not raw.get(size_key):
+        raise ModelConfigError(f"{source}: missing required key {size_key!r}")
+    if family == "mixtral":
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(raw[size_key]),
+            norm_topk_prob=True,
+            moe_layers=tuple(range(layers)),
+        )
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense = set(raw.get("mlp_only_layers") or ())
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(raw[size_key]),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+    )
 
 
 def _checkpoint_dtype(raw: dict[str, Any]) -> str | None:

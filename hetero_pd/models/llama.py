@@ -1,4 +1,5 @@
-"""The Llama family (llama, mistral, qwen2, qwen3) over a paged KV cache, by layer range."""
+"""The Llama family (llama, mistral, qwen2, qwen3; with moe.py's experts, mixtral and
+qwen3_moe) over a paged KV cache, runnable by layer range."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 from backends import LinearKernel
 from hetero_pd.models.attention import AttentionMetadata, paged_attention
 from hetero_pd.models.config import ModelConfig
+from hetero_pd.models.moe import SparseMoE
 from hetero_pd.models.rotary import apply_rope_swapped, rope_table, signed_sin
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -140,12 +142,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = SparseMoE(cfg) if index in cfg.moe_layers else MLP(cfg)
 
     def forward(
         self,
@@ -178,7 +180,7 @@ class CausalLM(nn.Module):
         # decompositions (1-2.5 s of every worker's start).
         embed = torch.empty(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embed)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions

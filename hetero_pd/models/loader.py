@@ -10,6 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.llama import CausalLM
+from hetero_pd.models.moe import expert_slice, expert_target, missing_expert_tensors, router_target
 
 
 class ModelLoadError(ValueError):
@@ -36,6 +37,10 @@ def _target(name: str) -> tuple[str, int | None]:
     if m is None:
         return name, None
     layer, rest = m.groups()
+    expert = expert_target(rest)
+    if expert is not None:
+        return f"layers.{layer}.{expert[0]}", expert[1]
+    rest = router_target(rest) or rest
     module, _, kind = rest.rpartition(".")
     if module in _FUSED:
         fused, shard = _FUSED[module]
@@ -43,10 +48,12 @@ def _target(name: str) -> tuple[str, int | None]:
     return f"layers.{layer}.{rest}", None
 
 
-def missing_tensors(param: str, filled: set[int | None]) -> list[str]:
+def missing_tensors(cfg: ModelConfig, param: str, filled: set[int | None]) -> list[str]:
     """Checkpoint names of the tensors that `param` still lacks."""
     name = param if param.startswith("lm_head.") else f"model.{param}"
     m = _LAYER.match(name)
+    if m is not None and ".experts_" in param:
+        return missing_expert_tensors(cfg, m.group(1), param, filled)
     module, _, kind = m.group(2).rpartition(".") if m else ("", "", "")
     shards = [(ckpt, i) for ckpt, (fused, i) in _FUSED.items() if fused == module]
     if m is None or not shards:
@@ -91,7 +98,7 @@ def load_model(
                     copy_tensor(cfg, params, filled, name, f.get_tensor(name), file)
         except SafetensorError as e:
             raise ModelLoadError(f"{file}: corrupt or unreadable safetensors file ({e})") from e
-    missing = [name for p in params for name in missing_tensors(p, filled.get(p, set()))]
+    missing = [name for p in params for name in missing_tensors(cfg, p, filled.get(p, set()))]
     if missing:
         raise ModelLoadError(
             f"{path}: weights missing for {len(missing)} tensor(s), e.g. {missing[:3]}"
@@ -133,7 +140,9 @@ def copy_tensor(
     if param is None:
         raise ModelLoadError(f"{file}: unexpected tensor {name!r} for a {cfg.architecture}")
     dest = param.data
-    if shard is not None:
+    if ".experts_" in target and shard is not None:
+        dest = expert_slice(cfg, dest, target, shard)
+    elif shard is not None:
         sizes = _shard_sizes(cfg, target)
         offset = sum(sizes[:shard])
         dest = dest.narrow(0, offset, sizes[shard])

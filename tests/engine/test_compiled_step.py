@@ -121,3 +121,14 @@ def test_cuda_graphs_equal_transformers(tiny_llama_dir: Path, hf_greedy: Ref) ->
     outs = llm.generate(batch, PARAMS)
     for prompt, out in zip(batch, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(tiny_llama_dir, prompt, PARAMS.max_tokens)
+
+
+def test_compiled_moe_decode_equals_transformers(
+    tiny_qwen3_moe_dir: Path, hf_greedy: Ref, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The MoE block is one opaque op (`hetero_pd::sparse_moe`) inside the compiled layer:
+    routing changes from step to step without recompiling (one graph per layer kind, MoE
+    and dense), and tokens still equal transformers'. Threads stay fixed: a thread count
+    the governor changes under load is a global state dynamo guards, and recompiles."""
+    monkeypatch.setenv("HETERO_PD_ADAPTIVE_THREADS", "0")
+    run_compiled(tiny_qwen3_moe_dir, 1, hf_greedy)

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hetero_pd import LLM, SamplingParams
+from hetero_pd.models.config import ModelConfig, ModelConfigError
 from hetero_pd.models.fetch import fetch_model
 from hetero_pd.models.loader import ModelLoadError
 
@@ -266,3 +267,21 @@ def test_string_prompt_with_tokens_outside_the_vocabulary(llm: LLM) -> None:
         raise AssertionError("no error for a token id outside the vocabulary")
     finally:
         assert_clean(llm)
+
+
+# -- mixture of experts ----------------------------------------------------------------------
+
+
+def test_a_missing_expert_matrix_is_named(tiny_mixtral_dir: Path, tmp_path: Path) -> None:
+    model = tmp_path / "mixtral"
+    shutil.copytree(tiny_mixtral_dir, model)
+    edit_weights(model, lambda t: t.pop("model.layers.1.block_sparse_moe.experts.3.w3.weight"))
+    with pytest.raises(ModelLoadError, match=r"block_sparse_moe\.experts\.3\.w3\.weight"):
+        load(model)
+
+
+def test_more_experts_per_token_than_experts_is_refused(tiny_mixtral_dir: Path) -> None:
+    cfg = json.loads((tiny_mixtral_dir / "config.json").read_text())
+    cfg["num_experts_per_tok"] = cfg["num_local_experts"] + 1
+    with pytest.raises(ModelConfigError, match=r"num_experts_per_tok 9 must be in \[1, "):
+        ModelConfig.from_dict(cfg)

@@ -28,7 +28,16 @@ def assert_matches(llm: LLM, path: Path, prompts: list[list[int]], hf_greedy: Re
     assert llm.engine.kv.num_used_blocks == 0, "blocks still in use after all finished"
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize(
+    "model_fixture",
+    [
+        "tiny_llama_dir",
+        "tiny_qwen2_dir",
+        "tiny_qwen3_dir",
+        "tiny_mixtral_dir",
+        "tiny_qwen3_moe_dir",
+    ],
+)
 def test_mixed_lengths_with_chunked_prefill(
     model_fixture: str, request: pytest.FixtureRequest, hf_greedy: Ref
 ) -> None:

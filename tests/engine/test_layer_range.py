@@ -108,7 +108,16 @@ def test_one_layer_at_a_time_equals_full(model: CausalLM) -> None:
     torch.testing.assert_close(h, h_full, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize(
+    "model_fixture",
+    [
+        "tiny_llama_dir",
+        "tiny_qwen2_dir",
+        "tiny_qwen3_dir",
+        "tiny_mixtral_dir",
+        "tiny_qwen3_moe_dir",
+    ],
+)
 @pytest.mark.parametrize("kernels", [False, True])
 def test_full_stack_logits_equal_transformers(
     model_fixture: str, kernels: bool, request: pytest.FixtureRequest
@@ -120,7 +129,7 @@ def test_full_stack_logits_equal_transformers(
     if kernels:  # as the engine runs it: the backend's linear kernels, dense weights freed
         model.use_linear_kernels(get_backend("cpu").linear_kernel)
         if torch.backends.mkldnn.is_available():
-            assert model.layers[0].mlp.down_proj.weight is None
+            assert model.layers[0].self_attn.o_proj.weight is None
             tied = model.cfg.tie_word_embeddings
             assert (model.lm_head.weight is model.embed_tokens.weight) == tied
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
