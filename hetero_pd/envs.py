@@ -46,7 +46,17 @@ def deployment_secret(environ: Mapping[str, str] | None = None) -> str:
 
 def api_keys(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """$HETERO_PD_API_KEY: comma-separated API keys; () when unset."""
-    raw = (os.environ if environ is None else environ).get("HETERO_PD_API_KEY", "")
+    return _keys("HETERO_PD_API_KEY", environ)
+
+
+def priority_api_keys(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """$HETERO_PD_PRIORITY_API_KEY: comma-separated API keys whose `priority` is honoured
+    (`router.priority_api_keys`); () when unset."""
+    return _keys("HETERO_PD_PRIORITY_API_KEY", environ)
+
+
+def _keys(name: str, environ: Mapping[str, str] | None) -> tuple[str, ...]:
+    raw = (os.environ if environ is None else environ).get(name, "")
     return tuple(k.strip() for k in raw.split(",") if k.strip())
 
 

@@ -1,11 +1,14 @@
 """What guards a deployment on Kubernetes: its Secret, the NetworkPolicy on worker ports, and
 the checksum that rolls the pods when either the file or the secrets change.
 
-    Secret <name>-secrets   secret    the deployment secret (HETERO_PD_SECRET in every pod)
-                            api-keys  comma-separated API keys (HETERO_PD_API_KEY, router)
+    Secret <name>-secrets   secret             the deployment secret (HETERO_PD_SECRET, every pod)
+                            api-keys           comma-separated API keys (HETERO_PD_API_KEY, router)
+                            priority-api-keys  those of them that may set `priority`
+                                               (HETERO_PD_PRIORITY_API_KEY, router; optional)
 
-The values come from the file (`transfer.secret`, `router.api_keys`; both are then taken out
-of the ConfigMap's copy), else from HETERO_PD_SECRET / HETERO_PD_API_KEY when rendering,
+The values come from the file (`transfer.secret`, `router.api_keys`,
+`router.priority_api_keys`; all are then taken out of the ConfigMap's copy), else from
+HETERO_PD_SECRET / HETERO_PD_API_KEY / HETERO_PD_PRIORITY_API_KEY when rendering,
 else the secret is generated (keep it by exporting HETERO_PD_SECRET before rendering again).
 With `kubernetes.existing_secret` the operator manages the Secret and none is rendered.
 """
@@ -24,8 +27,9 @@ import yaml
 from hetero_pd import envs
 from hetero_pd.deploy.schema import Deployment
 
-SECRET_KEY, API_KEYS_KEY = "secret", "api-keys"
+SECRET_KEY, API_KEYS_KEY, PRIORITY_KEY = "secret", "api-keys", "priority-api-keys"
 SECRET_ENV, API_KEYS_ENV = "HETERO_PD_SECRET", "HETERO_PD_API_KEY"
+PRIORITY_ENV = "HETERO_PD_PRIORITY_API_KEY"
 CHECKSUM_ANNOTATION = "hetero-pd/config-checksum"
 
 
@@ -36,6 +40,7 @@ class SecretValues:
     secret: str
     api_keys: tuple[str, ...]
     generated: bool = False  # the secret was made up now: render again with it exported
+    priority_api_keys: tuple[str, ...] = ()
 
 
 def secret_name(dep: Deployment) -> str:
@@ -50,19 +55,21 @@ def api_keys(dep: Deployment, environ: Mapping[str, str] | None = None) -> tuple
 def secret_values(dep: Deployment, environ: Mapping[str, str] | None = None) -> SecretValues:
     """The values of the rendered Secret (see the module docstring for where each is from)."""
     keys = api_keys(dep, environ)
+    vip = dep.router.priority_api_keys or envs.priority_api_keys(environ)
     secret = dep.transfer.secret or envs.deployment_secret(environ)
     if secret:
-        return SecretValues(secret, keys)
-    return SecretValues(secrets.token_urlsafe(32), keys, generated=True)
+        return SecretValues(secret, keys, priority_api_keys=vip)
+    return SecretValues(secrets.token_urlsafe(32), keys, generated=True, priority_api_keys=vip)
 
 
 def config_text(dep: Deployment) -> str:
     """The file for the ConfigMap: as written, or without its secrets (which go to the Secret)."""
-    if not dep.transfer.secret and not dep.router.api_keys:
+    if not dep.transfer.secret and not dep.router.api_keys and not dep.router.priority_api_keys:
         return dep.text
     raw = yaml.safe_load(dep.text)
     raw.get("transfer", {}).pop("secret", None)
     raw.get("router", {}).pop("api_keys", None)
+    raw.get("router", {}).pop("priority_api_keys", None)
     head = f"# {dep.source}, its secrets moved to the Secret {secret_name(dep)}\n"
     return head + yaml.safe_dump(raw, sort_keys=False)
 
@@ -73,7 +80,8 @@ def secret_manifest(dep: Deployment, values: SecretValues, meta: dict[str, Any])
         "kind": "Secret",
         "metadata": meta,
         "type": "Opaque",
-        "stringData": {SECRET_KEY: values.secret, API_KEYS_KEY: ",".join(values.api_keys)},
+        "stringData": {SECRET_KEY: values.secret, API_KEYS_KEY: ",".join(values.api_keys)}
+        | ({PRIORITY_KEY: ",".join(values.priority_api_keys)} if values.priority_api_keys else {}),
     }
 
 
@@ -81,10 +89,14 @@ def secret_env(dep: Deployment, with_api_keys: bool) -> list[dict[str, Any]]:
     """Container env reading the Secret (never a value in the manifest itself)."""
     pairs = [(SECRET_ENV, SECRET_KEY)] + ([(API_KEYS_ENV, API_KEYS_KEY)] if with_api_keys else [])
     name = secret_name(dep)
-    return [
+    env = [
         {"name": env, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}
         for env, key in pairs
     ]
+    if with_api_keys:  # optional: an operator's own Secret may give no key this right
+        ref = {"name": name, "key": PRIORITY_KEY, "optional": True}
+        env.append({"name": PRIORITY_ENV, "valueFrom": {"secretKeyRef": ref}})
+    return env
 
 
 def checksum(config: str, values: SecretValues | None) -> str:
@@ -92,7 +104,7 @@ def checksum(config: str, values: SecretValues | None) -> str:
     same values); keyed by the secret, so it tells nothing about the API keys."""
     if values is None:  # an existing Secret: its changes need `kubectl rollout restart`
         return hashlib.sha256(config.encode()).hexdigest()
-    body = f"{config}\0{','.join(values.api_keys)}".encode()
+    body = f"{config}\0{','.join(values.api_keys)}\0{','.join(values.priority_api_keys)}".encode()
     return hmac.new(values.secret.encode(), body, hashlib.sha256).hexdigest()
 
 

@@ -113,7 +113,12 @@ def _env_value(
         return fields[source["fieldRef"]["fieldPath"]]
     if "secretKeyRef" in source:
         ref = source["secretKeyRef"]
-        return _data(_named(manifests, "Secret", ref["name"]), ref["key"])
+        try:
+            return _data(_named(manifests, "Secret", ref["name"]), ref["key"])
+        except KeyError:
+            if ref.get("optional"):  # Kubernetes leaves the variable unset; empty reads alike
+                return ""
+            raise
     if "configMapKeyRef" in source:
         ref = source["configMapKeyRef"]
         return _data(_named(manifests, "ConfigMap", ref["name"]), ref["key"])

@@ -237,7 +237,10 @@ def load_target(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[D
     if args.port is not None:
         router = replace(router, port=args.port)
     keys = (*router.api_keys, *([args.api_key] if args.api_key else []), *envs.api_keys())
-    router = replace(router, api_keys=tuple(dict.fromkeys(keys)))
+    vip = (*router.priority_api_keys, *envs.priority_api_keys())
+    router = replace(
+        router, api_keys=tuple(dict.fromkeys(keys)), priority_api_keys=tuple(dict.fromkeys(vip))
+    )
     return replace(dep, router=router), name
 
 

@@ -73,6 +73,17 @@ def test_api_keys_come_from_the_flag_and_the_environment(
     assert dep.router.api_keys == ("k", "e1", "e2")  # type: ignore[attr-defined]
 
 
+def test_priority_keys_come_from_the_environment_as_a_pod_gets_them(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`render k8s` moves `router.priority_api_keys` into the Secret; the router's pod reads
+    them back from HETERO_PD_PRIORITY_API_KEY."""
+    monkeypatch.setenv("HETERO_PD_API_KEY", "e1,vip")
+    monkeypatch.setenv("HETERO_PD_PRIORITY_API_KEY", " vip,")
+    dep, _ = _load(str(tiny_llama_dir))
+    assert dep.router.priority_api_keys == ("vip",)  # type: ignore[attr-defined]
+
+
 def test_bad_flag_values_name_the_flag(
     tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -49,6 +49,7 @@ def _env(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def _no_secrets_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HETERO_PD_SECRET", raising=False)
     monkeypatch.delenv("HETERO_PD_API_KEY", raising=False)
+    monkeypatch.delenv("HETERO_PD_PRIORITY_API_KEY", raising=False)
 
 
 def test_secrets_live_in_a_secret_read_through_secret_key_refs(
@@ -71,6 +72,26 @@ def test_secrets_live_in_a_secret_read_through_secret_key_refs(
     assert router["HETERO_PD_SECRET"]["valueFrom"] == worker["HETERO_PD_SECRET"]["valueFrom"] == ref
     assert router["HETERO_PD_API_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "api-keys"
     assert "HETERO_PD_API_KEY" not in worker  # workers never see the API keys
+    for doc in out:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_priority_keys_are_secrets_too(write_yaml: Callable[[str], Path]) -> None:
+    """Keys allowed to set `priority` are API keys: they leave the ConfigMap for the Secret,
+    which only the router reads (optional there, so an operator's own Secret may lack it)."""
+    router = "{port: 8000, api_keys: [k-123, vip-456], priority_api_keys: [vip-456]}"
+    out = k8s.render(
+        validate_file(write_yaml(BASE.replace("{port: 8000}", router)), "k8s").deployment
+    )
+    config = _docs(out, "ConfigMap")[0]["data"]["deployment.yaml"]
+    assert "vip-456" not in config and "priority_api_keys" not in config
+    (secret,) = _docs(out, "Secret")
+    assert secret["stringData"]["priority-api-keys"] == "vip-456"
+    assert k8s.dump(out).count("vip-456") == 2  # the Secret's two lists, nowhere else
+    router_env, worker = _env(_pod(out, "hetero-pd-router")), _env(_pod(out, "hetero-pd-decode"))
+    ref = router_env["HETERO_PD_PRIORITY_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "hetero-pd-secrets", "key": "priority-api-keys", "optional": True}
+    assert "HETERO_PD_PRIORITY_API_KEY" not in worker
     for doc in out:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
