@@ -11,6 +11,15 @@ import pytest
 
 from hetero_pd import LLM, SamplingParams
 
+#: Every architecture family, as its tiny random-weight fixture (tests/conftest.py).
+TINY_MODELS = (
+    "tiny_llama_dir",
+    "tiny_qwen2_dir",
+    "tiny_qwen3_dir",
+    "tiny_mixtral_dir",
+    "tiny_qwen3_moe_dir",
+)
+
 Ref = Callable[[Path, list[int], int], list[int]]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -28,16 +37,7 @@ def assert_matches(llm: LLM, path: Path, prompts: list[list[int]], hf_greedy: Re
     assert llm.engine.kv.num_used_blocks == 0, "blocks still in use after all finished"
 
 
-@pytest.mark.parametrize(
-    "model_fixture",
-    [
-        "tiny_llama_dir",
-        "tiny_qwen2_dir",
-        "tiny_qwen3_dir",
-        "tiny_mixtral_dir",
-        "tiny_qwen3_moe_dir",
-    ],
-)
+@pytest.mark.parametrize("model_fixture", TINY_MODELS)
 def test_mixed_lengths_with_chunked_prefill(
     model_fixture: str, request: pytest.FixtureRequest, hf_greedy: Ref
 ) -> None:

@@ -18,6 +18,8 @@ from hetero_pd.models.llama import CausalLM, KVCache
 from hetero_pd.models.loader import load_model
 from hetero_pd.sampling_params import SamplingParams
 
+from .test_greedy_equivalence import TINY_MODELS
+
 BLOCK_SIZE, NUM_BLOCKS = 4, 16
 PROMPT = [3, 141, 59, 265, 358, 97, 93, 238, 462, 64, 33]  # 11 tokens: three blocks
 NEXT_TOKEN = 279
@@ -108,16 +110,7 @@ def test_one_layer_at_a_time_equals_full(model: CausalLM) -> None:
     torch.testing.assert_close(h, h_full, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "model_fixture",
-    [
-        "tiny_llama_dir",
-        "tiny_qwen2_dir",
-        "tiny_qwen3_dir",
-        "tiny_mixtral_dir",
-        "tiny_qwen3_moe_dir",
-    ],
-)
+@pytest.mark.parametrize("model_fixture", TINY_MODELS)
 @pytest.mark.parametrize("kernels", [False, True])
 def test_full_stack_logits_equal_transformers(
     model_fixture: str, kernels: bool, request: pytest.FixtureRequest
