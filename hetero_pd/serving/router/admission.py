@@ -38,8 +38,12 @@ class Admission:
 
     max_inflight: int
     max_per_key: int
-    total: int = 0
     by_key: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        """Completions in flight, all keys together (a key holds one entry at most)."""
+        return sum(self.by_key.values())
 
     @property
     def largest(self) -> int:
@@ -61,12 +65,10 @@ class Admission:
             raise RouterError(
                 429, "the server is at capacity; retry shortly", "overloaded", RETRY_AFTER_S
             )
-        self.total += count
         self.by_key[key] = held + count
         return Slots(self, key, count)
 
     def give_back(self, key: str, count: int) -> None:
-        self.total -= count
         left = self.by_key[key] - count
         if left:
             self.by_key[key] = left
