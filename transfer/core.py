@@ -315,7 +315,7 @@ class Core:
             case Error() if not msg.transfer_id:
                 self.linker.on_session_error(session, msg)
             case Error():
-                if not self.puller.on_error(msg):
+                if not self.puller.on_error(session, msg):
                     self.sender.on_reply(session, msg)
             case Regions():
                 session.regions = wire.regions_by_name(msg.regions)

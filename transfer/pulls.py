@@ -109,10 +109,11 @@ class Puller:
         if pull is not None:
             self.loop.finish(pull.handle, TransferState.DONE)
 
-    def on_error(self, msg: Error) -> bool:
-        """An ERROR about one of our pulls (a final one fails it); True if it was one."""
+    def on_error(self, session: Session, msg: Error) -> bool:
+        """An ERROR about one of our pulls from its source (a final one fails it); True if it
+        was one. Another peer naming our pull is not heard: only the source can end it."""
         pull = self.pending.get(msg.transfer_id)
-        if pull is None:
+        if pull is None or session.peer_id != pull.handle.peer:
             return False
         code = msg.status
         if not code.recoverable:

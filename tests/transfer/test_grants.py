@@ -23,7 +23,7 @@ from transfer import (
     check_secret,
     wire,
 )
-from transfer.messages import Challenge, Hello, Landed
+from transfer.messages import Challenge, Error, Hello, Landed
 from transfer.testing import PeerProcess, blocks_digest, fill, make_config
 
 from .conftest import FAST, REGION
@@ -335,3 +335,28 @@ def test_a_pull_the_source_cannot_serve_fails_at_once_not_at_its_deadline(
     source.progress()
     assert source.held_blocks() == {}
     reader.release("doomed-dst")
+
+
+def test_only_the_pulls_source_can_end_it(make_engine: Callable[..., TransferEngine]) -> None:
+    """Another authenticated peer names our pull in a final ERROR (NOT_SERVED) while the
+    source is still about to serve it: it is not the pull's source, so the pull goes on and
+    is served."""
+    slow = [{"kind": "delay", "msg_type": "begin", "nth": 1, "count": 1, "delay_s": 1.0}]
+    source, reader, meddler = make_engine(faults=slow), make_engine(), make_engine()
+    reader.link(source.engine_id, source.address)
+    meddler.link(reader.engine_id, reader.address)
+    offer = source.offer("held", [5, 6], reader=reader.engine_id)
+    recv = reader.reserve("held-dst", [20, 21])
+    assert offer.blocks is not None and recv.blocks is not None
+    h = reader.pull_blocks(source.engine_id, offer.blocks, recv.blocks)
+    core = meddler._core  # a peer that knows the secret but is not the source
+    lie = Error.of(h.transfer_id, TransferError(StatusCode.NOT_SERVED, "forged"))
+
+    def forge() -> None:
+        session = core.linker.session_for(reader.engine_id)
+        assert session is not None
+        core.outbox.post(session, lie)
+
+    core.loop.call_wait(forge, 5)
+    assert h.wait(10) is TransferState.DONE, h.error  # the source's BEGIN came 1 s later
+    reader.release("held-dst")
