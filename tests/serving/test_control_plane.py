@@ -114,6 +114,50 @@ def test_an_outsider_is_neither_answered_nor_obeyed(stack: Stack) -> None:
     stack.wait_idle()
 
 
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().split("=", 1) for e in raw if b"=" in e)
+
+
+def test_a_worker_cannot_act_as_the_router(stack: Stack) -> None:
+    """A compromised worker holds what its environment gives it: never the deployment
+    secret (the router's control key derives from it), and none of its own keys completes
+    the router's handshake with another worker: no frame of it is answered or obeyed."""
+    assert stack.launcher is not None and stack.router is not None
+    env = _environ(stack.launcher.pids()["prefill-0"])
+    assert secrets.ENV not in env, "a worker was given the deployment secret"
+    from hetero_pd.serving.control import auth
+
+    held = auth.WorkerKeys.of(auth.WorkerCredential.parse(env[secrets.WORKER_ENV]))
+    decode = stack.router.workers["decode-0"]
+    before = heartbeat_after(stack, "decode-0", time.monotonic())
+    ctx = zmq.Context()
+    answers = []
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_serverkey = held.server_public
+        sock.curve_publickey = held.server_public  # the only key pair a worker has
+        sock.curve_secretkey = held.server_secret
+        sock.connect(decode.address)
+        for frame in intruder_frames():
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            if sock.poll(10):
+                answers.append(sock.recv())
+    finally:
+        ctx.destroy(linger=0)
+    assert answers == []
+    after = heartbeat_after(stack, "decode-0", time.monotonic())
+    assert after.frames_rejected >= before.frames_rejected + 1
+    assert after.free_blocks == before.free_blocks and after.waiting == after.running == 0
+    stack.wait_idle()
+
+
 def test_the_secret_is_never_on_a_command_line(stack: Stack) -> None:
     assert stack.launcher is not None
     for pid in stack.launcher.pids().values():
