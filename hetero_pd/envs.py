@@ -44,6 +44,11 @@ def deployment_secret(environ: Mapping[str, str] | None = None) -> str:
     return (os.environ if environ is None else environ).get("HETERO_PD_SECRET", "")
 
 
+def worker_key() -> str:
+    """$HETERO_PD_WORKER_KEY: a worker's credential (hetero_pd/secrets.py); "" when unset."""
+    return os.environ.get("HETERO_PD_WORKER_KEY", "")
+
+
 def api_keys(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """$HETERO_PD_API_KEY: comma-separated API keys; () when unset."""
     return _keys("HETERO_PD_API_KEY", environ)

@@ -95,12 +95,30 @@ async def _run(dep: Deployment, configs: list[WorkerConfig], router: RouterMain 
         await procs.stop(dep.supervisor.stop_grace_s)
 
 
+def worker_env() -> dict[str, str]:
+    """The environment of this host's workers: their credential, made from the deployment
+    secret on the router's host, or given as it is on a host of workers only (which then
+    never holds the secret)."""
+    secret = secrets.from_env(required=False)
+    if secret:
+        return secrets.worker_environment(dict(os.environ), secret)
+    try:
+        secrets.worker_credential_from_env()
+    except secrets.SecretError as e:
+        raise secrets.SecretError(
+            f"{e}; or set {secrets.ENV} (the router's host needs it; a host of workers "
+            f"only is better given {secrets.WORKER_ENV}: `python -m hetero_pd.secrets` "
+            "prints it from the secret)"
+        ) from None
+    return dict(os.environ)
+
+
 class HostWorkers:
     """This host's worker processes, for the supervisor (`Processes`); no router here, so
     `mark_dead` is nothing: the router notices the missing heartbeats itself."""
 
     def __init__(self, configs: list[WorkerConfig], dep: Deployment) -> None:
-        self.secret = secrets.from_env()  # the operator's, the same on every host
+        self.env = worker_env()
         self.configs = {c.worker_id: c for c in configs}
         self.ready_timeout_s = dep.supervisor.ready_timeout_s
         self.procs: dict[str, asyncio.subprocess.Process] = {}
@@ -131,10 +149,10 @@ class HostWorkers:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             start_new_session=True,
-            env={**os.environ, secrets.ENV: self.secret.decode()},
+            env=self.env,
         )
         assert proc.stdin is not None
-        proc.stdin.write(cfg.to_json())  # the config on stdin, the secret by environment
+        proc.stdin.write(cfg.to_json())  # the config on stdin, the credential by environment
         proc.stdin.close()
         self.procs[worker_id] = proc
         line = await asyncio.wait_for(_ready_line(proc), self.ready_timeout_s)

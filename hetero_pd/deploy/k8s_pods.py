@@ -57,7 +57,7 @@ def container(
 
 def router_container(dep: Deployment) -> dict[str, Any]:
     k, port = dep.kubernetes, dep.router.port
-    env = k8s_secrets.secret_env(dep, with_api_keys=True)
+    env = k8s_secrets.secret_env(dep, router=True)
     c = container(dep, "router", "router", ["--role", "router", "--host", "0.0.0.0"], env)
     c["ports"] = [{"name": "http", "containerPort": port}]
     c["resources"] = {
@@ -75,7 +75,7 @@ def worker_pod(dep: Deployment, kind: str) -> dict[str, Any]:
     k = dep.kubernetes
     args = ["--role", "worker", "--worker-id", "$(POD_NAME)", "--host", "$(POD_IP)"]
     args += ["--alive-file", ALIVE_FILE]
-    env = [*_field_env("POD_IP", "status.podIP"), *k8s_secrets.secret_env(dep, False)]
+    env = [*_field_env("POD_IP", "status.podIP"), *k8s_secrets.secret_env(dep, router=False)]
     c = container(dep, "worker", kind, args, env)
     c["ports"] = [
         {"name": "control", "containerPort": k.base_port},

@@ -1,7 +1,10 @@
 """What guards a deployment on Kubernetes: its Secret, the NetworkPolicy on worker ports, and
 the checksum that rolls the pods when either the file or the secrets change.
 
-    Secret <name>-secrets   secret             the deployment secret (HETERO_PD_SECRET, every pod)
+    Secret <name>-secrets   secret             the deployment secret (HETERO_PD_SECRET, router)
+                            worker-key         the workers' credential, made from the secret
+                                               (HETERO_PD_WORKER_KEY, workers: they never
+                                               hold the secret, so none can act as the router)
                             api-keys           comma-separated API keys (HETERO_PD_API_KEY, router)
                             priority-api-keys  those of them that may set `priority`
                                                (HETERO_PD_PRIORITY_API_KEY, router; optional)
@@ -10,7 +13,8 @@ The values come from the file (`transfer.secret`, `router.api_keys`,
 `router.priority_api_keys`; all are then taken out of the ConfigMap's copy), else from
 HETERO_PD_SECRET / HETERO_PD_API_KEY / HETERO_PD_PRIORITY_API_KEY when rendering,
 else the secret is generated (keep it by exporting HETERO_PD_SECRET before rendering again).
-With `kubernetes.existing_secret` the operator manages the Secret and none is rendered.
+With `kubernetes.existing_secret` the operator manages the Secret and none is rendered; it
+needs the same keys (`python -m hetero_pd.secrets` prints worker-key for $HETERO_PD_SECRET).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ import yaml
 
 from hetero_pd import envs
 from hetero_pd.deploy.schema import Deployment
+from hetero_pd.secrets import WORKER_ENV, WorkerCredential
 
 SECRET_KEY, API_KEYS_KEY, PRIORITY_KEY = "secret", "api-keys", "priority-api-keys"
+WORKER_KEY = "worker-key"
 SECRET_ENV, API_KEYS_ENV = "HETERO_PD_SECRET", "HETERO_PD_API_KEY"
 PRIORITY_ENV = "HETERO_PD_PRIORITY_API_KEY"
 CHECKSUM_ANNOTATION = "hetero-pd/config-checksum"
@@ -80,20 +86,26 @@ def secret_manifest(dep: Deployment, values: SecretValues, meta: dict[str, Any])
         "kind": "Secret",
         "metadata": meta,
         "type": "Opaque",
-        "stringData": {SECRET_KEY: values.secret, API_KEYS_KEY: ",".join(values.api_keys)}
+        "stringData": {
+            SECRET_KEY: values.secret,
+            WORKER_KEY: WorkerCredential.of(values.secret.encode()).text(),
+            API_KEYS_KEY: ",".join(values.api_keys),
+        }
         | ({PRIORITY_KEY: ",".join(values.priority_api_keys)} if values.priority_api_keys else {}),
     }
 
 
-def secret_env(dep: Deployment, with_api_keys: bool) -> list[dict[str, Any]]:
-    """Container env reading the Secret (never a value in the manifest itself)."""
-    pairs = [(SECRET_ENV, SECRET_KEY)] + ([(API_KEYS_ENV, API_KEYS_KEY)] if with_api_keys else [])
+def secret_env(dep: Deployment, router: bool) -> list[dict[str, Any]]:
+    """Container env reading the Secret (never a value in the manifest itself): the router's
+    (the secret, the API keys), else a worker's (its credential only)."""
+    pairs = [(SECRET_ENV, SECRET_KEY), (API_KEYS_ENV, API_KEYS_KEY)] if router else []
+    pairs = pairs or [(WORKER_ENV, WORKER_KEY)]
     name = secret_name(dep)
     env = [
         {"name": env, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}
         for env, key in pairs
     ]
-    if with_api_keys:  # optional: an operator's own Secret may give no key this right
+    if router:  # optional: an operator's own Secret may give no key this right
         ref = {"name": name, "key": PRIORITY_KEY, "optional": True}
         env.append({"name": PRIORITY_ENV, "valueFrom": {"secretKeyRef": ref}})
     return env

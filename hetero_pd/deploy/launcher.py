@@ -4,8 +4,9 @@ Each worker prints one READY line with the addresses it bound (ports chosen by t
 no port is configured by hand. A worker that exits is taken out of rotation at once and
 restarted with backoff; stopping SIGTERMs, then SIGKILLs, and reaps every worker.
 
-A worker gets its config as JSON on stdin and the deployment secret in its environment
-(`HETERO_PD_SECRET`): nothing secret is ever on a command line.
+A worker gets its config as JSON on stdin and its credential in its environment
+(`HETERO_PD_WORKER_KEY`; never the deployment secret): nothing secret is ever on a command
+line.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class Launcher:
 
     async def _spawn(self, cfg: WorkerConfig) -> None:
         cmd = [sys.executable, "-m", "hetero_pd.serving.worker.main"]
-        env = {**os.environ, secrets.ENV: self.secret.decode()}
+        env = secrets.worker_environment(dict(os.environ), self.secret)
         # how idle OpenMP threads wait (hetero_pd/__init__.py; set in the environment so a
         # worker's log of it is true)
         omp_wait_defaults(env)

@@ -38,7 +38,7 @@ from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.models.tokenizer import load_tokenizer
 from hetero_pd.serving.api.app import ApiState, create_app
-from hetero_pd.serving.control.auth import CurveKeys
+from hetero_pd.serving.control.auth import RouterKeys
 from hetero_pd.serving.router.metrics import ServingMetrics
 from hetero_pd.serving.router.router import Router
 
@@ -72,7 +72,7 @@ async def serve(
     secret = deployment_secret(dep, generate=discover is None)
     router = Router(
         dep.router.router_config(dep.engine.block_size),
-        CurveKeys.from_secret(secret),
+        RouterKeys.from_secret(secret),
         ServingMetrics(model_name=names[0]),
     )
     launcher = Launcher(dep, router, secret) if discover is None else None

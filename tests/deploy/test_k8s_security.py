@@ -17,6 +17,7 @@ from hetero_pd.deploy.cli import render_main, validate_main
 from hetero_pd.deploy.schema import load_deployment
 from hetero_pd.deploy.source import ConfigError
 from hetero_pd.deploy.validate import validate_file
+from hetero_pd.secrets import WorkerCredential
 
 from .test_k8s import K8S_VERSION
 
@@ -56,20 +57,29 @@ def test_secrets_live_in_a_secret_read_through_secret_key_refs(
     write_yaml: Callable[[str], Path],
 ) -> None:
     text = BASE.replace("{port: 8000}", "{port: 8000, api_keys: [k-123]}")
-    path = write_yaml(text.replace("[tcp]}", "[tcp], secret: s3cr3t}"))
+    path = write_yaml(text.replace("[tcp]}", "[tcp], secret: s3cr3t-of-16-bytes}"))
     out = k8s.render(validate_file(path, "k8s").deployment)
     text = k8s.dump(out)
     assert "api_keys" in path.read_text()
     (secret,) = _docs(out, "Secret")
     assert secret["metadata"]["name"] == "hetero-pd-secrets"
-    assert secret["stringData"] == {"secret": "s3cr3t", "api-keys": "k-123"}
+    worker_key = WorkerCredential.of(b"s3cr3t-of-16-bytes").text()
+    assert secret["stringData"] == {
+        "secret": "s3cr3t-of-16-bytes",
+        "worker-key": worker_key,
+        "api-keys": "k-123",
+    }
     config = _docs(out, "ConfigMap")[0]["data"]["deployment.yaml"]
     assert "s3cr3t" not in config and "k-123" not in config
     assert yaml.safe_load(config)["workers"][0]["role"] == "prefill"  # still the deployment
     assert text.count("s3cr3t") == 1 and text.count("k-123") == 1  # only in the Secret
     router, worker = _env(_pod(out, "hetero-pd-router")), _env(_pod(out, "hetero-pd-decode"))
     ref = {"secretKeyRef": {"name": "hetero-pd-secrets", "key": "secret"}}
-    assert router["HETERO_PD_SECRET"]["valueFrom"] == worker["HETERO_PD_SECRET"]["valueFrom"] == ref
+    assert router["HETERO_PD_SECRET"]["valueFrom"] == ref
+    ref = {"secretKeyRef": {"name": "hetero-pd-secrets", "key": "worker-key"}}
+    assert worker["HETERO_PD_WORKER_KEY"]["valueFrom"] == ref
+    assert "HETERO_PD_SECRET" not in worker  # a worker's key cannot act as the router
+    assert "HETERO_PD_WORKER_KEY" not in router
     assert router["HETERO_PD_API_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "api-keys"
     assert "HETERO_PD_API_KEY" not in worker  # workers never see the API keys
     for doc in out:
@@ -108,14 +118,16 @@ def test_an_absent_secret_is_generated_or_taken_from_the_environment(
     out_file = path.with_suffix(".out.yaml")
     assert render_main(["k8s", str(path), "-o", str(out_file)]) == 0
     assert "generated a new deployment secret" in capsys.readouterr().err
-    monkeypatch.setenv("HETERO_PD_SECRET", "from-env")
+    monkeypatch.setenv("HETERO_PD_SECRET", "from-env-16-bytes")
     monkeypatch.setenv("HETERO_PD_API_KEY", "a, b")
     values = k8s_secrets.secret_values(dep)
-    assert (values.secret, values.api_keys, values.generated) == ("from-env", ("a", "b"), False)
+    want = ("from-env-16-bytes", ("a", "b"), False)
+    assert (values.secret, values.api_keys, values.generated) == want
     assert render_main(["k8s", str(path), "-o", str(out_file)]) == 0
     assert "generated" not in capsys.readouterr().err
     (secret,) = [d for d in yaml.safe_load_all(out_file.read_text()) if d["kind"] == "Secret"]
-    assert secret["stringData"] == {"secret": "from-env", "api-keys": "a,b"}
+    assert secret["stringData"]["secret"] == "from-env-16-bytes"
+    assert secret["stringData"]["api-keys"] == "a,b"
 
 
 def test_an_existing_secret_is_referenced_not_rendered(write_yaml: Callable[[str], Path]) -> None:
@@ -123,6 +135,8 @@ def test_an_existing_secret_is_referenced_not_rendered(write_yaml: Callable[[str
     out = k8s.render(load_deployment(path))
     assert not _docs(out, "Secret")
     env = _env(_pod(out, "hetero-pd-prefill"))
+    assert env["HETERO_PD_WORKER_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "ops-managed"
+    env = _env(_pod(out, "hetero-pd-router"))
     assert env["HETERO_PD_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "ops-managed"
 
 
@@ -152,12 +166,13 @@ def test_a_change_of_file_or_secret_rolls_every_pod(write_yaml: Callable[[str], 
         assert len(templates) == 3
         return {t["metadata"]["annotations"][k8s_secrets.CHECKSUM_ANNOTATION] for t in templates}
 
-    base = sums(BASE, "a")
+    a, b = "a" * 16, "b" * 16
+    base = sums(BASE, a)
     assert len(base) == 1  # router and workers roll together
-    assert sums(BASE, "a") == base
-    assert sums(BASE, "b") != base
-    assert sums(BASE, "a", ("key",)) != base
-    assert sums(BASE.replace("port: 8000", "port: 8001"), "a") != base
+    assert sums(BASE, a) == base
+    assert sums(BASE, b) != base
+    assert sums(BASE, a, ("key",)) != base
+    assert sums(BASE.replace("port: 8000", "port: 8001"), a) != base
 
 
 def test_pods_get_their_kinds_image_runtime_and_driver_mounts(

@@ -12,6 +12,7 @@ import pytest
 from hetero_pd.deploy import k8s, pods
 from hetero_pd.deploy.k8s_secrets import SecretValues
 from hetero_pd.deploy.schema import load_deployment
+from hetero_pd.secrets import WorkerCredential
 
 CONFIG = """
 version: 1
@@ -28,7 +29,7 @@ def test_a_worker_pod_runs_its_containers_exact_command(
     write_yaml: Callable[[str], Path], tmp_path: Path
 ) -> None:
     dep = load_deployment(write_yaml(CONFIG))
-    manifests = k8s.render(dep, SecretValues("the-secret", ("key-1",)))
+    manifests = k8s.render(dep, SecretValues("the-deployment-secret", ("key-1",)))
     image_env = {"PATH": "/usr/bin", "HOME": "/tmp"}
     pod = pods.pod_process(
         manifests, "lab-decode", "lab-decode-1", "10.9.0.4", tmp_path, {"weights": "/w"}, image_env
@@ -43,7 +44,9 @@ def test_a_worker_pod_runs_its_containers_exact_command(
         for part in written[1:]
     ]
     assert Path(pod.argv[0]).name in ("hetero-pd", Path(sys.executable).name)
-    assert pod.env["HETERO_PD_SECRET"] == "the-secret" and "HETERO_PD_API_KEY" not in pod.env
+    credential = WorkerCredential.of(b"the-deployment-secret").text()
+    assert pod.env["HETERO_PD_WORKER_KEY"] == credential and "HETERO_PD_API_KEY" not in pod.env
+    assert "HETERO_PD_SECRET" not in pod.env
     assert pod.env["POD_NAME"] == "lab-decode-1" and pod.env["POD_IP"] == "10.9.0.4"
     assert pod.env["HETERO_PD_CACHE_DIR"] == k8s.MODEL_DIR and pod.env["HOME"] == "/tmp"
     assert pod.component == "decode"

@@ -146,8 +146,8 @@ def small_engine(model: Path) -> EngineConfig:
 
 
 def spawn_worker(cfg: WorkerConfig, **kwargs: Any) -> subprocess.Popen[bytes]:
-    """A worker process as the launcher starts one: config on stdin, secret in its env."""
-    env = {**os.environ, secrets.ENV: SECRET}
+    """A worker process as the launcher starts one: config on stdin, credential in its env."""
+    env = secrets.worker_environment(dict(os.environ), SECRET.encode())
     proc = subprocess.Popen(WORKER, stdin=subprocess.PIPE, env=env, **kwargs)
     assert proc.stdin is not None
     proc.stdin.write(cfg.to_json())
@@ -164,7 +164,7 @@ def test_a_worker_whose_launcher_is_gone_stops(tiny_llama_dir: Path, tmp_path: P
         alive_file=str(alive),
         parent_pid=1,  # not its parent: as if its launcher died and it was re-parented
     )
-    env = {**os.environ, secrets.ENV: SECRET}
+    env = secrets.worker_environment(dict(os.environ), SECRET.encode())
     proc = subprocess.run(
         WORKER, input=cfg.to_json(), capture_output=True, timeout=60, env=env, check=False
     )
@@ -191,7 +191,7 @@ def test_cluster_router_reconnects_to_a_replaced_worker_pod(tiny_llama_dir: Path
     """The router side of a cluster: it connects by a derived address and, when the worker's
     pod is replaced (same name and port, new process), greets the new one."""
     from hetero_pd.deploy.cluster import keep_connected
-    from hetero_pd.serving.control.auth import CurveKeys
+    from hetero_pd.serving.control.auth import RouterKeys
     from hetero_pd.serving.router.router import Router, RouterConfig
 
     port = _free_port()
@@ -213,7 +213,7 @@ def test_cluster_router_reconnects_to_a_replaced_worker_pod(tiny_llama_dir: Path
 
     async def scenario() -> tuple[int, int]:
         router = Router(
-            RouterConfig(heartbeat_timeout_s=0.5), CurveKeys.from_secret(SECRET.encode())
+            RouterConfig(heartbeat_timeout_s=0.5), RouterKeys.from_secret(SECRET.encode())
         )
         pod = spawn_worker(cfg, **quiet)
         task = asyncio.create_task(keep_connected(router, "decode-0", f"tcp://127.0.0.1:{port}"))
@@ -244,7 +244,7 @@ def test_a_worker_whose_transfer_engine_died_exits_to_be_restarted(tiny_llama_di
     from hetero_pd.serving.worker.main import Worker
 
     cfg = WorkerConfig("prefill-0", "prefill", small_engine(tiny_llama_dir))
-    worker = Worker(cfg, SECRET.encode())
+    worker = Worker(cfg, secrets.WorkerCredential.of(SECRET.encode()))
     try:
         assert worker.transfer.healthy()
 

@@ -21,7 +21,7 @@ from hetero_pd.deploy.testing import Stack, deployment, running_stack
 from hetero_pd.serving.api import edge_protocol as E
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import values as V
-from hetero_pd.serving.control.auth import CurveKeys, secure_client
+from hetero_pd.serving.control.auth import RouterKeys, WorkerKeys, secure_client
 from hetero_pd.serving.control.server import ControlServer
 from transfer import RemoteBlocks
 
@@ -75,7 +75,7 @@ def test_an_outsider_is_neither_answered_nor_obeyed(stack: Stack) -> None:
     workers = {w.id: w.address for w in stack.router.workers.values()}
     start = time.monotonic()
     before = {wid: heartbeat_after(stack, wid, start) for wid in workers}
-    wrong = CurveKeys.from_secret(secrets.generate().encode())
+    wrong = RouterKeys.from_secret(secrets.generate().encode())
     ctx = zmq.Context()
     answered: dict[str, list[bytes]] = {}
     try:
@@ -126,9 +126,7 @@ def test_a_worker_cannot_act_as_the_router(stack: Stack) -> None:
     assert stack.launcher is not None and stack.router is not None
     env = _environ(stack.launcher.pids()["prefill-0"])
     assert secrets.ENV not in env, "a worker was given the deployment secret"
-    from hetero_pd.serving.control import auth
-
-    held = auth.WorkerKeys.of(auth.WorkerCredential.parse(env[secrets.WORKER_ENV]))
+    held = WorkerKeys.of(secrets.WorkerCredential.parse(env[secrets.WORKER_ENV]))
     decode = stack.router.workers["decode-0"]
     before = heartbeat_after(stack, "decode-0", time.monotonic())
     ctx = zmq.Context()
@@ -163,8 +161,8 @@ def test_the_secret_is_never_on_a_command_line(stack: Stack) -> None:
     for pid in stack.launcher.pids().values():
         argv = Path(f"/proc/{pid}/cmdline").read_bytes()
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        secret = next(e for e in env if e.startswith(secrets.ENV.encode() + b"="))
-        assert len(secret) > len(secrets.ENV) + 16
+        secret = next(e for e in env if e.startswith(secrets.WORKER_ENV.encode() + b"="))
+        assert len(secret) > len(secrets.WORKER_ENV) + 16
         assert secret.split(b"=", 1)[1] not in argv
 
 
@@ -180,11 +178,11 @@ def test_worker_threads_spin_only_briefly(stack: Stack) -> None:
 def test_a_router_that_stops_reading_loses_no_frame() -> None:
     """A ROUTER socket once dropped 8,036 of 20,000 frames at its high-water mark without
     an error; now a full pipe queues them, and they all arrive, in order, once read."""
-    keys = CurveKeys.from_secret(secrets.generate().encode())
-    server = ControlServer("127.0.0.1", 0, keys)
+    secret = secrets.generate().encode()
+    server = ControlServer("127.0.0.1", 0, WorkerKeys.from_secret(secret))
     ctx = zmq.Context()
     client = ctx.socket(zmq.DEALER)
-    secure_client(client, keys)
+    secure_client(client, RouterKeys.from_secret(secret))
     client.setsockopt(zmq.RCVHWM, 100)
     client.connect(f"tcp://127.0.0.1:{server.port}")
     try:
@@ -252,8 +250,7 @@ def test_a_lost_output_fails_the_request_instead_of_truncating_it(tiny_llama_dir
     from hetero_pd.serving.router.router import Router, RouterConfig
 
     secret = secrets.generate().encode()
-    keys = CurveKeys.from_secret(secret)
-    server = ControlServer("127.0.0.1", 0, keys)
+    server = ControlServer("127.0.0.1", 0, WorkerKeys.from_secret(secret))
     info = V.WorkerInfo(address=f"tcp://127.0.0.1:{server.port}", max_model_len=64)
 
     async def fake_worker(stop: asyncio.Event) -> None:
@@ -270,7 +267,7 @@ def test_a_lost_output_fails_the_request_instead_of_truncating_it(tiny_llama_dir
             await asyncio.sleep(0.01)
 
     async def scenario() -> str:
-        router = Router(RouterConfig(), keys)
+        router = Router(RouterConfig(), RouterKeys.from_secret(secret))
         stop = asyncio.Event()
         task = asyncio.create_task(fake_worker(stop))
         try:
@@ -301,3 +298,22 @@ def test_the_environment_carries_the_secret_to_workers(monkeypatch: pytest.Monke
     assert secrets.from_env() == b"s" * 32
     assert secrets.derive(b"s" * 32, "control") != secrets.derive(b"s" * 32, "transfer")
     assert os.environ[secrets.ENV] == "s" * 32
+
+
+def test_a_worker_credential_round_trips_and_holds_no_router_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    secret = secrets.generate().encode()
+    credential = secrets.WorkerCredential.of(secret)
+    monkeypatch.setenv(secrets.WORKER_ENV, credential.text())
+    assert secrets.worker_credential_from_env() == credential
+    router, worker = RouterKeys.from_secret(secret), WorkerKeys.of(credential)
+    assert worker.router_public == router.client_public != worker.server_public
+    assert router.client_secret not in credential.text().encode() + credential.material
+    assert secret.decode() not in credential.text()
+    for bad in ("", "hpdw1.x.y", credential.text().replace("hpdw1", "hpdw2")):
+        monkeypatch.setenv(secrets.WORKER_ENV, bad)
+        with pytest.raises(secrets.SecretError, match=secrets.WORKER_ENV):
+            secrets.worker_credential_from_env()
+    env = secrets.worker_environment({secrets.ENV: secret.decode(), "PATH": "/bin"}, secret)
+    assert env == {"PATH": "/bin", secrets.WORKER_ENV: credential.text()}

@@ -36,7 +36,7 @@ from hetero_pd.serving.api.responses import (
     usage_chunk,
 )
 from hetero_pd.serving.api.state import ApiState
-from hetero_pd.serving.control.auth import CurveKeys
+from hetero_pd.serving.control.auth import RouterKeys
 from hetero_pd.serving.router.router import Router, RouterConfig
 from hetero_pd.serving.worker.config import WorkerConfig
 from hetero_pd.serving.worker.main import Worker
@@ -150,7 +150,7 @@ def worker(chat_model: Path) -> Iterator[tuple[Worker, bytes]]:
     real engine behind a real control endpoint, without a process to start."""
     secret = secrets.generate().encode()
     engine = EngineConfig(model=str(chat_model), dtype="float32", num_threads=1, num_kv_blocks=64)
-    w = Worker(WorkerConfig("both-0", "both", engine), secret)
+    w = Worker(WorkerConfig("both-0", "both", engine), secrets.WorkerCredential.of(secret))
     thread = threading.Thread(target=w.serve_forever, name="test-worker", daemon=True)
     thread.start()
     try:
@@ -167,7 +167,7 @@ async def _with_client(
     """`create_app` as `serve` builds it, over a router linked to `worker`, on a free port;
     `body` drives it with the official async client."""
     w, secret = worker
-    router = Router(RouterConfig(), CurveKeys.from_secret(secret))
+    router = Router(RouterConfig(), RouterKeys.from_secret(secret))
     runner: web.AppRunner | None = None
     client: openai.AsyncOpenAI | None = None
     try:

@@ -18,7 +18,7 @@ import zmq
 from hetero_pd import secrets
 from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack, wait_gone
 from hetero_pd.serving.control import protocol as P
-from hetero_pd.serving.control.auth import CurveKeys, secure_client
+from hetero_pd.serving.control.auth import RouterKeys, secure_client
 from transfer import (
     KVRegion,
     StatusCode,
@@ -48,7 +48,7 @@ class SecondRouter:
     def __init__(self, address: str, secret: bytes) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        secure_client(self.sock, CurveKeys.from_secret(secret))
+        secure_client(self.sock, RouterKeys.from_secret(secret))
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
         self.codec = P.router_codec()
@@ -94,7 +94,7 @@ def test_only_the_chosen_prefill_worker_writes_reserved_blocks(
                 P.Reserved,
             )
             dest = reserved.blocks
-            key = secrets.derive(secret, "transfer")
+            key = secrets.WorkerCredential.of(secret).key("transfer")
             intruder = TransferEngine(
                 "prefill-1", "prefill", TransferConfig(secret=key, transports=("shm", "tcp"))
             )

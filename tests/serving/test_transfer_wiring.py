@@ -15,7 +15,7 @@ import pytest
 from hetero_pd import secrets
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import values as V
-from hetero_pd.serving.control.auth import CurveKeys
+from hetero_pd.serving.control.auth import RouterKeys, WorkerKeys
 from hetero_pd.serving.control.server import ControlServer
 from hetero_pd.serving.router.router import Router, RouterConfig
 from hetero_pd.serving.worker.prefill_push import PushTracker
@@ -66,7 +66,7 @@ class FakeWorker:
     """A worker's control endpoint (real socket, real CurveZMQ) that answers hello and
     sends heartbeats saying whether its transfer engine is healthy."""
 
-    def __init__(self, keys: CurveKeys) -> None:
+    def __init__(self, keys: WorkerKeys) -> None:
         self.server = ControlServer("127.0.0.1", 0, keys)
         self.healthy = True
         self.stop = threading.Event()
@@ -90,11 +90,11 @@ class FakeWorker:
 
 
 def test_no_request_goes_to_a_worker_whose_transfer_engine_is_dead() -> None:
-    keys = CurveKeys.from_secret(secrets.generate().encode())
-    worker = FakeWorker(keys)
+    secret = secrets.generate().encode()
+    worker = FakeWorker(WorkerKeys.from_secret(secret))
 
     async def run() -> None:
-        router = Router(RouterConfig(heartbeat_timeout_s=5.0), keys)
+        router = Router(RouterConfig(heartbeat_timeout_s=5.0), RouterKeys.from_secret(secret))
         try:
             await router.add_worker("decode-9", f"tcp://127.0.0.1:{worker.server.port}", 10.0)
 
@@ -123,7 +123,8 @@ def test_no_request_goes_to_a_worker_whose_transfer_engine_is_dead() -> None:
 def test_a_worker_advertises_its_host_for_transfers_and_derives_their_key() -> None:
     """Bound to 0.0.0.0 (a pod), a worker's transfer engine advertises the worker's
     reachable name for its link and data channel, and links only with the key derived
-    from the deployment secret (required: an empty key never starts)."""
+    from the worker's credential, never the deployment secret itself (an empty key never
+    starts)"""
     from hetero_pd.config import EngineConfig
     from hetero_pd.serving.worker.config import WorkerConfig, transfer_config
     from transfer import TransferConfig
@@ -137,10 +138,12 @@ def test_a_worker_advertises_its_host_for_transfers_and_derives_their_key() -> N
         host="0.0.0.0",
         advertise_host="decode-0.pd.svc",
     )
-    t = transfer_config(cfg, secret)
+    credential = secrets.WorkerCredential.of(secret)
+    t = transfer_config(cfg, credential)
     assert t.advertise_host == "decode-0.pd.svc" and t.require_secret
-    assert t.secret == secrets.derive(secret, "transfer") != secret
+    assert t.secret == credential.key("transfer")
+    assert t.secret not in (secret, secrets.derive(secret, "transfer"))
     own = replace(cfg, transfer=TransferConfig(host="0.0.0.0", advertise_host="10.0.0.7"))
-    assert transfer_config(own, secret).advertise_host == "10.0.0.7"
+    assert transfer_config(own, credential).advertise_host == "10.0.0.7"
     with pytest.raises(secrets.SecretError):
-        transfer_config(cfg, b"")
+        secrets.WorkerCredential.of(b"")

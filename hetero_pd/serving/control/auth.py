@@ -1,20 +1,24 @@
-"""Authentication of the control plane: CurveZMQ with key pairs derived from the deployment
-secret.
+"""Authentication of the control plane: CurveZMQ, with the router's key pair apart from the
+workers'.
 
     router (DEALER, CURVE client)  ──CurveZMQ handshake──>  worker (ROUTER, CURVE server)
-                                                            ZAP: client key == the
-                                                            deployment's? else refused
+    RouterKeys: its own key pair,                            WorkerKeys: the workers' key
+    the workers' public key                                  pair, the router's public key;
+                                                             ZAP: client key == the router's?
+                                                             else refused
 
-Both key pairs come from `derive(secret, "control")`: a process that knows the secret can
-complete the handshake; any other peer (a bare DEALER, a CURVE client with another key, a
-replayed capture) never gets a frame to the worker's code, and each such attempt is counted.
-CurveZMQ also encrypts and authenticates every frame after the handshake, with per-message
-nonces, so frames can be neither read, altered nor replayed on the wire.
+The router's key pair derives from the deployment secret, which only the router holds; the
+workers' from their credential (`hetero_pd.secrets.WorkerCredential`), which cannot give
+the router's. So a process with a worker's key material (a compromised worker) cannot
+complete the router's handshake with another worker, and a peer without keys (a bare
+DEALER, a CURVE client with another key, a replayed capture) never gets a frame to the
+worker's code; each such attempt is counted. CurveZMQ also encrypts and authenticates every
+frame after the handshake, with per-message nonces, so frames can be neither read, altered
+nor replayed on the wire.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +26,7 @@ from typing import Any
 import zmq
 from zmq.utils import monitor, z85
 
-from hetero_pd.secrets import derive
+from hetero_pd.secrets import WorkerCredential, curve_keypair, router_keypair
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DOMAIN = b"hetero-pd"
@@ -36,27 +40,36 @@ _FAILED = (
 
 
 @dataclass(frozen=True, slots=True)
-class CurveKeys:
-    """The deployment's control-plane key pairs (Z85 text, as libzmq takes them)."""
+class WorkerKeys:
+    """A worker's control keys (Z85 text, as libzmq takes them): its server key pair and
+    the only client key it admits, the router's."""
 
     server_public: bytes
     server_secret: bytes
+    router_public: bytes
+
+    @classmethod
+    def of(cls, credential: WorkerCredential) -> WorkerKeys:
+        public, secret = curve_keypair(credential.key("control/worker"))
+        return cls(public, secret, credential.router_public)
+
+    @classmethod
+    def from_secret(cls, secret: bytes) -> WorkerKeys:
+        return cls.of(WorkerCredential.of(secret))
+
+
+@dataclass(frozen=True, slots=True)
+class RouterKeys:
+    """The router's control keys: its own key pair and the workers' public key."""
+
+    server_public: bytes
     client_public: bytes
     client_secret: bytes
 
     @classmethod
-    def from_secret(cls, secret: bytes) -> CurveKeys:
-        if not zmq.has("curve"):
-            raise RuntimeError("this libzmq has no CURVE support; the control plane needs it")
-        root = derive(secret, "control")
-        server = _keypair(root, b"server")
-        client = _keypair(root, b"client")
-        return cls(server[0], server[1], client[0], client[1])
-
-
-def _keypair(root: bytes, name: bytes) -> tuple[bytes, bytes]:
-    secret = z85.encode(hmac.new(root, name, hashlib.sha256).digest())
-    return zmq.curve_public(secret), secret
+    def from_secret(cls, secret: bytes) -> RouterKeys:
+        public, private = router_keypair(secret)
+        return cls(WorkerKeys.from_secret(secret).server_public, public, private)
 
 
 def limit(sock: Any) -> None:
@@ -65,14 +78,14 @@ def limit(sock: Any) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_SIZE)
 
 
-def secure_server(sock: Any, keys: CurveKeys) -> None:
+def secure_server(sock: Any, keys: WorkerKeys) -> None:
     limit(sock)
     sock.curve_server = True
     sock.curve_secretkey = keys.server_secret
     sock.zap_domain = DOMAIN
 
 
-def secure_client(sock: Any, keys: CurveKeys) -> None:
+def secure_client(sock: Any, keys: RouterKeys) -> None:
     limit(sock)
     sock.curve_serverkey = keys.server_public
     sock.curve_publickey = keys.client_public
@@ -85,8 +98,8 @@ class Gatekeeper:
     `rejected` counts peers refused: a wrong or missing key, another mechanism (a plain
     DEALER), a malformed handshake."""
 
-    def __init__(self, ctx: Any, server: Any, keys: CurveKeys) -> None:
-        self._client_key = z85.decode(keys.client_public)
+    def __init__(self, ctx: Any, server: Any, keys: WorkerKeys) -> None:
+        self._client_key = z85.decode(keys.router_public)
         self.zap = ctx.socket(zmq.REP)
         self.zap.setsockopt(zmq.LINGER, 0)
         self.zap.bind(ZAP_ENDPOINT)

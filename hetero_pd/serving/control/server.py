@@ -23,7 +23,7 @@ import zmq
 
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import values as V
-from hetero_pd.serving.control.auth import CurveKeys, Gatekeeper, secure_server
+from hetero_pd.serving.control.auth import Gatekeeper, WorkerKeys, secure_server
 
 log = logging.getLogger("hetero_pd.worker")
 #: Frames queued for one router before it is given up.
@@ -32,7 +32,7 @@ MAX_QUEUED_BYTES = 512 * 2**20
 
 
 class ControlServer:
-    def __init__(self, host: str, port: int, keys: CurveKeys) -> None:
+    def __init__(self, host: str, port: int, keys: WorkerKeys) -> None:
         self.ctx: Any = zmq.Context()
         self.sock: Any = self.ctx.socket(zmq.ROUTER)
         secure_server(self.sock, keys)

@@ -25,7 +25,7 @@ import zmq.asyncio
 from hetero_pd.sampling_params import SamplingParams
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import values as V
-from hetero_pd.serving.control.auth import CurveKeys
+from hetero_pd.serving.control.auth import RouterKeys
 from hetero_pd.serving.router.admission import Admission
 from hetero_pd.serving.router.errors import RouterError, worker_error
 from hetero_pd.serving.router.handoff import EdgeRequest, Handoff, HandoffPolicy
@@ -58,7 +58,7 @@ class RouterConfig:
 
 class Router:
     def __init__(
-        self, cfg: RouterConfig, keys: CurveKeys, metrics: ServingMetrics | None = None
+        self, cfg: RouterConfig, keys: RouterKeys, metrics: ServingMetrics | None = None
     ) -> None:
         self.cfg = cfg
         self.keys = keys

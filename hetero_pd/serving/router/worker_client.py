@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import values as V
-from hetero_pd.serving.control.auth import CurveKeys, secure_client
+from hetero_pd.serving.control.auth import RouterKeys, secure_client
 from hetero_pd.serving.router.prefix_index import HeldBlocks
 
 log = logging.getLogger("hetero_pd.router")
@@ -46,7 +46,7 @@ class WorkerClient:
         worker_id: str,
         address: str,
         ctx: zmq.asyncio.Context,
-        keys: CurveKeys,
+        keys: RouterKeys,
         on_message: Callable[[WorkerClient, Any], None],
         on_dead: Callable[[WorkerClient], None],
         heartbeat_timeout_s: float = 3.0,

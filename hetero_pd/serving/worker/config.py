@@ -43,15 +43,17 @@ class WorkerConfig:
         return msgspec.json.decode(data, type=cls)
 
 
-def transfer_config(cfg: WorkerConfig, secret: bytes, fingerprint: str = "") -> TransferConfig:
+def transfer_config(
+    cfg: WorkerConfig, credential: secrets.WorkerCredential, fingerprint: str = ""
+) -> TransferConfig:
     """The transfer engine's config as deployed, with the transfer key derived from the
-    deployment secret (so an empty key never starts), the worker's advertised host for
+    worker's credential (so an empty key never starts), the worker's advertised host for
     its link and data channel unless the transfer section names its own, and the model's
     fingerprint (weights + tokenizer: a worker of another model is refused at link time)."""
     t = cfg.transfer
     return replace(
         t,
-        secret=secrets.derive(secrets.check(secret), "transfer"),
+        secret=credential.key("transfer"),
         require_secret=True,
         advertise_host=t.advertise_host or cfg.advertise_host,
         fingerprint=fingerprint or t.fingerprint,

@@ -9,8 +9,8 @@ wired to its KV cache.
 The loop is single-threaded: serve the control socket (`ControlServer`: authenticated,
 typed, nothing dropped silently), step the engine, progress transfers, tick the requests'
 state machines (`RequestBook`), send heartbeats. The transfer engine's own I/O thread moves
-the KV bytes. Configuration comes as JSON on stdin; the deployment secret comes from the
-environment (`HETERO_PD_SECRET`), never from the command line.
+the KV bytes. Configuration comes as JSON on stdin; the worker's credential (never the deployment
+secret) comes from the environment (`HETERO_PD_WORKER_KEY`), never from the command line.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from hetero_pd.models.fetch import resolve_model
 from hetero_pd.models.fingerprint import model_fingerprint, split_fingerprint
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import values as V
-from hetero_pd.serving.control.auth import CurveKeys
+from hetero_pd.serving.control.auth import WorkerKeys
 from hetero_pd.serving.control.server import ControlServer
 from hetero_pd.serving.worker.config import WorkerConfig, transfer_config
 from hetero_pd.serving.worker.prefix_share import offer_prefix
@@ -56,13 +56,13 @@ def ready_address(line: str | bytes) -> str:
 
 
 class Worker:
-    def __init__(self, cfg: WorkerConfig, secret: bytes) -> None:
+    def __init__(self, cfg: WorkerConfig, credential: secrets.WorkerCredential) -> None:
         self.cfg = cfg
         self.id = cfg.worker_id
         #: Weights + tokenizer: prefill and decode compare it when they link.
         self.model_fingerprint: str = model_fingerprint(resolve_model(cfg.engine.model))
         self.transfer: TransferEngine = TransferEngine(
-            cfg.worker_id, cfg.role, transfer_config(cfg, secret, self.model_fingerprint)
+            cfg.worker_id, cfg.role, transfer_config(cfg, credential, self.model_fingerprint)
         )
         self.region: KVRegion | None = None
         self.engine: LLMEngine = LLMEngine(
@@ -70,9 +70,7 @@ class Worker:
         )
         assert self.region is not None
         self.transfer.register_region(self.region)
-        self.control: ControlServer = ControlServer(
-            cfg.host, cfg.port, CurveKeys.from_secret(secret)
-        )
+        self.control: ControlServer = ControlServer(cfg.host, cfg.port, WorkerKeys.of(credential))
         self.address: str = self._advertised(f"tcp://{cfg.host}:{self.control.port}")
         self.book: RequestBook = RequestBook(
             self.id, self.engine, self.transfer, self.control.send, cfg.remote_kv_timeout_s
@@ -312,12 +310,12 @@ class Worker:
 
 def run(cfg: WorkerConfig) -> int:
     """Runs one worker in this process until SIGTERM/SIGINT (drain) or its launcher exits."""
-    secret = secrets.from_env()
+    credential = secrets.worker_credential_from_env()
     if cfg.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cfg.cpus)
     if cfg.alive_file:
         Path(cfg.alive_file).parent.mkdir(parents=True, exist_ok=True)
-    worker = Worker(cfg, secret)
+    worker = Worker(cfg, credential)
 
     def on_term(signum: int, frame: Any) -> None:
         worker.draining = True
@@ -335,7 +333,7 @@ def run(cfg: WorkerConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m hetero_pd.serving.worker.main`: one worker in the foreground, its WorkerConfig
-    as JSON on stdin and the deployment secret in HETERO_PD_SECRET."""
+    as JSON on stdin and its credential in HETERO_PD_WORKER_KEY."""
     import argparse
 
     p = argparse.ArgumentParser(prog="hetero-pd worker", description=main.__doc__)
