@@ -1,10 +1,13 @@
 """The host-DRAM and SSD stores of the KV tiers on their own: LRU within a bounded size,
-pins, bit-exact SSD round trips, corrupted or truncated or foreign files read as misses, and
-the SSD index rebuilt from the folder (warm restart)."""
+pins, bit-exact SSD round trips, corrupted or truncated or foreign files read as misses,
+files edited or planted without the tier's key refused, a private folder, and the SSD index
+rebuilt from the folder (warm restart)."""
 
 from __future__ import annotations
 
 import os
+import stat
+from array import array
 from pathlib import Path
 
 import pytest
@@ -18,16 +21,23 @@ from hetero_pd.engine.kv_tiers.namespace import kv_namespace
 BLOCK = (6, 4, 2, 8)  # (KV tensors, block_size, kv_heads, head_dim)
 NS = bytes(range(16))
 TOKENS = (1, 2, 3, 4)
+KEY = bytes(range(100, 132))
 
 
 def block(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(BLOCK, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def disk_tier(root: Path, n_files: int, dtype: torch.dtype = torch.float32, ns: bytes = NS):
+def disk_tier(
+    root: Path,
+    n_files: int,
+    dtype: torch.dtype = torch.float32,
+    ns: bytes = NS,
+    key: bytes = KEY,
+) -> DiskTier:
     block_bytes = block(0, dtype).numel() * block(0, dtype).element_size()
-    file_bytes = blockfile.header_size(len(TOKENS)) + block_bytes
-    return DiskTier(root, ns, n_files * file_bytes, block_bytes, len(TOKENS))
+    file_bytes = blockfile.HEADER_SIZE + block_bytes
+    return DiskTier(root, ns, n_files * file_bytes, block_bytes, key)
 
 
 def test_host_tier_is_lru_and_never_evicts_pinned_blocks() -> None:
@@ -106,9 +116,6 @@ def test_a_file_of_another_block_or_model_is_a_miss(tmp_path: Path) -> None:
     assert disk.read_into(5, (4, 3, 2, 1), out) is ReadResult.CORRUPT  # other token ids
     assert disk.write(6, TOKENS, block(6))
     os.replace(disk.dir / f"{6:016x}.kv", disk.dir / f"{7:016x}.kv")  # renamed
-    disk.close()
-    disk = disk_tier(tmp_path, 4)
-    assert disk.contains(7)
     assert disk.read_into(7, TOKENS, out) is ReadResult.CORRUPT
     disk.close()
     # the same bytes in another model's folder fail the namespace check
@@ -119,8 +126,66 @@ def test_a_file_of_another_block_or_model_is_a_miss(tmp_path: Path) -> None:
     (mine.dir / f"{8:016x}.kv").rename(other.dir / f"{8:016x}.kv")
     other.close()
     other = disk_tier(tmp_path, 4, ns=bytes(16))
-    assert other.read_into(8, TOKENS, out) is ReadResult.CORRUPT
+    assert not other.contains(8), "not listed on restart"
+    assert other.read_into(8, TOKENS, out) is ReadResult.MISSING
     other.close()
+
+
+def planted(key: bytes, block_hash: int, tokens: tuple[int, ...], kv: torch.Tensor) -> bytes:
+    """A block file as someone who knows the format, but not the tier's key, would make."""
+    payload = kv.reshape(-1).view(torch.uint8).numpy().data
+    return blockfile.encode_header(key, NS, block_hash, tokens, payload) + bytes(payload)
+
+
+def test_a_file_edited_or_planted_without_the_key_is_refused(tmp_path: Path) -> None:
+    """Files are sealed with a keyed MAC: KV written for a prefix by anyone without the
+    tier's key (edited in place, planted under a new name, or written by another
+    deployment) is refused, on restart and when read; the token ids are not in clear."""
+    disk = disk_tier(tmp_path, 4)
+    assert disk.write(5, TOKENS, block(5))
+    path = disk.dir / f"{5:016x}.kv"
+    assert array("q", TOKENS).tobytes() not in path.read_bytes()
+    attacker = os.urandom(32)
+    path.write_bytes(planted(attacker, 5, TOKENS, block(99)))  # chosen KV for this prefix
+    (disk.dir / f"{6:016x}.kv").write_bytes(planted(attacker, 6, TOKENS, block(99)))
+    out = torch.zeros(BLOCK)
+    assert disk.read_into(5, TOKENS, out) is ReadResult.CORRUPT and not path.exists()
+    disk.close()
+    (disk.dir / f"{5:016x}.kv").write_bytes(planted(attacker, 5, TOKENS, block(99)))
+    again = disk_tier(tmp_path, 4)  # a restart lists none of them
+    assert not again.contains(5) and not again.contains(6)
+    assert sorted(again.dir.glob("*.kv")) == []
+    assert again.write(7, TOKENS, block(7))
+    again.close()
+    other = disk_tier(tmp_path, 4, key=bytes(32))  # another deployment's key, same folder
+    assert not other.contains(7)
+    assert other.read_into(7, TOKENS, out) is ReadResult.MISSING
+    other.close()
+
+
+def test_the_folder_is_private(tmp_path: Path) -> None:
+    """0700 folder, 0600 files; a folder of ours others could read is made private; a
+    folder of another user, or under a root others may write, is refused by name."""
+    root = tmp_path / "ssd"
+    disk = disk_tier(root, 4)
+    assert disk.write(5, TOKENS, block(5))
+    assert stat.S_IMODE(disk.dir.stat().st_mode) == 0o700
+    for path in disk.dir.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    disk.close()
+    disk.dir.chmod(0o755)
+    disk_tier(root, 4).close()
+    assert stat.S_IMODE(disk.dir.stat().st_mode) == 0o700
+    root.chmod(0o777)
+    with pytest.raises(PermissionError, match="may be written by other users"):
+        disk_tier(root, 4)
+    root.chmod(0o1777)  # sticky: others cannot rename our folder
+    disk_tier(root, 4).close()
+    root.chmod(0o700)
+    if os.geteuid() == 0:  # a folder of another user (only root can make one here)
+        os.chown(disk.dir, 4321, 4321)
+        with pytest.raises(PermissionError, match="not a folder of this user"):
+            disk_tier(root, 4)
 
 
 def test_index_survives_a_restart_in_lru_order_and_within_capacity(tmp_path: Path) -> None:
@@ -153,7 +218,7 @@ def test_one_engine_per_ssd_folder(tmp_path: Path) -> None:
 
 def test_too_small_an_ssd_tier_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="holds no KV block"):
-        DiskTier(tmp_path, NS, 100, 1000, 4)
+        DiskTier(tmp_path, NS, 100, 1000, KEY)
 
 
 def test_namespace_tells_models_dtypes_and_shapes_apart(

@@ -12,7 +12,7 @@ import torch
 
 from hetero_pd.engine.kv_cache_manager import KVCacheManager, prompt_block_hashes
 from hetero_pd.engine.kv_tiers import TierConfig, build_kv_tiers
-from hetero_pd.engine.kv_tiers.blockfile import header_size
+from hetero_pd.engine.kv_tiers.blockfile import HEADER_SIZE
 from hetero_pd.engine.request import Request
 from hetero_pd.engine.scheduler import Scheduler, SchedulerConfig
 from hetero_pd.sampling_params import SamplingParams
@@ -38,9 +38,9 @@ class Setup:
         self.dtype = dtype
         self.kv = [torch.zeros(num_blocks, BS, *SHAPE, dtype=dtype) for _ in range(2 * LAYERS)]
         self.block_bytes = 2 * LAYERS * BS * SHAPE[0] * SHAPE[1] * self.kv[0].element_size()
-        disk_bytes = disk_files * (header_size(BS) + self.block_bytes)
+        disk_bytes = disk_files * (HEADER_SIZE + self.block_bytes)
         config = TierConfig(host_slots * self.block_bytes, disk_bytes, disk, admit_after)
-        tiers = build_kv_tiers(config, model_dir, self.kv, BS)
+        tiers = build_kv_tiers(config, model_dir, self.kv)
         self.m = KVCacheManager(num_blocks, BS, True, tiers)
         self.n = 0
 
