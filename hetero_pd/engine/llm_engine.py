@@ -43,7 +43,14 @@ class LLMEngine(HiddenPrompts):
     """One model on one device: add requests, `step()` them, read their outputs. Prompts
     given as hidden states (edge devices) enter through `HiddenPrompts`."""
 
-    def __init__(self, config: EngineConfig, kv_allocator: KVAllocator | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_allocator: KVAllocator | None = None,
+        disk_key: bytes | None = None,
+    ) -> None:
+        """`disk_key`: the MAC key of the SSD KV tier's files (a deployment's; None: one
+        per process, so files of an earlier process are not trusted)."""
         self.config = config
         self.model_path = resolve_model(config.model)
         self.model_config = cfg = ModelConfig.from_dir(self.model_path)
@@ -91,7 +98,7 @@ class LLMEngine(HiddenPrompts):
         if tier_config is not None:
             kv = self.runner.kv_tensors
             tiers = build_kv_tiers(
-                tier_config, self.model_path, kv, config.block_size, self.runner.kv_layout
+                tier_config, self.model_path, kv, self.runner.kv_layout, disk_key
             )
         self.kv = KVCacheManager(num_blocks, config.block_size, caching, tiers)
         sched_cfg = SchedulerConfig(

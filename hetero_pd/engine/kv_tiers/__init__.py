@@ -15,7 +15,7 @@ import torch
 
 from backends import backend_for
 from hetero_pd.engine.kv_tiers.config import TierConfig
-from hetero_pd.engine.kv_tiers.disk import DiskTier
+from hetero_pd.engine.kv_tiers.disk import DiskTier, process_key
 from hetero_pd.engine.kv_tiers.host import HostTier
 from hetero_pd.engine.kv_tiers.mover import TierMover
 from hetero_pd.engine.kv_tiers.namespace import kv_namespace
@@ -29,11 +29,12 @@ def build_kv_tiers(
     config: TierConfig,
     model_path: Path,
     kv_tensors: list[torch.Tensor],
-    block_size: int,
     kv_layout: str = "nd",
+    disk_key: bytes | None = None,
 ) -> KVTiers:
     """Tiers for the device KV `kv_tensors` ([K0, V0, K1, ...], each [num_blocks, *block])
-    of the model in `model_path`; a host slot holds one block of every tensor."""
+    of the model in `model_path`; a host slot holds one block of every tensor. The SSD
+    tier's files are sealed with `disk_key` (a deployment's; None: one per process)."""
     first = kv_tensors[0]
     backend = backend_for(first.device)
     block_shape = tuple(first.shape[1:])
@@ -50,6 +51,7 @@ def build_kv_tiers(
     if config.disk_bytes:
         assert config.disk_path is not None
         namespace = kv_namespace(model_path, first.dtype, block_shape, len(kv_tensors), kv_layout)
-        disk = DiskTier(config.disk_path, namespace, config.disk_bytes, block_bytes, block_size)
+        key = disk_key or process_key()
+        disk = DiskTier(config.disk_path, namespace, config.disk_bytes, block_bytes, key)
     mover = TierMover(host, disk, kv_tensors, backend)
     return KVTiers(host, disk, mover, backend, config.admit_after)

@@ -1,12 +1,16 @@
-"""The SSD tier: one checked file per KV block in a folder per model namespace, LRU.
+"""The SSD tier: one MAC-sealed file per KV block in a folder per model namespace, LRU.
 
-    <disk_path>/<namespace hex>/<block hash hex>.kv     (format: blockfile.py)
+    <disk_path>/<namespace hex>/<block hash hex>.kv     (format: blockfile.py), 0600
     <disk_path>/<namespace hex>/.lock                   (held by the one engine using it)
 
-The index is rebuilt from the folder on start (warm restart), in modification-time order;
-files that cannot be whole are dropped then, and every file is checked again when it is
-read. Writes go to a temporary name and are renamed into place, so a crash leaves either
-the whole file or none. File I/O runs on the tiers' disk thread, never the engine's.
+The namespace folder is 0700 and ours: one owned by another user is refused, one of ours
+that others could read is made private (what it held is checked by MAC like the rest), and
+a `disk_path` others may write without the sticky bit is refused (they could swap the
+folder). The index is rebuilt from the folder on start (warm restart), in modification-time
+order; files whose header is not sealed under this tier's key are dropped then, and every
+file is checked again, payload included, when it is read. Writes go to a temporary name
+and are renamed into place, so a crash leaves either the whole file or none. File I/O
+runs on the tiers' disk thread, never the engine's.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import contextlib
 import fcntl
 import logging
 import os
+import secrets
+import stat
 import threading
 from collections import OrderedDict
 from enum import Enum
@@ -27,6 +33,15 @@ from hetero_pd.engine.kv_tiers import blockfile
 
 log = logging.getLogger(__name__)
 SUFFIX = ".kv"
+_PROCESS_KEY: list[bytes] = []
+
+
+def process_key() -> bytes:
+    """The MAC key of an engine outside a deployment: random, one per process, never
+    written anywhere (its SSD files are reused within this process only)."""
+    if not _PROCESS_KEY:
+        _PROCESS_KEY.append(secrets.token_bytes(blockfile.KEY_BYTES))
+    return _PROCESS_KEY[0]
 
 
 class ReadResult(Enum):
@@ -49,19 +64,22 @@ class DiskTier:
         namespace: bytes,
         capacity_bytes: int,
         block_bytes: int,
-        block_size: int,
+        key: bytes,
     ) -> None:
+        if len(key) < blockfile.KEY_BYTES:
+            raise ValueError(f"the SSD tier's MAC key must be {blockfile.KEY_BYTES} bytes")
         self.dir = root / namespace.hex()
         self.namespace = namespace
+        self._key = key
         self.block_bytes = block_bytes
-        self.file_bytes = blockfile.header_size(block_size) + block_bytes
+        self.file_bytes = blockfile.HEADER_SIZE + block_bytes
         self.capacity_files = capacity_bytes // self.file_bytes
         if self.capacity_files < 1:
             raise ValueError(
                 f"kv_cache_disk_gb={capacity_bytes / 2**30:g} holds no KV block "
                 f"(one block file is {self.file_bytes} bytes)"
             )
-        self.dir.mkdir(parents=True, exist_ok=True)
+        _private_folder(root, self.dir)
         self._lock_file: IO[str] | None = self._claim()
         self._index: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
@@ -69,7 +87,8 @@ class DiskTier:
         self._rebuild()
 
     def _claim(self) -> IO[str]:
-        lock = (self.dir / ".lock").open("a+")
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+        lock = os.fdopen(os.open(self.dir / ".lock", flags, 0o600), "a+")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -93,16 +112,28 @@ class DiskTier:
                 continue
             try:
                 block_hash = int(path.stem, 16)
-                stat = path.stat()
+                info = path.stat()
             except (ValueError, OSError):
                 continue
-            if stat.st_size != self.file_bytes:
+            if info.st_size != self.file_bytes or not self._sealed(path, block_hash):
                 path.unlink(missing_ok=True)
                 continue
-            found.append((stat.st_mtime, block_hash))
+            found.append((info.st_mtime, block_hash))
         for _, block_hash in sorted(found):
             self._index[block_hash] = None
         self._evict(len(self._index) - self.capacity_files)
+
+    def _sealed(self, path: Path, block_hash: int) -> bool:
+        """Whether `path`'s header is sealed under our key and names `block_hash`."""
+        try:
+            with path.open("rb") as f:
+                head = blockfile.read_header(
+                    self._key, f.read(blockfile.HEADER_SIZE), self.namespace
+                )
+        except (OSError, blockfile.BlockFileError) as e:
+            log.warning("SSD KV tier: dropping %s (%s)", path, e)
+            return False
+        return head.block_hash == block_hash
 
     @property
     def num_stored(self) -> int:
@@ -119,11 +150,12 @@ class DiskTier:
         if self.contains(block_hash):
             return False
         payload = _bytes(block)
-        header = blockfile.encode_header(self.namespace, block_hash, token_ids, payload)
+        header = blockfile.encode_header(self._key, self.namespace, block_hash, token_ids, payload)
         path = self._path(block_hash)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
         try:
-            with tmp.open("wb") as f:
+            with os.fdopen(os.open(tmp, flags, 0o600), "wb") as f:
                 f.write(header)
                 f.write(payload)
             with self._lock:
@@ -149,9 +181,9 @@ class DiskTier:
         payload = _bytes(out)
         try:
             with path.open("rb") as f:
-                raw = f.read(blockfile.header_size(len(token_ids)))
+                raw = f.read(blockfile.HEADER_SIZE)
                 expected = blockfile.check_header(
-                    raw, self.namespace, block_hash, token_ids, payload.nbytes
+                    self._key, raw, self.namespace, block_hash, token_ids, payload.nbytes
                 )
                 n = f.readinto(payload)
                 extra = f.read(1)
@@ -162,8 +194,12 @@ class DiskTier:
             log.warning("SSD KV tier: %s is unusable (%s); treating it as a miss", path, e)
             self._drop(block_hash)
             return ReadResult.CORRUPT
-        if n != payload.nbytes or extra or not blockfile.payload_ok(payload, expected):
-            log.warning("SSD KV tier: %s is truncated or corrupted; treating it as a miss", path)
+        if n != payload.nbytes or extra or not blockfile.payload_ok(self._key, payload, expected):
+            log.warning(
+                "SSD KV tier: %s is truncated, corrupted or not written under this tier's key "
+                "(payload MAC mismatch); treating it as a miss",
+                path,
+            )
             self._drop(block_hash)
             return ReadResult.CORRUPT
         with self._lock:
@@ -196,3 +232,28 @@ class DiskTier:
             fcntl.flock(self._lock_file, fcntl.LOCK_UN)
             self._lock_file.close()
             self._lock_file = None
+
+
+def _private_folder(root: Path, folder: Path) -> None:
+    """Makes `folder` (under `root`) ours and 0700, or raises PermissionError saying why not."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = root.stat()
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        raise PermissionError(
+            f"kv_cache_disk_path {root} may be written by other users (mode "
+            f"{stat.S_IMODE(info.st_mode):o}, no sticky bit): they could swap the SSD tier's "
+            "folder; use a folder only this user can write (chmod go-w) or one with the "
+            "sticky bit"
+        )
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    info = folder.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise PermissionError(
+            f"the SSD KV folder {folder} is not a folder of this user (uid {os.geteuid()}; it "
+            f"is owned by uid {info.st_uid}): its files are not used; remove it or give this "
+            "worker another kv_cache_disk_path"
+        )
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        log.warning("SSD KV tier: %s was mode %o; now 0700", folder, stat.S_IMODE(info.st_mode))
+        folder.chmod(0o700)

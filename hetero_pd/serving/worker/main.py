@@ -66,7 +66,9 @@ class Worker:
         )
         self.region: KVRegion | None = None
         self.engine: LLMEngine = LLMEngine(
-            replace(cfg.engine, role=cfg.role), kv_allocator=self._allocate
+            replace(cfg.engine, role=cfg.role),
+            kv_allocator=self._allocate,
+            disk_key=credential.key("kv-disk"),
         )
         assert self.region is not None
         self.transfer.register_region(self.region)
