@@ -88,6 +88,29 @@ def test_callbacks_run_in_progress_and_asyncio(pair: tuple[TransferEngine, Trans
     h.result(0)
 
 
+def test_a_callback_that_raises_is_contained(pair: tuple[TransferEngine, TransferEngine]) -> None:
+    """A bug in one caller's callback neither escapes progress() (the worker's loop) nor
+    keeps the other callbacks and handles from running; it is counted in health()."""
+    p, d = pair
+    d.register_region(KVRegion.allocate("kv", 2, 16, (16, 2, 8)))
+    seen: list[TransferHandle] = []
+
+    def buggy(handle: TransferHandle) -> None:
+        raise RuntimeError("a bug in the caller's callback")
+
+    first, second = d.reserve("cb1", [1, 2]), d.reserve("cb2", [5, 6])
+    assert first.blocks is not None and second.blocks is not None
+    h1 = p.push_blocks("d-local", [3, 4], first.blocks, callback=buggy)
+    h1.add_done_callback(seen.append)
+    h2 = p.push_blocks("d-local", [7, 8], second.blocks, callback=buggy)
+    h2.add_done_callback(seen.append)
+    assert (h1.wait(5), h2.wait(5)) == (TransferState.DONE, TransferState.DONE)
+    done = p.progress()
+    assert set(map(id, done)) == set(map(id, seen)) == {id(h1), id(h2)}
+    assert p.health().callback_errors == 2 and p.healthy()
+    assert p.progress() == [] and p.health().callback_errors == 2
+
+
 def test_release_cancels_reservation_and_bad_params_raise(
     pair: tuple[TransferEngine, TransferEngine],
 ) -> None:
