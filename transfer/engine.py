@@ -53,6 +53,7 @@ class TransferEngine:
         self._core = Core(engine_id, self.role, self.config)
         self._loop = self._core.loop
         self._ids = itertools.count()
+        self._callback_errors = 0  # callbacks that raised in progress()
 
     @property
     def address(self) -> str:
@@ -338,12 +339,12 @@ class TransferEngine:
 
     # ---- progress, health, metrics, lifecycle -------------------------------------------
     def progress(self) -> list[TransferHandle]:
-        """Handles that finished since the last call; runs their callbacks here. Non-blocking."""
+        """Finished handles since the last call; runs their callbacks here, contained."""
         done = []
         completed = self._loop.completed
         while completed:
             handle = completed.popleft()
-            handle._run_callbacks()
+            self._callback_errors += handle._run_callbacks()
             done.append(handle)
         return done
 
@@ -361,6 +362,7 @@ class TransferEngine:
             closed=self._loop.closing,
             error=self._loop.fatal,
             internal_errors=self._core.metrics.internal_errors_total,
+            callback_errors=self._callback_errors,
         )
 
     def metrics(self) -> TransferMetrics:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 
 from transfer.errors import StatusCode, TransferError
 from transfer.messages import RemoteBlocks
+
+log = logging.getLogger(__name__)
 
 
 class TransferState(enum.Enum):
@@ -147,10 +150,20 @@ class TransferHandle:
             loop.call_soon_threadsafe(_resolve, fut)
         return True
 
-    def _run_callbacks(self) -> None:
+    def _run_callbacks(self) -> int:
+        """Runs the callbacks, each contained (a caller's bug must not end the caller's
+        loop nor skip the other callbacks); returns how many raised."""
         callbacks, self._callbacks = self._callbacks, []
+        failed = 0
         for fn in callbacks:
-            fn(self)
+            try:
+                fn(self)
+            except Exception:
+                failed += 1
+                log.exception(
+                    "transfer %s %s: a done callback raised (contained)", self.kind, self.request_id
+                )
+        return failed
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

@@ -167,3 +167,5 @@ class TransferHealth:
     error: str | None
     #: Bugs contained on the I/O thread so far (each failed one command, timer or frame).
     internal_errors: int
+    #: Done callbacks that raised in progress() (the caller's bugs), contained.
+    callback_errors: int = 0
