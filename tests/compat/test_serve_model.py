@@ -73,6 +73,24 @@ def test_api_keys_come_from_the_flag_and_the_environment(
     assert dep.router.api_keys == ("k", "e1", "e2")  # type: ignore[attr-defined]
 
 
+def test_an_api_key_file_keeps_keys_off_the_command_line(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Any user of the machine reads argv (ps, /proc): --api-key-file reads the keys from a
+    file instead, and --api-key still works (vLLM's flag) but says so."""
+    keys = tmp_path / "keys"
+    keys.write_text("k-file\n\nk2, k3\n")
+    dep, _ = _load(str(tiny_llama_dir), "--api-key-file", str(keys))
+    assert dep.router.api_keys == ("k-file", "k2", "k3")  # type: ignore[attr-defined]
+    assert "warning" not in capsys.readouterr().err
+    _load(str(tiny_llama_dir), "--api-key", "k")
+    err = capsys.readouterr().err
+    assert "--api-key puts the key on the command line" in err and "--api-key-file" in err
+    with pytest.raises(SystemExit):
+        _load(str(tiny_llama_dir), "--api-key-file", str(tmp_path / "missing"))
+    assert "missing" in capsys.readouterr().err
+
+
 def test_priority_keys_come_from_the_environment_as_a_pod_gets_them(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
