@@ -80,7 +80,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key",
         default=None,
-        help="require this Bearer key (also $HETERO_PD_API_KEY, comma-separated)",
+        help="require this Bearer key; any local user can read a command line, so prefer "
+        "--api-key-file or $HETERO_PD_API_KEY (comma-separated)",
+    )
+    g.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="require the Bearer keys in this file (comma- or line-separated)",
     )
     g.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="default auto")
     g.add_argument("--max-model-len", type=int, default=None)

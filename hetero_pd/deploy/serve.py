@@ -236,12 +236,31 @@ def load_target(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[D
         router = replace(router, host=args.host)
     if args.port is not None:
         router = replace(router, port=args.port)
-    keys = (*router.api_keys, *([args.api_key] if args.api_key else []), *envs.api_keys())
+    keys = (*router.api_keys, *_flag_api_keys(p, args), *envs.api_keys())
     vip = (*router.priority_api_keys, *envs.priority_api_keys())
     router = replace(
         router, api_keys=tuple(dict.fromkeys(keys)), priority_api_keys=tuple(dict.fromkeys(vip))
     )
     return replace(dep, router=router), name
+
+
+def _flag_api_keys(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The keys of --api-key-file and --api-key (which is visible to every local user)."""
+    keys = []
+    if args.api_key_file:
+        try:
+            text = Path(args.api_key_file).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            p.error(f"--api-key-file {args.api_key_file}: {e}")
+        keys = [k.strip() for k in text.replace("\n", ",").split(",") if k.strip()]
+    if args.api_key:
+        print(
+            "warning: --api-key puts the key on the command line, where any user of this "
+            "machine can read it (ps, /proc); use --api-key-file or HETERO_PD_API_KEY",
+            file=sys.stderr,
+        )
+        keys.append(args.api_key)
+    return keys
 
 
 def main(argv: list[str] | None = None) -> int:
