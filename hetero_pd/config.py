@@ -103,6 +103,9 @@ class EngineConfig:
     # (`fractal_nz` on an NPU, `nd` elsewhere); a CPU engine set to "fractal_nz" emulates
     # an NPU worker's KV cache.
     kv_layout: str = "auto"
+    # Ranks the model is split over (vLLM's name): one process per rank, each on its own
+    # device (engine/tp/); rank 0 is the engine's own process.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
@@ -126,6 +129,23 @@ class EngineConfig:
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value!r}")
         _ = self.kv_tiers  # rejects inconsistent kv_cache_* options now
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """Combinations tensor parallelism does not support yet, named."""
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp == 1:
+            return
+        unsupported = {
+            "start_layer > 0 (an edge split engine)": self.start_layer > 0,
+            "compile 'on' (the decode step runs eager under TP)": self.compile == "on",
+            "KV cache tiers (kv_cache_host_gb / kv_cache_disk_gb)": self.kv_tiers is not None,
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(f"tensor_parallel_size {tp} does not support {what} yet")
 
     @property
     def kv_tiers(self) -> TierConfig | None:
@@ -155,6 +175,8 @@ class EngineConfig:
         $HETERO_PD_COMPILE when set, else the device's backend's default."""
         if self.compile != "auto":
             return self.compile == "on", "configured"
+        if self.tensor_parallel_size > 1:
+            return False, "tensor parallel: eager"
         env = envs.compile_mode()
         if env is not None:
             return env == "on", "HETERO_PD_COMPILE"

@@ -87,3 +87,15 @@ ENGINE_TUNING = (
 def engine_tuning() -> dict[str, str]:
     """The ENGINE_TUNING variables set in this process's environment."""
     return {name: os.environ[name] for name in ENGINE_TUNING if name in os.environ}
+
+
+def tp_timeout_s() -> float:
+    """$HETERO_PD_TP_TIMEOUT_S: how long a tensor-parallel rank waits in one collective (or
+    at start-up for the others) before the worker gives up with an error (default 300)."""
+    env = os.environ.get("HETERO_PD_TP_TIMEOUT_S", "").strip()
+    if not env:
+        return 300.0
+    value = float(env)
+    if value <= 0:
+        raise ValueError(f"HETERO_PD_TP_TIMEOUT_S must be > 0, got {env!r}")
+    return value

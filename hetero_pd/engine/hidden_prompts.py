@@ -61,6 +61,8 @@ class HiddenPrompts:
         reserves blocks for KV another worker computes (returns them)."""
         if self.config.start_layer:
             raise ValueError("a split engine takes add_split_request, not edge prompts")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("edge prompts need tensor_parallel_size 1 (not supported yet)")
         return self._add_hidden_prompt(
             prompt_hidden, early_kv, params, request_id, priority, remote_kv
         )

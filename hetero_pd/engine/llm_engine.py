@@ -18,8 +18,9 @@ from hetero_pd.engine.health import EngineFault, EngineLoad, RequestFailure
 from hetero_pd.engine.hidden_prompts import HiddenPrompts
 from hetero_pd.engine.kv_cache_manager import KVCacheManager
 from hetero_pd.engine.kv_tiers import KVTierStats, build_kv_tiers
+from hetero_pd.engine.loading import load_runner
 from hetero_pd.engine.logprobs import adopt_remote_logprobs
-from hetero_pd.engine.model_runner import KVAllocator, ModelRunner
+from hetero_pd.engine.model_runner import KVAllocator
 from hetero_pd.engine.output_builder import OutputBuilder
 from hetero_pd.engine.parallel_sampling import check_engine_params
 from hetero_pd.engine.request import Request, RequestStatus
@@ -27,7 +28,6 @@ from hetero_pd.engine.sampler import advance_generator
 from hetero_pd.engine.scheduler import Role, Scheduler, SchedulerConfig, SchedulerOutput
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
-from hetero_pd.models.loader import load_model
 from hetero_pd.models.tokenizer import load_tokenizer
 from hetero_pd.outputs import Logprob, PromptLogprobs, RequestOutput
 from hetero_pd.sampling_params import SamplingParams
@@ -58,11 +58,15 @@ class LLMEngine(HiddenPrompts):
         self.device = parse_device(config.device)
         backend = backend_for(self.device)
         backend.require_available()
-        threads = config.num_threads or envs.num_threads() or backend.default_threads()
+        tp = config.tensor_parallel_size
+        # Under tensor parallelism a default thread count is shared among the ranks.
+        default = backend.default_threads()
+        threads = config.num_threads or envs.num_threads() or (default and max(1, default // tp))
         # Fewer threads while other processes keep our CPUs busy, more (up to `threads`) from
         # `initial_threads` while they are idle (backends/cpu_share.py); a compiled CPU step
         # follows too (CpuBackend.compile_step: dynamic OpenMP threads).
         adaptive = self.device.type == "cpu" and (threads or 0) > 1 and envs.adaptive_threads()
+        adaptive = adaptive and tp == 1
         start = min(config.initial_threads or threads or 0, threads or 0) or None
         if start:
             torch.set_num_threads(start)
@@ -71,25 +75,14 @@ class LLMEngine(HiddenPrompts):
         self.thread_governor = ThreadGovernor(threads, start) if adaptive else None
         dtype = self.dtype_choice.dtype
         self.tokenizer = load_tokenizer(str(self.model_path))
-        model = load_model(self.model_path, cfg, dtype, self.device, self.max_model_len)
-        model.use_linear_kernels(backend.linear_kernel)
-        num_blocks = config.num_kv_blocks or self._blocks_for_budget(cfg, dtype)
-        if not 0 <= config.start_layer < cfg.num_layers:
-            raise ValueError(
-                f"start_layer={config.start_layer} is outside the model's {cfg.num_layers} layers"
-            )
-        self.runner = ModelRunner(
-            model,
+        self.runner, self.ranks, num_blocks = load_runner(
+            config,
+            self.model_path,
             cfg,
-            num_blocks,
-            config.block_size,
-            self.device,
             dtype,
+            self.max_model_len,
+            self.compile_choice[0],
             kv_allocator,
-            config.start_layer,
-            compile=self.compile_choice[0],
-            compile_required=config.compile == "on",
-            kv_layout=config.kv_layout_choice(),
         )
         # Prompt token ids of split requests are placeholders: hashing them would alias.
         caching = config.enable_prefix_caching and config.start_layer == 0
@@ -138,14 +131,6 @@ class LLMEngine(HiddenPrompts):
                 f"supports ({limit})"
             )
         return self.config.max_model_len
-
-    def _blocks_for_budget(self, cfg: ModelConfig, dtype: torch.dtype) -> int:
-        elem = torch.tensor([], dtype=dtype).element_size()
-        per_block = self.config.block_size * cfg.kv_bytes_per_token * elem
-        num_blocks = int(self.config.kv_cache_gb * 2**30) // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_gb={self.config.kv_cache_gb} holds no KV block")
-        return num_blocks
 
     def _tokenizer_eos(self) -> frozenset[int]:
         eos = self.tokenizer.eos_token_id
@@ -326,6 +311,8 @@ class LLMEngine(HiddenPrompts):
         )
         try:
             outputs = self._run(out, layer_hook)
+        except EngineFault:  # the engine's own (a tensor-parallel rank died): no retry
+            raise
         except Exception as e:  # find out whether one request caused it
             log.warning(
                 "a step of %d requests failed (%r); running them one by one", len(out.chunks), e
@@ -392,5 +379,8 @@ class LLMEngine(HiddenPrompts):
         return self.kv.tier_stats()
 
     def close(self) -> None:
-        """Stops the KV tiers' copy threads and releases their SSD folder."""
+        """Stops the KV tiers' copy threads, releases their SSD folder and stops the other
+        tensor-parallel ranks."""
         self.kv.close()
+        if self.ranks is not None:
+            self.ranks.close()

@@ -3,6 +3,7 @@ that touches tensors."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -17,6 +18,7 @@ from hetero_pd import envs
 from hetero_pd.engine.logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from hetero_pd.engine.sampler import Sampler
 from hetero_pd.engine.scheduler import ScheduledChunk, SchedulerOutput
+from hetero_pd.engine.tp.group import RankGroup
 from hetero_pd.models.attention import AttentionMetadata, PrefillSpan
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.llama import CausalLM, KVCache
@@ -62,8 +64,11 @@ class ModelRunner:
         compile: bool = False,
         compile_required: bool = False,
         kv_layout: str = ND,
+        ranks: RankGroup | None = None,
     ) -> None:
-        self.model, self.cfg = model, cfg
+        """cfg: the shapes of `model` (one rank's under tensor parallelism). `ranks`: on
+        rank 0 of a tensor-parallel engine, the other ranks, told each step's inputs."""
+        self.model, self.cfg, self.ranks = model, cfg, ranks
         #: Byte order inside KV blocks (transfer.kv_layouts): the device's, or configured.
         self.kv_layout = kv_layout
         # > 0: a split (edge) engine; every request's inputs are hidden states entering here.
@@ -286,28 +291,40 @@ class ModelRunner:
         shape = self._compiled_shape(out, start)
         inputs = self.prepare(out, shape if self.padding else None)
         hidden_in = self._hidden_inputs(out) if start else None
-        hidden = self.model(
-            inputs.positions,
-            inputs.meta,
-            self.kv_caches,
-            input_ids=None if hidden_in is not None else inputs.input_ids,
-            hidden_states=hidden_in,
-            start_layer=start,
-            on_layer_done=on_layer_done,
-            compiled=shape is not None,
-        )
-        if any(wants_prompt_logprobs(c.request) for c in out.chunks):
-            record_prompt_logprobs(self.model.compute_logits, hidden, out.chunks)
-        if not inputs.sample_rows:
-            return {}
-        if shape is not None:  # every row, padding included: the graph's shape is fixed
-            self.compiled_steps += 1
-            logits = self.model.compute_logits(hidden, compiled=True)[inputs.sample_rows]
-        else:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        if self.ranks is not None and hidden_in is not None:
+            raise ValueError("edge prompts (hidden states) need tensor_parallel_size 1")
+        # Once the other ranks have the step, any failure leaves them out of step.
+        in_step = contextlib.nullcontext() if self.ranks is None else self.ranks.guard("a step")
+        with in_step:
+            if self.ranks is not None:
+                self.ranks.send_step(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden = self.model(
+                inputs.positions,
+                inputs.meta,
+                self.kv_caches,
+                input_ids=None if hidden_in is not None else inputs.input_ids,
+                hidden_states=hidden_in,
+                start_layer=start,
+                on_layer_done=on_layer_done,
+                compiled=shape is not None,
+            )
+            if any(wants_prompt_logprobs(c.request) for c in out.chunks):
+                record_prompt_logprobs(self._logits, hidden, out.chunks)
+            if not inputs.sample_rows:
+                return {}
+            if shape is not None:  # every row, padding included: the graph's shape is fixed
+                self.compiled_steps += 1
+                logits = self.model.compute_logits(hidden, compiled=True)[inputs.sample_rows]
+            else:
+                logits = self._logits(hidden[inputs.sample_rows])
         reqs = [out.chunks[i].request for i in inputs.sample_chunks]
         tokens = self.sampler.sample_requests(logits, reqs)
         return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.ranks is None:
+            return self.model.compute_logits(hidden)
+        return self.ranks.logits(self.model.compute_logits, hidden)
 
     def _hidden_inputs(self, out: SchedulerOutput) -> torch.Tensor:
         """The received hidden states of every scheduled position, in batch order."""

@@ -15,6 +15,7 @@ from backends import LinearKernel
 from hetero_pd.models.attention import AttentionMetadata, paged_attention
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.moe import SparseMoE
+from hetero_pd.models.parallel import SINGLE, Parallel, VocabParallelEmbedding
 from hetero_pd.models.rotary import apply_rope_swapped, rope_table, signed_sin
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -86,8 +87,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """cfg: this rank's shapes (parallel.shard_config); o_proj is row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, tp: Parallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -127,27 +131,28 @@ class Attention(nn.Module):
         q, k = apply_rope_swapped(qk, cos, sin_signed).split([heads, kv_heads], dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, kv_heads, dim)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
-        return self.o_proj(o.view(-1, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(o.view(-1, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: Parallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.tp.all_reduce(self.down_proj(F.silu(gate).mul_(up)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, tp: Parallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = SparseMoE(cfg) if index in cfg.moe_layers else MLP(cfg)
+        self.mlp: nn.Module = SparseMoE(cfg, tp) if index in cfg.moe_layers else MLP(cfg, tp)
 
     def forward(
         self,
@@ -170,17 +175,19 @@ class CausalLM(nn.Module):
     Layer 0 takes token ids, any later start layer takes hidden states [num_tokens, hidden];
     the output is the hidden state after layer `end - 1` (before the final norm), so
     running [0, k) then [k, L) equals running [0, L).
+
+    Under tensor parallelism (`tp`, parallel.py) cfg holds this rank's shapes.
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: Parallel = SINGLE) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.tp = cfg, tp
         # No random init: `load_model` builds this on the meta device and fills every weight
         # from the checkpoint, and `normal_` on meta alone imports torch's Python
         # decompositions (1-2.5 s of every worker's start).
         embed = torch.empty(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embed)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, embed, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
@@ -260,12 +267,13 @@ class CausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden_states: torch.Tensor, compiled: bool = False) -> torch.Tensor:
-        """Final norm and LM head on the rows that sample; logits in float32."""
+        """Final norm and LM head on the rows that sample; logits in float32 (under tensor
+        parallelism whole on rank 0 only)."""
         if compiled and self.compiled_logits is not None:
             if self.dynamic_batch:
                 _mark_batch_dynamic(hidden_states)
             return self.compiled_logits(hidden_states)
-        return self.lm_head(self.norm(hidden_states)).float()
+        return self.tp.gather_vocab(self.lm_head(self.norm(hidden_states)).float())
 
 
 def run_layer(

@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.llama import CausalLM
 from hetero_pd.models.moe import expert_slice, expert_target, missing_expert_tensors, router_target
+from hetero_pd.models.parallel import SINGLE, Parallel, local_experts, shard_config, take
 
 
 class ModelLoadError(ValueError):
@@ -81,21 +82,30 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    tp: Parallel = SINGLE,
 ) -> CausalLM:
-    """Loads weights into a new model on `device` in `dtype`, checking every shape."""
+    """Loads weights into a new model on `device` in `dtype`, checking every shape. Under
+    tensor parallelism (`tp`), the rank's slices only: each read from its file alone."""
     path = Path(path)
+    whole, cfg = cfg, shard_config(cfg, tp)
     with torch.device("meta"):
-        model = CausalLM(cfg, max_positions)
+        model = CausalLM(cfg, max_positions, tp)
     materialize(model, device)
     params = dict(model.named_parameters())
     if cfg.tie_word_embeddings:
         params.pop("lm_head.weight")
     filled: dict[str, set[int | None]] = {}
+    first = local_experts(whole, tp).start if cfg.num_experts else 0
     for file in weight_files(path):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    copy_tensor(cfg, params, filled, name, f.get_tensor(name), file)
+                    target = _target(name)
+                    part = take(whole, tp, *target)
+                    if part.skip:  # another rank's expert
+                        filled.setdefault(target[0], set()).add(target[1])
+                        continue
+                    copy_tensor(cfg, params, filled, name, part.read(f, name), file, first)
         except SafetensorError as e:
             raise ModelLoadError(f"{file}: corrupt or unreadable safetensors file ({e})") from e
     missing = [name for p in params for name in missing_tensors(cfg, p, filled.get(p, set()))]
@@ -130,7 +140,10 @@ def copy_tensor(
     name: str,
     tensor: torch.Tensor,
     file: Path,
+    first_expert: int = 0,
 ) -> None:
+    """Copies checkpoint tensor `name` into its place in `params`; stacked experts' rows
+    are numbered from `first_expert` (a tensor-parallel rank's first)."""
     target, shard = _target(name)
     if target.endswith("rotary_emb.inv_freq"):
         return
@@ -141,7 +154,7 @@ def copy_tensor(
         raise ModelLoadError(f"{file}: unexpected tensor {name!r} for a {cfg.architecture}")
     dest = param.data
     if ".experts_" in target and shard is not None:
-        dest = expert_slice(cfg, dest, target, shard)
+        dest = expert_slice(cfg, dest, target, shard - 2 * first_expert)
     elif shard is not None:
         sizes = _shard_sizes(cfg, target)
         offset = sum(sizes[:shard])

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetero_pd.models.config import ModelConfig
+from hetero_pd.models.parallel import SINGLE, Parallel, local_experts
 
 # checkpoint expert matrix -> (our stacked parameter, part: 0 gate, 1 up; 0 for down)
 _EXPERT_PARTS = {
@@ -41,27 +42,33 @@ _CHECKPOINT_NAMES = {
 
 
 class SparseMoE(nn.Module):
-    """The MoE block that replaces a decoder layer's MLP."""
+    """The MoE block that replaces a decoder layer's MLP. Under tensor parallelism a rank
+    holds its share of the experts whole (parallel.local_experts); an all-reduce sums the
+    ranks' contributions."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: Parallel = SINGLE) -> None:
         super().__init__()
-        experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.tp, held = tp, local_experts(cfg, tp)
+        self.first_expert, experts = held.start, len(held)
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(hidden, experts, bias=False)  # the router
+        self.gate = nn.Linear(hidden, cfg.num_experts, bias=False)  # the router
         # experts_gate_up: [experts, 2 * inter, hidden] (gate rows, then up rows)
         self.experts_gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.experts_down = nn.Parameter(torch.empty(experts, hidden, inter))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
-        return sparse_moe(
+        y = sparse_moe(
             x,
             self.gate.weight,
             self.experts_gate_up,
             self.experts_down,
             self.top_k,
             self.norm_topk_prob,
+            self.first_expert,
         )
+        return self.tp.all_reduce(y)
 
 
 # An op the compiler does not trace (as `hetero_pd::linear`): the expert sizes are data (a
@@ -75,9 +82,11 @@ def sparse_moe(
     down: torch.Tensor,
     top_k: int,
     norm_topk_prob: bool,
+    first_expert: int = 0,
 ) -> torch.Tensor:
-    """x [N, hidden], router [experts, hidden], gate_up [experts, 2 * inter, hidden],
-    down [experts, hidden, inter] -> [N, hidden]."""
+    """x [N, hidden], router [experts, hidden], gate_up [held, 2 * inter, hidden],
+    down [held, hidden, inter] -> [N, hidden]: the contributions of the `held` experts
+    from `first_expert` on (all of them unless the experts are split over ranks)."""
     probs = F.softmax(F.linear(x, router).float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)  # [N, k] each
     if norm_topk_prob:
@@ -86,11 +95,16 @@ def sparse_moe(
     # Stable: within an expert, rows keep token order, so each token's contributions are
     # summed in expert order (as transformers does).
     order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=router.shape[0]).tolist()
+    held = counts[first_expert : first_expert + down.shape[0]]
+    lo = sum(counts[:first_expert])
+    order = order[lo : lo + sum(held)]  # the rows of the held experts
+    if not len(order):
+        return torch.zeros_like(x)
     tokens = order // top_k
-    counts = torch.bincount(flat, minlength=down.shape[0]).tolist()
     rows = x[tokens]
     outs, start = [], 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(held):
         if count == 0:
             continue
         h = F.linear(rows[start : start + count], gate_up[expert])
@@ -109,6 +123,7 @@ def _(
     down: torch.Tensor,
     top_k: int,
     norm_topk_prob: bool,
+    first_expert: int = 0,
 ) -> torch.Tensor:
     return torch.empty_like(x)
 

@@ -1,0 +1,73 @@
+"""Builds an engine's model runner: the model (this rank's shard under tensor parallelism),
+its KV cache sized by the budget, and the other tensor-parallel ranks when there are some."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from backends import backend_for, parse_device
+from hetero_pd.config import EngineConfig
+from hetero_pd.engine.model_runner import KVAllocator, ModelRunner
+from hetero_pd.engine.tp.group import RankGroup, start_ranks
+from hetero_pd.models.config import ModelConfig
+from hetero_pd.models.loader import load_model
+from hetero_pd.models.parallel import SINGLE, Parallel, shard_config
+
+
+def blocks_for_budget(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """KV blocks `config.kv_cache_gb` holds for a model of `cfg`'s shapes (one rank's)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    per_block = config.block_size * cfg.kv_bytes_per_token * elem
+    num_blocks = int(config.kv_cache_gb * 2**30) // per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no KV block")
+    return num_blocks
+
+
+def load_runner(
+    config: EngineConfig,
+    path: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+    compile_step: bool,
+    kv_allocator: KVAllocator | None,
+) -> tuple[ModelRunner, RankGroup | None, int]:
+    """(runner, the other ranks or None, KV blocks per rank) for `config`'s engine."""
+    device = parse_device(config.device)
+    tp = config.tensor_parallel_size
+    # Each rank's shapes (its heads, MLP columns, vocabulary); cfg itself when tp is 1.
+    local = shard_config(cfg, Parallel(0, tp))
+    num_blocks = config.num_kv_blocks or blocks_for_budget(config, local, dtype)
+    if not 0 <= config.start_layer < cfg.num_layers:
+        raise ValueError(
+            f"start_layer={config.start_layer} is outside the model's {cfg.num_layers} layers"
+        )
+    ranks = start_ranks(config, str(path), dtype, num_blocks, max_model_len) if tp > 1 else None
+    try:
+        parallel = SINGLE if ranks is None else ranks.parallel
+        model = load_model(path, cfg, dtype, device, max_model_len, parallel)
+        model.use_linear_kernels(backend_for(device).linear_kernel)
+        runner = ModelRunner(
+            model,
+            local,
+            num_blocks,
+            config.block_size,
+            device,
+            dtype,
+            kv_allocator,
+            config.start_layer,
+            compile=compile_step,
+            compile_required=config.compile == "on",
+            kv_layout=config.kv_layout_choice(),
+            ranks=ranks,
+        )
+        if ranks is not None:
+            ranks.wait_loaded()
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+    return runner, ranks, num_blocks

@@ -1,0 +1,121 @@
+"""Tensor parallelism inside one engine (gloo, 2 ranks on the CPU): the same greedy tokens
+as one process and as transformers, each rank holding only its shard; a rank that dies
+stops the engine with an error naming it."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetero_pd import LLM, SamplingParams
+from hetero_pd.engine.tp.group import TPRankError
+from tests.conftest import TINY, _save_tiny
+from tests.engine.test_greedy_equivalence import random_prompts
+
+Ref = Callable[[Path, list[int], int], list[int]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+Make = Callable[..., LLM]
+
+
+@pytest.fixture
+def make_llm() -> Iterator[Make]:
+    made: list[LLM] = []
+
+    def make(path: Path, **kwargs: object) -> LLM:
+        llm = LLM(str(path), dtype="float32", block_size=8, num_kv_blocks=64, **kwargs)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_mqa_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """One KV head for four query heads: at TP 2 each rank holds a replica of it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**TINY, "num_key_value_heads": 1}, attention_bias=True)
+    dest = tmp_path_factory.mktemp("tiny-mqa")
+    return _save_tiny(config, LlamaForCausalLM, dest, tokenizer_dir, seed=8, random_norms=True)
+
+
+def weight_bytes(llm: LLM) -> int:
+    return sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_qwen3_dir", "tiny_qwen3_moe_dir"])
+def test_tp2_matches_tp1_and_transformers(
+    model_fixture: str, request: pytest.FixtureRequest, hf_greedy: Ref, make_llm: Make
+) -> None:
+    path = request.getfixturevalue(model_fixture)
+    # A 24-token budget splits the 30-token prompt: chunks attend to cached context.
+    tp2 = make_llm(path, tensor_parallel_size=2, max_num_batched_tokens=24)
+    tp1 = make_llm(path, max_num_batched_tokens=24)
+    prompts = random_prompts([3, 30, 9], 512, seed=7)
+    params = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1
+    )
+    outs2, outs1 = tp2.generate(prompts, params), tp1.generate(prompts, params)
+    for prompt, o2, o1 in zip(prompts, outs2, outs1, strict=True):
+        assert o2.outputs[0].token_ids == hf_greedy(path, prompt, params.max_tokens)
+        assert o2.outputs[0].token_ids == o1.outputs[0].token_ids
+        got_lps, want_lps = o2.outputs[0].logprobs or [], o1.outputs[0].logprobs or []
+        assert len(got_lps) == params.max_tokens
+        for got, want in zip(got_lps, want_lps, strict=True):
+            assert got.keys() == want.keys()
+            for token, lp in want.items():
+                assert got[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
+        assert len(o2.prompt_logprobs or []) == len(prompt)
+    tp2.engine.check_integrity()
+    # Rank 0 holds its half of the sharded weights (plus the replicated norms, router).
+    assert weight_bytes(tp2) < 0.6 * weight_bytes(tp1)
+
+
+def test_kv_head_replicated_when_tp_exceeds_kv_heads(
+    tiny_mqa_dir: Path, hf_greedy: Ref, make_llm: Make
+) -> None:
+    llm = make_llm(tiny_mqa_dir, tensor_parallel_size=2)
+    k_cache = llm.engine.runner.kv_caches[0][0]
+    assert k_cache.shape[2] == 1  # [blocks, block_size, kv_heads, head_dim]
+    prompts = random_prompts([5, 21], 512, seed=9)
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(tiny_mqa_dir, prompt, GREEDY.max_tokens)
+
+
+def test_a_killed_rank_stops_the_engine_with_its_name(tiny_qwen3_dir: Path, make_llm: Make) -> None:
+    llm = make_llm(tiny_qwen3_dir, tensor_parallel_size=2)
+    ranks = llm.engine.ranks
+    assert ranks is not None and len(ranks.procs) == 1
+    child = ranks.procs[0]
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    with pytest.raises(TPRankError, match=r"rank 1 \(pid \d+\) exited with signal SIGKILL"):
+        llm.generate([[1, 2, 3]], GREEDY)
+    # Broken for good: the next step says so at once, nothing waits on the dead rank.
+    with pytest.raises(TPRankError, match="SIGKILL"):
+        llm.generate([[4, 5]], GREEDY)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(tensor_parallel_size=3), "does not divide the model's num_attention_heads"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1"),
+        (dict(tensor_parallel_size=2, start_layer=1), "start_layer > 0"),
+        (dict(tensor_parallel_size=2, compile="on"), "compile 'on'"),
+        (dict(tensor_parallel_size=2, kv_cache_host_gb=0.1), "KV cache tiers"),
+    ],
+)
+def test_unsupported_combinations_are_named(
+    tiny_llama_dir: Path, kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_llama_dir), dtype="float32", **kwargs)
+    assert not torch.distributed.is_initialized()
