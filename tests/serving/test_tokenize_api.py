@@ -85,6 +85,7 @@ def test_tokenizer_routes_need_the_key(stack: Stack, path: str) -> None:
         ("/detokenize", {"tokens": [1, -1]}, "tokens"),
         ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
         ("/detokenize", {"tokens": [True]}, "tokens"),
+        ("/detokenize", {"tokens": [1] * 1_000_000}, "tokens"),  # no model makes 1M tokens
     ],
 )
 def test_bad_bodies_are_400s_naming_the_field(
