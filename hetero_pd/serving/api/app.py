@@ -152,7 +152,7 @@ def _tokenize(state: ApiState, raw: bytes) -> dict[str, Any]:
 
 def _detokenize(state: ApiState, raw: bytes) -> dict[str, str]:
     body = decode_body(raw, "detokenize", state.max_model_len)
-    return openai_tokenize.detokenize(state.tokenizer, body, state.model_names)
+    return openai_tokenize.detokenize(state.tokenizer, body, state.model_names, state.max_model_len)
 
 
 async def _edge_session(request: web.Request) -> web.StreamResponse:

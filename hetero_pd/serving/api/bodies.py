@@ -8,7 +8,8 @@ within what a valid value of it needs:
 - ``prompt`` (completions): a string; token ids, counted by their commas (in C) against the
   model's ``max_model_len`` before one is decoded; or a batch of at most ``MAX_PROMPTS``;
 - ``messages``: at most ``MAX_MESSAGES``, each with at most ``MAX_CONTENT_PARTS`` parts;
-- ``tokens`` (/detokenize): counted by their commas against ``MAX_DETOKENIZE_IDS``;
+- ``tokens`` (/detokenize): counted by their commas against ``max_model_len`` (no request
+  makes more text);
 - every other field: at most ``SMALL_FIELD_BYTES`` of JSON (``stop`` and ``logit_bias``
   somewhat more, what their most entries of the longest kind take).
 
@@ -36,7 +37,7 @@ import msgspec
 from hetero_pd.serving.api.errors import APIError, bad_request
 from hetero_pd.serving.api.fields import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_PROMPTS
 from hetero_pd.serving.api.protocol import UNSUPPORTED
-from hetero_pd.serving.api.tokens import MAX_DETOKENIZE_IDS
+from hetero_pd.serving.api.tokens import too_many_ids
 from hetero_pd.serving.control.sampling import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 BodyKind = Literal["completion", "chat", "tokenize", "detokenize"]
@@ -101,8 +102,9 @@ _FIRST = re.compile(rb"\s*(.)", re.S)
 
 def decode_body(raw: bytes, kind: BodyKind, max_prompt_ids: int) -> dict[str, Any]:
     """The fields of a request body that `kind`'s parser reads, each decoded within its bound
-    (``max_prompt_ids``: the most token ids one completion prompt can have). 400 when the
-    body is not a JSON object, or a field is larger than any valid value of it."""
+    (``max_prompt_ids``: the most token ids one completion prompt, or one /detokenize, can
+    have). 400 when the body is not a JSON object, or a field is larger than any valid value
+    of it."""
     body = _top(raw)
     out: dict[str, Any] = {}
     for name in _SMALL_FIELDS:
@@ -117,7 +119,7 @@ def decode_body(raw: bytes, kind: BodyKind, max_prompt_ids: int) -> dict[str, An
     if kind in ("chat", "tokenize") and body.messages is not msgspec.UNSET:
         out["messages"] = _messages(body.messages)
     if kind == "detokenize" and body.tokens is not msgspec.UNSET:
-        out["tokens"] = _ids(body.tokens, "tokens", MAX_DETOKENIZE_IDS, _too_many_ids)
+        out["tokens"] = _ids(body.tokens, "tokens", max_prompt_ids, too_many_ids)
     return out
 
 
@@ -208,10 +210,6 @@ def _too_long_prompt(max_model_len: int) -> Any:
         )
 
     return error
-
-
-def _too_many_ids(count: int, limit: int) -> APIError:
-    return bad_request(f"'tokens' holds {count} ids, at most {limit}", "tokens")
 
 
 def _messages(raw: msgspec.Raw) -> Any:

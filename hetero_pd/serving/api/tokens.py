@@ -14,11 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hetero_pd.serving.api.errors import bad_request, model_not_found
+from hetero_pd.serving.api.errors import APIError, bad_request, model_not_found
 from hetero_pd.serving.api.fields import json_object, opt_bool, parse_messages, show
-
-#: Most ids one /detokenize request may send.
-MAX_DETOKENIZE_IDS = 1 << 20
 
 
 def tokenize(
@@ -59,15 +56,16 @@ def tokenize(
     }
 
 
-def detokenize(tok: Any, body: Any, model_names: Sequence[str]) -> dict[str, str]:
-    """The answer to a /detokenize body: the ids' text (special tokens kept, as vLLM)."""
+def detokenize(tok: Any, body: Any, model_names: Sequence[str], max_ids: int) -> dict[str, str]:
+    """The answer to a /detokenize body: the ids' text (special tokens kept, as vLLM);
+    at most ``max_ids`` ids (the model's context: no request makes more)."""
     b = json_object(body)
     _check_model(b, model_names)
     ids = b.get("tokens")
     if not isinstance(ids, list):
         raise bad_request(f"'tokens' must be a list of token ids, got {show(ids)}", "tokens")
-    if len(ids) > MAX_DETOKENIZE_IDS:
-        raise bad_request(f"'tokens' holds {len(ids)} ids, at most {MAX_DETOKENIZE_IDS}", "tokens")
+    if len(ids) > max_ids:
+        raise too_many_ids(len(ids), max_ids)
     size = len(tok)
     bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < size]
     if bad:
@@ -77,6 +75,14 @@ def detokenize(tok: Any, body: Any, model_names: Sequence[str]) -> dict[str, str
             "tokens",
         )
     return {"prompt": str(tok.decode(ids))}
+
+
+def too_many_ids(count: int, limit: int) -> APIError:
+    return bad_request(
+        f"'tokens' holds {count} ids, at most {limit} (this model's context: no request "
+        "makes more text than that)",
+        "tokens",
+    )
 
 
 def _check_model(b: dict[str, Any], model_names: Sequence[str]) -> None:
