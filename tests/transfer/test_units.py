@@ -161,3 +161,55 @@ def test_writer_claims_and_grant_numbers_are_validated(
     raw = _forged({"t": msg_type, **fields}, sid=b"t" * 16)
     with pytest.raises(wire.FrameError, match="bad_field"):
         wire.decode(raw, 1)
+
+
+def test_a_begin_cannot_claim_more_source_blocks_than_its_reservation_holds() -> None:
+    """A BEGIN naming one destination block of 8 tokens and 2**27 source blocks of 16 (block
+    sizes differ) once made the receiver allocate a byte per planned chunk (256 MiB here):
+    source blocks are bounded by what the reservation can hold, before anything is made."""
+    import tracemalloc
+
+    from transfer.incoming import accept_begin
+    from transfer.messages import Begin
+    from transfer.session import Identity, Session
+
+    region = KVRegion.allocate("kv", 1, 8, (8, 2, 4))
+    ledger = Ledger(4)
+    ledger.add_region(region)
+    res = ledger.reserve(region, "r", [3], range(1), TransferHandle("r", "recv", "", "r"), 1e18)
+    me = Identity("decode-0", "decode", "host", 1, "")
+    peer = Session("prefill-0", "prefill", "other-host", 2, {}, b"t" * 16)
+
+    def begin(num_src: int, num_tokens: int) -> Begin:
+        return Begin(
+            transfer_id="x",
+            request_id="r",
+            epoch=res.blocks.epoch,
+            region="kv",
+            dst=[3],
+            num_src=num_src,
+            dtype="float32",
+            block_size=16,
+            tensors_per_layer=2,
+            block_shape=[16, 2, 4],
+            layers=(0, 1),
+            num_tokens=num_tokens,
+            num_chunks=2 * num_src,
+            blocks_per_chunk=1,
+            checksum=None,
+            mode="tcp",
+            codec="none",
+            layout="nd",
+        )
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(TransferError) as info:
+            accept_begin(begin(2**27, 1), peer, me, {"kv": region}, ledger, 2**20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert info.value.code is StatusCode.PARAM_INVALID and "source blocks" in info.value.message
+    assert peak < 2**20
+    ok = accept_begin(begin(1, 8), peer, me, {"kv": region}, ledger, 2**20)  # 8 tokens fit
+    assert ok.num_src == 1
