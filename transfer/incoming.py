@@ -151,6 +151,9 @@ def accept_begin(
         problems.append(f"{num_src} source blocks for {len(dst)} destination blocks")
     elif block_size != region.block_size and len(dst) * region.block_size < num_tokens:
         problems.append(f"{len(dst)} destination blocks cannot hold {num_tokens} tokens")
+    elif block_size != region.block_size and num_src > math.ceil(num_tokens / block_size):
+        # (equal sizes: num_src is len(dst)) per-chunk state stays bounded by the reservation
+        problems.append(f"{num_src} source blocks of {block_size} for {num_tokens} tokens")
     if per_chunk >= 1 and num_chunks != len(tensors) * math.ceil(num_src / per_chunk):
         problems.append(f"chunk count {num_chunks}")
     if per_chunk * block_bytes > max_frame_bytes and mode == "tcp":

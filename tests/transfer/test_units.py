@@ -212,4 +212,4 @@ def test_a_begin_cannot_claim_more_source_blocks_than_its_reservation_holds() ->
     assert info.value.code is StatusCode.PARAM_INVALID and "source blocks" in info.value.message
     assert peak < 2**20
     ok = accept_begin(begin(1, 8), peer, me, {"kv": region}, ledger, 2**20)  # 8 tokens fit
-    assert ok.num_src == 1
+    assert ok.num_src_blocks == 1 and len(ok.good) == 2
