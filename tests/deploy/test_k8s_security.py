@@ -14,6 +14,7 @@ import yaml
 
 from hetero_pd.deploy import k8s, k8s_secrets
 from hetero_pd.deploy.cli import render_main, validate_main
+from hetero_pd.deploy.cluster import pod_worker_config
 from hetero_pd.deploy.schema import load_deployment
 from hetero_pd.deploy.source import ConfigError
 from hetero_pd.deploy.validate import validate_file
@@ -152,7 +153,14 @@ def test_worker_ports_are_open_only_to_the_deployments_pods(
     assert workers["values"] == ["decode", "prefill"]  # not the router: its Service is open
     (rule,) = spec["ingress"]
     assert rule["from"] == [{"podSelector": {"matchLabels": instance}}]
-    assert [p["port"] for p in rule["ports"]] == [9200, 9201]
+    assert [p["port"] for p in rule["ports"]] == [9200, 9201, 9202]  # control, transfer, data
+    worker = _pod(out, "hetero-pd-decode")["containers"][0]
+    assert [p["containerPort"] for p in worker["ports"]] == [9200, 9201, 9202]
+    # the data channel listens where the policy opens it (it was a random port: every
+    # session waited out the link timeout, then fell back to frames on the link)
+    dep = load_deployment(write_yaml(BASE + "kubernetes: {base_port: 9200}\n"))
+    cfg = pod_worker_config(dep, "decode-0", "", "10.1.2.3")
+    assert (cfg.port, cfg.transfer.port, cfg.transfer.data_port) == (9200, 9201, 9202)
     router_labels = _docs(out, "Deployment")[0]["spec"]["template"]["metadata"]["labels"]
     assert instance.items() <= router_labels.items()  # the router is one of the allowed pods
     off = k8s.render(load_deployment(write_yaml(BASE + "kubernetes: {network_policy: false}\n")))
