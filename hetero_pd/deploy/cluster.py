@@ -69,6 +69,7 @@ def pod_worker_config(
         host=host,
         port=base,
         transfer_port=base + 1,
+        data_port=base + 2,
         advertise_host=k8s.pod_host(dep, wid),
         alive_file=alive_file,
     )

@@ -12,7 +12,8 @@
 
 Workers find each other by name, never by a hand-written address: worker `decode-1` is pod
 `<name>-decode-1`, reachable as `<name>-decode-1.<name>-decode.<ns>.svc` on
-`kubernetes.base_port` (control) and `base_port + 1` (KV transfer). The router discovers
+`kubernetes.base_port` (control), `base_port + 1` (KV transfer) and `base_port + 2` (the
+transfer's data channel). The router discovers
 the workers by resolving those names (ordinals 0, 1, ... of each StatefulSet), so
 `kubectl scale` is seen without rendering again (`hetero_pd.deploy.cluster`).
 
@@ -137,6 +138,7 @@ def _workers(dep: Deployment, role: str, replicas: int, checksum: str) -> list[d
     ports = [
         {"name": "control", "port": k.base_port, "targetPort": "control"},
         {"name": "transfer", "port": k.base_port + 1, "targetPort": "transfer"},
+        {"name": "data", "port": k.base_port + 2, "targetPort": "data"},
     ]
     service = {
         "apiVersion": "v1",

@@ -80,6 +80,7 @@ def worker_pod(dep: Deployment, kind: str) -> dict[str, Any]:
     c["ports"] = [
         {"name": "control", "containerPort": k.base_port},
         {"name": "transfer", "containerPort": k.base_port + 1},
+        {"name": "data", "containerPort": k.base_port + 2},
     ]
     requests: dict[str, Any] = {"cpu": k.worker_cpu, "memory": k.worker_memory}
     limits: dict[str, Any] = {"memory": k.worker_memory}

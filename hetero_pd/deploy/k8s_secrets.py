@@ -140,6 +140,7 @@ def network_policy(
                     "ports": [
                         {"protocol": "TCP", "port": port},
                         {"protocol": "TCP", "port": port + 1},
+                        {"protocol": "TCP", "port": port + 2},
                     ],
                 }
             ],

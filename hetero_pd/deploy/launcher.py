@@ -69,6 +69,7 @@ def worker_config(
     host: str = "127.0.0.1",
     port: int = 0,
     transfer_port: int = 0,
+    data_port: int = 0,
     **extra: Any,
 ) -> WorkerConfig:
     """The WorkerConfig of worker `w` of `dep` (`extra` sets fields such as alive_file):
@@ -95,7 +96,7 @@ def worker_config(
         worker_id=w.worker_id,
         role=w.role,  # type: ignore[arg-type]
         engine=engine,
-        transfer=dep.transfer.transfer_config(w.worker_id, host, transfer_port),
+        transfer=dep.transfer.transfer_config(w.worker_id, host, transfer_port, data_port),
         host=host,
         port=port,
         layerwise=dep.transfer.layerwise,

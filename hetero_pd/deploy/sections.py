@@ -185,13 +185,17 @@ class TransferSpec:
     #: frames (see transfer/faults.py). Never set this in production.
     faults: dict[str, tuple[dict[str, Any], ...]] = field(default_factory=dict)
 
-    def transfer_config(self, worker_id: str, host: str, port: int) -> TransferConfig:
-        """Worker `worker_id`'s transfer engine config, listening on `host`:`port`; its
-        secret comes from the environment (`hetero_pd.secrets`), never from here."""
+    def transfer_config(
+        self, worker_id: str, host: str, port: int, data_port: int = 0
+    ) -> TransferConfig:
+        """Worker `worker_id`'s transfer engine config, listening on `host`:`port` (its data
+        channel on `data_port`, 0: any); its secret comes from the worker's credential
+        (`hetero_pd.secrets`), never from here."""
         rules = self.faults.get(worker_id, ())
         return TransferConfig(
             host=host,
             port=port,
+            data_port=data_port,
             timeout_s=self.timeout_s,
             grant_s=self.grant_s,
             transports=self.transports,
@@ -278,7 +282,7 @@ class KubernetesSpec:
     namespace: str = "default"
     image: str = "hetero-pd:0.1.0"
     image_pull_policy: str = opt("IfNotPresent", choices=("IfNotPresent", "Always", "Never"))
-    base_port: int = opt(9000, lo=1024, hi=65000, doc="worker control port; +1 transfer")
+    base_port: int = opt(9000, lo=1024, hi=65000, doc="worker control port; +1 transfer, +2 data")
     service_type: str = opt("ClusterIP", choices=("ClusterIP", "NodePort", "LoadBalancer"))
     model_pvc: str = opt("", doc="PersistentVolumeClaim holding the model cache")
     worker_cpu: str = "2"

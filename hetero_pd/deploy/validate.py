@@ -6,7 +6,7 @@ assignment. Here the deployment is checked against its target:
 - `local` (one box): the model is a known name or a usable folder; every accelerator a
   worker names exists on this host; the router's port is free.
 - `k8s` (a cluster): the host's hardware does not matter; ports are fixed and derived
-  (workers use `kubernetes.base_port` and `+1`, which must not clash with the router's);
+  (workers use `kubernetes.base_port`, `+1` and `+2`, which must not clash with the router's);
   each role runs one device kind (one StatefulSet per role); names are valid DNS labels.
 """
 
@@ -86,7 +86,7 @@ class Report:
             k = dep.kubernetes
             lines.append(
                 f"  kubernetes  {k.namespace}/{k.name}, image {k.image}, worker ports "
-                f"{k.base_port} (control) and {k.base_port + 1} (transfer)"
+                f"{k.base_port} (control), {k.base_port + 1} (transfer), {k.base_port + 2} (data)"
             )
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
@@ -206,11 +206,11 @@ def _check_k8s(dep: Deployment, src: Source, warn: Warn) -> None:
             src.error(key, f"{value!r} must be a DNS label: a-z, 0-9 and '-', at most 40 long")
     if dep.router.port == 0:
         src.error("router.port", "0 (any free port) only works on one box; give a fixed port")
-    elif dep.router.port in (k.base_port, k.base_port + 1):
+    elif dep.router.port in (k.base_port, k.base_port + 1, k.base_port + 2):
         src.error(
             "router.port",
             f"{dep.router.port} clashes with the worker ports derived from kubernetes.base_port "
-            f"({k.base_port} control, {k.base_port + 1} transfer)",
+            f"({k.base_port} control, {k.base_port + 1} transfer, {k.base_port + 2} data)",
         )
     kinds: dict[str, set[str]] = {}
     for w in dep.workers:

@@ -71,7 +71,7 @@ def test_workers_are_found_by_service_names_not_addresses() -> None:
     dep = load_deployment(path)
     svc = _by(out, "Service", "pd-multinode-decode")
     assert svc["spec"]["clusterIP"] == "None"
-    assert [p["port"] for p in svc["spec"]["ports"]] == [9100, 9101]
+    assert [p["port"] for p in svc["spec"]["ports"]] == [9100, 9101, 9102]
     sts = _by(out, "StatefulSet", "pd-multinode-decode")
     assert sts["spec"]["serviceName"] == "pd-multinode-decode"
     router = _by(out, "Deployment", "pd-multinode-router")["spec"]["template"]["spec"]
