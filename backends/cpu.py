@@ -224,7 +224,7 @@ class CpuBackend(Backend):
 
     def native_decode_attention(self, kv_dtype: torch.dtype, kernel_dir: Path) -> bool:
         """The C kernel of backends/paged_decode.py, built on first use into `kernel_dir`;
-        float32 caches."""
+        float32 and bfloat16 caches."""
         from backends import paged_decode  # registers the op
 
         return paged_decode.available(kv_dtype, kernel_dir)

@@ -6,12 +6,20 @@ barely gained from a second thread, while a copy of the same bytes ran at ~11 GB
 kernel (csrc/paged_decode.c) runs one task per sequence on torch's OpenMP threads and reads
 each slot's K row and V row once, for every query head.
 
+It reads float32 and bfloat16 caches. bfloat16 accumulates in float32 and rounds the
+softmax's weights to bfloat16 before they multiply V, as torch's CPU SDPA does (and so
+transformers in bfloat16). Its scores take AVX-512 BF16 (`vdpbf16ps`) where /proc/cpuinfo
+says the CPU has it, else the kernel's portable bf16 path (widened to float32 by a shift);
+`bf16_path()` names the one taken, and `decode(..., portable=True)` forces the portable one.
+
 It is built on first use with the machine's C compiler (`-march=native`, so it uses the
-vector units this CPU has, detected by the compiler) into hetero-pd's cache, keyed by the
-source, the compile command, the compiler's version and the CPU's flags, in the folder the
-caller names (the engine's: `kernels/` under HETERO_PD_CACHE_DIR). No compiler, or a failed
-build: `available()` is False and attention takes the portable path (inductor's loops or
-SDPA), said in the log. The engine asks only where HETERO_PD_NATIVE_ATTENTION is not 0.
+vector units this CPU has; the AVX-512 BF16 path is compiled in by a target attribute on any
+x86-64 and called only where the CPU has it) into hetero-pd's cache, keyed by the source,
+the compile command, the compiler's version and the CPU's flags (a library built for one CPU
+is not loaded on another), in the folder the caller names (the engine's: `kernels/` under
+HETERO_PD_CACHE_DIR). No compiler, or a failed build: `available()` is False and attention
+takes the portable path (inductor's loops or SDPA), said in the log. The engine asks only
+where HETERO_PD_NATIVE_ATTENTION is not 0.
 
 The op `hetero_pd::paged_decode` wraps `decode`, so a compiled step calls it as one opaque
 op. A cached library is loaded only when it and its folder are ours and no one else's to
@@ -38,14 +46,17 @@ from backends.cpuinfo import cpu_flags
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-#: The dtypes the kernel reads. Not bfloat16: transformers' SDPA rounds the softmax to
-#: bfloat16 before multiplying by V, and greedy tokens must stay equal to it.
-KV_DTYPES = (torch.float32,)
+#: The dtypes the kernel reads (q, K and V alike; float16 stays on the portable path).
+KV_DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEADS = 256  # the kernel's MAX_HEADS
+#: The kernel's bfloat16 paths, by the number it takes; the flag the CPU needs for each.
+PATHS = {"portable": 0, "avx512_bf16": 1}
+PATH_FLAGS = {"avx512_bf16": "avx512_bf16"}
 _ERRORS = {
     -1: "a cache slot lies outside the KV cache",
     -2: f"more than {MAX_HEADS} query heads",
     -3: "no memory for the kernel's scratch",
+    -4: "the bfloat16 path asked for is not compiled into the kernel",
 }
 
 
@@ -113,17 +124,29 @@ def _load(path: Path) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
+    bf16 = lib.paged_decode_bf16
+    bf16.argtypes = [*fn.argtypes, ctypes.c_int]
+    bf16.restype = ctypes.c_int
+    lib.paged_decode_paths.argtypes = []
+    lib.paged_decode_paths.restype = ctypes.c_int
     return lib
 
 
-#: The library `decode` runs: the one last loaded by `_library`.
+#: The library `decode` runs: the one last loaded by `_library`; its fastest bf16 path.
 _loaded: ctypes.CDLL | None = None
+_fast_path = "portable"
+
+
+def _use(path: Path) -> ctypes.CDLL:
+    global _loaded, _fast_path
+    lib = _load(path)
+    _loaded, _fast_path = lib, _fastest_path(lib)
+    return lib
 
 
 @functools.cache
 def _library(kernel_dir: Path) -> ctypes.CDLL | None:
     """The kernel built into (or found in) `kernel_dir`, loaded; None where it cannot be."""
-    global _loaded
     cc = _compiler()
     if cc is None:
         log.warning("no C compiler (cc, gcc, clang or $CC): decode attention runs portable")
@@ -136,13 +159,11 @@ def _library(kernel_dir: Path) -> ctypes.CDLL | None:
         if path.exists():
             _check_private(path)
             try:
-                _loaded = _load(path)
-                return _loaded
+                return _use(path)
             except (OSError, AttributeError):  # damaged: build it again
                 path.unlink()
         _build(cc, path)
-        _loaded = _load(path)
-        return _loaded
+        return _use(path)
     except UntrustedKernel as e:
         log.warning("%s: decode attention runs portable", e)
         return None
@@ -162,6 +183,21 @@ def available(kv_dtype: torch.dtype, kernel_dir: Path) -> bool:
     return kv_dtype in KV_DTYPES and _library(kernel_dir) is not None
 
 
+def _fastest_path(lib: ctypes.CDLL) -> str:
+    """The fastest bfloat16 path both `lib` and this CPU (its /proc/cpuinfo flags) have."""
+    compiled, flags = lib.paged_decode_paths(), cpu_flags()
+    fast = (n for n, f in PATH_FLAGS.items() if compiled >> PATHS[n] & 1 and f in flags)
+    return next(fast, "portable")
+
+
+def bf16_path(portable: bool = False) -> str:
+    """The path bfloat16 takes in the loaded kernel: "avx512_bf16" where both the CPU and
+    the library have it, else (or when `portable`) "portable"."""
+    if _loaded is None:
+        raise RuntimeError("paged_decode.bf16_path called before available() loaded the kernel")
+    return "portable" if portable else _fast_path
+
+
 def decode(
     q: torch.Tensor,
     k_flat: torch.Tensor,
@@ -169,25 +205,30 @@ def decode(
     slots: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
+    portable: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its cached context.
 
     q [n, heads, dim]; k_flat, v_flat [num_slots, kv_heads, dim] (the cache's blocks as
-    rows, layout nd, float32); slots [n * ctx] int64 cache slots; mask [n * ctx] bool,
-    True = attend. Returns [n, heads, dim] float32."""
+    rows, layout nd, float32 or bfloat16; q is read in their dtype); slots [n * ctx] int64
+    cache slots; mask [n * ctx] bool, True = attend. `portable` keeps bfloat16 off the
+    CPU's bf16 instructions (tests compare the paths). Returns [n, heads, dim] float32."""
     lib = _loaded
     if lib is None:
         raise RuntimeError("paged_decode called before available() loaded the kernel")
     _check(q, k_flat, v_flat, slots, mask)
     n, heads, dim = q.shape
     num_slots, kv_heads = k_flat.shape[0], k_flat.shape[1]
-    qf = q.float().contiguous()
+    qk = q.to(k_flat.dtype).contiguous()
     slots = slots.contiguous()
     mask = mask.contiguous()
     ctx = slots.numel() // n if n else 0
     out = torch.empty((n, heads, dim), dtype=torch.float32)
-    rc = lib.paged_decode(
-        qf.data_ptr(),
+    bf16 = k_flat.dtype == torch.bfloat16
+    fn = lib.paged_decode_bf16 if bf16 else lib.paged_decode
+    extra = (PATHS[bf16_path(portable)],) if bf16 else ()
+    rc = fn(
+        qk.data_ptr(),
         k_flat.data_ptr(),
         v_flat.data_ptr(),
         slots.data_ptr(),
@@ -201,6 +242,7 @@ def decode(
         num_slots,
         scale,
         torch.get_num_threads(),
+        *extra,
     )
     if rc:
         raise RuntimeError(f"paged_decode: {_ERRORS.get(rc, f'error {rc}')}")
@@ -251,5 +293,5 @@ paged_decode = torch.library.custom_op("hetero_pd::paged_decode", decode, mutate
 
 
 @paged_decode.register_fake
-def _(q, k_flat, v_flat, slots, mask, scale):  # type: ignore[no-untyped-def]
+def _(q, k_flat, v_flat, slots, mask, scale, portable=False):  # type: ignore[no-untyped-def]
     return torch.empty(q.shape, dtype=torch.float32, device="cpu")

@@ -1,5 +1,6 @@
 """The CPU decode attention kernel (backends/paged_decode.py) against SDPA over a gathered
-copy of the same cache (the eager path), its refusals, and its build when no compiler works."""
+copy of the same cache (the eager path), in float32 and in bfloat16 on each of its bf16
+paths, its refusals, and its build when no compiler works."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from backends import get_backend, paged_decode
+from backends.cpuinfo import cpu_flags
 from hetero_pd import envs
 from hetero_pd.models.attention import AttentionMetadata, paged_attention
 
@@ -18,20 +20,26 @@ BLOCK = 16
 
 
 def cache_and_batch(
-    dtype: torch.dtype, kv_heads: int, group: int, lens: list[int], seed: int = 0
+    dtype: torch.dtype,
+    kv_heads: int,
+    group: int,
+    lens: list[int],
+    seed: int = 0,
+    block: int = BLOCK,
+    dim: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """K/V caches [blocks, BLOCK, kv_heads, 64] and one decode token per sequence of `lens`
+    """K/V caches [blocks, block, kv_heads, dim] and one decode token per sequence of `lens`
     cached tokens, each sequence's blocks scattered over the cache."""
     gen = torch.Generator().manual_seed(seed)
-    dim, n = 64, len(lens)
-    width = -(-max(lens) // BLOCK)
+    n = len(lens)
+    width = -(-max(lens) // block)
     num_blocks = 4 * n * width
-    k = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=gen).to(dtype)
-    v = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=gen).to(dtype)
+    k = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(num_blocks, block, kv_heads, dim, generator=gen).to(dtype)
     tables = torch.randperm(num_blocks, generator=gen)[: n * width].view(n, width)
-    ctx = width * BLOCK
+    ctx = width * block
     offsets = torch.arange(ctx)
-    slots = tables[:, offsets // BLOCK] * BLOCK + offsets % BLOCK
+    slots = tables[:, offsets // block] * block + offsets % block
     mask = offsets[None, :] < torch.tensor(lens)[:, None]
     q = torch.randn(n, kv_heads * group, dim, generator=gen).to(dtype)
     meta = AttentionMetadata(
@@ -52,6 +60,18 @@ def attend(
     return paged_attention(q, empty, empty, k, v, meta, q.shape[-1] ** -0.5)
 
 
+def kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, portable: bool
+) -> torch.Tensor:
+    """The kernel's float32 output on one bf16 path, as the compiled step calls it."""
+    assert meta.decode_slots is not None and meta.decode_mask is not None
+    flat = (k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:]))
+    mask = meta.decode_mask.reshape(-1)
+    return paged_decode.paged_decode(
+        q, *flat, meta.decode_slots, mask, q.shape[-1] ** -0.5, portable=portable
+    )
+
+
 KERNELS = envs.cache_dir() / "kernels"  # where engines keep it
 needs_kernel = pytest.mark.skipif(
     not paged_decode.available(torch.float32, KERNELS),
@@ -69,10 +89,66 @@ def test_float32_equals_sdpa_over_a_gathered_copy(kv_heads: int, group: int) -> 
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
-def test_bfloat16_stays_on_the_portable_path() -> None:
-    """SDPA rounds the softmax to bfloat16 before multiplying by V (transformers too), which
-    the kernel does not copy: greedy tokens in bfloat16 would drift from transformers'."""
-    assert not paged_decode.available(torch.bfloat16, KERNELS)
+#: (context lengths, block size, head dim): past SDPA's 512-token KV split, blocks of 1 to 32
+#: slots, and head dims that leave the AVX-512 loops a masked tail (72 = 2 x 32 + 8).
+SHAPES = [([1, 17, 64, 130, 5], 16, 64), ([700, 3, 513], 32, 64), ([40, 9], 1, 72)]
+#: The bf16 paths: the portable one runs everywhere, AVX-512 BF16 where the CPU has it.
+BF16_PATHS = [
+    pytest.param(True, id="portable"),
+    pytest.param(
+        False,
+        id="avx512_bf16",
+        marks=pytest.mark.skipif(
+            "avx512_bf16" not in cpu_flags(), reason="this CPU has no AVX-512 BF16"
+        ),
+    ),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("portable", BF16_PATHS)
+@pytest.mark.parametrize("kv_heads,group", [(3, 3), (2, 1), (1, 8)])
+@pytest.mark.parametrize("lens,block,dim", SHAPES)
+def test_bfloat16_equals_sdpa_within_a_rounding(
+    portable: bool, kv_heads: int, group: int, lens: list[int], block: int, dim: int
+) -> None:
+    """bfloat16 q/K/V read from the cache, accumulated in float32: against SDPA in bfloat16
+    (transformers' reference) to bfloat16's rtol 1.6e-2 and atol 2e-3 (outputs are ~0.1-1;
+    SDPA's own exp rounds some weights the other way, which moves outputs near 0 by ~2e-4),
+    and against float32 attention over the same bf16 values with the weights rounded to
+    bf16 as SDPA does, to 1e-5 + 2e-3 relative (a weight's rounding can flip where float32
+    sums in another order)."""
+    q, k, v, meta = cache_and_batch(torch.bfloat16, kv_heads, group, lens, block=block, dim=dim)
+    assert paged_decode.bf16_path(portable) == ("portable" if portable else "avx512_bf16")
+    got = kernel(q, k, v, meta, portable)
+    assert got.dtype == torch.float32
+    sdpa = attend(q, k, v, meta, native=False)
+    torch.testing.assert_close(got.bfloat16(), sdpa, atol=2e-3, rtol=1.6e-2)
+    torch.testing.assert_close(got, reference(q, k, v, meta), atol=1e-5, rtol=2e-3)
+    fastest = kernel(q, k, v, meta, portable=False).bfloat16()  # the engine's eager path's
+    assert torch.equal(attend(q, k, v, meta, native=True), fastest)
+
+
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """float32 attention over bf16 values, the softmax's weights rounded to bf16 (not their
+    sum) before they multiply V."""
+    assert meta.decode_slots is not None and meta.decode_mask is not None
+    n, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    kd = k.view(-1, kv_heads, dim)[meta.decode_slots].view(n, -1, kv_heads, dim).float()
+    vd = v.view(-1, kv_heads, dim)[meta.decode_slots].view(n, -1, kv_heads, dim).float()
+    kd, vd = (t.transpose(1, 2).repeat_interleave(heads // kv_heads, 1) for t in (kd, vd))
+    scores = (q.float().unsqueeze(2) @ kd.transpose(-1, -2)) * dim**-0.5  # [n, heads, 1, ctx]
+    scores = scores.masked_fill(~meta.decode_mask, float("-inf"))
+    e = (scores - scores.amax(-1, keepdim=True)).exp()
+    return ((e.bfloat16().float() @ vd) / e.sum(-1, keepdim=True)).view(n, heads, dim)
+
+
+@needs_kernel
+def test_float16_stays_on_the_portable_path() -> None:
+    assert paged_decode.available(torch.bfloat16, KERNELS)
     assert not paged_decode.available(torch.float16, KERNELS)
 
 
@@ -146,17 +222,17 @@ def test_edges_empty_batches_masked_rows_views_and_thread_counts() -> None:
 def test_the_engine_uses_it_unless_told_not_to(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """float32 engines: the kernel takes float32 only (bfloat16 keeps the portable path)."""
+    """float32 and bfloat16 engines take the kernel; float16 keeps the portable path."""
     from hetero_pd import LLM
 
-    assert get_backend("cpu").native_decode_attention(torch.float32, KERNELS)
-    assert not get_backend("cpu").native_decode_attention(torch.bfloat16, KERNELS)
-    fp32 = {"dtype": "float32", "num_kv_blocks": 16}
-    assert LLM(str(tiny_llama_dir), **fp32).engine.runner.native_decode
-    assert not LLM(
-        str(tiny_llama_dir), dtype="bfloat16", num_kv_blocks=16
-    ).engine.runner.native_decode
+    cpu = get_backend("cpu")
+    assert cpu.native_decode_attention(torch.float32, KERNELS)
+    assert cpu.native_decode_attention(torch.bfloat16, KERNELS)
+    assert not cpu.native_decode_attention(torch.float16, KERNELS)
+    for dtype in ("float32", "bfloat16"):
+        assert LLM(str(tiny_llama_dir), dtype=dtype, num_kv_blocks=16).engine.runner.native_decode
     monkeypatch.setenv("HETERO_PD_NATIVE_ATTENTION", "0")
+    fp32 = {"dtype": "float32", "num_kv_blocks": 16}
     assert not LLM(str(tiny_llama_dir), **fp32).engine.runner.native_decode
 
 
