@@ -13,7 +13,7 @@ The compiled callable is used for decode batches only; prefill stays eager.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -59,11 +59,29 @@ def use_cache_dir(path: Path) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
 
 
-def inductor(fn: F) -> F:
+def inductor(fn: F, any_thread_count: bool = False) -> F:
     """`fn` compiled by inductor. Dimensions the caller marks dynamic before the first call
     (`torch._dynamo.mark_dynamic`) stay symbolic, the rest are specialized: one graph then
-    serves every batch size and context length, with the model's own sizes baked in."""
-    return cast(F, torch.compile(fn, backend="inductor"))
+    serves every batch size and context length, with the model's own sizes baked in.
+
+    `any_thread_count`: the graph is not tied to torch's thread count. Dynamo's global-state
+    guard holds the thread count among grad mode, default dtype and autocast, so each count a
+    thread governor sets would compile the step again (2 -> 1 threads added 2 graphs). Only
+    for code whose kernels read the count when they run (inductor's `cpp.dynamic_threads`,
+    whose cache key leaves it out for that reason) and that is always called in the same
+    state otherwise (the engine's decode step: inference mode, default dtype, no autocast):
+    the whole global-state guard is dropped, as dynamo has no finer switch."""
+    if not any_thread_count:
+        return cast(F, torch.compile(fn, backend="inductor"))
+    options: dict[str, str | int | bool | Callable[..., Any]] = {
+        "guard_filter_fn": _all_but_global_state
+    }
+    return cast(F, torch.compile(fn, backend="inductor", options=options))
+
+
+def _all_but_global_state(guards: Sequence[Any]) -> list[bool]:
+    """Keeps every guard dynamo made except GLOBAL_STATE (a `guard_filter_fn`)."""
+    return [guard.guard_type != "GLOBAL_STATE" for guard in guards]
 
 
 def _allow_graph_per_shape() -> None:

@@ -172,11 +172,12 @@ class CpuBackend(Backend):
 
     def compile_step(self, fn: F) -> F:
         """inductor, its OpenMP loops sized by the thread count at each call rather than
-        fixed when the C++ is generated, so the engine's ThreadGovernor still applies."""
+        fixed when the C++ is generated, so the engine's ThreadGovernor still applies, and
+        without a recompile when the governor changes the count (`any_thread_count`)."""
         import torch._inductor.config  # only when compiling: importing it costs seconds
 
         torch._inductor.config.cpp.dynamic_threads = True
-        return compiler.inductor(fn)
+        return compiler.inductor(fn, any_thread_count=True)
 
     def device_count(self) -> int:
         """Always 1: the host is one device, however many cores it has."""
