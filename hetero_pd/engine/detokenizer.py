@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from hetero_pd.models.tokenizer import TokenDecoder
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded ahead of the output so the first output token gets its context
@@ -37,7 +37,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: TokenDecoder,
         prompt_token_ids: list[int],
         skip_special_tokens: bool = True,
     ) -> None:
@@ -90,10 +90,4 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        text = self._tokenizer.decode(
-            ids,
-            skip_special_tokens=self._skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
-        assert isinstance(text, str)  # a flat list of ids decodes to one string
-        return text
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)

@@ -6,7 +6,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,9 +28,12 @@ from hetero_pd.engine.sampler import advance_generator
 from hetero_pd.engine.scheduler import Role, Scheduler, SchedulerConfig, SchedulerOutput
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
-from hetero_pd.models.tokenizer import load_tokenizer
+from hetero_pd.models.tokenizer import load_decoder, load_tokenizer
 from hetero_pd.outputs import Logprob, PromptLogprobs, RequestOutput
 from hetero_pd.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MAX_DEFAULT_MODEL_LEN = 4096
 #: Steps in a row in which every request failed: then the engine itself is broken.
@@ -74,7 +77,8 @@ class LLMEngine(HiddenPrompts):
         self.compile_choice = config.compile_choice()
         self.thread_governor = ThreadGovernor(threads, start) if adaptive else None
         dtype = self.dtype_choice.dtype
-        self.tokenizer = load_tokenizer(str(self.model_path))
+        self.decoder = load_decoder(self.model_path)  # output ids -> text
+        self._tokenizer: PreTrainedTokenizerBase | None = None
         self.runner, self.ranks, num_blocks = load_runner(
             config,
             self.model_path,
@@ -102,7 +106,7 @@ class LLMEngine(HiddenPrompts):
         )
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self._tokenizer_eos()
-        self.outputs = OutputBuilder(self.tokenizer)
+        self.outputs = OutputBuilder(self.decoder)
         self._ids = itertools.count()
         self._failures: list[RequestFailure] = []
         self._failed_steps = 0
@@ -132,8 +136,15 @@ class LLMEngine(HiddenPrompts):
             )
         return self.config.max_model_len
 
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The model's whole tokenizer (transformers), loaded only when something tokenizes."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.model_path)
+        return self._tokenizer
+
     def _tokenizer_eos(self) -> frozenset[int]:
-        eos = self.tokenizer.eos_token_id
+        eos = self.decoder.eos_token_id
         return frozenset() if eos is None else frozenset([int(eos)])
 
     # -- requests ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from hetero_pd.outputs import CompletionOutput, RequestOutput
 from hetero_pd.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from hetero_pd.models.tokenizer import TokenDecoder
 
 Finish = Callable[[Request, RequestStatus], None]
 
@@ -30,7 +30,7 @@ class _OutputState:
 class OutputBuilder:
     """Per request: what has been sent of its text, and where a stop string cuts it."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: TokenDecoder) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _OutputState] = {}
         self._prompts: dict[str, str] = {}

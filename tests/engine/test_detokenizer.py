@@ -10,6 +10,7 @@ import pytest
 
 from hetero_pd.engine.detokenizer import IncrementalDetokenizer
 from hetero_pd.engine.stop import StopChecker, suppressed_token_ids
+from hetero_pd.models.tokenizer import load_decoder
 from hetero_pd.sampling_params import SamplingParams
 
 TEXTS = [
@@ -42,7 +43,7 @@ class _WindowSpy:
 
 
 def _stream(tokenizer: Any, prompt: list[int], output: list[int], **kw: Any) -> list[str]:
-    detok = IncrementalDetokenizer(tokenizer, prompt, **kw)
+    detok = IncrementalDetokenizer(load_decoder(tokenizer.name_or_path), prompt, **kw)
     deltas = [detok.add(t) for t in output]
     deltas.append(detok.flush())
     assert "".join(deltas) == detok.text
@@ -53,7 +54,7 @@ def _stream(tokenizer: Any, prompt: list[int], output: list[int], **kw: Any) -> 
 def test_deltas_equal_full_decode_and_never_split_characters(tokenizer: Any, text: str) -> None:
     prompt = tokenizer.encode("<|im_start|>user\nSay something<|im_end|>\n<|im_start|>assistant\n")
     output = tokenizer.encode(text)
-    detok = IncrementalDetokenizer(tokenizer, prompt)
+    detok = IncrementalDetokenizer(load_decoder(tokenizer.name_or_path), prompt)
     for n, token in enumerate(output, start=1):
         delta = detok.add(token)
         assert "\ufffd" not in delta
@@ -101,7 +102,7 @@ def test_prompt_ending_inside_a_character(tokenizer: Any) -> None:
 
 
 def test_decode_window_stays_small(tokenizer: Any) -> None:
-    spy = _WindowSpy(tokenizer)
+    spy = _WindowSpy(load_decoder(tokenizer.name_or_path))
     output = tokenizer.encode(" ".join(TEXTS) * 4)
     assert len(output) > 500
     detok = IncrementalDetokenizer(spy, tokenizer.encode("prompt"))
@@ -173,7 +174,7 @@ def test_streamable_text_len_holds_back_partial_stop_strings() -> None:
 def test_streaming_never_shows_a_partial_stop_string(tokenizer: Any) -> None:
     text = "The answer is 42. Observation: 你好 done"
     params = SamplingParams(stop=["Observation:", "zzz"])
-    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Q?"))
+    detok = IncrementalDetokenizer(load_decoder(tokenizer.name_or_path), tokenizer.encode("Q?"))
     checker = StopChecker.from_params(params)
     streamed, match = "", None
     for token in tokenizer.encode(text):
