@@ -133,3 +133,33 @@ def test_an_advertised_name_must_lead_back_to_the_bound_address(
 def test_bind_address_resolves_names_of_this_host() -> None:
     assert bind_address("127.0.0.1") == "127.0.0.1"
     assert bind_address("localhost", wait_s=0) == "127.0.0.1"
+
+
+def test_validate_checks_the_part_of_the_host_it_runs_on(
+    write_yaml: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`validate` of a multi-host file failed on every machine but the router's ("cannot
+    be bound ... another process has it"): without --host-id it checks no other host's
+    addresses; with it, that host's ports, and an address that is not this machine's is
+    named as such."""
+    from hetero_pd.deploy.cli import validate_main
+
+    path = write_yaml(HOSTS)
+    assert validate_main([str(path)]) == 0
+    assert "--host-id" in capsys.readouterr().out  # says what it did not check
+    assert validate_main([str(path), "--host-id", "10.0.0.1"]) == 1
+    err = capsys.readouterr().err
+    assert "router.port" in err and "10.0.0.1 is not an address of this machine" in err
+    assert "another process" not in err
+    with socket.socket() as busy:  # this host's decode workers take 4 ports from a free one
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        path = write_yaml(HOSTS.replace("port: 9100", f"port: {port - 3}"))
+        assert validate_main([str(path), "--host-id", "127.0.0.1"]) == 1
+        err = capsys.readouterr().err
+        assert "workers[2].port" in err and f"127.0.0.1:{port}" in err and "another process" in err
+    assert validate_main([str(path), "--host-id", "127.0.0.1"]) == 0
+    assert validate_main([str(path), "--host-id", "10.9.9.9"]) == 1
+    assert "lists no worker" in capsys.readouterr().err
