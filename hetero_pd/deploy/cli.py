@@ -30,11 +30,15 @@ def validate_main(argv: list[str] | None = None) -> int:
         help="local: this host runs it (devices and ports checked here); k8s: a cluster",
     )
     p.add_argument("--no-port-check", action="store_true", help="skip 'is router.port free'")
+    p.add_argument(
+        "--host-id",
+        help="a file listing workers by host: check the part this host runs (its ports)",
+    )
     args = p.parse_args(argv)
     status = 0
     for path in args.config:
         try:
-            report = validate_file(path, args.target, not args.no_port_check)
+            report = validate_file(path, args.target, not args.no_port_check, args.host_id)
         except ConfigError as e:
             print(e, file=sys.stderr)
             status = 1

@@ -12,6 +12,7 @@ assignment. Here the deployment is checked against its target:
 
 from __future__ import annotations
 
+import errno
 import re
 import socket
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from hetero_pd.deploy.formats import worker_formats
 from hetero_pd.deploy.schema import Deployment, load_deployment
 from hetero_pd.deploy.sections import IMAGE_KINDS
 from hetero_pd.deploy.source import Issue, Source
-from hetero_pd.deploy.workers import WorkerInstance, expand_workers, place_workers
+from hetero_pd.deploy.workers import WorkerInstance, expand_workers, host_ports, place_workers
 
 TARGETS = ("local", "k8s")
 Warn = Callable[[str, str], None]
@@ -92,13 +93,19 @@ class Report:
         return "\n".join(lines)
 
 
-def validate_file(path: str | Path, target: str = "local", check_ports: bool = True) -> Report:
+def validate_file(
+    path: str | Path, target: str = "local", check_ports: bool = True, host_id: str | None = None
+) -> Report:
     """Loads and validates `path`; ConfigError lists every issue (file, line, key)."""
-    return validate(load_deployment(path), target, check_ports)
+    return validate(load_deployment(path), target, check_ports, host_id)
 
 
-def validate(dep: Deployment, target: str = "local", check_ports: bool = True) -> Report:
-    """Checks `dep` against `target` ("local" or "k8s"); raises ConfigError on any issue."""
+def validate(
+    dep: Deployment, target: str = "local", check_ports: bool = True, host_id: str | None = None
+) -> Report:
+    """Checks `dep` against `target` ("local" or "k8s"); raises ConfigError on any issue.
+    A file that lists workers by host is checked here only for what `host_id` runs (its
+    workers' ports, and the router's when it is `router.host`)."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     src = Source(dep.source, dict(dep.lines))
@@ -110,8 +117,10 @@ def validate(dep: Deployment, target: str = "local", check_ports: bool = True) -
     _check_model(dep, target, src, warn)
     if target == "local":
         _check_host_devices(dep, src)
-        if check_ports and dep.router.port:
-            _check_port_free(dep.router.host, dep.router.port, src)
+        if any(w.host for w in dep.workers):
+            _check_host_part(dep, host_id, check_ports, src, warn)
+        elif check_ports and dep.router.port:
+            _check_port_free(dep.router.host, dep.router.port, src, "router.port")
     else:
         _check_k8s(dep, src, warn)
     src.raise_if_any()
@@ -184,7 +193,38 @@ def _check_host_devices(dep: Deployment, src: Source) -> None:
             )
 
 
-def _check_port_free(host: str, port: int, src: Source) -> None:
+def _check_host_part(
+    dep: Deployment, host_id: str | None, check_ports: bool, src: Source, warn: Warn
+) -> None:
+    """Bare metal: the ports of the part of `dep` that host `host_id` runs."""
+    hosts = sorted({w.host for w in dep.workers})
+    if host_id is None:
+        warn(
+            "workers",
+            f"lists workers by host ({', '.join(hosts)}): their ports are checked on each "
+            "host, with `hetero-pd validate CONFIG --host-id HOST`",
+        )
+        return
+    if host_id not in hosts and host_id != dep.router.host:
+        src.error(
+            "workers",
+            f"--host-id {host_id}: the file lists no worker there (its hosts: "
+            f"{', '.join(hosts)}) and router.host is {dep.router.host}",
+        )
+        return
+    if not check_ports:
+        return
+    if dep.router.host == host_id and dep.router.port:
+        _check_port_free(host_id, dep.router.port, src, "router.port")
+    every = host_ports(dep.workers, Source())
+    for i, (spec, ports) in enumerate(zip(dep.workers, every, strict=True)):
+        if spec.host == host_id:
+            for port in ports:
+                for p in (port, port + 1):  # control, transfer
+                    _check_port_free(host_id, p, src, f"workers[{i}].port")
+
+
+def _check_port_free(host: str, port: int, src: Source, key: str) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         # As aiohttp binds: connections of a stopped server in TIME_WAIT do not block the
         # port, a listening socket still does.
@@ -192,11 +232,18 @@ def _check_port_free(host: str, port: int, src: Source) -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            src.error(
-                "router.port",
-                f"{host}:{port} cannot be bound ({e.strerror}); another process has it: "
-                "choose another port, or 0 for any free one",
-            )
+            if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                src.error(
+                    key,
+                    f"{host} is not an address of this machine ({e.strerror}): validate each "
+                    "host's part on that host (--host-id)",
+                )
+            else:
+                src.error(
+                    key,
+                    f"{host}:{port} cannot be bound ({e.strerror}); another process has it: "
+                    "choose another port, or 0 for any free one",
+                )
 
 
 def _check_k8s(dep: Deployment, src: Source, warn: Warn) -> None:
