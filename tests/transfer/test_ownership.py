@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -152,3 +153,28 @@ def test_repeated_transfer_id_applied_once(
 def _zeros(eng: TransferEngine) -> KVRegion:
     region = eng.region()
     return KVRegion.allocate("z", region.num_layers, region.num_blocks, region.block_shape)
+
+
+def test_a_live_region_is_never_swept_whatever_its_pid_says() -> None:
+    """/dev/shm may be shared by PID namespaces (containers): a live region whose name holds
+    a pid that means nothing here (or another process) must survive a sweep; it was
+    deleted, since the sweep asked os.kill about the pid in its own namespace."""
+    import os
+
+    from transfer.region import SHM_PREFIX, SHM_ROOT
+
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    unused = next(p for p in range(pid_max - 1, 1, -1) if not os.path.exists(f"/proc/{p}"))
+    region = KVRegion.allocate("kv", 1, 4, (4, 2, 2), shared=True)
+    assert region.shm_paths is not None
+    home = os.path.dirname(region.shm_paths[0])
+    elsewhere = os.path.join(SHM_ROOT, f"{SHM_PREFIX}-{unused}-{os.urandom(4).hex()}")
+    os.rename(home, elsewhere)  # as a process of another namespace names it
+    try:
+        sweep_stale_shm()
+        assert os.path.isdir(elsewhere), "a live region was swept"
+    finally:
+        if os.path.isdir(elsewhere):
+            os.rename(elsewhere, home)
+        region.close()
+    assert not os.path.exists(home)
