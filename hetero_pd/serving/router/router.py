@@ -84,10 +84,8 @@ class Router:
 
     # -- workers -------------------------------------------------------------------------
     async def add_worker(self, worker_id: str, address: str, timeout_s: float = 120.0) -> None:
-        old = self.workers.pop(worker_id, None)
-        if old is not None:
-            self._on_dead(old)
-            await old.close()
+        """Connects to `worker_id` at `address` (replacing its previous handle: the worker
+        stays listed, with its role and info and not alive, until the new one says hello)."""
         client = WorkerClient(
             worker_id,
             address,
@@ -97,7 +95,12 @@ class Router:
             self._on_dead,
             self.cfg.heartbeat_timeout_s,
         )
+        old = self.workers.get(worker_id)
         self.workers[worker_id] = client
+        if old is not None:
+            client.role, client.info = old.role, old.info
+            self._on_dead(old)
+            await old.close()
         await client.start(timeout_s)
 
     async def close(self) -> None:
