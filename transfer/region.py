@@ -24,6 +24,8 @@ the authenticated peer's pid, checking that ``owner`` names that peer's engine i
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import math
 import os
 import secrets
@@ -39,6 +41,8 @@ from transfer.messages import Layout, RegionInfo
 
 SHM_ROOT = "/dev/shm"
 SHM_PREFIX = "hetero_pd"
+#: Locked by the process that owns a region folder for as long as it lives.
+OWNER_LOCK = ".owner"
 OWNER_FILE = "owner"
 
 _DTYPES = {
@@ -82,6 +86,8 @@ class KVRegion:
     _shm_dir: str | None = field(default=None, repr=False)
     #: Byte order inside each block (``kv_layouts.LAYOUTS``); transfers convert on receipt.
     layout: str = kv_layouts.ND
+    #: A shared region's ``OWNER_LOCK`` file, locked while this process holds the region.
+    _owner: int = field(default=-1, repr=False)
 
     def __post_init__(self) -> None:
         if not self.tensors or len(self.tensors) % self.tensors_per_layer:
@@ -133,8 +139,7 @@ class KVRegion:
         if torch.device(device).type != "cpu":
             raise TransferError(StatusCode.PARAM_INVALID, "shared regions must be on the CPU")
         sweep_stale_shm()
-        root = os.path.join(SHM_ROOT, f"{SHM_PREFIX}-{os.getpid()}-{secrets.token_hex(4)}")
-        os.makedirs(root, mode=0o700)
+        root, owner = _claimed_folder()
         paths = [os.path.join(root, f"{name}.{i}") for i in range(count)]
         numel = math.prod(shape)
         tensors = []
@@ -142,7 +147,7 @@ class KVRegion:
             t = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
             t.zero_()  # fault the pages in now, not during the first transfer
             tensors.append(t)
-        return cls(name, tensors, tensors_per_layer, paths, root, layout=layout)
+        return cls(name, tensors, tensors_per_layer, paths, root, layout=layout, _owner=owner)
 
     @property
     def num_layers(self) -> int:
@@ -244,10 +249,30 @@ class KVRegion:
         if self._shm_dir is not None:
             shutil.rmtree(self._shm_dir, ignore_errors=True)
             self._shm_dir = None
+        if self._owner >= 0:
+            os.close(self._owner)  # the lock goes with it
+            self._owner = -1
+
+
+def _claimed_folder() -> tuple[str, int]:
+    """A new region folder in /dev/shm and the fd of its locked ``OWNER_LOCK``. The folder
+    gets its name only once locked, so a sweep never sees it unlocked while its owner lives."""
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    making = os.path.join(SHM_ROOT, f".{SHM_PREFIX}-making-{tag}")
+    os.makedirs(making, mode=0o700)
+    owner = os.open(os.path.join(making, OWNER_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    fcntl.flock(owner, fcntl.LOCK_EX)
+    root = os.path.join(SHM_ROOT, f"{SHM_PREFIX}-{tag}")
+    os.rename(making, root)
+    return root, owner
 
 
 def sweep_stale_shm() -> int:
-    """Remove shared regions left in /dev/shm by processes that died; returns how many."""
+    """Remove shared regions left in /dev/shm by processes that died; returns how many.
+
+    A region is dead when nobody holds its ``OWNER_LOCK`` (the kernel drops a lock with its
+    process, in whatever PID namespace: /dev/shm may be shared by containers, where the pid
+    in a name means nothing). A folder without the lock file is never removed."""
     removed = 0
     try:
         names = os.listdir(SHM_ROOT)
@@ -257,11 +282,18 @@ def sweep_stale_shm() -> int:
         parts = name.split("-")
         if len(parts) != 3 or parts[0] != SHM_PREFIX or not parts[1].isdigit():
             continue
+        root = os.path.join(SHM_ROOT, name)
         try:
-            os.kill(int(parts[1]), 0)
-        except ProcessLookupError:
-            shutil.rmtree(os.path.join(SHM_ROOT, name), ignore_errors=True)
-            removed += 1
-        except PermissionError:
-            continue  # alive, owned by someone else
+            fd = os.open(os.path.join(root, OWNER_LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # not ours to judge (or another user's)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its owner lives
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        shutil.rmtree(root, ignore_errors=True)
+        removed += 1
     return removed
