@@ -64,7 +64,9 @@ def pod_worker_config(
     base = dep.kubernetes.base_port
     return worker_config(
         dep,
-        WorkerInstance(wid, role, device),
+        WorkerInstance(
+            wid, role, device, tensor_parallel_size=k8s.role_tensor_parallel_size(dep, role)
+        ),
         usable_cpus(),  # its affinity and its CPU limit (cgroup quota)
         host=host,
         port=base,

@@ -54,6 +54,11 @@ def role_kind(dep: Deployment, role: str) -> str:
     return parse_device_spec(spec.devices[0] if spec.devices else spec.device)[0]
 
 
+def role_tensor_parallel_size(dep: Deployment, role: str) -> int:
+    """The tensor_parallel_size of `role`'s workers: the devices each pod requests."""
+    return next(w.tensor_parallel_size for w in dep.workers if w.role == role)
+
+
 def service_name(dep: Deployment, role: str) -> str:
     """The StatefulSet and headless Service of `role`'s workers."""
     return f"{dep.kubernetes.name}-{role}"
@@ -161,7 +166,12 @@ def _workers(dep: Deployment, role: str, replicas: int, checksum: str) -> list[d
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": labels(dep, role)},
             "template": _template(
-                dep, role, k8s_pods.worker_pod(dep, role_kind(dep, role)), checksum
+                dep,
+                role,
+                k8s_pods.worker_pod(
+                    dep, role_kind(dep, role), role_tensor_parallel_size(dep, role)
+                ),
+                checksum,
             ),
         },
     }

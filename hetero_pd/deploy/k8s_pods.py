@@ -70,8 +70,9 @@ def router_container(dep: Deployment) -> dict[str, Any]:
     return c
 
 
-def worker_pod(dep: Deployment, kind: str) -> dict[str, Any]:
-    """The pod template spec of a worker on device `kind` (one device per pod)."""
+def worker_pod(dep: Deployment, kind: str, devices: int = 1) -> dict[str, Any]:
+    """The pod template spec of a worker on `devices` devices of `kind` (more than one: a
+    tensor-parallel worker, its ranks in the pod)."""
     k = dep.kubernetes
     args = ["--role", "worker", "--worker-id", "$(POD_NAME)", "--host", "$(POD_IP)"]
     args += ["--alive-file", ALIVE_FILE]
@@ -87,7 +88,7 @@ def worker_pod(dep: Deployment, kind: str) -> dict[str, Any]:
     pod: dict[str, Any] = {"terminationGracePeriodSeconds": 60}
     if kind != "cpu":
         resource = {**DEVICE_RESOURCES, **k.device_resources}[kind]
-        requests[resource] = limits[resource] = 1
+        requests[resource] = limits[resource] = devices
         pod["nodeSelector"] = {**NODE_SELECTORS, **k.node_selectors}.get(kind, {})
         pod["tolerations"] = [{"key": resource, "operator": "Exists", "effect": "NoSchedule"}]
     if kind in k.runtime_classes:

@@ -82,6 +82,9 @@ def worker_config(
     elif initial_threads == threads:
         initial_threads = None
     fmt = worker_format(dep, w.worker_id, w.role)
+    if e.num_threads is None and w.tensor_parallel_size > 1:  # the ranks share the share
+        threads = max(1, threads // w.tensor_parallel_size)
+        initial_threads = initial_threads and max(1, initial_threads // w.tensor_parallel_size)
     engine = e.engine_config(
         dep.model,
         w.device,
@@ -89,6 +92,7 @@ def worker_config(
         initial_threads=initial_threads,
         dtype=fmt.dtype,
         kv_layout=fmt.kv_layout,
+        tensor_parallel_size=w.tensor_parallel_size,
         # layers [k, L) on hidden states: the workers then serve edge sessions only
         start_layer=dep.edge.split_layer if dep.edge and dep.edge.enabled else e.start_layer,
     )

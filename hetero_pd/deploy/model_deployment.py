@@ -102,14 +102,21 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=None, help="engine seed (unseeded requests)")
     g.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache per worker")
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help="ranks (processes, devices) each worker splits the model over; default 1",
+    )
 
 
 def model_flags_given(args: argparse.Namespace) -> list[str]:
     """The model-only flags present on the command line (they make no sense with a YAML)."""
     given = [flag for key, flag in ENGINE_FLAGS.items() if getattr(args, key) is not None]
-    for key in ("pd", "device", "dtype"):
+    for key in ("pd", "device", "dtype", "tensor_parallel_size"):
         if getattr(args, key) is not None:
-            given.append(f"--{key}")
+            given.append(f"--{key.replace('_', '-')}")
     if args.colocated:
         given.append("--colocated")
     return given
@@ -197,6 +204,9 @@ def deployment_for_model(target: str, args: argparse.Namespace) -> Deployment:
             {"role": "prefill", "device": device, "count": pd.prefill},
             {"role": "decode", "device": device, "count": pd.decode},
         ]
+    if args.tensor_parallel_size is not None:
+        for w in workers:
+            w["tensor_parallel_size"] = args.tensor_parallel_size
     engine = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     raw: dict[str, Any] = {
         "version": 1,
@@ -231,4 +241,6 @@ def _flag_message(key: str, message: str) -> str:
     flag = ENGINE_FLAGS.get(name) or {"router.port": "--port", "router.host": "--host"}.get(key)
     if flag is None and key.startswith("workers"):
         flag = "--device" if key.endswith("device") else "--pd"
+        if key.endswith("tensor_parallel_size"):
+            flag = "--tensor-parallel-size"
     return f"{flag or key}: {message}"

@@ -198,6 +198,7 @@ def _worker_list(raw: Any, src: Source) -> tuple[WorkerSpec, ...] | None:
             if "device" in raw[i]:
                 src.error(f"workers[{i}].device", "give `device:` or `devices:`, not both")
             spec = dataclasses.replace(spec, count=len(spec.devices))
+        _check_tensor_parallel(spec, f"workers[{i}]", src)
         out.append(spec)
     roles = {w.role for w in out}
     if not roles & {"decode", "both"}:
@@ -205,6 +206,26 @@ def _worker_list(raw: Any, src: Source) -> tuple[WorkerSpec, ...] | None:
     elif "prefill" in roles and "decode" not in roles:
         src.error("workers", "prefill workers need at least one worker with role decode")
     return tuple(out)
+
+
+def _check_tensor_parallel(spec: WorkerSpec, key: str, src: Source) -> None:
+    """What a worker group with tensor_parallel_size > 1 cannot do yet, named."""
+    tp = spec.tensor_parallel_size
+    if tp == 1:
+        return
+    if spec.role != "both":
+        src.error(
+            f"{key}.tensor_parallel_size",
+            f"{tp} on a {spec.role} worker: moving KV between workers split over ranks (KV "
+            "resharded in transit) is not supported yet; only role both runs with TP > 1",
+        )
+    if spec.devices:
+        src.error(
+            f"{key}.devices",
+            "a worker with tensor_parallel_size > 1 takes consecutive devices from its "
+            "`device:` (e.g. cuda:2 -> cuda:2, cuda:3, or a bare cuda); `devices:` lists "
+            "one device per worker",
+        )
 
 
 def _check_kv_tiers(engine: EngineSpec, src: Source) -> None:

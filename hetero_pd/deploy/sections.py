@@ -63,15 +63,18 @@ class WorkerSpec:
     #: another dtype is converted on receipt.
     dtype: str = opt("", choices=WORKER_DTYPES)
     kv_layout: str = opt("auto", choices=WORKER_KV_LAYOUTS)
+    #: Ranks each of these workers splits the model over (one process and one device
+    #: each, the first given by `device`); the router sees one worker.
+    tensor_parallel_size: int = opt(1, lo=1, hi=64)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
     """The `engine:` section: the EngineConfig options every worker runs with (its model,
-    role and device come from the deployment). Each option keeps EngineConfig's name and
-    default, except where "not set" means someone else decides: `dtype` "" (the
-    deployment's `dtype`) and `num_threads` / `initial_threads` None (the launcher's share
-    of the host's CPUs)."""
+    role, device and tensor_parallel_size come from the deployment's worker groups). Each
+    option keeps EngineConfig's name and default, except where "not set" means someone else
+    decides: `dtype` "" (the deployment's `dtype`) and `num_threads` / `initial_threads`
+    None (the launcher's share of the host's CPUs)."""
 
     dtype: str = opt("", choices=WORKER_DTYPES, doc='"": the deployment\'s `dtype`')
     kv_layout: str = opt("auto", choices=WORKER_KV_LAYOUTS)

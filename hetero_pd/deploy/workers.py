@@ -1,9 +1,10 @@
 """Worker placement: which device each worker process owns, and P:D counts from rates.
 
-A worker owns exactly one device. Explicit indices (`cuda:1`, or `devices: [...]`) are
-reserved first; a bare accelerator kind (`npu`) then takes the lowest free indices in file
-order; `cpu` is shared by any number of workers. Two workers on one accelerator index is
-an error, caught here without touching hardware (`backends.parse_device_spec`).
+A worker owns exactly one device, or with tensor_parallel_size N the N consecutive devices
+from its first. Explicit indices (`cuda:1`, or `devices: [...]`) are reserved first; a bare
+accelerator kind (`npu`) then takes the lowest free indices in file order; `cpu` is shared
+by any number of workers. Two workers on one accelerator index is an error, caught here
+without touching hardware (`backends.parse_device_spec`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from hetero_pd.deploy.source import Source
 
 @dataclass(frozen=True, slots=True)
 class WorkerInstance:
-    """One worker process to run: its id, role and the one device it owns."""
+    """One worker process to run: its id, role and the device it owns (its first, with
+    tensor parallelism: rank r takes the r-th from it)."""
 
     worker_id: str
     role: str
@@ -26,6 +28,7 @@ class WorkerInstance:
     cpus: tuple[int, ...] = ()
     host: str = ""  # bare metal: the host that runs it ("" = this box)
     port: int = 0  # bare metal: its control port (transfer: port + 1)
+    tensor_parallel_size: int = 1
 
     @property
     def address(self) -> str:
@@ -68,16 +71,19 @@ def place_workers(
                 )
                 continue
             if kind != "cpu" and index is not None:
-                where = (spec.host, kind, index)
-                if where in taken:
+                run = [
+                    (spec.host, kind, n) for n in range(index, index + spec.tensor_parallel_size)
+                ]
+                clash = next((w for w in run if w in taken), None)
+                if clash is not None:
                     on = f" on {spec.host}" if spec.host else ""
                     src.error(
                         key,
-                        f"{kind}:{index}{on} is already used by {taken[where]}; "
-                        "a worker owns one device",
+                        f"{kind}:{clash[2]}{on} is already used by {taken[clash]}; "
+                        "a worker owns its devices",
                     )
                     continue
-                taken[where] = key
+                taken.update(dict.fromkeys(run, key))
             items.append((kind, index, key))
         wanted.append(items)
     out = []
@@ -89,9 +95,18 @@ def place_workers(
             elif index is not None:
                 devices.append(f"{kind}:{index}")
             else:
-                for _ in range(spec.count):
-                    free = next(n for n in range(10_000) if (spec.host, kind, n) not in taken)
-                    taken[spec.host, kind, free] = "auto"
+                tp = spec.tensor_parallel_size
+                for _ in range(spec.count):  # the lowest run of tp free indices
+                    free = next(
+                        n
+                        for n in range(10_000)
+                        if all((spec.host, kind, m) not in taken for m in range(n, n + tp))
+                    )
+                    taken.update(
+                        dict.fromkeys(
+                            [(spec.host, kind, m) for m in range(free, free + tp)], "auto"
+                        )
+                    )
                     devices.append(f"{kind}:{free}")
         out.append(devices)
     return out
@@ -150,7 +165,9 @@ def expand_workers(workers: tuple[WorkerSpec, ...]) -> list[WorkerInstance]:
     src.raise_if_any()
     ids = iter(worker_ids(workers))
     return [
-        WorkerInstance(next(ids), spec.role, device, spec.cpus, spec.host, port)
+        WorkerInstance(
+            next(ids), spec.role, device, spec.cpus, spec.host, port, spec.tensor_parallel_size
+        )
         for spec, devices, group in zip(workers, placed, ports, strict=True)
         for device, port in zip(devices, group, strict=True)
     ]

@@ -18,7 +18,7 @@ from hetero_pd.engine.health import EngineFault, EngineLoad, RequestFailure
 from hetero_pd.engine.hidden_prompts import HiddenPrompts
 from hetero_pd.engine.kv_cache_manager import KVCacheManager
 from hetero_pd.engine.kv_tiers import KVTierStats, build_kv_tiers
-from hetero_pd.engine.loading import load_runner
+from hetero_pd.engine.loading import load_runner, rank_threads
 from hetero_pd.engine.logprobs import adopt_remote_logprobs
 from hetero_pd.engine.model_runner import KVAllocator
 from hetero_pd.engine.output_builder import OutputBuilder
@@ -61,15 +61,12 @@ class LLMEngine(HiddenPrompts):
         self.device = parse_device(config.device)
         backend = backend_for(self.device)
         backend.require_available()
-        tp = config.tensor_parallel_size
-        # Under tensor parallelism a default thread count is shared among the ranks.
-        default = backend.default_threads()
-        threads = config.num_threads or envs.num_threads() or (default and max(1, default // tp))
+        threads = rank_threads(config, backend)
         # Fewer threads while other processes keep our CPUs busy, more (up to `threads`) from
         # `initial_threads` while they are idle (backends/cpu_share.py); a compiled CPU step
         # follows too (CpuBackend.compile_step: dynamic OpenMP threads).
         adaptive = self.device.type == "cpu" and (threads or 0) > 1 and envs.adaptive_threads()
-        adaptive = adaptive and tp == 1
+        adaptive = adaptive and config.tensor_parallel_size == 1
         start = min(config.initial_threads or threads or 0, threads or 0) or None
         if start:
             torch.set_num_threads(start)
@@ -388,6 +385,11 @@ class LLMEngine(HiddenPrompts):
     def kv_tier_stats(self) -> KVTierStats | None:
         """Hits and bytes per KV tier and onload times; None without host/SSD tiers."""
         return self.kv.tier_stats()
+
+    def check_ranks(self) -> None:
+        """Raises TPRankError (an EngineFault) if a tensor-parallel rank has exited."""
+        if self.ranks is not None:
+            self.ranks.check()
 
     def close(self) -> None:
         """Stops the KV tiers' copy threads, releases their SSD folder and stops the other

@@ -7,13 +7,22 @@ from pathlib import Path
 
 import torch
 
-from backends import backend_for, parse_device
+from backends import Backend, backend_for, parse_device
+from hetero_pd import envs
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.model_runner import KVAllocator, ModelRunner
 from hetero_pd.engine.tp.group import RankGroup, start_ranks
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.loader import load_model
 from hetero_pd.models.parallel import SINGLE, Parallel, shard_config
+
+
+def rank_threads(config: EngineConfig, backend: Backend) -> int:
+    """Torch threads per rank: the configured count, else the backend's default (0: torch's
+    own) shared among the tensor-parallel ranks."""
+    default = backend.default_threads()
+    tp = config.tensor_parallel_size
+    return config.num_threads or envs.num_threads() or (default and max(1, default // tp))
 
 
 def blocks_for_budget(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype) -> int:

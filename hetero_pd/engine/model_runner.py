@@ -294,7 +294,8 @@ class ModelRunner:
         if self.ranks is not None and hidden_in is not None:
             raise ValueError("edge prompts (hidden states) need tensor_parallel_size 1")
         # Once the other ranks have the step, any failure leaves them out of step.
-        in_step = contextlib.nullcontext() if self.ranks is None else self.ranks.guard("a step")
+        ranks = self.ranks
+        in_step = contextlib.nullcontext() if ranks is None else ranks.guard("running a step")
         with in_step:
             if self.ranks is not None:
                 self.ranks.send_step(inputs.input_ids, inputs.positions, inputs.meta)

@@ -12,7 +12,8 @@ from hetero_pd.deploy.testing import deployment
 def test_the_section_has_every_engine_option_with_its_default() -> None:
     spec = {f.name: f.default for f in dataclasses.fields(EngineSpec)}
     engine = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    assert set(spec) == set(engine) - {"model", "role", "device"}
+    # per worker, not per deployment: what it runs, as what, and on which device(s)
+    assert set(spec) == set(engine) - {"model", "role", "device", "tensor_parallel_size"}
     # "" = the deployment's dtype; every other option defaults as the engine does
     assert {k: v for k, v in spec.items() if engine[k] != v} == {"dtype": ""}
 

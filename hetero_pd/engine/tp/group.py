@@ -162,6 +162,13 @@ class RankGroup:
         return compute(rows)
 
     # -- failure and shutdown ----------------------------------------------------------------
+    def check(self) -> None:
+        """Raises TPRankError if the group is broken or a rank has exited (no collective:
+        safe between steps)."""
+        if self.broken is not None:
+            raise TPRankError(self.broken)
+        self._raise_if_exited("idle")
+
     def _raise_if_exited(self, what: str) -> None:
         for rank, p in enumerate(self.procs, start=1):
             if p.poll() is not None:

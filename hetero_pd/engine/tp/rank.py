@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import sys
 import threading
 
@@ -101,6 +102,9 @@ def main() -> None:
     if len(sys.argv) != 2:
         sys.exit("usage: python -m hetero_pd.engine.tp.rank SPEC_JSON (started by rank 0)")
     spec = msgspec.json.decode(sys.argv[1].encode(), type=RankSpec)
+    # Rank 0 stops us (STOP, or its exit closing our stdin): a Ctrl-C reaching the whole
+    # process group must not kill a rank under a draining worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     rank = Rank(spec)
     rank.serve()

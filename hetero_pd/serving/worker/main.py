@@ -197,7 +197,9 @@ class Worker:
                 else:
                     self.book.start(ident, msg)
             case P.OfferPrefix():
-                if self.engine.config.start_layer:  # a split engine caches no prefix
+                # A split engine caches no prefix; a tensor-parallel one holds only rank 0's
+                # heads in its transfer region (the KV is not resharded in transit yet).
+                if self.engine.config.start_layer or self.engine.config.tensor_parallel_size > 1:
                     self.control.send(ident, P.PrefixOffered(rid=msg.rid))
                 else:
                     self.control.send(ident, offer_prefix(self.engine.kv, self.transfer, msg))
@@ -244,6 +246,7 @@ class Worker:
 
     def _heartbeat(self, now: float) -> None:
         self._last_heartbeat = now
+        self.engine.check_ranks()  # an idle worker notices a dead rank too: it exits
         load = self.engine.load()
         transfer = self.transfer.metrics()
         report = V.WorkerLoad(
@@ -308,6 +311,7 @@ class Worker:
     def close(self) -> None:
         self.transfer.close()
         self.control.close()
+        self.engine.close()
 
 
 def run(cfg: WorkerConfig) -> int:

@@ -107,8 +107,8 @@ class PrefixPulls:
         (`resume(owner, msg)` starts it when the pull ends, whichever way), False when there
         is nothing to pull (start it now)."""
         src = msg.pull
-        if src is None:
-            return False
+        if src is None or self.engine.config.tensor_parallel_size > 1:
+            return False  # nothing to pull, or no pulling into a split KV: compute it
         bs, prompt = self.kv.block_size, list(msg.prompt_ids)
         wanted = src.tokens // bs
         if msg.edge is not None or src.tokens % bs or not 0 < src.tokens < len(prompt):

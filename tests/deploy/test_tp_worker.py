@@ -1,0 +1,164 @@
+"""A worker with tensor_parallel_size 2: the deployment file and `serve MODEL -tp 2` take
+it, it takes two devices, it serves the single-process engine's tokens as one worker, and a
+rank killed under load takes the worker down to be restarted, every request ending."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from hetero_pd import LLM, SamplingParams
+from hetero_pd.deploy.k8s import render
+from hetero_pd.deploy.model_deployment import deployment_for_model
+from hetero_pd.deploy.schema import ConfigError, parse_deployment, parse_text
+from hetero_pd.deploy.serve import build_parser
+from hetero_pd.deploy.testing import deployment, random_prompts, running_stack
+from hetero_pd.deploy.workers import expand_workers
+
+
+def _dep(workers: list[dict[str, object]]) -> dict[str, object]:
+    return {"model": "m", "workers": workers}
+
+
+def test_a_tp_worker_takes_consecutive_devices() -> None:
+    dep = parse_deployment(
+        _dep([{"role": "both", "device": "cuda", "count": 2, "tensor_parallel_size": 2}])
+    )
+    assert [(w.device, w.tensor_parallel_size) for w in expand_workers(dep.workers)] == [
+        ("cuda:0", 2),
+        ("cuda:2", 2),
+    ]
+    with pytest.raises(ConfigError, match=r"cuda:2 is already used by workers\[0\]"):
+        parse_deployment(
+            _dep(
+                [
+                    {"role": "both", "device": "cuda:1", "tensor_parallel_size": 2},
+                    {"role": "both", "device": "cuda:2"},
+                ]
+            )
+        )
+    yaml_text = "model: m\nworkers:\n- {role: both, device: cuda, tensor_parallel_size: 2}\n"
+    manifests = render(parse_text(yaml_text))
+    pods = [m for m in manifests if m["kind"] == "StatefulSet"]
+    limits = pods[0]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == 2
+
+
+@pytest.mark.parametrize(
+    ("worker", "key", "message"),
+    [
+        (
+            {"role": "prefill", "tensor_parallel_size": 2},
+            r"workers\[0\]\.tensor_parallel_size",
+            "KV resharded in transit",
+        ),
+        ({"role": "both", "tensor_parallel_size": 0}, r"workers\[0\]\.tensor_parallel_size", ""),
+        (
+            {"role": "both", "devices": ["cuda:0", "cuda:1"], "tensor_parallel_size": 2},
+            r"workers\[0\]\.devices",
+            "consecutive devices",
+        ),
+    ],
+)
+def test_unsupported_tp_workers_are_named(
+    worker: dict[str, object], key: str, message: str
+) -> None:
+    workers = [worker] if worker["role"] != "prefill" else [worker, {"role": "decode"}]
+    with pytest.raises(ConfigError, match=f"(?s){key}.*{message}"):
+        parse_deployment(_dep(workers))
+
+
+def test_serve_model_flag(tiny_llama_dir: Path) -> None:
+    model = str(tiny_llama_dir)
+
+    def serve_args(*flags: str) -> argparse.Namespace:
+        return build_parser().parse_args([model, *flags])
+
+    dep = deployment_for_model(model, serve_args("--colocated", "-tp", "2"))
+    assert [w.tensor_parallel_size for w in dep.workers] == [2]
+    with pytest.raises(ValueError, match="--tensor-parallel-size: 2 on a prefill worker"):
+        deployment_for_model(model, serve_args("--tensor-parallel-size", "2"))
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """The tensor-parallel rank processes worker `pid` started."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"engine.tp.rank" in cmd:
+                out.append(int(entry))
+    return out
+
+
+def test_served_tp2_worker_and_a_killed_rank(tiny_qwen3_dir: Path) -> None:
+    prompts = random_prompts([7, 19, 3], seed=11)
+    llm = LLM(str(tiny_qwen3_dir), dtype="float32", num_kv_blocks=64)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].text for o in llm.generate(prompts, greedy)]
+    dep = deployment(
+        tiny_qwen3_dir,
+        workers=[{"role": "both", "tensor_parallel_size": 2}],
+        supervisor={"backoff_s": 0.1},
+    )
+    with running_stack(dep) as stack:
+        assert stack.router is not None and stack.launcher is not None
+        client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+
+        def complete(prompt: list[int], max_tokens: int = 8) -> str:
+            r = client.completions.create(
+                model=dep.model,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            return r.choices[0].text
+
+        assert [complete(p) for p in prompts] == want
+        old = stack.launcher.pid("both-0")
+        assert old is not None
+        ranks = _ranks_of(old)
+        assert len(ranks) == 1
+        # Under load: long requests in flight when rank 1 dies; each one ends.
+        ended: list[str] = []
+
+        def long_request(prompt: list[int]) -> None:
+            try:
+                complete(prompt, max_tokens=400)
+                ended.append("completed")
+            except openai.APIError as e:
+                ended.append(f"error: {e}")
+
+        threads = [threading.Thread(target=long_request, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while stack.router.workers["both-0"].load.running == 0:  # they are decoding
+            assert time.monotonic() < deadline, "the requests never started"
+            time.sleep(0.02)
+        os.kill(ranks[0], signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=120)
+            assert not t.is_alive(), "a request outlived its worker's rank"
+        assert len(ended) == len(prompts)
+        while (state := stack.router.supervision_of("both-0"))["state"] != "running" or (
+            state["pid"] == old or not stack.router.live("both")
+        ):
+            assert time.monotonic() < deadline + 120, "the worker group was never restarted"
+            time.sleep(0.1)
+        assert state["restarts"] >= 1, state
+        assert [complete(p) for p in prompts] == want
+        assert len(_ranks_of(state["pid"])) == 1
+    assert not _ranks_of(old)
