@@ -107,12 +107,15 @@ def _passthrough(command: str, argv: list[str]) -> int:
         from hetero_pd.bench.kv import main as run
     elif argv[:1] == ["routing"]:
         from hetero_pd.bench.routing import main as run
+    elif argv[:1] == ["tp"]:
+        from hetero_pd.bench.tp import main as run
     elif argv[:1] == ["edge"]:
         # hetero_pd reaches into edge/ only here and in bench.edge: the product's front.
         from hetero_pd.bench.edge import main as run
     else:
         print(
-            "usage: hetero-pd bench {offline,serve,pd,transfer,kv,routing,edge} [--help | options]"
+            "usage: hetero-pd bench {offline,serve,pd,transfer,kv,routing,tp,edge} "
+            "[--help | options]"
         )
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     return run(argv[1:] if command == "bench" else argv)
@@ -126,7 +129,7 @@ PASSTHROUGH = {
     "status": "workers, roles, devices, health and load of a running deployment",
     "worker": "run one worker process (the launcher starts these)",
     "edge": "the device side: edge generate (a session from the shell) | edge plan (pick k)",
-    "bench": "benchmarks: bench offline | serve | pd | transfer | kv [wire] | routing | edge",
+    "bench": "benchmarks: bench offline | serve | pd | transfer | kv [wire] | routing | tp | edge",
     "drill": "a deployment across hosts, proven in network namespaces: drill multihost",
 }
 

@@ -68,10 +68,19 @@ def kv_head_range(cfg: ModelConfig, size: int, rank: int) -> range:
     return range(head, head + 1)
 
 
+#: The families whose layers this module splits (MLA's latent KV, for one, is not yet).
+TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+
+
 def check_split(cfg: ModelConfig, size: int) -> None:
     """Raises ModelConfigError naming the first size this model cannot split `size` ways."""
     if size < 1:
         raise ModelConfigError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size > 1 and cfg.family not in TP_FAMILIES:
+        raise ModelConfigError(
+            f"tensor parallelism is not supported for {cfg.architecture} yet "
+            f"(supported: {', '.join(TP_FAMILIES)})"
+        )
     kv = cfg.num_kv_heads
     need = [
         ("num_attention_heads", cfg.num_heads),

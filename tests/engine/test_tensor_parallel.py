@@ -4,6 +4,8 @@ stops the engine with an error naming it."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -14,6 +16,8 @@ import torch
 
 from hetero_pd import LLM, SamplingParams
 from hetero_pd.engine.tp.group import TPRankError
+from hetero_pd.models.config import ModelConfig, ModelConfigError
+from hetero_pd.models.parallel import check_split, kv_head_range
 from tests.conftest import TINY, _save_tiny
 from tests.engine.test_greedy_equivalence import random_prompts
 
@@ -46,10 +50,6 @@ def tiny_mqa_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) 
     return _save_tiny(config, LlamaForCausalLM, dest, tokenizer_dir, seed=8, random_norms=True)
 
 
-def weight_bytes(llm: LLM) -> int:
-    return sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
-
-
 @pytest.mark.parametrize("model_fixture", ["tiny_qwen3_dir", "tiny_qwen3_moe_dir"])
 def test_tp2_matches_tp1_and_transformers(
     model_fixture: str, request: pytest.FixtureRequest, hf_greedy: Ref, make_llm: Make
@@ -74,8 +74,13 @@ def test_tp2_matches_tp1_and_transformers(
                 assert got[token].logprob == pytest.approx(lp.logprob, abs=1e-4)
         assert len(o2.prompt_logprobs or []) == len(prompt)
     tp2.engine.check_integrity()
-    # Rank 0 holds its half of the sharded weights (plus the replicated norms, router).
-    assert weight_bytes(tp2) < 0.6 * weight_bytes(tp1)
+    # Rank 0 holds half the heads, KV heads, MLP columns and vocabulary (the CPU's linear
+    # kernels may hold the matrices outside the parameters: shapes, not bytes, tell).
+    cfg, model = tp1.engine.model_config, tp2.engine.runner.model
+    heads = cfg.num_heads + 2 * cfg.num_kv_heads
+    assert model.layers[0].self_attn.qkv_proj.out_features == heads // 2 * cfg.head_dim
+    assert model.embed_tokens.num_embeddings == cfg.vocab_size // 2
+    assert tp2.engine.runner.kv_caches[0][0].shape[2] == cfg.num_kv_heads // 2
 
 
 def test_kv_head_replicated_when_tp_exceeds_kv_heads(
@@ -107,6 +112,7 @@ def test_a_killed_rank_stops_the_engine_with_its_name(tiny_qwen3_dir: Path, make
     ("kwargs", "message"),
     [
         (dict(tensor_parallel_size=3), "does not divide the model's num_attention_heads"),
+        (dict(tensor_parallel_size=64), "does not divide the model's num_attention_heads"),
         (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1"),
         (dict(tensor_parallel_size=2, start_layer=1), "start_layer > 0"),
         (dict(tensor_parallel_size=2, compile="on"), "compile 'on'"),
@@ -119,3 +125,27 @@ def test_unsupported_combinations_are_named(
     with pytest.raises(ValueError, match=message):
         LLM(str(tiny_llama_dir), dtype="float32", **kwargs)
     assert not torch.distributed.is_initialized()
+
+
+def test_bench_tp_reports_weight_bytes_per_rank(
+    tiny_mixtral_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hetero_pd.bench.tp import main
+
+    assert main([str(tiny_mixtral_dir), "--no-timing"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    ranks = row["weight_bytes_tp2_per_rank"]
+    # 4 of 8 experts, half the heads, MLP columns and vocabulary each; norms and router whole
+    assert ranks[0] == ranks[1] and 0.5 < ranks[0] / row["weight_bytes_tp1"] < 0.51
+    assert "features" in row["cpu"]
+
+
+def test_kv_heads_split_or_replicated(tiny_llama_dir: Path) -> None:
+    cfg = ModelConfig.from_dir(tiny_llama_dir)  # 4 query heads, 2 KV heads
+    assert [list(kv_head_range(cfg, 2, r)) for r in range(2)] == [[0], [1]]
+    # TP 4: query heads 0-1 read KV head 0, heads 2-3 KV head 1; each KV head on two ranks
+    assert [list(kv_head_range(cfg, 4, r)) for r in range(4)] == [[0], [0], [1], [1]]
+    mla = dataclasses.replace(cfg, family="deepseek_v3", architecture="DeepseekV3ForCausalLM")
+    with pytest.raises(ModelConfigError, match="not supported for DeepseekV3ForCausalLM"):
+        check_split(mla, 2)
+    check_split(mla, 1)  # one rank splits nothing
