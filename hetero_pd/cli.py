@@ -112,9 +112,11 @@ def _passthrough(command: str, argv: list[str]) -> int:
     elif argv[:1] == ["edge"]:
         # hetero_pd reaches into edge/ only here and in bench.edge: the product's front.
         from hetero_pd.bench.edge import main as run
+    elif argv[:1] == ["per-token"]:
+        from hetero_pd.bench.per_token import main as run
     else:
         print(
-            "usage: hetero-pd bench {offline,serve,pd,transfer,kv,routing,tp,edge} "
+            "usage: hetero-pd bench {offline,serve,pd,transfer,kv,routing,tp,edge,per-token} "
             "[--help | options]"
         )
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
@@ -129,7 +131,8 @@ PASSTHROUGH = {
     "status": "workers, roles, devices, health and load of a running deployment",
     "worker": "run one worker process (the launcher starts these)",
     "edge": "the device side: edge generate (a session from the shell) | edge plan (pick k)",
-    "bench": "benchmarks: bench offline | serve | pd | transfer | kv [wire] | routing | tp | edge",
+    "bench": "benchmarks: bench offline | serve | pd | transfer | kv [wire] | routing | tp | edge "
+    "| per-token",
     "drill": "a deployment across hosts, proven in network namespaces: drill multihost",
 }
 

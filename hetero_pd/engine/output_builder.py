@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hetero_pd.engine.detokenizer import IncrementalDetokenizer
+from hetero_pd.engine.detokenizer import Detokenizer, detokenizer
 from hetero_pd.engine.logprobs import output_logprobs, prompt_logprobs
 from hetero_pd.engine.request import Request, RequestStatus
 from hetero_pd.engine.stop import StopChecker
@@ -22,7 +22,7 @@ Finish = Callable[[Request, RequestStatus], None]
 @dataclass(slots=True)
 class _OutputState:
     prompt: str | None
-    detok: IncrementalDetokenizer
+    detok: Detokenizer
     stop: StopChecker
     sent_len: int = 0
 
@@ -44,9 +44,7 @@ class OutputBuilder:
         """Starts a request whose prompt is token ids."""
         self._states[req.request_id] = _OutputState(
             self._prompts.pop(req.request_id, None),
-            IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens
-            ),
+            detokenizer(self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens),
             StopChecker.from_params(req.params),
         )
 
@@ -54,7 +52,7 @@ class OutputBuilder:
         """Starts a request whose prompt came as hidden states (no text, no token ids)."""
         self._states[request_id] = _OutputState(
             None,
-            IncrementalDetokenizer(self.tokenizer, [], params.skip_special_tokens),
+            detokenizer(self.tokenizer, [], params.skip_special_tokens),
             StopChecker.from_params(params),
         )
 

@@ -50,9 +50,17 @@ class TokenDecoder:
     is one `load_tokenizer` loads directly, the tokenizers library's own `Tokenizer` decodes,
     which is what that class's `decode` calls with tokenization-space clean-up off."""
 
-    def __init__(self, decode: Callable[[list[int], bool], str], eos_token_id: int | None):
+    def __init__(
+        self,
+        decode: Callable[[list[int], bool], str],
+        eos_token_id: int | None,
+        backend: Tokenizer | None = None,
+    ):
         self._decode = decode
         self.eos_token_id = eos_token_id
+        #: The tokenizers library's Tokenizer that `decode` calls, where it is that one
+        #: (engine/detokenizer.py streams from it).
+        self.backend = backend
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._decode(ids, skip_special_tokens)
@@ -88,6 +96,7 @@ def load_decoder(path: str | Path) -> TokenDecoder:
             return TokenDecoder(
                 lambda ids, skip: backend.decode(ids, skip_special_tokens=skip),
                 None if eos is None else special.get(eos),
+                backend,
             )
     return TokenDecoder.of(load_tokenizer(folder))
 

@@ -1,4 +1,5 @@
-"""IncrementalDetokenizer against full decodes, and stop strings with streaming hold-back."""
+"""The incremental detokenizers (the Python window and tokenizers' DecodeStream, each case run
+on both) against full decodes, and stop strings with streaming hold-back."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from hetero_pd.engine.detokenizer import IncrementalDetokenizer
+from hetero_pd.engine.detokenizer import IncrementalDetokenizer, StreamDetokenizer, detokenizer
 from hetero_pd.engine.stop import StopChecker, suppressed_token_ids
-from hetero_pd.models.tokenizer import load_decoder
+from hetero_pd.models.tokenizer import TokenDecoder, load_decoder
 from hetero_pd.sampling_params import SamplingParams
 
 TEXTS = [
@@ -30,8 +31,16 @@ def tokenizer(tokenizer_dir: Path) -> Any:
     return transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
+@pytest.fixture(scope="module")
+def decoder(tokenizer: Any) -> TokenDecoder:
+    """What the engine decodes with (the tokenizers library's, for the default model)."""
+    return load_decoder(tokenizer.name_or_path)
+
+
 class _WindowSpy:
     """Forwards decode() to a tokenizer and records the longest id list it was given."""
+
+    backend = None  # a decoder of its own: nothing to stream from
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -42,8 +51,17 @@ class _WindowSpy:
         return self.tokenizer.decode(ids, **kwargs)
 
 
-def _stream(tokenizer: Any, prompt: list[int], output: list[int], **kw: Any) -> list[str]:
-    detok = IncrementalDetokenizer(load_decoder(tokenizer.name_or_path), prompt, **kw)
+@pytest.fixture(params=[False, True], ids=["python", "decode_stream"])
+def stream(request: pytest.FixtureRequest) -> bool:
+    """Each detokenizer in turn: the Python window, then tokenizers' DecodeStream."""
+    return bool(request.param)
+
+
+def _stream(
+    decoder: TokenDecoder, prompt: list[int], output: list[int], stream: bool, **kw: Any
+) -> list[str]:
+    detok = detokenizer(decoder, prompt, stream=stream, **kw)
+    assert isinstance(detok, StreamDetokenizer if stream else IncrementalDetokenizer)
     deltas = [detok.add(t) for t in output]
     deltas.append(detok.flush())
     assert "".join(deltas) == detok.text
@@ -51,10 +69,12 @@ def _stream(tokenizer: Any, prompt: list[int], output: list[int], **kw: Any) -> 
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_deltas_equal_full_decode_and_never_split_characters(tokenizer: Any, text: str) -> None:
+def test_deltas_equal_full_decode_and_never_split_characters(
+    tokenizer: Any, text: str, stream: bool, decoder: TokenDecoder
+) -> None:
     prompt = tokenizer.encode("<|im_start|>user\nSay something<|im_end|>\n<|im_start|>assistant\n")
     output = tokenizer.encode(text)
-    detok = IncrementalDetokenizer(load_decoder(tokenizer.name_or_path), prompt)
+    detok = detokenizer(decoder, prompt, stream=stream)
     for n, token in enumerate(output, start=1):
         delta = detok.add(token)
         assert "\ufffd" not in delta
@@ -65,7 +85,9 @@ def test_deltas_equal_full_decode_and_never_split_characters(tokenizer: Any, tex
     assert detok.text == tokenizer.decode(output) == text
 
 
-def test_random_token_sequences_equal_full_decode(tokenizer: Any) -> None:
+def test_random_token_sequences_equal_full_decode(
+    tokenizer: Any, stream: bool, decoder: TokenDecoder
+) -> None:
     rng = random.Random(0)
     vocab = len(tokenizer)
     # Byte-level tokens of multi-byte characters stress the incomplete-character path.
@@ -74,12 +96,12 @@ def test_random_token_sequences_equal_full_decode(tokenizer: Any) -> None:
         pool = pieces if rng.random() < 0.5 else range(17, vocab)
         output = [rng.choice(pool) for _ in range(rng.randint(1, 40))]
         prompt = [rng.randrange(17, vocab) for _ in range(rng.randint(0, 8))]
-        deltas = _stream(tokenizer, prompt, output)
+        deltas = _stream(decoder, prompt, output, stream)
         assert "".join(deltas) == tokenizer.decode(output), (prompt, output)
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_special_tokens(tokenizer: Any, skip: bool) -> None:
+def test_special_tokens(tokenizer: Any, skip: bool, stream: bool, decoder: TokenDecoder) -> None:
     im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     output = [
         *tokenizer.encode("Hi 你"),
@@ -88,21 +110,57 @@ def test_special_tokens(tokenizer: Any, skip: bool) -> None:
         *tokenizer.encode(" there 🎉"),
         im_end,
     ]
-    deltas = _stream(tokenizer, [im_start], output, skip_special_tokens=skip)
+    deltas = _stream(decoder, [im_start], output, stream, skip_special_tokens=skip)
     assert "".join(deltas) == tokenizer.decode(output, skip_special_tokens=skip)
     assert ("<|im_end|>" in "".join(deltas)) is not skip
 
 
-def test_prompt_ending_inside_a_character(tokenizer: Any) -> None:
+def test_prompt_ending_inside_a_character(
+    tokenizer: Any, stream: bool, decoder: TokenDecoder
+) -> None:
     ids = tokenizer.encode("你好世界")
     prompt, output = ids[:1], ids[1:]  # the first token holds only part of "你"
     assert tokenizer.decode(prompt).endswith("\ufffd")
-    deltas = _stream(tokenizer, prompt, output)
+    deltas = _stream(decoder, prompt, output, stream)
     assert "".join(deltas) == tokenizer.decode(output)
 
 
-def test_decode_window_stays_small(tokenizer: Any) -> None:
-    spy = _WindowSpy(load_decoder(tokenizer.name_or_path))
+def test_an_unfinished_last_character_is_flushed_as_a_replacement(
+    tokenizer: Any, stream: bool, decoder: TokenDecoder
+) -> None:
+    ids = tokenizer.encode("ok 🎉")
+    output = ids[:-1]  # the emoji's last byte never comes
+    deltas = _stream(decoder, tokenizer.encode("Q?"), output, stream)
+    assert deltas[-1].endswith("\ufffd") and "\ufffd" not in "".join(deltas[:-1])
+    assert "".join(deltas) == tokenizer.decode(output)
+
+
+def test_both_detokenizers_stream_the_same_deltas(tokenizer: Any, decoder: TokenDecoder) -> None:
+    """Not only the same text: the same delta at every token (what a client is streamed),
+    special tokens skipped or not, prompts ending inside a character or not."""
+    rng = random.Random(2)
+    specials = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    pieces = [t for text in TEXTS for t in tokenizer.encode(text)] + specials * 20
+    for _ in range(100):
+        output = [rng.choice(pieces) for _ in range(rng.randint(1, 30))]
+        prompt = [rng.choice(pieces) for _ in range(rng.randint(0, 8))]
+        skip = rng.random() < 0.5
+        python, rust = (
+            _stream(decoder, prompt, output, s, skip_special_tokens=skip) for s in (False, True)
+        )
+        assert python == rust, (prompt, output, skip)
+
+
+def test_streaming_needs_a_tokenizers_backend(tokenizer: Any, decoder: TokenDecoder) -> None:
+    assert isinstance(detokenizer(decoder, []), StreamDetokenizer)  # the default model's
+    via_transformers = TokenDecoder.of(tokenizer)
+    with pytest.raises(ValueError, match="has no tokenizers backend to stream"):
+        detokenizer(via_transformers, [], stream=True)
+    assert isinstance(detokenizer(via_transformers, []), IncrementalDetokenizer)
+
+
+def test_decode_window_stays_small(tokenizer: Any, decoder: TokenDecoder) -> None:
+    spy = _WindowSpy(decoder)
     output = tokenizer.encode(" ".join(TEXTS) * 4)
     assert len(output) > 500
     detok = IncrementalDetokenizer(spy, tokenizer.encode("prompt"))
@@ -171,10 +229,12 @@ def test_streamable_text_len_holds_back_partial_stop_strings() -> None:
     assert include.streamable_text_len("hello</s") == 8
 
 
-def test_streaming_never_shows_a_partial_stop_string(tokenizer: Any) -> None:
+def test_streaming_never_shows_a_partial_stop_string(
+    tokenizer: Any, stream: bool, decoder: TokenDecoder
+) -> None:
     text = "The answer is 42. Observation: 你好 done"
     params = SamplingParams(stop=["Observation:", "zzz"])
-    detok = IncrementalDetokenizer(load_decoder(tokenizer.name_or_path), tokenizer.encode("Q?"))
+    detok = detokenizer(decoder, tokenizer.encode("Q?"), stream=stream)
     checker = StopChecker.from_params(params)
     streamed, match = "", None
     for token in tokenizer.encode(text):

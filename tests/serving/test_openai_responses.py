@@ -127,6 +127,10 @@ def test_sse_framing() -> None:
     assert sse("[DONE]") == sse_done() == b"data: [DONE]\n\n"
     assert sse("one\ntwo") == b"data: one\ndata: two\n\n"
     assert sse({"text": "line\nbreak"}) == b'data: {"text":"line\\nbreak"}\n\n'
+    # UTF-8, not \uXXXX escapes; U+2028 is no SSE line break (only CR and LF are).
+    assert sse({"t": "é🎉\u2028"}) == 'data: {"t":"é🎉\u2028"}\n\n'.encode()
+    want = b'data: {"lp":-9999.0,"n":null,"ok":true}\n\n'
+    assert sse({"lp": -9999.0, "n": None, "ok": True}) == want
     assert usage(2, 3) == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
 
 

@@ -7,13 +7,17 @@ OpenAI's; an aborted request should end with an error rather than a finish reaso
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 if TYPE_CHECKING:
     from hetero_pd.serving.api.request import GenerateRequest
 
 SSE_DONE = b"data: [DONE]\n\n"
+#: One per streamed token: msgspec's encoder, ~10x json.dumps per chunk (hetero-pd bench
+#: per-token). Compact JSON in UTF-8 (json.dumps escaped non-ASCII as \uXXXX: the same JSON).
+_JSON = msgspec.json.Encoder()
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -133,9 +137,11 @@ def models_response(
 
 def sse(data: dict[str, Any] | str) -> bytes:
     """One Server-Sent Event, ``data: <compact JSON>\\n\\n``; a string is sent as is
-    (one ``data:`` line per line, as the SSE format requires)."""
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return "".join(f"data: {line}\n" for line in text.split("\n")).encode() + b"\n"
+    (one ``data:`` line per line, as the SSE format requires). Compact JSON holds no line
+    break (one inside a string is escaped)."""
+    if not isinstance(data, str):
+        return b"data: " + _JSON.encode(data) + b"\n\n"
+    return "".join(f"data: {line}\n" for line in data.split("\n")).encode() + b"\n"
 
 
 def sse_done() -> bytes:
