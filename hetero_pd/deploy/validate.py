@@ -180,8 +180,10 @@ def _check_host_devices(dep: Deployment, src: Source) -> None:
         missing = []
         for device in devices:
             kind, index = parse_device_spec(device)
-            if kind != "cpu" and (index or 0) >= get_backend(kind).device_count():
-                missing.append(device)
+            # a tensor-parallel worker takes its device and the tp - 1 after it
+            for n in range(index or 0, (index or 0) + specs[i].tensor_parallel_size):
+                if kind != "cpu" and n >= get_backend(kind).device_count():
+                    missing.append(f"{kind}:{n}")
         if missing:
             kind = parse_device_spec(missing[0])[0]
             count = get_backend(kind).device_count()

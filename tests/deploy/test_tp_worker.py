@@ -10,17 +10,20 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
 import pytest
 
+from backends import get_backend
 from hetero_pd import LLM, SamplingParams
 from hetero_pd.deploy.k8s import render
 from hetero_pd.deploy.model_deployment import deployment_for_model
 from hetero_pd.deploy.schema import ConfigError, parse_deployment, parse_text
 from hetero_pd.deploy.serve import build_parser
 from hetero_pd.deploy.testing import deployment, random_prompts, running_stack
+from hetero_pd.deploy.validate import validate_file
 from hetero_pd.deploy.workers import expand_workers
 
 
@@ -162,3 +165,16 @@ def test_served_tp2_worker_and_a_killed_rank(tiny_qwen3_dir: Path) -> None:
         assert [complete(p) for p in prompts] == want
         assert len(_ranks_of(state["pid"])) == 1
     assert not _ranks_of(old)
+
+
+def test_validate_counts_every_device_of_a_tp_worker(
+    write_yaml: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a host with one GPU, a TP 2 worker from cuda:0 lacks cuda:1, and says so."""
+    monkeypatch.setattr(type(get_backend("cuda")), "device_count", lambda self: 1)
+    path = write_yaml(
+        "model: smollm2-135m-instruct\n"
+        "workers:\n  - role: both\n    device: cuda:0\n    tensor_parallel_size: 2\n"
+    )
+    with pytest.raises(ConfigError, match=r"workers\[0\]\.device: cuda:1: this host has 1 cuda"):
+        validate_file(path, "local", check_ports=False)
