@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetero_pd.models.config import ModelConfig
-from hetero_pd.models.llama import DecoderLayer
+from hetero_pd.models.llama import Attention, DecoderLayer
 from hetero_pd.models.rotary import apply_rope, rope_table
 
 
@@ -32,6 +32,11 @@ class EdgeStack(nn.Module):
 
     def __init__(self, cfg: ModelConfig, split_layer: int, max_positions: int) -> None:
         super().__init__()
+        if cfg.mla is not None:
+            raise ValueError(
+                f"the edge stack runs K/V-head attention; {cfg.architecture} (MLA) has no "
+                "edge split"
+            )
         if not 1 <= split_layer < cfg.num_layers:
             raise ValueError(
                 f"split layer {split_layer} must be in [1, {cfg.num_layers - 1}]: the edge runs "
@@ -87,6 +92,7 @@ class EdgeStack(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         assert isinstance(layer, DecoderLayer)
         attn = layer.self_attn
+        assert isinstance(attn, Attention)
         heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         q, k, v = attn.qkv_proj(layer.input_layernorm(x)).split(attn.split, dim=-1)
         q, k = attn.norm_heads(q.view(-1, heads, dim), k.view(-1, kv_heads, dim))

@@ -76,12 +76,15 @@ def _save_tiny(
     tokenizer_src: Path,
     seed: int,
     random_norms: bool = False,
+    router_scale: float = 50.0,
+    max_shard_size: str | None = None,
 ) -> Path:
     """`random_norms` draws every RMSNorm weight around 1 (transformers initialises them to
-    exactly 1, where a norm weight loaded into the wrong place would go unnoticed), and
-    scales MoE routers up 50x: at transformers' init their softmax is near uniform, the 2nd
-    and 3rd expert ~1e-5 apart, where even transformers' generate and its own full forward
-    pick different experts."""
+    exactly 1, where a norm weight loaded into the wrong place would go unnoticed), draws
+    DeepSeek's score-correction biases (zero at init), and scales MoE routers up
+    `router_scale`x: at transformers' init their softmax is near uniform, the 2nd and 3rd
+    expert ~1e-5 apart, where even transformers' generate and its own full forward pick
+    different experts."""
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     if random_norms:
@@ -90,8 +93,14 @@ def _save_tiny(
                 if name.endswith("norm.weight"):
                     p.uniform_(0.5, 1.5)
                 elif name.endswith(".gate.weight"):  # a MoE router
-                    p.mul_(50)
-    model.save_pretrained(dest)
+                    p.mul_(router_scale)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.uniform_(-0.1, 0.1)
+    if max_shard_size is None:
+        model.save_pretrained(dest)
+    else:
+        model.save_pretrained(dest, max_shard_size=max_shard_size)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_src / name, dest / name)
     return dest
@@ -210,6 +219,53 @@ def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: 
     )
     dest = tmp_path_factory.mktemp("tiny-qwen3-moe")
     return _save_tiny(config, Qwen3MoeForCausalLM, dest, tokenizer_dir, seed=6, random_norms=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """DeepSeek-V3: MLA with a low-rank q (q_lora_rank), interleaved yarn rope whose mscale
+    and mscale_all_dim differ (so cos/sin and the softmax scale are both corrected), 8 routed
+    experts in 4 groups of which the best 2 are searched, a shared expert, random
+    score-correction biases, layer 0 dense (first_k_dense_replace); saved in shards of
+    200 KB (model.safetensors.index.json)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    yarn = dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=256,
+        mscale=1.0,
+        mscale_all_dim=0.8,
+    )
+    config = DeepseekV3Config(
+        **{**TINY_MOE, "num_key_value_heads": 4},  # MLA: transformers needs kv heads = heads
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=24,
+        first_k_dense_replace=1,
+        rope_parameters=yarn,
+    )
+    dest = tmp_path_factory.mktemp("tiny-deepseek-v3")
+    return _save_tiny(
+        config,
+        DeepseekV3ForCausalLM,
+        dest,
+        tokenizer_dir,
+        seed=7,
+        random_norms=True,
+        router_scale=5.0,
+        max_shard_size="200KB",
+    )
 
 
 #: How far a half-precision engine's log-probabilities may stand from transformers' in the

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from hetero_pd.config import parse_dtype
-from hetero_pd.engine.model_runner import allocate_kv_tensors
+from hetero_pd.engine.model_runner import allocate_kv_tensors, layer_caches
 from hetero_pd.models.attention import AttentionMetadata, PrefillSpan
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
@@ -109,9 +109,9 @@ def _top1(
     longest = max(len(s) for s in sequences)
     model: CausalLM = load_model(str(path), cfg, dtype, device, longest)
     kv = allocate_kv_tensors(
-        cfg.num_layers, longest, (1, cfg.num_kv_heads, cfg.head_dim), dtype, device
+        cfg.num_layers, longest, cfg.kv_block_shape(1), dtype, device, cfg.kv_tensors_per_layer
     )
-    caches = [(kv[2 * i], kv[2 * i + 1]) for i in range(cfg.num_layers)]
+    caches = layer_caches(cfg, kv)
     out = []
     for seq in sequences:
         n = len(seq)

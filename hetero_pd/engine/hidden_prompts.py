@@ -87,6 +87,11 @@ class HiddenPrompts:
         n = prompt_hidden.shape[0]
         if n == 0:
             raise ValueError(f"request {request_id}: the prompt is empty")
+        if early_kv is not None and cfg.mla is not None:
+            raise ValueError(
+                f"{cfg.architecture} caches MLA latents, not K/V heads: edge prompts with "
+                "early-layer KV are not supported for it (send hidden states only)"
+            )
         if early_kv is not None:
             k = early_kv.shape[0] if early_kv.dim() == 5 else 0
             want = (k, 2, n, cfg.num_kv_heads, cfg.head_dim)

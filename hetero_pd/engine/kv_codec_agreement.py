@@ -17,7 +17,7 @@ import torch
 from hetero_pd.config import parse_dtype
 from hetero_pd.engine.agreement import DEFAULT_TEXTS, Agreement
 from hetero_pd.engine.kv_cache_manager import cdiv
-from hetero_pd.engine.model_runner import allocate_kv_tensors
+from hetero_pd.engine.model_runner import allocate_kv_tensors, layer_caches
 from hetero_pd.models.attention import AttentionMetadata, PrefillSpan
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
@@ -56,8 +56,9 @@ def token_agreement(
     dt, dev = parse_dtype(dtype), torch.device(device)
     longest = max(len(s) for s in sequences)
     net: CausalLM = load_model(path, cfg, dt, dev, longest)
-    shape = (block_size, cfg.num_kv_heads, cfg.head_dim)
-    kv = allocate_kv_tensors(cfg.num_layers, cdiv(longest, block_size), shape, dt, dev)
+    shape = cfg.kv_block_shape(block_size)
+    capacity = cdiv(longest, block_size)
+    kv = allocate_kv_tensors(cfg.num_layers, capacity, shape, dt, dev, cfg.kv_tensors_per_layer)
     matches = positions = 0
     for seq in sequences:
         ids = torch.tensor(seq, device=dev)
@@ -88,8 +89,7 @@ def _forward(
         span.context_slots = torch.arange(end, device=dev)
         span.mask = torch.arange(end, device=dev)[None, :] <= pos[:, None]
     meta = AttentionMetadata(slot_mapping=pos, prefills=[span])
-    caches = [(kv[2 * i], kv[2 * i + 1]) for i in range(len(kv) // 2)]
-    hidden = net(pos, meta, caches, input_ids=ids[start:end])
+    hidden = net(pos, meta, layer_caches(net.cfg, kv), input_ids=ids[start:end])
     return net.compute_logits(hidden).argmax(-1).cpu()
 
 

@@ -26,8 +26,11 @@ from transfer.kv_layouts import ND, write_slots
 from transfer.kv_layouts import check as check_layout
 
 log = logging.getLogger("hetero_pd.engine")
-# (num_layers, num_blocks, block_shape, dtype, device) -> [K0, V0, K1, V1, ...]
-KVAllocator = Callable[[int, int, tuple[int, ...], torch.dtype, torch.device], list[torch.Tensor]]
+# (num_layers, num_blocks, block_shape, dtype, device, tensors_per_layer) -> the layers'
+# tensors in order ([K0, V0, K1, V1, ...], or MLA's [L0, L1, ...])
+KVAllocator = Callable[
+    [int, int, tuple[int, ...], torch.dtype, torch.device, int], list[torch.Tensor]
+]
 
 
 def allocate_kv_tensors(
@@ -36,9 +39,17 @@ def allocate_kv_tensors(
     block_shape: tuple[int, ...],
     dtype: torch.dtype,
     device: torch.device,
+    tensors_per_layer: int = 2,
 ) -> list[torch.Tensor]:
     shape = (num_blocks, *block_shape)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * num_layers)]
+    count = tensors_per_layer * num_layers
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+
+
+def layer_caches(cfg: ModelConfig, tensors: list[torch.Tensor]) -> list[KVCache]:
+    """The KV tensors grouped by layer: (K, V) each, or MLA's (latent,)."""
+    per = cfg.kv_tensors_per_layer
+    return [tuple(tensors[per * i : per * (i + 1)]) for i in range(len(tensors) // per)]
 
 
 @dataclass(slots=True)
@@ -83,28 +94,30 @@ class ModelRunner:
         self.padding = backend.step_padding() if compile else None
         self.null_slot = num_blocks * block_size
         self.scratch_block = num_blocks + 1 if self.padding else None
-        block_shape = (block_size, cfg.num_kv_heads, cfg.head_dim)
+        block_shape = cfg.kv_block_shape(block_size)
         why = check_layout(kv_layout, block_shape, dtype)
         if why is not None:
             raise ValueError(f"kv_layout: {why}")
         allocate = kv_allocator or allocate_kv_tensors
         total_blocks = num_blocks + (2 if self.padding else 1)
-        tensors = allocate(cfg.num_layers, total_blocks, block_shape, dtype, device)
-        if len(tensors) != 2 * cfg.num_layers:
+        per_layer = cfg.kv_tensors_per_layer
+        tensors = allocate(cfg.num_layers, total_blocks, block_shape, dtype, device, per_layer)
+        if len(tensors) != per_layer * cfg.num_layers:
             raise ValueError(
                 f"KV allocator gave {len(tensors)} tensors for {cfg.num_layers} layers"
             )
         for t in tensors:
             t[num_blocks].zero_()  # the null block, whatever the allocator gave
-        # Per layer: (K, V), each [num_blocks, block_size, kv_heads, head_dim].
+        # Per layer: (K, V), each [num_blocks, block_size, kv_heads, head_dim], or MLA's
+        # (latent,) [num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim].
         self.kv_tensors = tensors
-        self.kv_caches: list[KVCache] = [
-            (tensors[2 * i], tensors[2 * i + 1]) for i in range(cfg.num_layers)
-        ]
+        self.kv_caches: list[KVCache] = layer_caches(cfg, tensors)
         self.sampler = Sampler()
-        #: Decode attention by the backend's kernel (it reads the nd layout only).
+        #: Decode attention by the backend's kernel (it reads the nd layout and K/V heads
+        #: only; MLA decodes over its latents, mla.py).
         self.native_decode = (
             kv_layout == ND
+            and cfg.mla is None
             and envs.native_attention()
             and backend.native_decode_attention(dtype, envs.cache_dir() / "kernels")
         )

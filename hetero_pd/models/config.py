@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,16 +16,35 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 #: Families whose attention normalises each q and k head (RMSNorm over head_dim) before rope.
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
+#: Families with multi-head latent attention (mla.py) and DeepSeek's MoE (`_deepseek_fields`).
+MLA_FAMILIES = ("deepseek_v3",)
 SUPPORTED_ACTIVATIONS = ("silu",)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class ModelConfigError(ValueError):
     """A model directory or its config.json cannot be used."""
+
+
+@dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """Multi-head latent attention's sizes (DeepSeek-V2/V3; mla.py)."""
+
+    kv_lora_rank: int
+    #: None: q comes from one projection (q_proj); else through a low-rank q_a/q_b pair.
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    #: The rope part's weights lay its dimensions out in pairs (x0, x1), (x2, x3), ...
+    rope_interleave: bool
+    #: Softmax scale: qk_head_dim ** -0.5, times yarn's mscale(factor, mscale_all_dim) ** 2.
+    softmax_scale: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,11 +83,40 @@ class ModelConfig:
     norm_topk_prob: bool = False
     #: The layers whose MLP is the MoE block (Qwen3-MoE may keep some dense).
     moe_layers: tuple[int, ...] = ()
+    #: How the router scores experts: "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" with the
+    #: score-correction bias and group-limited top-k (DeepSeek-V3; moe.grouped_topk).
+    moe_scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    #: Experts every token goes through beside the routed ones (DeepSeek-V3), 0 = none.
+    n_shared_experts: int = 0
+    #: Multi-head latent attention (DeepSeek-V3, mla.py); kv_lora_rank 0 = ordinary heads.
+    mla: MLAConfig | None = None
+
+    @property
+    def kv_tensors_per_layer(self) -> int:
+        """KV tensors one layer caches: K and V, or MLA's one latent tensor."""
+        return 1 if self.mla else 2
+
+    def kv_block_shape(self, block_size: int) -> tuple[int, ...]:
+        """The shape of one block of one layer's KV tensor (every tensor has it)::
+
+            heads: K, V     each [block_size, num_kv_heads, head_dim]
+            MLA:   latent   [block_size, 1, kv_lora_rank + qk_rope_head_dim]
+
+        MLA caches per token the normalised latent c_kv and the roped shared key k_pe,
+        side by side in one single-"head" row (see mla.py for why one tensor).
+        """
+        if self.mla:
+            return (block_size, 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim)
+        return (block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V bytes one token takes across all layers, per byte of dtype."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        """KV bytes one token takes across all layers, per byte of dtype."""
+        per_layer = self.kv_tensors_per_layer * math.prod(self.kv_block_shape(1))
+        return self.num_layers * per_layer
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -108,6 +157,10 @@ class ModelConfig:
             raise ModelConfigError(
                 f"{source}: unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
             )
+        if rope_type == "yarn" and "original_max_position_embeddings" not in rope:
+            raise ModelConfigError(
+                f"{source}: rope type 'yarn' needs original_max_position_embeddings"
+            )
         rope_params = tuple(
             sorted(
                 (k, float(v))
@@ -119,8 +172,11 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         family = SUPPORTED_ARCHITECTURES[arch]
         _reject_unsupported(raw, source)
+        extra = _moe_fields(raw, family, source) if family in MOE_FAMILIES else {}
+        if family in MLA_FAMILIES:
+            extra = _deepseek_fields(raw, source)
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
-        return cls(
+        fields: dict[str, Any] = dict(
             architecture=arch,
             family=family,
             vocab_size=int(need("vocab_size")),
@@ -143,8 +199,8 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=_checkpoint_dtype(raw),
-            **(_moe_fields(raw, family, source) if family in MOE_FAMILIES else {}),
         )
+        return cls(**{**fields, **extra})
 
 
 def _reject_unsupported(raw: dict[str, Any], source: str) -> None:
@@ -193,3 +249,79 @@ def _checkpoint_dtype(raw: dict[str, Any]) -> str | None:
     """ "bfloat16", "float16" or "float32" from config.json ("dtype", older "torch_dtype")."""
     name = raw.get("dtype") or raw.get("torch_dtype")
     return name if name in ("bfloat16", "float16", "float32") else None
+
+
+#: DeepSeek config.json keys and the only values this code computes correctly.
+_DEEPSEEK_FIXED = {
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "attention_bias": False,
+}
+
+
+def _deepseek_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """MLA and MoE fields of a DeepSeek-V3 config.json (what transformers' DeepseekV3 reads)."""
+    for key, want in _DEEPSEEK_FIXED.items():
+        if key in raw and raw[key] != want:
+            raise ModelConfigError(
+                f"{source}: unsupported {key} {raw[key]!r} for DeepseekV3ForCausalLM "
+                f"(supported: {want!r})"
+            )
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if not isinstance(raw.get(key), int) or raw[key] <= 0:
+            raise ModelConfigError(
+                f"{source}: {key} must be a positive integer, not {raw.get(key)!r}"
+            )
+    experts, top_k = int(raw.get("n_routed_experts") or 0), int(raw.get("num_experts_per_tok") or 0)
+    n_group, topk_group = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
+    if not 0 < top_k <= experts:
+        raise ModelConfigError(
+            f"{source}: num_experts_per_tok {top_k} must be in [1, n_routed_experts {experts}]"
+        )
+    if experts % n_group or not 0 < topk_group <= n_group or experts // n_group < 2:
+        raise ModelConfigError(
+            f"{source}: n_group {n_group} must divide n_routed_experts {experts} into groups "
+            f"of 2 or more, and topk_group {topk_group} must be in [1, n_group]"
+        )
+    if top_k > topk_group * (experts // n_group):
+        raise ModelConfigError(
+            f"{source}: num_experts_per_tok {top_k} exceeds the experts of topk_group "
+            f"{topk_group} groups ({topk_group * (experts // n_group)})"
+        )
+    if top_k and not raw.get("moe_intermediate_size"):
+        raise ModelConfigError(f"{source}: missing required key 'moe_intermediate_size'")
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    qk_head_dim = int(raw["qk_nope_head_dim"]) + int(raw["qk_rope_head_dim"])
+    scale = qk_head_dim**-0.5
+    if rope.get("rope_type", rope.get("type", "default")) != "default" and rope.get(
+        "mscale_all_dim"
+    ):
+        factor = float(rope["factor"])
+        mscale = 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1 if factor > 1 else 1
+        scale *= mscale * mscale
+    q_lora = raw.get("q_lora_rank")
+    layers = int(raw["num_hidden_layers"])
+    return dict(
+        # The rope table's width; the one latent "head" is the cache's (kv_block_shape).
+        head_dim=int(raw["qk_rope_head_dim"]),
+        num_kv_heads=1,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        moe_layers=tuple(range(int(raw.get("first_k_dense_replace") or 0), layers)),
+        moe_scoring="sigmoid",
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        n_shared_experts=int(raw.get("n_shared_experts") or 0),
+        mla=MLAConfig(
+            kv_lora_rank=int(raw["kv_lora_rank"]),
+            q_lora_rank=None if q_lora is None else int(q_lora),
+            qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+            v_head_dim=int(raw["v_head_dim"]),
+            rope_interleave=bool(raw.get("rope_interleave", True)),
+            softmax_scale=scale,
+        ),
+    )

@@ -18,7 +18,8 @@ from hetero_pd.models.moe import SparseMoE
 from hetero_pd.models.parallel import SINGLE, Parallel, VocabParallelEmbedding
 from hetero_pd.models.rotary import apply_rope_swapped, rope_table, signed_sin
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+# One layer's KV tensors: (K, V), or MLA's (latent,) (ModelConfig.kv_block_shape).
+KVCache = tuple[torch.Tensor, ...]
 # (weight, bias) -> a faster x -> F.linear(x, weight, bias), or None: Backend.linear_kernel
 LinearKernelFactory = Callable[[torch.Tensor, torch.Tensor | None], LinearKernel | None]
 # (layer, h, cos, sin_signed, kv, meta) -> h: one decoder layer, eager or compiled
@@ -135,11 +136,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Parallel = SINGLE) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: Parallel = SINGLE, intermediate_size: int | None = None
+    ) -> None:
         super().__init__()
         self.tp = tp
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -150,9 +154,17 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, tp: Parallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, tp)
+        self.self_attn = self.attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = SparseMoE(cfg, tp) if index in cfg.moe_layers else MLP(cfg, tp)
+        self.mlp = self.feed_forward(cfg, index, tp)
+
+    def attention(self, cfg: ModelConfig, tp: Parallel) -> nn.Module:
+        """The attention block (a family with another kind overrides this)."""
+        return Attention(cfg, tp)
+
+    def feed_forward(self, cfg: ModelConfig, index: int, tp: Parallel) -> nn.Module:
+        """Layer `index`'s MLP or MoE block."""
+        return SparseMoE(cfg, tp) if index in cfg.moe_layers else MLP(cfg, tp)
 
     def forward(
         self,
@@ -187,7 +199,7 @@ class CausalLM(nn.Module):
         # decompositions (1-2.5 s of every worker's start).
         embed = torch.empty(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, embed, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
@@ -196,6 +208,10 @@ class CausalLM(nn.Module):
         self.compiled_layer: LayerStep | None = None
         self.compiled_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.dynamic_batch = False
+
+    def make_layer(self, cfg: ModelConfig, index: int, tp: Parallel) -> nn.Module:
+        """Decoder layer `index` (a family with other layers overrides this)."""
+        return DecoderLayer(cfg, index, tp)
 
     def init_rope(self, device: torch.device) -> None:
         self.cos_sin = rope_table(self.cfg, self.max_positions).to(device)

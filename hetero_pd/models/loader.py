@@ -9,8 +9,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hetero_pd.models.config import ModelConfig
+from hetero_pd.models.deepseek import DeepseekV3
 from hetero_pd.models.llama import CausalLM
-from hetero_pd.models.moe import expert_slice, expert_target, missing_expert_tensors, router_target
+from hetero_pd.models.moe import (
+    expert_slice,
+    expert_target,
+    missing_expert_tensors,
+    router_checkpoint_name,
+    router_target,
+)
 from hetero_pd.models.parallel import SINGLE, Parallel, local_experts, shard_config, take
 
 
@@ -27,10 +34,12 @@ _FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.shared_experts.gate_proj": ("mlp.shared_experts.gate_up_proj", 0),
+    "mlp.shared_experts.up_proj": ("mlp.shared_experts.gate_up_proj", 1),
 }
 
 
-def _target(name: str) -> tuple[str, int | None]:
+def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
     """Maps a checkpoint tensor name to (our parameter name, shard index or None)."""
     if name.startswith("model.") and not name.startswith("model.layers."):
         return name[len("model.") :], None
@@ -43,7 +52,8 @@ def _target(name: str) -> tuple[str, int | None]:
         return f"layers.{layer}.{expert[0]}", expert[1]
     rest = router_target(rest) or rest
     module, _, kind = rest.rpartition(".")
-    if module in _FUSED:
+    # MLA's q_proj (no low-rank q) is a projection of its own, not a third of a qkv_proj.
+    if module in _FUSED and not (cfg.mla and module.startswith("self_attn.")):
         fused, shard = _FUSED[module]
         return f"layers.{layer}.{fused}.{kind}", shard
     return f"layers.{layer}.{rest}", None
@@ -58,7 +68,7 @@ def missing_tensors(cfg: ModelConfig, param: str, filled: set[int | None]) -> li
     module, _, kind = m.group(2).rpartition(".") if m else ("", "", "")
     shards = [(ckpt, i) for ckpt, (fused, i) in _FUSED.items() if fused == module]
     if m is None or not shards:
-        return [] if filled else [name]
+        return [] if filled else [router_checkpoint_name(cfg, name)]
     return [f"model.layers.{m.group(1)}.{ckpt}.{kind}" for ckpt, i in shards if i not in filled]
 
 
@@ -66,6 +76,8 @@ def _shard_sizes(cfg: ModelConfig, param: str) -> list[int]:
     if "qkv_proj" in param:
         kv = cfg.num_kv_heads * cfg.head_dim
         return [cfg.num_heads * cfg.head_dim, kv, kv]
+    if "shared_experts" in param:
+        return [cfg.moe_intermediate_size * cfg.n_shared_experts] * 2
     return [cfg.intermediate_size, cfg.intermediate_size]
 
 
@@ -89,7 +101,7 @@ def load_model(
     path = Path(path)
     whole, cfg = cfg, shard_config(cfg, tp)
     with torch.device("meta"):
-        model = CausalLM(cfg, max_positions, tp)
+        model = (DeepseekV3 if cfg.mla else CausalLM)(cfg, max_positions, tp)
     materialize(model, device)
     params = dict(model.named_parameters())
     if cfg.tie_word_embeddings:
@@ -100,7 +112,7 @@ def load_model(
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    target = _target(name)
+                    target = _target(name, whole)
                     part = take(whole, tp, *target)
                     if part.skip:  # another rank's expert
                         filled.setdefault(target[0], set()).add(target[1])
@@ -133,6 +145,13 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
             module.register_buffer(name, empty, persistent=persistent)
 
 
+def _mtp_layer(cfg: ModelConfig, name: str) -> bool:
+    """DeepSeek-V3 checkpoints append multi-token-prediction layers after the last decoder
+    layer (`model.layers.61.*`); greedy decoding does not use them (as transformers)."""
+    m = _LAYER.match(name)
+    return m is not None and int(m.group(1)) >= cfg.num_layers
+
+
 def copy_tensor(
     cfg: ModelConfig,
     params: dict[str, torch.nn.Parameter],
@@ -144,10 +163,12 @@ def copy_tensor(
 ) -> None:
     """Copies checkpoint tensor `name` into its place in `params`; stacked experts' rows
     are numbered from `first_expert` (a tensor-parallel rank's first)."""
-    target, shard = _target(name)
+    target, shard = _target(name, cfg)
     if target.endswith("rotary_emb.inv_freq"):
         return
     if target == "lm_head.weight" and cfg.tie_word_embeddings:
+        return
+    if cfg.mla and _mtp_layer(cfg, name):
         return
     param = params.get(target)
     if param is None:

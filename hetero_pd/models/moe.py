@@ -1,5 +1,7 @@
-"""Mixture of experts (Mixtral, Qwen3-MoE): a softmax router picks each token's top-k
-experts, each expert a SwiGLU MLP; the token's output is the weighted sum of theirs.
+"""Mixture of experts (Mixtral, Qwen3-MoE, DeepSeek-V3): a router picks each token's top-k
+experts, each expert a SwiGLU MLP; the token's output is the weighted sum of theirs (plus,
+in DeepSeek-V3, its shared experts'). Routing: softmax top-k (`softmax_topk`) or DeepSeek's
+sigmoid, score-corrected, group-limited top-k (`grouped_topk`).
 
 Execution groups tokens by expert, never loops over tokens::
 
@@ -38,13 +40,14 @@ _EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$
 _CHECKPOINT_NAMES = {
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 
 
 class SparseMoE(nn.Module):
-    """The MoE block that replaces a decoder layer's MLP. Under tensor parallelism a rank
-    holds its share of the experts whole (parallel.local_experts); an all-reduce sums the
-    ranks' contributions."""
+    """The MoE block that replaces a decoder layer's MLP (its routed experts; DeepSeek's
+    shared experts are deepseek.py's). Under tensor parallelism a rank holds its share of
+    the experts whole (parallel.local_experts); an all-reduce sums the ranks' contributions."""
 
     def __init__(self, cfg: ModelConfig, tp: Parallel = SINGLE) -> None:
         super().__init__()
@@ -56,46 +59,101 @@ class SparseMoE(nn.Module):
         # experts_gate_up: [experts, 2 * inter, hidden] (gate rows, then up rows)
         self.experts_gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.experts_down = nn.Parameter(torch.empty(experts, hidden, inter))
+        self.sigmoid = cfg.moe_scoring == "sigmoid"
+        if self.sigmoid:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts))
+            self.groups = (cfg.n_group, cfg.topk_group)
+            self.routed_scaling_factor = cfg.routed_scaling_factor
+        #: DeepSeek's shared experts (an MLP every token takes), set by the model.
+        self.shared_experts: nn.Module | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> each token's expert weights (float32) and ids, [N, top_k] each."""
+        if not self.sigmoid:
+            return softmax_topk(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob)
+        return grouped_topk(
+            F.linear(x.float(), self.gate.weight.float()),
+            self.e_score_correction_bias.float(),
+            self.top_k,
+            *self.groups,
+            self.norm_topk_prob,
+            self.routed_scaling_factor,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
-        y = sparse_moe(
-            x,
-            self.gate.weight,
-            self.experts_gate_up,
-            self.experts_down,
-            self.top_k,
-            self.norm_topk_prob,
-            self.first_expert,
+        weights, ids = self.route(x)
+        experts = self.gate.weight.shape[0]
+        y = moe_experts(
+            x, weights, ids, self.experts_gate_up, self.experts_down, experts, self.first_expert
         )
-        return self.tp.all_reduce(y)
+        out = self.tp.all_reduce(y)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+def softmax_topk(
+    logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral's and Qwen3-MoE's routing: the top-k of the softmax, renormalised if asked."""
+    probs = F.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [N, k] each
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_topk(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing (transformers' DeepseekV3TopkRouter, op for op): sigmoid scores;
+    the experts are chosen by score + bias, but only from the `topk_group` groups whose two
+    best experts score highest; their weights are the plain scores, renormalised if asked,
+    times `scaling`. logits [N, experts] float32."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    n, experts = choice.shape
+    group_scores = choice.view(n, n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [N, groups]
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+    expert_mask = group_mask.unsqueeze(-1).expand(n, n_group, experts // n_group)
+    choice = choice.masked_fill(~expert_mask.reshape(n, experts), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 # An op the compiler does not trace (as `hetero_pd::linear`): the expert sizes are data (a
 # host sync), and a graph traced through them would break, or be specialised to one step's
-# routing. A compiled decode layer calls it as one node; a backend's fused kernel can too.
-@torch.library.custom_op("hetero_pd::sparse_moe", mutates_args=())
-def sparse_moe(
+# routing. A compiled decode layer calls it as one node (routing, plain tensor ops, stays
+# in the graph); a backend's fused kernel takes the same arguments (vLLM's fused_experts).
+@torch.library.custom_op("hetero_pd::moe_experts", mutates_args=())
+def moe_experts(
     x: torch.Tensor,
-    router: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    top_k: int,
-    norm_topk_prob: bool,
+    num_experts: int,
     first_expert: int = 0,
 ) -> torch.Tensor:
-    """x [N, hidden], router [experts, hidden], gate_up [held, 2 * inter, hidden],
-    down [held, hidden, inter] -> [N, hidden]: the contributions of the `held` experts
-    from `first_expert` on (all of them unless the experts are split over ranks)."""
-    probs = F.softmax(F.linear(x, router).float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)  # [N, k] each
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    """x [N, hidden], weights and ids [N, k], gate_up [held, 2 * inter, hidden],
+    down [held, hidden, inter] -> sum over k of weight * expert(x), [N, hidden]: the
+    contributions of the `held` experts from `first_expert` on (all of them unless the
+    experts are split over ranks)."""
+    top_k = ids.shape[1]
     flat = ids.flatten()
     # Stable: within an expert, rows keep token order, so each token's contributions are
     # summed in expert order (as transformers does).
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=router.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     held = counts[first_expert : first_expert + down.shape[0]]
     lo = sum(counts[:first_expert])
     order = order[lo : lo + sum(held)]  # the rows of the held experts
@@ -115,14 +173,14 @@ def sparse_moe(
     return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
 
 
-@sparse_moe.register_fake
+@moe_experts.register_fake
 def _(
     x: torch.Tensor,
-    router: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    top_k: int,
-    norm_topk_prob: bool,
+    num_experts: int,
     first_expert: int = 0,
 ) -> torch.Tensor:
     return torch.empty_like(x)
@@ -161,6 +219,21 @@ def missing_expert_tensors(
     ]
 
 
+#: Router tensors whose names differ from ours.
+_ROUTER_NAMES = {
+    "block_sparse_moe.gate.weight": "mlp.gate.weight",  # Mixtral
+    "mlp.gate.e_score_correction_bias": "mlp.e_score_correction_bias",  # DeepSeek-V3
+}
+
+
 def router_target(rest: str) -> str | None:
-    """Mixtral's router `block_sparse_moe.gate.weight` -> our `mlp.gate.weight`."""
-    return "mlp.gate.weight" if rest == "block_sparse_moe.gate.weight" else None
+    """A router tensor's checkpoint sub-name -> ours (None: the same, or no router)."""
+    return _ROUTER_NAMES.get(rest)
+
+
+def router_checkpoint_name(cfg: ModelConfig, name: str) -> str:
+    """Our full tensor name -> the checkpoint's, for the router tensors named apart."""
+    for theirs, ours in _ROUTER_NAMES.items():
+        if name.endswith(f".{ours}") and theirs.startswith(_CHECKPOINT_NAMES[cfg.family][0]):
+            return name[: -len(ours)] + theirs
+    return name

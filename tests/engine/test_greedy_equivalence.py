@@ -18,6 +18,7 @@ TINY_MODELS = (
     "tiny_qwen3_dir",
     "tiny_mixtral_dir",
     "tiny_qwen3_moe_dir",
+    "tiny_deepseek_v3_dir",
 )
 
 Ref = Callable[[Path, list[int], int], list[int]]

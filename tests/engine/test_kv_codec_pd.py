@@ -35,8 +35,12 @@ class Side:
         assert self.region is not None
         self.transfer.register_region(self.region)
 
-    def _allocate(self, layers: int, blocks: int, shape: Any, dtype: Any, device: Any) -> Any:
-        self.region = KVRegion.allocate("kv", layers, blocks, shape, dtype, device=device)
+    def _allocate(
+        self, layers: int, blocks: int, shape: Any, dtype: Any, device: Any, per_layer: int
+    ) -> Any:
+        self.region = KVRegion.allocate(
+            "kv", layers, blocks, shape, dtype, device=device, tensors_per_layer=per_layer
+        )
         return self.region.tensors
 
     def close(self) -> None:

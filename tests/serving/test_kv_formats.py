@@ -85,12 +85,25 @@ def test_bf16_npu_layout_prefill_to_bf16_nd_decode_equals_one_engine(tiny_llama_
         assert got.token_logprobs == pytest.approx(lps, abs=LOGPROB_TOLERANCE)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_bf16_npu_layout_prefill_to_float32_nd_decode(tiny_llama_dir: Path, transport: str) -> None:
+@pytest.mark.parametrize(
+    ("model_fixture", "transport", "tolerance"),
+    [
+        ("tiny_llama_dir", "tcp", LOGPROB_TOLERANCE),
+        ("tiny_llama_dir", "shm", LOGPROB_TOLERANCE),
+        # MLA's latent rows (kv_lora_rank + rope = 48 wide) in fractal_nz, then float32 nd.
+        # Its logits spread wider than the tiny Llama's (routed scaling, random norms), so
+        # float32 steps stand further from bfloat16 ones: measured 0.038 nats.
+        ("tiny_deepseek_v3_dir", "tcp", 0.08),
+    ],
+)
+def test_bf16_npu_layout_prefill_to_float32_nd_decode(
+    model_fixture: str, transport: str, tolerance: float, request: pytest.FixtureRequest
+) -> None:
+    model: Path = request.getfixturevalue(model_fixture)
     prompts = random_prompts(LENGTHS, seed=131)
-    reference = _reference(tiny_llama_dir, "bfloat16", prompts)
-    served = _run(tiny_llama_dir, "float32", transport, prompts)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    reference = _reference(model, "bfloat16", prompts)
+    served = _run(model, "float32", transport, prompts)
+    tokenizer = AutoTokenizer.from_pretrained(model)
     worst, ties = 0.0, 0
     for got, ref in zip(served, reference, strict=True):
         want = [tokenizer.decode([i]) for i in ref.token_ids]
@@ -99,12 +112,12 @@ def test_bf16_npu_layout_prefill_to_float32_nd_decode(tiny_llama_dir: Path, tran
         for i, (token, ref_token) in enumerate(zip(got.tokens, want, strict=True)):
             if token != ref_token:  # a near tie broken the other way: the rest may differ
                 gap = got.token_logprobs[i] - got.top_logprobs[i].get(ref_token, -1e9)
-                assert 0 <= gap <= LOGPROB_TOLERANCE, (i, got.tokens, want, got.top_logprobs[i])
+                assert 0 <= gap <= tolerance, (i, got.tokens, want, got.top_logprobs[i])
                 ties += 1
                 break
             ref_lp = ref.logprobs[i][ref.token_ids[i]].logprob
             worst = max(worst, abs(got.token_logprobs[i] - ref_lp))
-    assert worst <= LOGPROB_TOLERANCE, worst
+    assert worst <= tolerance, worst
     assert ties <= len(prompts) // 2, ties  # a few near ties, not a different model
     print(f"float32 decode vs bfloat16 engine: max |dlogprob| {worst:.4f}, near ties {ties}")
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import openai
+import pytest
 
 from hetero_pd import SamplingParams
 from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack
@@ -17,12 +19,25 @@ from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_
 DECISIONS = "hetero_pd_policy_decisions_total"
 
 
-def test_layerwise_streaming_equals_engine(tiny_llama_dir: Path, tiny_reference: Any) -> None:
-    dep = deployment(tiny_llama_dir, transfer={"layerwise": True, "transports": ["shm"]})
-    lengths = [40, 33, 64, 100, 150, 200, 257, 300, 450, 520, 700, 20]
+@pytest.mark.parametrize(
+    ("model_fixture", "lengths"),
+    [
+        ("tiny_llama_dir", [40, 33, 64, 100, 150, 200, 257, 300, 450, 520, 700, 20]),
+        # MLA: one latent tensor per layer (tensors_per_layer 1) pushed layer by layer.
+        ("tiny_deepseek_v3_dir", [40, 90, 200, 20]),
+    ],
+)
+def test_layerwise_streaming_equals_engine(
+    model_fixture: str,
+    lengths: list[int],
+    request: pytest.FixtureRequest,
+    reference_for: Callable[[Path], Any],
+) -> None:
+    model: Path = request.getfixturevalue(model_fixture)
+    dep = deployment(model, transfer={"layerwise": True, "transports": ["shm"]})
     prompts = random_prompts(lengths, seed=81)
     max_tokens = [6 + i % 9 for i in range(len(prompts))]
-    expected = tiny_reference.texts(
+    expected = reference_for(model).texts(
         prompts,
         [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens],
     )

@@ -1,8 +1,9 @@
 """Each model family through the real stack (router + 1 prefill + 1 decode worker process):
 prompts prefilled on the decode worker and prompts whose KV crosses from the prefill worker
 give the single-process engine's greedy text. The Llama family's full suite is
-test_stack.py; here, the architectures whose layers differ from it: Qwen3 (dense, q/k norms)
-and Qwen3-MoE (mixture of experts, one dense layer)."""
+test_stack.py; here, the architectures whose layers differ from it: Qwen3 (dense, q/k norms),
+Qwen3-MoE (mixture of experts, one dense layer) and DeepSeek-V3 (MLA: one latent KV tensor
+per layer crosses between the workers, not K and V heads)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ LENGTHS = [5, 20, 33, 64, 120, 200]
 MAX_TOKENS = 12
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_qwen3_dir", "tiny_qwen3_moe_dir"])
+@pytest.mark.parametrize(
+    "model_fixture", ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_deepseek_v3_dir"]
+)
 def test_1p1d_greedy_equals_engine(
     model_fixture: str, request: pytest.FixtureRequest, reference_for: Callable[[Path], Any]
 ) -> None:

@@ -96,6 +96,7 @@ class Worker:
         block_shape: tuple[int, ...],
         dtype: torch.dtype,
         device: torch.device,
+        tensors_per_layer: int,
     ) -> list[torch.Tensor]:
         # On the CPU the cache lives in shared memory so a peer on this host writes into it.
         shared = device.type == "cpu" and "shm" in self.cfg.transfer.transports
@@ -108,6 +109,7 @@ class Worker:
             device=device,
             shared=shared,
             layout=self.cfg.engine.kv_layout_choice(),
+            tensors_per_layer=tensors_per_layer,
         )
         return self.region.tensors
 
