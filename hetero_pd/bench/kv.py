@@ -10,7 +10,9 @@ working set would miss every time). The same workload runs with tiers off, DRAM,
 DRAM+SSD, one after the other in one process; reported per configuration: TTFT p50/p99,
 prompt tokens computed (the rest came from the prefix cache), tier hits and onload times.
 Greedy replies must be identical in every configuration (checked). The last stdout line is
-one JSON object.
+one JSON object; its `kv` part gives the model's KV size (`--model` takes any model folder:
+dense, MoE, or MLA whose latent KV has no heads) and the bytes a prefill-to-decode hand-off
+of each request's prompt moves, all of it or only what the prefix cache lacked.
 """
 
 from __future__ import annotations
@@ -151,6 +153,25 @@ def run_workload(engine: LLMEngine, w: Workload, name: str) -> Result:
     )
 
 
+def kv_sizes(cfg: ModelConfig, itemsize: int, block_size: int, result: Result) -> dict[str, Any]:
+    """The model's KV bytes per token and per block, and per request of `result`'s run the
+    prompt's KV (what a 1P1D hand-off moves) and its part the prefix cache did not hold (what
+    a suffix-only hand-off moves)."""
+    per_token = cfg.kv_bytes_per_token * itemsize
+    requests = max(len(result.ttft_s), 1)
+    computed = result.prompt_tokens - result.cached_tokens
+    return {
+        "architecture": cfg.architecture,
+        "kv_tensors_per_layer": cfg.kv_tensors_per_layer,
+        "kv_block_shape": list(cfg.kv_block_shape(block_size)),
+        "bytes_per_token": per_token,
+        "bytes_per_token_per_layer": per_token // cfg.num_layers,
+        "block_bytes": per_token * block_size,
+        "prompt_bytes_per_request": round(result.prompt_tokens * per_token / requests),
+        "suffix_bytes_per_request": round(computed * per_token / requests),
+    }
+
+
 def engine_options(
     args: argparse.Namespace, config: str, block_bytes: int, disk_path: str
 ) -> dict[str, Any]:
@@ -244,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {json.dumps(results[-1].summary())}", file=sys.stderr)
     same = all(r.replies == results[0].replies for r in results)
     report = {
+        "kv": kv_sizes(cfg, elem.element_size(), args.block_size, results[0]),
         "model": args.model,
         "dtype": args.dtype,
         "threads": args.threads,
