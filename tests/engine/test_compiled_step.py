@@ -133,7 +133,7 @@ def test_cuda_graphs_equal_transformers(tiny_llama_dir: Path, hf_greedy: Ref) ->
 def test_compiled_moe_decode_equals_transformers(
     tiny_qwen3_moe_dir: Path, hf_greedy: Ref, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The MoE block is one opaque op (`hetero_pd::sparse_moe`) inside the compiled layer:
+    """The MoE block is one opaque op (`hetero_pd::moe_experts`) inside the compiled layer:
     routing changes from step to step without recompiling (one graph per layer kind, MoE
     and dense), and tokens still equal transformers'. Threads stay fixed: a thread count
     the governor changes under load is a global state dynamo guards, and recompiles."""
