@@ -83,10 +83,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
         weights, ids = self.route(x)
-        experts = self.gate.weight.shape[0]
-        y = moe_experts(
-            x, weights, ids, self.experts_gate_up, self.experts_down, experts, self.first_expert
-        )
+        run = moe_experts if torch.compiler.is_compiling() else grouped_experts
+        experts, held = self.gate.weight.shape[0], (self.experts_gate_up, self.experts_down)
+        y = run(x, weights, ids, *held, experts, self.first_expert)
         out = self.tp.all_reduce(y)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
@@ -130,12 +129,7 @@ def grouped_topk(
     return weights * scaling, ids
 
 
-# An op the compiler does not trace (as `hetero_pd::linear`): the expert sizes are data (a
-# host sync), and a graph traced through them would break, or be specialised to one step's
-# routing. A compiled decode layer calls it as one node (routing, plain tensor ops, stays
-# in the graph); a backend's fused kernel takes the same arguments (vLLM's fused_experts).
-@torch.library.custom_op("hetero_pd::moe_experts", mutates_args=())
-def moe_experts(
+def grouped_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
@@ -171,6 +165,15 @@ def moe_experts(
         start += count
     y = torch.cat(outs) * weights.flatten()[order, None]
     return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+
+
+# An op the compiler does not trace (as `hetero_pd::linear`): the expert sizes are data (a
+# host sync), and a graph traced through them would break, or be specialised to one step's
+# routing. A compiled decode layer calls it as one node (routing, plain tensor ops, stays
+# in the graph); a backend's fused kernel takes the same arguments (vLLM's fused_experts).
+# Eager code calls `grouped_experts` itself: an op's first call imports torch._dynamo
+# (3-4 s of a worker's first step).
+moe_experts = torch.library.custom_op("hetero_pd::moe_experts", mutates_args=())(grouped_experts)
 
 
 @moe_experts.register_fake
