@@ -35,15 +35,24 @@ if TYPE_CHECKING:
     from hetero_pd.llm import LLM
     from hetero_pd.outputs import CompletionOutput, RequestOutput
     from hetero_pd.sampling_params import SamplingParams
+    from hetero_pd.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]
 
 _LAZY = {
     "LLM": "hetero_pd.llm",
     "CompletionOutput": "hetero_pd.outputs",
     "RequestOutput": "hetero_pd.outputs",
     "SamplingParams": "hetero_pd.sampling_params",
+    "StructuredOutputsParams": "hetero_pd.structured_outputs",
 }
 
 

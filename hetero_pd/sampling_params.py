@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from hetero_pd.structured_outputs import StructuredOutputsParams
+
 # Temperatures below this are treated as 0 (greedy): dividing logits by them would overflow.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
@@ -78,6 +80,10 @@ class SamplingParams:
         logprobs: also return, for each generated token, its log-probability and the
             ``logprobs`` most likely alternatives (``0``: the chosen token only); at most 20.
         prompt_logprobs: the same for each prompt token after the first (for ``echo``).
+        structured_outputs: a constraint the output must satisfy (JSON schema, regex,
+            choice, grammar; see ``StructuredOutputsParams``): every token is sampled among
+            those the grammar allows, first of all (before bans, bias and penalties), and the
+            request stops (``finish_reason`` "stop") when the grammar is complete.
     """
 
     n: int = 1
@@ -99,6 +105,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -152,6 +159,13 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}"
                 )
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams or None, got "
+                f"{self.structured_outputs!r}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,7 @@ from hetero_pd.engine.parallel_sampling import check_engine_params
 from hetero_pd.engine.request import Request, RequestStatus
 from hetero_pd.engine.sampler import advance_generator
 from hetero_pd.engine.scheduler import Role, Scheduler, SchedulerConfig, SchedulerOutput
+from hetero_pd.engine.structured import GrammarCompiler
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.models.tokenizer import load_decoder, load_tokenizer
@@ -104,6 +105,7 @@ class LLMEngine(HiddenPrompts):
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self._tokenizer_eos()
         self.outputs = OutputBuilder(self.decoder)
+        self.grammars = GrammarCompiler(self.model_path, cfg.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
         self._failures: list[RequestFailure] = []
         self._failed_steps = 0
@@ -235,6 +237,7 @@ class LLMEngine(HiddenPrompts):
         req = Request(
             rid, token_ids, params, self.eos_token_ids, priority=priority, generator=generator
         )
+        req.grammar = self.grammars.for_params(params)
         self.outputs.remember_prompt(rid, text)
         return req
 

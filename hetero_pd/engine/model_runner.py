@@ -312,6 +312,8 @@ class ModelRunner:
         with in_step:
             if self.ranks is not None:
                 self.ranks.send_step(inputs.input_ids, inputs.positions, inputs.meta)
+            reqs = [out.chunks[i].request for i in inputs.sample_chunks]
+            masks = self.sampler.start_masks(reqs)  # computed while the forward pass runs
             hidden = self.model(
                 inputs.positions,
                 inputs.meta,
@@ -331,8 +333,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden, compiled=True)[inputs.sample_rows]
             else:
                 logits = self._logits(hidden[inputs.sample_rows])
-        reqs = [out.chunks[i].request for i in inputs.sample_chunks]
-        tokens = self.sampler.sample_requests(logits, reqs)
+        tokens = self.sampler.sample_requests(logits, reqs, masks)
         return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

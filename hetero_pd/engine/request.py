@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from hetero_pd.engine.structured import GrammarMatcher
     from hetero_pd.outputs import PromptLogprobs, SampleLogprobs
     from hetero_pd.sampling_params import SamplingParams
 
@@ -82,6 +83,8 @@ class Request:
     output_logprobs: SampleLogprobs = field(default_factory=list)
     cumulative_logprob: float = 0.0
     prompt_logprobs: PromptLogprobs = field(default_factory=list)
+    # SamplingParams.structured_outputs: the grammar's state after the tokens so far.
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

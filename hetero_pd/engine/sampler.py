@@ -1,9 +1,11 @@
 """Token sampling: greedy, temperature, top-k, top-p and min-p, with per-request seeds,
-after the logits processors (bans, bias, penalties), with logprobs where asked."""
+after the grammar mask (structured outputs) and the logits processors (bans, bias,
+penalties), with logprobs where asked."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch
 
@@ -11,6 +13,7 @@ from hetero_pd.engine.logits_processors import History, process_logits
 from hetero_pd.engine.logprobs import token_logprobs
 from hetero_pd.engine.request import Request
 from hetero_pd.engine.stop import suppressed_token_ids
+from hetero_pd.engine.structured import TokenMasks, allowed, apply_bitmask
 from hetero_pd.outputs import Logprob
 from hetero_pd.sampling_params import SamplingParams
 
@@ -126,7 +129,20 @@ class Sampler:
     token. A row whose generator is not ``None`` draws one noise value per vocabulary token
     from that generator only, so its samples depend only on its seed and its own logits,
     not on the rest of the batch; the other rows share one draw from the global RNG.
+
+    Rows of requests with a grammar (``Request.grammar``) are masked before anything else:
+    only the tokens the grammar allows keep their logits; the matcher then advances over
+    the sampled token.
     """
+
+    def __init__(self) -> None:
+        self._masks = TokenMasks()
+
+    def start_masks(self, reqs: Sequence[Request]) -> Future[torch.Tensor] | None:
+        """Starts computing the grammar masks of ``reqs`` (one logits row each) on a
+        background thread; None when no request has a grammar. Call before the forward pass
+        and pass the result to ``sample_requests``."""
+        return self._masks.start([r.grammar for r in reqs])
 
     @torch.inference_mode()
     def __call__(
@@ -173,9 +189,22 @@ class Sampler:
         return tokens, _logprobs(logits, params, tokens)
 
     @torch.inference_mode()
-    def sample_requests(self, logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
-        """Samples the next token of each request (one logits row each) and records the
-        logprobs of those that ask for them on the request."""
+    def sample_requests(
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[Request],
+        masks: Future[torch.Tensor] | None = None,
+    ) -> list[int]:
+        """Samples the next token of each request (one logits row each), records the
+        logprobs of those that ask for them on the request and advances their grammars.
+        ``masks``: what ``start_masks(reqs)`` returned (started here when not given)."""
+        if masks is None:
+            masks = self.start_masks(reqs)
+        bitmask = masks.result() if masks is not None else None
+        if bitmask is not None:
+            rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+            logits = logits.clone()
+            logits[rows] = apply_bitmask(logits[rows], bitmask[rows])
         params = [r.params for r in reqs]
         suppress = [
             suppressed_token_ids(r.params, r.num_output_tokens, r.eos_token_ids) for r in reqs
@@ -186,6 +215,15 @@ class Sampler:
         tokens, logprobs = self.sample(
             logits, params, [r.generator for r in reqs], suppress, histories
         )
+        for row, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
+            if req.grammar is not None and bitmask is not None and not allowed(bitmask, row, token):
+                raise ValueError(
+                    f"request {req.request_id}: no token is both allowed by its grammar and "
+                    "by its other sampling parameters (min_tokens, stop_token_ids, logit_bias)"
+                )
+        for req, token in zip(reqs, tokens, strict=True):
+            if req.grammar is not None:
+                req.grammar.accept(token)
         for req, token, entry in zip(reqs, tokens, logprobs, strict=True):
             if entry is not None:
                 req.output_logprobs.append(entry)

@@ -111,7 +111,10 @@ class Scheduler:
 
     def remote_kv_ready(self, request_id: str, first_token_id: int) -> Request:
         """The prompt's KV has landed in the reserved blocks; decode from `first_token_id`."""
-        req = self.remote.pop(request_id)
+        req = self.remote[request_id]
+        if req.grammar is not None:  # the prefill worker sampled it under the same grammar
+            req.grammar.accept(first_token_id)  # raises ValueError when it broke the grammar
+        del self.remote[request_id]
         req.num_computed_tokens = req.num_prompt_tokens
         self.kv.cache_computed_blocks(req)
         req.status = RequestStatus.RUNNING
@@ -224,7 +227,9 @@ class Scheduler:
         params = req.params
         n_out = req.num_output_tokens
         status = None
-        if n_out >= params.min_tokens:
+        if req.grammar is not None and req.grammar.complete:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+        elif n_out >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
             elif params.stop_token_ids and token in params.stop_token_ids:

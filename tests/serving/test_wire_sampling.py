@@ -9,7 +9,7 @@ import math
 import msgspec
 import pytest
 
-from hetero_pd import SamplingParams
+from hetero_pd import SamplingParams, StructuredOutputsParams
 from hetero_pd.outputs import Logprob
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import sampling as W
@@ -36,6 +36,7 @@ ALL_SET = SamplingParams(
     logit_bias={5: 2.5, 9: -100.0},
     logprobs=4,
     prompt_logprobs=1,
+    structured_outputs=StructuredOutputsParams(json={"type": "object", "required": ["a"]}),
 )
 
 
@@ -67,6 +68,8 @@ def test_every_field_survives_a_frame() -> None:
         ("logit_bias", {-1: 1.0}),
         ("logit_bias", {i: 1.0 for i in range(W.MAX_LOGIT_BIAS + 1)}),
         ("n", 129),
+        ("structured_outputs", {"kind": "xml", "spec": "<a/>"}),
+        ("structured_outputs", {"kind": "regex", "spec": "a" * (65 * 1024)}),
     ],
 )
 def test_out_of_range_values_are_refused_naming_the_field(field: str, value: object) -> None:

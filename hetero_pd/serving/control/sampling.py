@@ -10,13 +10,14 @@ its messages; they are declared here to keep that module to the messages themsel
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
 from hetero_pd.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from hetero_pd.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGPROBS, MAX_N, SamplingParams
+from hetero_pd.structured_outputs import MAX_SPEC_BYTES, StructuredOutputsParams
 
 MAX_TOKENS = 1 << 20
 MAX_STOP_STRINGS = 64
@@ -32,6 +33,27 @@ NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 
 class WireValue(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """A nested value of a control message."""
+
+
+class WireConstraint(WireValue, frozen=True):
+    """`StructuredOutputsParams` on the wire: its kind and its spec (schema JSON, regex,
+    grammar, choices as JSON), bounded. A decode worker compiles it again and advances the
+    matcher over the first token, which the prefill worker sampled under it."""
+
+    kind: Literal["json", "regex", "choice", "grammar", "json_object"]
+    # Characters: at most MAX_SPEC_BYTES bytes once `to_params` checks the UTF-8 size.
+    spec: Annotated[str, Meta(max_length=MAX_SPEC_BYTES)]
+
+    @classmethod
+    def of(cls, params: StructuredOutputsParams | None) -> WireConstraint | None:
+        if params is None:
+            return None
+        kind, spec = params.key()
+        return cls(kind=kind, spec=spec)
+
+    def to_params(self) -> StructuredOutputsParams:
+        """Raises ValueError when the spec is malformed or too large."""
+        return StructuredOutputsParams.from_key(self.kind, self.spec)
 
 
 class WireParams(WireValue, kw_only=True, frozen=True):
@@ -66,16 +88,27 @@ class WireParams(WireValue, kw_only=True, frozen=True):
     ) = None
     logprobs: NumLogprobs | None = None
     prompt_logprobs: NumLogprobs | None = None
+    structured_outputs: WireConstraint | None = None
 
     @classmethod
     def of(cls, params: SamplingParams) -> WireParams:
         stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
         fields = {f: getattr(params, f) for f in cls.__struct_fields__}
-        return cls(**{**fields, "stop": stop, "stop_token_ids": list(params.stop_token_ids or [])})
+        return cls(
+            **{
+                **fields,
+                "stop": stop,
+                "stop_token_ids": list(params.stop_token_ids or []),
+                "structured_outputs": WireConstraint.of(params.structured_outputs),
+            }
+        )
 
     def to_params(self) -> SamplingParams:
         """Raises ValueError naming the field when a value is not a valid sampling value."""
-        return SamplingParams(**msgspec.structs.asdict(self))
+        fields = msgspec.structs.asdict(self)
+        so = self.structured_outputs
+        fields["structured_outputs"] = None if so is None else so.to_params()
+        return SamplingParams(**fields)
 
 
 class TokenLogprob(WireValue, array_like=True, frozen=True):
