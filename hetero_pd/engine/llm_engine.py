@@ -103,7 +103,8 @@ class LLMEngine(HiddenPrompts):
             role=config.role,
         )
         self.scheduler = Scheduler(sched_cfg, self.kv)
-        self.eos_token_ids = frozenset(cfg.eos_token_ids) | self._tokenizer_eos()
+        eos = self.decoder.eos_token_id  # the tokenizer's, besides the model config's
+        self.eos_token_ids = frozenset(cfg.eos_token_ids) | {int(e) for e in [eos] if e is not None}
         self.outputs = OutputBuilder(self.decoder)
         self.grammars = GrammarCompiler(self.model_path, cfg.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
@@ -141,10 +142,6 @@ class LLMEngine(HiddenPrompts):
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.model_path)
         return self._tokenizer
-
-    def _tokenizer_eos(self) -> frozenset[int]:
-        eos = self.decoder.eos_token_id
-        return frozenset() if eos is None else frozenset([int(eos)])
 
     # -- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
