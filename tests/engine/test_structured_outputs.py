@@ -74,13 +74,13 @@ def test_the_grammar_holds_with_every_other_sampling_option(llm: LLM) -> None:
         top_k=40,
         min_p=0.01,
         seed=7,
-        n=3,
+        n=2,
         logprobs=2,
         presence_penalty=1.0,
         frequency_penalty=0.5,
         repetition_penalty=1.3,
         logit_bias={brace: 100.0},
-        max_tokens=64,
+        max_tokens=48,
     )
     first = _gen(llm, "A person:", StructuredOutputsParams(json=PERSON), **kw)
     for text in first:
