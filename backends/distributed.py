@@ -20,6 +20,15 @@ def collective_backend(device: torch.device) -> str:
     return name
 
 
+def bind_device(device: torch.device) -> None:
+    """Makes `device` this process's current device, where its collectives run (NCCL and
+    HCCL pick the current device; without this every rank would use index 0)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type == "npu":
+        torch.npu.set_device(device)  # type: ignore[attr-defined]  # torch_npu's
+
+
 def rank_device(first: torch.device, rank: int) -> torch.device:
     """Rank `rank`'s device: the host for every CPU rank, else the `rank`-th device of the
     kind counted from `first` (a TP worker given cuda:2 with 2 ranks takes cuda:2, cuda:3)."""

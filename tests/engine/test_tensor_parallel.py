@@ -5,6 +5,7 @@ stops the engine with an error naming it."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -83,15 +84,20 @@ def test_tp2_matches_tp1_and_transformers(
     assert tp2.engine.runner.kv_caches[0][0].shape[2] == cfg.num_kv_heads // 2
 
 
-def test_kv_head_replicated_when_tp_exceeds_kv_heads(
-    tiny_mqa_dir: Path, hf_greedy: Ref, make_llm: Make
-) -> None:
-    llm = make_llm(tiny_mqa_dir, tensor_parallel_size=2)
+def test_kv_head_replicated_when_tp_exceeds_kv_heads(tiny_mqa_dir: Path, hf_greedy: Ref) -> None:
+    llm = LLM(str(tiny_mqa_dir), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
     k_cache = llm.engine.runner.kv_caches[0][0]
     assert k_cache.shape[2] == 1  # [blocks, block_size, kv_heads, head_dim]
     prompts = random_prompts([5, 21], 512, seed=9)
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY), strict=True):
         assert out.outputs[0].token_ids == hf_greedy(tiny_mqa_dir, prompt, GREEDY.max_tokens)
+    # Dropped without close(): its rank is killed and the process may start another group.
+    assert llm.engine.ranks is not None
+    child = llm.engine.ranks.procs[0]
+    del llm
+    gc.collect()
+    assert child.returncode is not None
+    assert not torch.distributed.is_initialized()
 
 
 def test_a_killed_rank_stops_the_engine_with_its_name(tiny_qwen3_dir: Path, make_llm: Make) -> None:

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from backends import parse_device
-from backends.distributed import collective_backend, rank_device
+from backends.distributed import bind_device, collective_backend, rank_device
 from hetero_pd import envs
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.health import EngineFault
@@ -89,9 +89,10 @@ class RankGroup:
         self._log = tempfile.TemporaryFile()  # noqa: SIM115
         store = dist.TCPStore("127.0.0.1", 0, spec.world, is_master=True, wait_for_workers=False)
         self.procs = [self._spawn(spec, r, store.port) for r in range(1, spec.world)]
-        self._finalizer = weakref.finalize(self, _reap, list(self.procs))
+        self._finalizer = weakref.finalize(self, _release, list(self.procs))
         self._wait_joined(store)
         timeout = datetime.timedelta(seconds=spec.timeout_s)
+        bind_device(device)
         dist.init_process_group(
             collective_backend(device), store=store, rank=0, world_size=spec.world, timeout=timeout
         )
@@ -217,6 +218,14 @@ class RankGroup:
         self._log.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _release(procs: list[subprocess.Popen[bytes]]) -> None:
+    """An engine dropped without close(): its ranks killed, this process's group left, so
+    another tensor-parallel engine may start here."""
+    _reap(procs)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _reap(procs: list[subprocess.Popen[bytes]]) -> None:

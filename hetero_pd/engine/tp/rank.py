@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from backends import parse_device
-from backends.distributed import collective_backend
+from backends.distributed import bind_device, collective_backend
 from hetero_pd.config import parse_dtype
 from hetero_pd.engine.model_runner import ModelRunner
 from hetero_pd.engine.tp.codec import HEADER_LEN, OP_LOGITS, OP_STEP, Header, decode_step
@@ -41,6 +41,7 @@ class Rank:
         self.device = parse_device(spec.device)
         self.dtype = parse_dtype(spec.dtype)
         torch.set_num_threads(spec.threads)
+        bind_device(self.device)
         store = dist.TCPStore("127.0.0.1", spec.port, spec.world, is_master=False)
         store.set(f"joined/{spec.rank}", "1")
         dist.init_process_group(
