@@ -23,6 +23,7 @@ import aiohttp
 import torch
 
 from edge.codec import encode
+from edge.noise import add_noise
 from edge.runtime import EdgeRuntime
 from hetero_pd.serving.api.edge_protocol import (
     MODES,
@@ -98,10 +99,12 @@ class EdgeClient:
         tap: Callable[[bytes], None] | None = None,
         mode: str = "split",
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        noise_sigma: float = 0.0,
     ) -> None:
         """`runtime` (an EdgeRuntime or OnnxEdgeRuntime) defaults to torch on the CPU;
         `tap`, if given, sees every message this client sends (audits, benchmarks);
-        `sleep` waits out the backoff between connection attempts (tests count its calls).
+        `sleep` waits out the backoff between connection attempts (tests count its calls);
+        `noise_sigma` > 0 adds Gaussian noise to every hidden state sent (`edge.noise`).
 
         `mode="split"` (default): the cloud runs layers [k, L) and this device runs its layers
         on every generated token. `mode="prompt_only"`: this device runs its layers on the
@@ -123,6 +126,9 @@ class EdgeClient:
         self.sent_bytes = 0  # payload bytes this client put on the wire (for benchmarks)
         self.tap = tap
         self.sleep = sleep
+        if noise_sigma < 0:
+            raise ValueError(f"noise_sigma must be >= 0, got {noise_sigma}")
+        self.noise_sigma = noise_sigma
 
     async def stream(
         self,
@@ -168,7 +174,7 @@ class EdgeClient:
         ws, session = await self._connect()
         try:
             extra: dict[str, Any] = {}
-            prompt_frame = encode(rt.prefill(ids), self.codec)
+            prompt_frame = encode(add_noise(rt.prefill(ids), self.noise_sigma), self.codec)
             if self.mode == "prompt_only":
                 kv = torch.stack([rt.past_k, rt.past_v], dim=1)  # [k, 2, n, kv_heads, head_dim]
                 flat = kv.reshape(-1, kv.shape[-2] * kv.shape[-1])
@@ -200,7 +206,7 @@ class EdgeClient:
                 if self.mode == "prompt_only":
                     continue  # the cloud decodes alone
                 for token in msg.token_ids:
-                    row = rt.step(int(token))
+                    row = add_noise(rt.step(int(token)), self.noise_sigma)
                     await self._send(ws, pack("hidden", frame=encode(row, self.codec)))
         finally:
             await ws.close()

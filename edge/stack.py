@@ -66,19 +66,35 @@ class EdgeStack(nn.Module):
 
         Returns (hidden [n, hidden] after layer k-1, before any norm; present_k; present_v).
         """
-        h = self.embed_tokens(input_ids)
+        hidden, keys, values = self._run(self.embed_tokens(input_ids), positions, past_k, past_v)
+        return hidden[-1], torch.stack(keys), torch.stack(values)
+
+    def layer_outputs(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """A new sequence's hidden state before every edge layer and after the last
+        ([split_layer + 1] tensors [n, hidden]: entry j is what a split at k = j sends; entry
+        0 is the embeddings) and each layer's K and V ([n, kv_heads, head_dim]). The privacy
+        bench inverts these."""
+        past = self.empty_cache(self.embed_tokens.weight.dtype, input_ids.device)
+        return self._run(self.embed_tokens(input_ids), positions, past, past)
+
+    def _run(
+        self, h: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         cs = self.cos_sin[positions].to(h.dtype)
         cos, sin = cs[:, 0:1, :], cs[:, 1:2, :]
-        total = past_k.shape[1] + input_ids.shape[0]
+        total = past_k.shape[1] + h.shape[0]
         key_pos = torch.arange(total, device=positions.device)
         # mask: [n, total] bool, True = attend
         mask = key_pos[None, :] <= positions[:, None]
-        keys, values = [], []
+        hidden, keys, values = [h], [], []
         for i, layer in enumerate(self.layers):
             h, k_all, v_all = self._layer(layer, h, cos, sin, past_k[i], past_v[i], mask)
+            hidden.append(h)
             keys.append(k_all)
             values.append(v_all)
-        return h, torch.stack(keys), torch.stack(values)
+        return hidden, keys, values
 
     def _layer(
         self,

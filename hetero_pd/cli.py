@@ -111,6 +111,8 @@ def _passthrough(command: str, argv: list[str]) -> int:
         from hetero_pd.bench.tp import main as run
     elif argv[:1] == ["grammar"]:
         from hetero_pd.bench.grammar import main as run
+    elif argv[:1] == ["edge-privacy"]:
+        from hetero_pd.bench.edge_privacy import main as run
     elif argv[:1] == ["edge"]:
         # hetero_pd reaches into edge/ only here and in bench.edge: the product's front.
         from hetero_pd.bench.edge import main as run
@@ -118,8 +120,8 @@ def _passthrough(command: str, argv: list[str]) -> int:
         from hetero_pd.bench.per_token import main as run
     else:
         print(
-            "usage: hetero-pd bench {offline,serve,pd,transfer,kv,routing,tp,edge,per-token,"
-            "grammar} "
+            "usage: hetero-pd bench {offline,serve,pd,transfer,kv,routing,tp,edge,edge-privacy,"
+            "per-token,grammar} "
             "[--help | options]"
         )
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
@@ -135,7 +137,7 @@ PASSTHROUGH = {
     "worker": "run one worker process (the launcher starts these)",
     "edge": "the device side: edge generate (a session from the shell) | edge plan (pick k)",
     "bench": "benchmarks: bench offline | serve | pd | transfer | kv [wire] | routing | tp | edge "
-    "| per-token | grammar",
+    "| edge-privacy | per-token | grammar",
     "drill": "a deployment across hosts, proven in network namespaces: drill multihost",
 }
 

@@ -43,11 +43,10 @@ from edge.profiling import profile_layers, profile_runtime
 from edge.runtime import EdgeRuntime
 from hetero_pd.bench.client import build_payload, send_request
 from hetero_pd.bench.datasets import BenchRequest
+from hetero_pd.bench.edge_agreement import CloudReference
 from hetero_pd.deploy.testing import deployment, running_stack
-from hetero_pd.models.attention import AttentionMetadata, PrefillSpan
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
-from hetero_pd.models.loader import load_model
 
 PROG = "hetero-pd bench edge"
 TOPICS = (
@@ -153,28 +152,11 @@ async def split_run(
     return out
 
 
-@torch.inference_mode()
 def codec_agreement(model_dir: Path, split: int, codec: str, prompts: list[list[int]]) -> float:
     """Teacher-forced greedy agreement: at every prompt position, the next token the model
     picks from layer `split`'s input sent through `codec` equals the one it picks unsplit."""
-    cfg = ModelConfig.from_dir(model_dir)
-    longest = max(len(p) for p in prompts)
-    model = load_model(model_dir, cfg, torch.float32, torch.device("cpu"), longest + 1)
-    shape = (longest, 1, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
-    same = total = 0
-    for ids in prompts:
-        n = len(ids)
-        pos = torch.arange(n)
-        meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillSpan(0, n)])
-        h = model(pos, meta, caches, input_ids=torch.tensor(ids), end_layer=split)
-        picks = []
-        for hidden in (h, decode(encode(h, codec))):
-            out = model(pos, meta, caches, hidden_states=hidden, start_layer=split)
-            picks.append(model.compute_logits(out).argmax(dim=-1))
-        same += int((picks[0] == picks[1]).sum())
-        total += n
-    return same / total
+    cloud = CloudReference(model_dir, ModelConfig.from_dir(model_dir), prompts, [split])
+    return cloud.agreement(split, lambda h: decode(encode(h, codec)))
 
 
 def _counter(sizes: list[int]) -> Callable[[bytes], None]:
