@@ -3,6 +3,7 @@
 hetero-pd edge generate --url http://127.0.0.1:8000 --split 4 "Name three colors."
 hetero-pd edge plan --prompt-len 256 --rtt-ms 20 --mbps 50   # a link you describe
 hetero-pd edge plan --link 127.0.0.1:9999                    # or one you probe
+hetero-pd edge plan --max-recovery 0.1   # only k whose measured token recovery is <= 10%
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 
 from edge.codec import CODECS
 from hetero_pd.serving.api.edge_protocol import MODES
@@ -41,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--link", default=None, help="HOST:PORT of a link probe to measure")
     pl.add_argument("--rtt-ms", type=float, default=20.0)
     pl.add_argument("--mbps", type=float, default=50.0, help="upload bandwidth, Mbit/s")
+    pl.add_argument(
+        "--max-recovery",
+        type=float,
+        default=None,
+        help="refuse split layers whose measured top-1 token recovery is above this (0..1)",
+    )
+    pl.add_argument("--privacy-profile", default=None, help="default: the stored one")
     return p
 
 
@@ -87,12 +96,29 @@ async def _generate(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from edge.link_probe import measure_link
     from edge.planner import LinkProfile, format_plan, plan_split
+    from edge.privacy import (
+        PrivacyFloorError,
+        PrivacyProfile,
+        PrivacyProfileError,
+        apply_floor,
+        default_path,
+    )
     from edge.profiling import profile_layers
     from hetero_pd.models.config import ModelConfig
     from hetero_pd.models.fetch import resolve_model
 
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
+    recovery = None
+    if args.max_recovery is not None:
+        path = Path(args.privacy_profile) if args.privacy_profile else default_path(args.model)
+        try:
+            recovery = PrivacyProfile.load(path).top1
+            apply_floor(range(1, cfg.num_layers), recovery, args.max_recovery)  # fail early
+        except (PrivacyProfileError, PrivacyFloorError) as e:
+            print(f"{PROG} plan: {e}", file=sys.stderr)
+            return 2
+        print(f"privacy profile: {path}")
     if args.link:
         host, _, port = args.link.rpartition(":")
         link = measure_link(host, int(port))
@@ -101,16 +127,22 @@ def _plan(args: argparse.Namespace) -> int:
     lens = sorted({max(1, args.prompt_len // 2), args.prompt_len, args.prompt_len * 2})
     cloud = profile_layers(model_dir, "cpu", lens)
     edge = cloud.scaled(args.edge_slowdown)
-    plan = plan_split(
-        edge,
-        cloud,
-        link,
-        prompt_len=args.prompt_len,
-        hidden_size=cfg.hidden_size,
-        codec=args.codec,
-        objective="latency",
-        output_tokens=args.output_tokens,
-    )
+    try:
+        plan = plan_split(
+            edge,
+            cloud,
+            link,
+            prompt_len=args.prompt_len,
+            hidden_size=cfg.hidden_size,
+            codec=args.codec,
+            objective="latency",
+            output_tokens=args.output_tokens,
+            recovery=recovery,
+            max_recovery=args.max_recovery,
+        )
+    except PrivacyFloorError as e:
+        print(f"{PROG} plan: {e}", file=sys.stderr)
+        return 2
     print(
         f"link: RTT {link.rtt_s * 1e3:.2f} ms, {link.bandwidth_bps * 8 / 1e6:.1f} Mbit/s; "
         f"device {args.edge_slowdown:g}x this host's per-layer time (measured here)"

@@ -12,11 +12,12 @@ TPOT for every split layer k and recommend one. Pure functions; measuring is in
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from edge.codec import bytes_per_token
+from edge.privacy import apply_floor
 
 # msgpack framing and the session envelope around one hidden-state frame, in bytes.
 FRAME_OVERHEAD_BYTES = 96
@@ -144,6 +145,10 @@ class SplitPlan:
     prompt_len: int
     codec: str
     objective: str
+    #: Measured top-1 token recovery per k (when a floor was given) and the refused k's.
+    recovery: Mapping[int, float] = field(default_factory=dict)
+    refused: tuple[tuple[int, str], ...] = ()
+    max_recovery: float | None = None
 
 
 def predict(
@@ -191,10 +196,16 @@ def plan_split(
     candidates: Iterable[int] | None = None,
     objective: str = "ttft",
     output_tokens: int = 1,
+    recovery: Mapping[int, float] | None = None,
+    max_recovery: float | None = None,
 ) -> SplitPlan:
     """Recommends the split layer k in `candidates` (default 1..L-1: the edge keeps at least
     one layer, so no token ids leave it) minimizing `objective`: "ttft", or "latency" =
-    TTFT + (output_tokens - 1) * TPOT. Ties go to the smaller k."""
+    TTFT + (output_tokens - 1) * TPOT. Ties go to the smaller k.
+
+    With `max_recovery`, only the k whose measured top-1 token recovery (`recovery`, from a
+    privacy profile) is at most that share are candidates; the others are listed as refused,
+    and `PrivacyFloorError` says so when none is left."""
     if objective not in ("ttft", "latency"):
         raise ValueError(f"objective must be 'ttft' or 'latency', got {objective!r}")
     if edge.num_layers != cloud.num_layers:
@@ -202,6 +213,11 @@ def plan_split(
     ks = sorted(set(candidates if candidates is not None else range(1, cloud.num_layers)))
     if not ks:
         raise ValueError("no candidate split layers")
+    refused: list[tuple[int, str]] = []
+    if max_recovery is not None:
+        if recovery is None:
+            raise ValueError("max_recovery needs the model's measured recovery (a privacy profile)")
+        ks, refused = apply_floor(ks, recovery, max_recovery)
     token_bytes = bytes_per_token(hidden_size, codec)
     preds = tuple(predict(edge, cloud, link, k, prompt_len, token_bytes) for k in ks)
 
@@ -212,7 +228,10 @@ def plan_split(
     best = min(preds, key=lambda p: (cost(p), p.split_layer))
     # Unsplit: the cloud runs everything and receives token ids (4 bytes each).
     unsplit = predict(edge, cloud, link, 0, prompt_len, 4)
-    return SplitPlan(best, preds, unsplit, prompt_len, codec, objective)
+    rates = dict(recovery or {}) if max_recovery is not None else {}
+    return SplitPlan(
+        best, preds, unsplit, prompt_len, codec, objective, rates, tuple(refused), max_recovery
+    )
 
 
 def format_plan(plan: SplitPlan) -> str:
@@ -231,9 +250,16 @@ def format_plan(plan: SplitPlan) -> str:
             f"  {p.link_decode_s * ms:7.2f}  {p.cloud_decode_s * ms:8.2f}  {p.tpot_s * ms:7.2f}"
         )
     b = plan.best
+    for k, why in plan.refused:
+        lines.append(f"refused k={k}: {why}")
     lines.append(
         f"recommended k={b.split_layer}: predicted TTFT {b.ttft_s * ms:.2f} ms, "
         f"TPOT {b.tpot_s * ms:.2f} ms, {b.prompt_bytes} B for the prompt, "
         f"{b.bytes_per_token} B per generated token (k=0 row: unsplit, sends token ids)"
     )
+    if plan.max_recovery is not None:
+        lines.append(
+            f"privacy: measured top-1 token recovery at k={b.split_layer} is "
+            f"{plan.recovery[b.split_layer]:.1%} (max allowed {plan.max_recovery:.1%})"
+        )
     return "\n".join(lines)
