@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from edge.stack import EdgeStack
-from hetero_pd.models.llama import DecoderLayer
+from hetero_pd.models.llama import Attention, DecoderLayer
 
 TOP = 5
 
@@ -83,6 +83,7 @@ def _alone(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     token's own value row, spread over the query heads of its KV group."""
     assert isinstance(layer, DecoderLayer)
     attn = layer.self_attn
+    assert isinstance(attn, Attention)
     v = attn.qkv_proj(layer.input_layernorm(x)).split(attn.split, dim=-1)[2]
     # v: [n, kv_heads, head_dim] -> [n, heads * head_dim]
     v = v.view(-1, attn.num_kv_heads, attn.head_dim)
@@ -98,6 +99,7 @@ def value_table(stack: EdgeStack, candidates: torch.Tensor) -> torch.Tensor:
     layer = stack.layers[0]
     assert isinstance(layer, DecoderLayer)
     attn = layer.self_attn
+    assert isinstance(attn, Attention)
     x = layer.input_layernorm(stack.embed_tokens(candidates))
     return attn.qkv_proj(x).split(attn.split, dim=-1)[2]
 
