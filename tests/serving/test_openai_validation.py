@@ -120,9 +120,7 @@ UNSUPPORTED = [
     ("suffix", "end"),
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "required"),
-    ("response_format", {"type": "json_object"}),
     ("use_beam_search", True),
-    ("guided_json", {"type": "object"}),
 ]
 
 

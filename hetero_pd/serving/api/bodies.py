@@ -37,6 +37,7 @@ import msgspec
 from hetero_pd.serving.api.errors import APIError, bad_request
 from hetero_pd.serving.api.fields import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_PROMPTS
 from hetero_pd.serving.api.protocol import UNSUPPORTED
+from hetero_pd.serving.api.structured import FIELDS as STRUCTURED_FIELDS
 from hetero_pd.serving.api.tokens import too_many_ids
 from hetero_pd.serving.control.sampling import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
@@ -85,6 +86,7 @@ _SMALL_FIELDS = (
     "add_generation_prompt",
     "return_token_strs",
     *UNSUPPORTED,
+    *STRUCTURED_FIELDS,
 )
 
 

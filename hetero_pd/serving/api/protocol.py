@@ -9,7 +9,8 @@ what the builders return. Every rejection is an :class:`APIError` (400) that nam
 offending field in ``param``. Unknown fields are ignored (clients send extras); fields that
 would change the output in a way we cannot honour (tools, JSON mode, ``suffix``, ...) are
 rejected, never silently dropped. ``n``, penalties, ``logit_bias``, ``logprobs`` and
-completion ``echo`` are read by ``sampling``. ``null`` means "not given" for every
+completion ``echo`` are read by ``sampling``; ``response_format`` and vLLM's
+``structured_outputs`` / ``guided_*`` by ``structured``. ``null`` means "not given" for every
 optional field, as in OpenAI's API.
 
 A stream, as OpenAI sends it::
@@ -44,6 +45,7 @@ from hetero_pd.serving.api.fields import (
 )
 from hetero_pd.serving.api.request import GenerateRequest, RequestKind
 from hetero_pd.serving.api.sampling import sampling_fields
+from hetero_pd.serving.api.structured import structured_outputs
 from hetero_pd.serving.control.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, WireParams
 
 __all__ = [
@@ -70,15 +72,9 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": ([],),
     "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "use_beam_search": (False,),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
 }
 
 
@@ -219,6 +215,7 @@ def _sampling_params(
             f"'stop_token_ids' must be a list of integers, got {show(ids)}", "stop_token_ids"
         )
     kwargs["stop_token_ids"] = ids
+    kwargs["structured_outputs"] = structured_outputs(b)
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
