@@ -31,6 +31,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import torch
@@ -44,6 +45,7 @@ from edge.runtime import EdgeRuntime
 from hetero_pd.bench.client import build_payload, send_request
 from hetero_pd.bench.datasets import BenchRequest
 from hetero_pd.bench.edge_agreement import CloudReference
+from hetero_pd.bench.link_shaping import LINKS, LinkSpec, via
 from hetero_pd.deploy.testing import deployment, running_stack
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
@@ -70,6 +72,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-words", type=int, default=60, help="words per prompt (about)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument(
+        "--link",
+        default="loopback",
+        choices=("loopback", *LINKS),
+        help="device -> cloud link, shaped by a proxy (hetero_pd.bench.link_shaping)",
+    )
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.max_tokens < 2 or args.prompt_words < 1:
         p.error("--num-prompts >= 1, --max-tokens >= 2 and --prompt-words >= 1 are required")
@@ -86,15 +94,20 @@ def prompts(n: int, words: int) -> list[str]:
 
 
 def plan(
-    model_dir: Path, args: argparse.Namespace, prompt_len: int, runtime: EdgeRuntime
+    model_dir: Path,
+    args: argparse.Namespace,
+    prompt_len: int,
+    runtime: EdgeRuntime,
+    spec: LinkSpec | None,
 ) -> tuple[SplitPrediction, SplitPrediction, str, dict[str, Any]]:
     """(prediction at --split, unsplit prediction, the planner's table, inputs)."""
     cfg = ModelConfig.from_dir(model_dir)
     lens = sorted({max(1, prompt_len // 2), prompt_len, prompt_len * 2})
     edge = profile_runtime(runtime, cfg.num_layers, lens)
     cloud = profile_layers(model_dir, "cpu", lens)
-    with serve_link_probe() as (host, port):
-        link = measure_link(host, port)
+    with serve_link_probe() as (host, port), via(f"tcp://{host}:{port}", spec) as probe:
+        parts = urlsplit(probe)
+        link = measure_link(parts.hostname or host, parts.port or port)
     result = plan_split(
         edge,
         cloud,
@@ -198,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: --split must be in [1, {cfg.num_layers})", file=sys.stderr)
         return 2
     runtime = EdgeRuntime(model_dir, args.split)
+    spec = LINKS.get(args.link)
     texts = prompts(args.num_prompts, args.prompt_words)
     ids = [runtime.tokenize(t) for t in texts]
     prompt_len = round(statistics.mean(len(i) for i in ids))
@@ -206,21 +220,25 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"workload: {len(ids)} prompts of ~{prompt_len} tokens, {args.max_tokens} new tokens "
         f"each, one at a time; split k={args.split} of {cfg.num_layers} layers, codec "
-        f"{args.codec}; workers 1P1D, {args.threads} thread(s) each; loopback",
+        f"{args.codec}; workers 1P1D, {args.threads} thread(s) each; link: "
+        f"{spec.describe() if spec else 'loopback'}",
         flush=True,
     )
-    chosen, unsplit_pred, table, inputs = plan(model_dir, args, prompt_len, runtime)
+    chosen, unsplit_pred, table, inputs = plan(model_dir, args, prompt_len, runtime, spec)
     print(table, flush=True)
     engine = {"num_threads": args.threads, "max_model_len": min(2048, cfg.max_position_embeddings)}
     router = {"local_prefill_max_tokens": 0}  # every prompt through the KV hand-off
-    with running_stack(deployment(model_dir, router=router, engine=engine)) as stack:
-        asyncio.run(unsplit_run(stack.url, stack.dep.model, warmup, 2))
-        unsplit = asyncio.run(unsplit_run(stack.url, stack.dep.model, ids, args.max_tokens))
+    with (
+        running_stack(deployment(model_dir, router=router, engine=engine)) as stack,
+        via(stack.url, spec) as url,
+    ):
+        asyncio.run(unsplit_run(url, stack.dep.model, warmup, 2))
+        unsplit = asyncio.run(unsplit_run(url, stack.dep.model, ids, args.max_tokens))
     edge = {"split_layer": args.split, "codec": args.codec}
     dep = deployment(model_dir, router=router, engine=engine, edge=edge)
-    with running_stack(dep) as stack:
-        asyncio.run(split_run(stack.url, stack.dep.model, model_dir, args, warmup))
-        split = asyncio.run(split_run(stack.url, stack.dep.model, model_dir, args, ids))
+    with running_stack(dep) as stack, via(stack.url, spec) as url:
+        asyncio.run(split_run(url, stack.dep.model, model_dir, args, warmup))
+        split = asyncio.run(split_run(url, stack.dep.model, model_dir, args, ids))
     agreement = codec_agreement(model_dir, args.split, args.codec, ids)
     m = {
         "unsplit_ttft": _mean(unsplit, "ttft_s"),
@@ -262,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "split_layer": args.split,
         "codec": args.codec,
+        "link": args.link,
         "num_prompts": len(ids),
         "prompt_tokens": prompt_len,
         "max_tokens": args.max_tokens,
