@@ -18,6 +18,8 @@ from transfer import (
 )
 from transfer.testing import PeerProcess, blocks_digest
 
+from .conftest import FAST
+
 
 def test_wrong_secret_fails_to_link(
     receiver: PeerProcess, make_engine: Callable[..., TransferEngine]
@@ -82,3 +84,48 @@ def test_hostile_frames_are_counted_and_ignored(
     receiver.call("release", rid="after-evil")
     after = receiver.counts().metrics.frames_rejected_total
     assert after - before >= len(frames)
+
+
+def test_a_hello_flood_from_elsewhere_cannot_evict_a_pending_handshake(
+    make_engine: Callable[..., TransferEngine],
+) -> None:
+    """An unauthenticated peer that opens many connections and says HELLO on each once
+    pushed a real peer's half-done handshake out of the table (256 kept, oldest out), so
+    its AUTH was refused. Pending HELLOs are now bounded per source address: a flood from
+    127.0.0.2 evicts only its own."""
+    from transfer import auth
+    from transfer.linker import MAX_PENDING_HELLOS
+    from transfer.messages import About, Auth, Challenge, Hello, Welcome
+
+    d = make_engine()
+    ctx = zmq.Context.instance()
+    real = ctx.socket(zmq.DEALER)
+    real.setsockopt(zmq.LINGER, 0)
+    real.connect(d.address)
+    nonce = auth.new_nonce()
+    real.send(wire.encode(Hello(engine_id="p-real", role="prefill", nonce=nonce)))
+    assert real.poll(5000)
+    challenge = wire.decode(real.recv(), 1).msg
+    assert isinstance(challenge, Challenge)
+    port = d.address.rsplit(":", 1)[1]
+    flood = []
+    try:
+        for i in range(MAX_PENDING_HELLOS + 50):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(f"tcp://127.0.0.2:0;127.0.0.1:{port}")
+            s.send(wire.encode(Hello(engine_id=f"x{i}", role="prefill", nonce=auth.new_nonce())))
+            flood.append(s)
+        for s in flood:  # every HELLO was handled (each got its CHALLENGE)
+            assert s.poll(5000)
+            s.recv()
+        secret = FAST["secret"].encode()
+        proof = auth.client_proof(secret, nonce, challenge.nonce, "p-real", challenge.engine_id)
+        about = About(host="elsewhere", pid=1, data_address="", regions=[], fingerprint="")
+        real.send(wire.encode(Auth(proof=proof, about=about)))
+        assert real.poll(5000)
+        assert isinstance(wire.decode(real.recv(), 1).msg, Welcome)
+    finally:
+        for s in flood:
+            s.close()
+        real.close()
