@@ -16,6 +16,8 @@ KEYS = {
     "tcp_vs_raw_zmq",
     "shm_vs_memcpy",
     "checksum_overhead",
+    "tcp_sealed_gbps",
+    "encrypt_overhead",
 }
 
 
@@ -24,9 +26,9 @@ def test_bench_transfer_quick(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
     assert set(result) >= KEYS
-    assert all(result[k] > 0 for k in KEYS - {"checksum_overhead"})
+    assert all(result[k] > 0 for k in KEYS - {"checksum_overhead", "encrypt_overhead"})
     assert result["runs"] == 2
-    for ratio in ("tcp_vs_raw_zmq", "shm_vs_memcpy", "checksum_overhead"):
+    for ratio in ("tcp_vs_raw_zmq", "shm_vs_memcpy", "checksum_overhead", "encrypt_overhead"):
         low, high = result["spread"][ratio]
         assert low <= result[ratio] <= high
         assert f"{ratio}: median" in out

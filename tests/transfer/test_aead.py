@@ -1,0 +1,152 @@
+"""KV sealed in transit (transfer.aead): a capture of the loopback traffic between two
+engines holds none of the KV bytes they moved, on the data channel and on the link; a
+flipped bit fails the tag and the chunk is resent; the ends agree on sealing or refuse the
+link. The same capture with sealing off finds the bytes (so the search can fail)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from transfer import StatusCode, TransferEngine, TransferError, TransferState, aead, layout
+from transfer.testing import blocks_digest, make_config
+
+from .conftest import FAST, Pair
+
+SRC, DST = [1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15]
+SO_RCVBUFFORCE = 33  # Linux: a receive buffer past rmem_max (root); Python names it not
+
+
+class LoopbackCapture:
+    """Every byte on the loopback interface while it runs (a raw packet socket: root)."""
+
+    def __init__(self) -> None:
+        try:
+            self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
+        except (PermissionError, AttributeError):
+            pytest.skip("capturing loopback traffic needs CAP_NET_RAW on Linux")
+        # a busy machine must not drop packets before the thread reads them
+        self.sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 256 << 20)
+        self.sock.bind(("lo", 0))
+        self.sock.settimeout(0.05)
+        self.data = bytearray()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set() and len(self.data) < 256 << 20:
+            try:
+                self.data += self.sock.recv(1 << 17)
+            except TimeoutError:
+                continue
+
+    def __enter__(self) -> LoopbackCapture:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+@pytest.fixture
+def capture() -> Iterator[Callable[[], LoopbackCapture]]:
+    yield LoopbackCapture
+
+
+def _samples(p: TransferEngine) -> list[bytes]:
+    """48-byte pieces of the KV about to be pushed, from every tensor."""
+    out = []
+    for t in p.region().tensors:
+        raw = bytes(layout.as_bytes(t[SRC].contiguous()))
+        out += [raw[i : i + 48] for i in range(0, len(raw) - 48, len(raw) // 4)]
+    return out
+
+
+def _push(p: TransferEngine, d: TransferEngine, rid: str) -> None:
+    recv = d.reserve(rid, DST)
+    assert recv.blocks is not None
+    h = p.push_blocks(d.engine_id, SRC, recv.blocks, transport="tcp")
+    assert h.wait(10) is TransferState.DONE, h.error
+    assert blocks_digest(d.region(), DST) == blocks_digest(p.region(), SRC)
+    d.release(rid)
+
+
+@pytest.mark.parametrize("data_channel", [True, False], ids=["data-channel", "link"])
+def test_a_capture_between_engines_holds_no_kv_byte(
+    make_pair: Callable[..., Pair],
+    capture: Callable[[], LoopbackCapture],
+    data_channel: bool,
+) -> None:
+    for encrypt in ("on", "off"):
+        spec = {"encrypt": encrypt, "transports": ["tcp"], "data_channel": data_channel}
+        p, d = make_pair(spec, spec)
+        with capture() as cap:
+            _push(p, d, f"sealed-{encrypt}")
+        found = [s for s in _samples(p) if s in cap.data]
+        if encrypt == "on":
+            assert found == [], f"{len(found)} KV pieces in clear on the wire"
+        else:  # the same search finds them in clear: the capture sees this traffic
+            assert len(found) >= len(_samples(p)) // 2, (len(found), len(_samples(p)))
+
+
+@pytest.mark.parametrize("data_channel", [True, False], ids=["data-channel", "link"])
+def test_a_flipped_bit_fails_the_tag_and_the_chunk_is_resent(
+    make_pair: Callable[..., Pair], data_channel: bool
+) -> None:
+    flip = [{"kind": "corrupt", "msg_type": "data", "nth": 2}]
+    spec = {"encrypt": "on", "transports": ["tcp"], "data_channel": data_channel}
+    p, d = make_pair({**spec, "faults": flip, "checksum": False}, spec)
+    _push(p, d, "flipped")
+    assert d.metrics().rejected("bad_mac") == 1
+    assert p.metrics().faults_injected_total == 1
+
+
+def test_the_ends_agree_on_sealing_or_refuse_to_link() -> None:
+    assert [aead.agree("auto", "auto", same) for same in (True, False)] == [False, True]
+    assert aead.agree("on", "auto", True) and not aead.agree("off", "auto", False)
+    p = TransferEngine("p-enc", "prefill", make_config({**FAST, "encrypt": "on"}))
+    d = TransferEngine("d-enc", "decode", make_config({**FAST, "encrypt": "off"}))
+    try:
+        with pytest.raises(TransferError) as info:
+            p.link(d.engine_id, d.address)
+        assert info.value.code is StatusCode.PARAM_INVALID and "encrypt" in info.value.message
+        assert d.metrics().rejected("encrypt_mismatch") == 1
+    finally:
+        p.close()
+        d.close()
+    with pytest.raises(ValueError, match="encrypt"):
+        make_config({**FAST, "encrypt": "maybe"})
+
+
+def test_a_sealed_chunk_that_cannot_land_directly_is_opened_then_converted() -> None:
+    """float32 sent, float16 kept: the sealed chunk is opened into staging, then converted
+    and scattered (on the data channel; the blocks path is the capture test's)."""
+    import torch
+
+    from transfer import KVRegion
+    from transfer.testing import fill
+
+    spec = {**FAST, "encrypt": "on", "transports": ["tcp"]}
+    p = TransferEngine("p-enc16", "prefill", make_config(spec))
+    d = TransferEngine("d-enc16", "decode", make_config(spec))
+    try:
+        src = KVRegion.allocate("kv", 2, 16, (16, 2, 8))
+        fill(src, 9)
+        p.register_region(src)
+        dst = KVRegion.allocate("kv", 2, 16, (16, 2, 8), torch.float16)
+        d.register_region(dst)
+        p.link(d.engine_id, d.address)
+        recv = d.reserve("f16", [7, 3])
+        assert recv.blocks is not None
+        h = p.push_blocks(d.engine_id, [0, 1], recv.blocks, transport="tcp")
+        assert h.wait(10) is TransferState.DONE, h.error
+        for got, want in zip(dst.tensors, src.tensors, strict=True):
+            assert torch.equal(got[[7, 3]], want[[0, 1]].to(torch.float16))
+    finally:
+        p.close()
+        d.close()
