@@ -53,6 +53,18 @@ def data_proof(token: bytes, receiver: str) -> bytes:
     return hmac.new(token, b"data|" + receiver.encode(), hashlib.sha256).digest()[:NONCE_BYTES]
 
 
+def session_keys(
+    secret: bytes, nonce_c: bytes, nonce_s: bytes, client: str, server: str
+) -> tuple[bytes, bytes]:
+    """The session's keys for sealed KV (:mod:`transfer.aead`): client-to-server and
+    server-to-client. Both nonces travel in clear, the secret never does."""
+    root = _mac(secret, b"K", nonce_c, nonce_s, client, server)
+    return (
+        hmac.new(root, b"client->server", hashlib.sha256).digest(),
+        hmac.new(root, b"server->client", hashlib.sha256).digest(),
+    )
+
+
 def verify(expected: bytes, got: bytes) -> bool:
     """Constant-time comparison."""
     return hmac.compare_digest(expected, got)

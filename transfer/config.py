@@ -69,6 +69,9 @@ class TransferConfig:
     data_channel: bool = True
     #: Port of the data listener (0: any free port); advertised to peers when linking.
     data_port: int = 0
+    #: KV chunks on the stream (TCP) wire sealed with AES-256-GCM (:mod:`transfer.aead`):
+    #: "auto" between hosts, "on" always, "off" never (both ends must allow what they agree).
+    encrypt: str = "auto"
     #: Target payload bytes per data frame over TCP.
     chunk_bytes: int = 4 << 20
     #: Largest frame accepted from the network; larger ones are rejected and counted.
@@ -104,6 +107,10 @@ class TransferConfig:
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.max_frame_bytes < self.chunk_bytes:
             raise ValueError("TransferConfig: need 0 < chunk_bytes <= max_frame_bytes")
+        if self.encrypt not in ("auto", "on", "off"):
+            raise ValueError(
+                f"TransferConfig.encrypt must be auto, on or off, got {self.encrypt!r}"
+            )
         for name in ("link_timeout_s", "timeout_s", "lease_s", "ack_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransferConfig.{name} must be > 0")

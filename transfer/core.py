@@ -258,6 +258,8 @@ class Core:
             session = self._authenticate(header, parts[0], identity, link)
             if session is not None:
                 payload = parts[1].buffer if len(parts) == 2 else None
+                if payload is not None and session.sealer is not None:  # bad_mac if not
+                    payload = session.sealer.open(parts[0].bytes, payload)
                 self._route(header.msg, session, payload)
         except wire.FrameError as exc:
             self.metrics.reject(exc.reason)
@@ -303,7 +305,7 @@ class Core:
                 self.receiver.on_begin(session, msg)
             case Data():
                 assert payload is not None  # wire.decode: DATA always has its payload
-                self.receiver.on_data(session, msg, payload)
+                self.receiver.on_data(session, msg, payload, sealed=session.sealer is not None)
             case Landed():
                 self.receiver.on_landed(session, msg)
             case End():

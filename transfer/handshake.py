@@ -6,34 +6,51 @@ The :class:`~transfer.linker.Linker` runs the handshake (HMAC proofs both ways f
     dialler                                   listener
       HELLO {id, role, nonce}           ──>
                                         <──   CHALLENGE {id, role, nonce, proof}
-      AUTH {proof, about}               ──>   peer_facts, fingerprint_mismatch -> new_session
+      AUTH {proof, about}               ──>   peer_facts, mismatch, sealer -> new_session
                                         <──   WELCOME {token, about}
-      peer_facts, fingerprint_mismatch -> new_session
+      peer_facts, mismatch, sealer -> new_session
 
 Only after the peer proved the secret does either side say ``about`` itself (:func:`about`);
 this module builds that, reads the peer's (:func:`peer_facts`), refuses a peer holding
-another model (:func:`fingerprint_mismatch`) and makes the :class:`Session` from both halves.
+another model or another encryption policy (:func:`mismatch`), agrees on sealing KV
+(:func:`sealer`) and makes the :class:`Session` from both halves.
 """
 
 from __future__ import annotations
 
-from transfer import wire
+from transfer import aead, auth, wire
 from transfer.addresses import reachable
 from transfer.config import TransferConfig
 from transfer.messages import About, Challenge, Hello, RegionInfo
 from transfer.session import Identity, Link, Session
 
 
-def about(me: Identity, regions: list[RegionInfo], fingerprint: str) -> About:
+def about(me: Identity, regions: list[RegionInfo], config: TransferConfig) -> About:
     """What an authenticated peer learns about us: host, pid, data address, regions,
-    KV fingerprint."""
+    KV fingerprint, encryption policy."""
     return About(
         host=me.host,
         pid=me.pid,
         data_address=me.data_address,
         regions=regions,
-        fingerprint=fingerprint,
+        fingerprint=config.fingerprint,
+        encrypt=config.encrypt,  # type: ignore[arg-type]  # checked by TransferConfig
     )
+
+
+def sealer(
+    config: TransferConfig, me: Identity, theirs: About, peer: Hello | Challenge, mine: bytes
+) -> aead.Sealer | None:
+    """The session's sealer when both ends agree to seal its KV (:func:`aead.agree`; a
+    TransferError when they cannot), its keys from the secret and both handshake nonces.
+    ``peer``: its HELLO (we listen) or CHALLENGE (we dialled); ``mine``: our nonce."""
+    if not aead.agree(config.encrypt, theirs.encrypt, theirs.host == me.host):
+        return None
+    dialler = isinstance(peer, Challenge)
+    nonce_c, nonce_s = (mine, peer.nonce) if dialler else (peer.nonce, mine)
+    ids = (me.engine_id, peer.engine_id) if dialler else (peer.engine_id, me.engine_id)
+    c2s, s2c = auth.session_keys(config.secret, nonce_c, nonce_s, *ids)
+    return aead.Sealer(c2s, s2c) if dialler else aead.Sealer(s2c, c2s)
 
 
 def peer_facts(theirs: About, seen_host: str) -> tuple[str, str]:
@@ -43,14 +60,22 @@ def peer_facts(theirs: About, seen_host: str) -> tuple[str, str]:
     return data_address, wire.fingerprint(theirs.fingerprint)
 
 
-def fingerprint_mismatch(
-    my_id: str, config: TransferConfig, peer: Hello | Challenge, theirs: str
-) -> str | None:
-    """Why a peer whose KV fingerprint is ``theirs`` may not link with us, or None."""
+def mismatch(
+    my_id: str, config: TransferConfig, peer: Hello | Challenge, theirs: str, about: About
+) -> tuple[str, str] | None:
+    """Why a peer whose KV fingerprint is ``theirs`` may not link with us (a metric label
+    and a message), or None: it holds another model, or one end requires sealed KV that the
+    other refuses."""
+    if {config.encrypt, about.encrypt} == {"on", "off"}:
+        return "encrypt_mismatch", (
+            f"transfer encrypt differs: {my_id!r} has {config.encrypt}, {peer.engine_id!r} "
+            f"has {about.encrypt}; one requires sealed KV and the other refuses it: set the "
+            "same policy on both, or auto"
+        )
     ours = config.fingerprint
     if not ours or not theirs or ours == theirs:
         return None
-    return (
+    return "fingerprint_mismatch", (
         f"KV fingerprints differ: {my_id!r} has {ours}, {peer.engine_id!r} has {theirs}; "
         "the two hold different models (weights or tokenizer), so their KV is not "
         "interchangeable: deploy the same model folder on both"
@@ -62,6 +87,7 @@ def new_session(
     about: About,
     token: bytes,
     data_address: str,
+    sealer: aead.Sealer | None,
     identity: bytes | None = None,
     link: Link | None = None,
 ) -> Session:
@@ -76,4 +102,5 @@ def new_session(
         identity=identity,
         link=link,
         data_address=data_address,
+        sealer=sealer,
     )

@@ -298,14 +298,17 @@ class Linker:
             self.metrics.reject(exc.reason)
             self._refuse(identity, StatusCode.FRAME_INVALID, f"link refused: {exc}")
             return
-        mismatch = handshake.fingerprint_mismatch(self.me.engine_id, self.config, hello, theirs)
-        if mismatch is not None:
-            self.metrics.reject("fingerprint_mismatch")
-            log.error("%s", mismatch)
-            self._refuse(identity, StatusCode.PARAM_INVALID, mismatch)
+        refused = handshake.mismatch(self.me.engine_id, self.config, hello, theirs, msg.about)
+        if refused is not None:
+            self.metrics.reject(refused[0])
+            log.error("%s", refused[1])
+            self._refuse(identity, StatusCode.PARAM_INVALID, refused[1])
             return
+        sealer = handshake.sealer(self.config, self.me, msg.about, hello, server_nonce)
         token = auth.new_nonce()
-        session = handshake.new_session(hello, msg.about, token, data_address, identity=identity)
+        session = handshake.new_session(
+            hello, msg.about, token, data_address, sealer, identity=identity
+        )
         old = self._inbound.get(session.peer_id)
         if old is not None:
             self.drop(old, "peer re-linked")
@@ -325,12 +328,15 @@ class Linker:
             self.metrics.reject(exc.reason)
             self._fail_link(link, StatusCode.FRAME_INVALID, f"bad welcome: {exc}")
             return
-        mismatch = handshake.fingerprint_mismatch(self.me.engine_id, self.config, hello, theirs)
-        if mismatch is not None:
-            self.metrics.reject("fingerprint_mismatch")
-            self._fail_link(link, StatusCode.PARAM_INVALID, mismatch)
+        refused = handshake.mismatch(self.me.engine_id, self.config, hello, theirs, msg.about)
+        if refused is not None:
+            self.metrics.reject(refused[0])
+            self._fail_link(link, StatusCode.PARAM_INVALID, refused[1])
             return
-        session = handshake.new_session(hello, msg.about, msg.token, data_address, link=link)
+        sealer = handshake.sealer(self.config, self.me, msg.about, hello, link.nonce)
+        session = handshake.new_session(
+            hello, msg.about, msg.token, data_address, sealer, link=link
+        )
         link.session = session
         old = self._outbound.get(session.peer_id)
         if old is not None and old is not session:
@@ -348,7 +354,7 @@ class Linker:
             listener(session)
 
     def _about_me(self) -> About:
-        return handshake.about(self.me, self._describe_regions(), self.config.fingerprint)
+        return handshake.about(self.me, self._describe_regions(), self.config)
 
     def _refuse(self, identity: bytes, code: StatusCode, msg: str) -> None:
         self._reply(identity, wire.encode(Error.of("", TransferError(code, msg))))

@@ -102,6 +102,8 @@ class About(_Struct, frozen=True, kw_only=True):
     regions: RegionList
     #: KV fingerprint; :func:`wire.fingerprint` checks its characters (and answers).
     fingerprint: Annotated[str, Meta(max_length=1024)] = field(name="fp")
+    #: Its ``TransferConfig.encrypt`` policy (:func:`transfer.aead.agree`).
+    encrypt: Literal["auto", "on", "off"] = field(name="enc", default="auto")
 
 
 class RemoteBlocks(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

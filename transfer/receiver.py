@@ -162,15 +162,18 @@ class Receiver:
             return False
         return True
 
-    def on_data(self, session: Session, msg: Data, payload: memoryview) -> None:
-        """Verify, then write one chunk that came as a ZMQ frame (or into staging)."""
+    def on_data(
+        self, session: Session, msg: Data, payload: memoryview, sealed: bool = False
+    ) -> None:
+        """Verify, then write one chunk that came as a ZMQ frame (or into staging); a
+        ``sealed`` one was verified by its tag already (:mod:`transfer.aead`)."""
         incoming = self.owned(session, msg.transfer_id)
         if incoming is None:
             return
         seq, tensor, lo, hi = msg.seq, msg.tensor, msg.lo, msg.hi
         if not self.check_chunk(incoming, seq, tensor, lo, hi, len(payload)):
             return
-        algo, digest = incoming.algo, msg.digest
+        algo, digest = (None, None) if sealed else (incoming.algo, msg.digest)
         if algo is not None and (digest is None or checksum.digest(algo, payload) != digest):
             self.metrics.of("tcp").checksum_failures_total += 1
             incoming.bad_checksum.add(seq)
@@ -215,12 +218,13 @@ class Receiver:
         data: memoryview,
         digest: int | None,
         computed: int | None = None,
+        sealed: bool = False,
     ) -> None:
         """Chunk ``seq`` was read straight into its destination blocks: verify it, with the
         checksum ``computed`` as its bytes arrived or else there on a hashing thread (frames
-        for ``seq`` are dropped until that is done)."""
+        for ``seq`` are dropped until that is done); a ``sealed`` one was, by its tag."""
         algo = incoming.algo
-        if algo is None:
+        if algo is None or sealed:
             self._good(incoming, seq, len(data))
             return
         incoming.good[seq] = 0  # the blocks hold these bytes now, whatever came before

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import zmq
 
+from transfer.aead import Sealer
 from transfer.messages import Challenge, RegionInfo, RoleName
 
 
@@ -77,6 +78,8 @@ class Session:
     data_out: Any = None
     #: The data address could not be connected to: stream transfers use the link.
     data_failed: bool = False
+    #: Seals KV chunks both ways when the two ends agreed to (:mod:`transfer.aead`).
+    sealer: Sealer | None = None
 
     @property
     def outbound(self) -> bool:

@@ -3,10 +3,12 @@
 Two processes on this host: this one sends, a spawned child receives. For each token count
 the default model's KV (30 layers x K,V x 3 KV heads x 64 dims, block size 16, float32) is
 pushed through our shm and tcp transports as shipped (checksums on), tcp once more without
-checksums, and the same bytes through a raw tensor copy and a raw pyzmq PUSH/PULL (4 MiB
-zero-copy frames), interleaved. ``--repeat N`` runs the whole measurement N times and reports
-the median and the spread of each ratio against its goal (tcp_vs_raw_zmq >= 0.8,
-shm_vs_memcpy >= 0.5, checksum_overhead <= 0.15). The last stdout line is one JSON object.
+checksums, tcp sealed (AES-256-GCM, as between hosts: transfer.aead), and the same bytes
+through a raw tensor copy and a raw pyzmq PUSH/PULL (4 MiB zero-copy frames), interleaved.
+``--repeat N`` runs the whole measurement N times and reports the median and the spread of
+each ratio against its goal (tcp_vs_raw_zmq >= 0.8, shm_vs_memcpy >= 0.5,
+checksum_overhead <= 0.15, encrypt_overhead <= 0.10). The last stdout line is one JSON
+object.
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     proc = ctx.Process(target=_receiver, args=(child, max_blocks, secret), daemon=True)
     proc.start()
     engine = TransferEngine("bench-p", "prefill", TransferConfig(secret=secret))
+    # one host, so sealing is forced: what a link between hosts does by default
+    forced = TransferConfig(secret=secret, encrypt="on")
+    sealed = TransferEngine("bench-p-sealed", "prefill", forced)
     push: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.SNDHWM, 0)
     runs: list[dict[str, Any]] = []
@@ -129,16 +134,18 @@ def main(argv: list[str] | None = None) -> int:
         src = KVRegion.allocate("kv", LAYERS, max_blocks, (BLOCK, HEADS, HEAD_DIM))
         for t in src.tensors:
             t.uniform_()
-        engine.register_region(src)
-        engine.link("bench-d", address)
+        for sender in (engine, sealed):
+            sender.register_region(src)
+            sender.link("bench-d", address)
         for run in range(args.repeat):
             rows = []
             for tokens in args.tokens:
-                rows.append(_measure(engine, parent, push, src, tokens, args.repeats))
+                rows.append(_measure((engine, sealed), parent, push, src, tokens, args.repeats))
                 r = rows[-1]
                 print(
                     f"run {run + 1}: {tokens:>6} tokens {r['mb']:8.1f} MB  shm {r['shm']:6.2f}"
                     f"  tcp {r['tcp']:6.2f}  tcp(no ck) {r['tcp_nock']:6.2f}"
+                    f"  tcp sealed {r['tcp_sealed']:6.2f}"
                     f"  memcpy {r['memcpy']:6.2f}  raw zmq {r['raw_zmq']:6.2f}  GB/s",
                     flush=True,
                 )
@@ -148,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         push.close(0)
         engine.close()
+        sealed.close()
         proc.join(10)
         if proc.is_alive():
             proc.kill()
@@ -165,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 #: Each ratio's goal, as printed.
-GOALS = {"tcp_vs_raw_zmq": ">= 0.8", "shm_vs_memcpy": ">= 0.5", "checksum_overhead": "<= 0.15"}
+GOALS = {
+    "tcp_vs_raw_zmq": ">= 0.8",
+    "shm_vs_memcpy": ">= 0.5",
+    "checksum_overhead": "<= 0.15",
+    "encrypt_overhead": "<= 0.10",
+}
 
 
 def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -181,7 +194,7 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _measure(
-    engine: TransferEngine,
+    engines: tuple[TransferEngine, TransferEngine],
     conn: Connection,
     push: zmq.Socket[bytes],
     src: KVRegion,
@@ -192,14 +205,18 @@ def _measure(
     nbytes = n * src.block_bytes * len(src.tensors)
     flat_src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
     flat_dst = torch.empty_like(flat_src)
-    times: dict[str, list[float]] = {k: [] for k in ("shm", "tcp", "tcp_nock", "memcpy", "raw_zmq")}
+    kinds = ("shm", "tcp", "tcp_nock", "tcp_sealed", "memcpy", "raw_zmq")
+    times: dict[str, list[float]] = {k: [] for k in kinds}
     tag = next(_tags)
+    engine, sealed = engines
     _push(engine, conn, n, "shm", None, f"warm-shm-{tag}")
     _push(engine, conn, n, "tcp", None, f"warm-tcp-{tag}")
+    _push(sealed, conn, n, "tcp", None, f"warm-sealed-{tag}")
     for i in range(repeats):  # interleaved, so drift hits every variant alike
         times["shm"].append(_push(engine, conn, n, "shm", None, f"s{tag}-{i}"))
         times["tcp"].append(_push(engine, conn, n, "tcp", None, f"t{tag}-{i}"))
         times["tcp_nock"].append(_push(engine, conn, n, "tcp", False, f"n{tag}-{i}"))
+        times["tcp_sealed"].append(_push(sealed, conn, n, "tcp", None, f"e{tag}-{i}"))
         t0 = time.perf_counter()
         flat_dst.copy_(flat_src)
         times["memcpy"].append(time.perf_counter() - t0)
@@ -214,17 +231,19 @@ def _summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def total(key: str) -> float:  # bytes-weighted: total bytes / total median time
         return sum(r["bytes"] for r in rows) / sum(r["bytes"] / (r[key] * 1e9) for r in rows) / 1e9
 
-    shm, tcp, nock = total("shm"), total("tcp"), total("tcp_nock")
+    shm, tcp, nock, sealed = total("shm"), total("tcp"), total("tcp_nock"), total("tcp_sealed")
     memcpy, raw = total("memcpy"), total("raw_zmq")
     return {
         "shm_gbps": round(shm, 3),
         "tcp_gbps": round(tcp, 3),
         "tcp_nochecksum_gbps": round(nock, 3),
+        "tcp_sealed_gbps": round(sealed, 3),
         "memcpy_gbps": round(memcpy, 3),
         "raw_zmq_gbps": round(raw, 3),
         "tcp_vs_raw_zmq": round(tcp / raw, 3),
         "shm_vs_memcpy": round(shm / memcpy, 3),
         "checksum_overhead": round(max(nock / tcp - 1.0, 0.0), 3),
+        "encrypt_overhead": round(max(tcp / sealed - 1.0, 0.0), 3),
         "tokens": [r["tokens"] for r in rows],
         "layout": "30 layers x K,V x 3 heads x 64 dims, block 16, float32",
     }

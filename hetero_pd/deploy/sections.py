@@ -183,6 +183,9 @@ class TransferSpec:
     #: KV on the TCP wire: "none" (raw) or "int8" (a scale per token and head; lossy, 0.27x
     #: float32's bytes). Shared-memory writes on one host always move raw KV.
     kv_codec: str = opt("none", choices=KV_CODECS)
+    #: KV chunks on the TCP wire sealed with AES-256-GCM: "auto" between hosts, "on"
+    #: always, "off" never (transfer/aead.py).
+    encrypt: str = opt("auto", choices=("auto", "on", "off"))
     #: For tests and fault drills only: worker id (e.g. "prefill-0") -> FaultRule fields
     #: (kind, msg_type, nth, count, delay_s) injected into that worker's outgoing transfer
     #: frames (see transfer/faults.py). Never set this in production.
@@ -204,6 +207,7 @@ class TransferSpec:
             transports=self.transports,
             checksum=self.checksum,
             kv_codec=self.kv_codec,
+            encrypt=self.encrypt,
             faults=FaultPlan(tuple(FaultRule(**rule) for rule in rules)) if rules else None,
         )
 

@@ -7,7 +7,11 @@ race a write. Its digest is then computed over the blocks themselves and must ma
 the chunk counts as good; a bad chunk leaves the blocks reserved but uncommitted (nothing
 reads them) and is NACKed at END like any other. Other chunks (scattered blocks, another
 dtype or block size, device memory) are read into a reusable staging buffer and go through
-the same verify-then-scatter as ZMQ frames (:meth:`Receiver.on_data`).
+the same verify-then-scatter as ZMQ frames (:meth:`Receiver.on_data`), and so do the chunks
+of a sealed session (:mod:`transfer.aead`), read whole into staging and opened straight
+into their blocks (or into a second buffer, then scattered): the tag verifies them, so no
+checksum is computed; one whose tag fails is dropped (``bad_mac``) and resent, one that is
+not sealed is refused (``not_sealed``).
 
 Duplicates, chunks of unknown or finished transfers and chunks that fail validation are read
 into a scratch buffer and dropped (counted), so the stream stays in sync; a header that does
@@ -25,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from transfer import checksum, layout, wire
+from transfer import aead, checksum, layout, wire
 from transfer.config import TransferConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.incoming import InTransfer
@@ -81,6 +85,10 @@ class DataIn:
         #: The landing body's checksum, fed as bytes arrive (still in the cache).
         self._running: checksum.Running | None = None
         self._staging = bytearray(0)
+        self._plain = bytearray(0)  # a sealed chunk, opened (when it cannot land directly)
+        self._aad = b""  # the header of the sealed chunk being read
+        #: Where the sealed chunk being read opens: its blocks (and transfer), or None.
+        self._opens_into: tuple[memoryview, InTransfer] | None = None
 
     # ---- reading ------------------------------------------------------------------------
     def on_readable(self) -> None:
@@ -167,13 +175,20 @@ class DataIn:
         if transfer_id is None:
             raise wire.FrameError("unknown_transfer", f"stream {frame.stream}")
         assert self.session is not None
+        if frame.sealed != (self.session.sealer is not None):
+            raise wire.FrameError("not_sealed" if frame.sealed is False else "bad_field", "DATA")
         incoming = self.receiver.owned(self.session, transfer_id)
         if incoming is None:
             return
         seq, tensor, lo, hi = frame.seq, frame.ti, frame.lo, frame.hi
-        if not self.receiver.check_chunk(incoming, seq, tensor, lo, hi, frame.length):
+        size = frame.length - aead.OVERHEAD * frame.sealed
+        if not self.receiver.check_chunk(incoming, seq, tensor, lo, hi, size):
             return
         view = _destination(incoming, tensor, lo, hi)
+        if frame.sealed:  # read whole, then opened into the blocks (or scattered from staging)
+            self._body, self._aad = self._buffer(frame.length), bytes(self._head)
+            self._opens_into = None if view is None else (view, incoming)
+            return
         if view is None:
             self._body = self._buffer(frame.length)
             return
@@ -197,7 +212,16 @@ class DataIn:
             elif body is not None and self._direct is not None:
                 computed = self._running.value() if self._running is not None else None
                 self.receiver.landed(self._direct, frame.seq, body, digest, computed)
+            elif body is not None and frame.sealed and self._opens_into is not None:
+                self._open_into_blocks(frame.seq, body, *self._opens_into)
             elif body is not None:
+                if frame.sealed:
+                    assert self.session is not None and self.session.sealer is not None
+                    if len(self._plain) < body.nbytes:
+                        self._plain = bytearray(body.nbytes)
+                    plain = memoryview(self._plain)[: body.nbytes - aead.OVERHEAD]
+                    self.session.sealer.open_into(self._aad, body, plain)
+                    body = plain
                 msg = Data(  # from a data-channel header, bounds checked by frames.unpack
                     transfer_id=self.streams.get(frame.stream, ""),
                     seq=frame.seq,
@@ -207,7 +231,7 @@ class DataIn:
                     digest=digest,
                 )
                 assert self.session is not None
-                self.receiver.on_data(self.session, msg, body)
+                self.receiver.on_data(self.session, msg, body, sealed=frame.sealed)
         except wire.FrameError as exc:
             self.metrics.reject(exc.reason)
         except Exception:  # never let one frame kill the I/O thread
@@ -215,7 +239,23 @@ class DataIn:
             self.metrics.internal_errors_total += 1
             self.metrics.reject("internal_error")
         finally:
-            self._body = self._direct = self._running = None
+            self._body = self._direct = self._running = self._opens_into = None
+
+    def _open_into_blocks(
+        self, seq: int, body: memoryview, view: memoryview, incoming: InTransfer
+    ) -> None:
+        """Opens a sealed chunk straight into its blocks, while the reservation owns them (a
+        failed tag leaves them uncommitted, the chunk not good: it is resent)."""
+        sealer = self.session.sealer if self.session is not None else None
+        assert sealer is not None
+        try:
+            self.ledger.write_if_current(
+                incoming.reservation, lambda: sealer.open_into(self._aad, body, view)
+            )
+        except TransferError as err:
+            self.receiver.reject_stale(incoming, err)
+            return
+        self.receiver.landed(incoming, seq, view, None, sealed=True)
 
     def _on_preface(self, proof: bytes) -> None:
         if self.session is not None:

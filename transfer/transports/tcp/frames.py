@@ -14,7 +14,9 @@ Never pickle::
          6     2  flags   bit 0: ``digest`` is set; bit 1: the body is followed by an
                           8-byte little-endian digest of it (a trailer, not counted in
                           ``length``), for senders that hash each piece just before the
-                          kernel copies it, while it is in the cache
+                          kernel copies it, while it is in the cache; bit 2: the body is
+                          sealed (DATA of a sealed session: :mod:`transfer.aead`, the
+                          header its associated data)
          8     8  stream  the sender's number for the transfer (BEGIN names it, DATA uses it)
         16    16  seq, ti, lo, hi   (uint32 each) chunk location, as in the DATA message
         32     8  length  body bytes
@@ -26,7 +28,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from transfer import wire
+from transfer import aead, wire
 from transfer.auth import NONCE_BYTES
 
 HEADER = struct.Struct("<4sBBHQIIIIQQ")
@@ -36,6 +38,7 @@ VERSION = 2
 PREFACE, MESSAGE, DATA = 1, 2, 3
 FLAG_DIGEST = 1
 FLAG_TRAILER = 2
+FLAG_SEALED = 4
 TRAILER_BYTES = 8
 _U32 = (1 << 32) - 1
 
@@ -54,6 +57,8 @@ class FrameHeader:
     digest: int | None
     #: The body's digest follows it (``TRAILER_BYTES``, little-endian).
     trailer: bool = False
+    #: The body is a sealed chunk (``aead.OVERHEAD`` bytes more than the chunk).
+    sealed: bool = False
 
 
 def pack(
@@ -66,9 +71,11 @@ def pack(
     hi: int = 0,
     digest: int | None = None,
     trailer: bool = False,
+    sealed: bool = False,
 ) -> bytes:
     """Encode one header."""
     flags = (0 if digest is None else FLAG_DIGEST) | (FLAG_TRAILER if trailer else 0)
+    flags |= FLAG_SEALED if sealed else 0
     return HEADER.pack(MAGIC, VERSION, kind, flags, stream, seq, ti, lo, hi, length, digest or 0)
 
 
@@ -79,16 +86,21 @@ def unpack(raw: bytes | bytearray | memoryview, max_payload: int) -> FrameHeader
         raise wire.FrameError("malformed", "data channel magic")
     if version != VERSION:
         raise wire.FrameError("bad_version", f"data channel v{version}")
-    if flags & ~(FLAG_DIGEST | FLAG_TRAILER) or flags == FLAG_DIGEST | FLAG_TRAILER:
+    # a trailer comes instead of a header digest, and never after a sealed body
+    exclusive = (FLAG_DIGEST | FLAG_TRAILER, FLAG_TRAILER | FLAG_SEALED)
+    if flags & ~(FLAG_DIGEST | FLAG_TRAILER | FLAG_SEALED) or any(
+        flags & both == both for both in exclusive
+    ):
         raise wire.FrameError("malformed", f"data channel flags {flags:#x}")
-    if flags & FLAG_TRAILER and kind != DATA:
-        raise wire.FrameError("malformed", f"a trailer on a kind {kind} frame")
+    if flags & (FLAG_TRAILER | FLAG_SEALED) and kind != DATA:
+        raise wire.FrameError("malformed", f"flags {flags:#x} on a kind {kind} frame")
+    sealed = bool(flags & FLAG_SEALED)
     if kind == PREFACE:
         ok = length == NONCE_BYTES
     elif kind == MESSAGE:
         ok = 0 < length <= wire.MAX_HEADER_BYTES
     elif kind == DATA:
-        ok = 0 < length <= max_payload
+        ok = aead.OVERHEAD * sealed < length <= max_payload + aead.OVERHEAD * sealed
     else:
         raise wire.FrameError("unknown_type", f"data channel kind {kind}")
     if not ok:
@@ -103,6 +115,7 @@ def unpack(raw: bytes | bytearray | memoryview, max_payload: int) -> FrameHeader
         length,
         digest if flags & FLAG_DIGEST else None,
         bool(flags & FLAG_TRAILER),
+        sealed,
     )
 
 
@@ -125,11 +138,13 @@ def data(
     length: int,
     digest: int | None,
     trailer: bool = False,
+    sealed: bool = False,
 ) -> bytes:
-    """Header of a DATA frame (``trailer``: its digest follows the body instead)."""
+    """Header of a DATA frame (``trailer``: its digest follows the body instead; ``sealed``:
+    ``length`` counts the sealed body)."""
     if max(seq, ti, lo, hi) > _U32:
         raise ValueError("chunk location does not fit the data channel header")
-    return pack(DATA, length, stream, seq, ti, lo, hi, digest, trailer)
+    return pack(DATA, length, stream, seq, ti, lo, hi, digest, trailer, sealed)
 
 
 def trailer(digest: int) -> bytes:

@@ -8,6 +8,7 @@ bounded slice per call::
     queue ──> _prepare (gather, kv codec, digest a few chunks ahead on the hashing threads)
           ──> data channel: DATA header + body [+ trailer digest, hashed behind the kernel]
           └─> ZMQ link:     Data message + body (zero copy, tracked until ZMQ let go)
+    a sealed session (transfer.aead): the body sealed under the header (no digest: the tag)
     stop at PUMP_BYTES moved, WINDOW_BYTES in flight, or a digest not ready yet
 
 The direct counterpart is :mod:`transfer.transports.direct`.
@@ -19,7 +20,7 @@ import itertools
 
 import zmq
 
-from transfer import checksum, kv_codec, layout, wire
+from transfer import aead, checksum, kv_codec, layout, wire
 from transfer.hashing import Hasher
 from transfer.messages import Data
 from transfer.metrics import TransportMetrics
@@ -51,9 +52,10 @@ def pump_stream(
     # just before the kernel copies each piece (data_out.DataOut.flush), while it is cached.
     # With faults on it is computed here, before a fault may change the bytes. ``trail``:
     # the algorithm the data channel hashes with as it writes (None: digests here).
-    trail = out.algo if out.via_data and not outbox.faults_on else None
+    sealer = session.sealer  # a sealed session: every chunk sealed, its tag its checksum
+    trail = out.algo if out.via_data and not outbox.faults_on and sealer is None else None
     while out.queue and moved < PUMP_BYTES and out.inflight < WINDOW_BYTES:
-        _prepare(out, hasher, not outbox.faults_on, trail is None)
+        _prepare(out, hasher, not outbox.faults_on, trail is None and sealer is None)
         seq = out.queue[0]
         buf, pending = out.prepared[seq]
         if pending is not None and not pending.done():
@@ -62,7 +64,15 @@ def pump_stream(
         digest = pending.result() if pending is not None else None
         del out.prepared[seq]
         chunk = out.chunks[seq]
-        if out.via_data:
+        if out.via_data and sealer is not None:
+            size = len(buf) + aead.OVERHEAD
+            place = (chunk.ti, chunk.lo, chunk.hi)
+            header = frames.data(out.stream, seq, *place, size, digest, sealed=True)
+            owner = None if outbox.faults_on else out
+            sent = outbox.send(
+                session, "data", header, sealer.seal(header, buf), via_data=True, owner=owner
+            )
+        elif out.via_data:
             header = frames.data(
                 out.stream, seq, chunk.ti, chunk.lo, chunk.hi, len(buf), None, out.algo is not None
             )
@@ -87,7 +97,10 @@ def pump_stream(
                 digest=digest,
             )
             header = wire.encode(data, session.token)
-            sent = outbox.send(session, "data", header, buf, track=not outbox.faults_on)
+            if sealer is not None:  # the DATA message is the sealed body's associated data
+                sent = outbox.send(session, "data", header, sealer.seal(header, buf))
+            else:
+                sent = outbox.send(session, "data", header, buf, track=not outbox.faults_on)
         if sent is False:
             out.prepared[seq] = (buf, pending)
             return False  # not connected (yet): the attempt timer decides

@@ -1,0 +1,73 @@
+"""KV bytes between hosts: each chunk sealed with AES-256-GCM under keys of its session.
+
+::
+
+    handshake (transfer.auth): secret + both nonces + both ids ──> c2s key, s2c key
+    DATA frame body:  nonce 12 B | ciphertext of the chunk | tag 16 B
+                      AAD: the frame's header (data channel) or its msgpack DATA message
+                      (link), so a chunk cannot be moved to another place or transfer
+
+A session is sealed when both ends agree (:func:`agree`): ``encrypt: auto`` seals links
+between hosts and leaves peers on one host in clear (they use shared memory anyway);
+``on`` always, ``off`` never, and one end's ``on`` against the other's ``off`` refuses the
+link. Each direction has its own key and a counter for nonces, so a nonce is never used
+twice under one key; a frame whose tag does not verify is dropped and counted
+(``bad_mac``), and its chunk is resent like any chunk that did not arrive whole. BEGIN, END
+and ACK carry block ids and counts, not KV, and stay bound to the session by its token.
+"""
+
+from __future__ import annotations
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from transfer import wire
+
+NONCE_BYTES = 12
+TAG_BYTES = 16
+#: Bytes a sealed body has beyond its plaintext.
+OVERHEAD = NONCE_BYTES + TAG_BYTES
+POLICIES = ("auto", "on", "off")
+
+
+def agree(mine: str, theirs: str, same_host: bool) -> bool:
+    """Whether a session between ends with these ``encrypt`` policies is sealed; the same
+    answer on both ends (one's "on" against the other's "off" never links:
+    :func:`transfer.handshake.mismatch`)."""
+    if "on" in (mine, theirs):
+        return True
+    return "off" not in (mine, theirs) and not same_host
+
+
+class Sealer:
+    """One session's keys: ``seal`` with ours (I/O thread), ``open_into`` with the peer's."""
+
+    def __init__(self, send_key: bytes, receive_key: bytes) -> None:
+        self._send, self._receive = AESGCM(send_key), AESGCM(receive_key)
+        self._count = 0
+
+    def seal(self, aad: bytes, plaintext: bytes | memoryview) -> memoryview:
+        """``plaintext`` sealed: a fresh nonce, the ciphertext and the tag."""
+        self._count += 1
+        nonce = self._count.to_bytes(NONCE_BYTES, "big")
+        out = bytearray(NONCE_BYTES + len(plaintext) + TAG_BYTES)
+        out[:NONCE_BYTES] = nonce
+        self._send.encrypt_into(nonce, plaintext, aad, memoryview(out)[NONCE_BYTES:])
+        return memoryview(out)
+
+    def open_into(self, aad: bytes, sealed: memoryview, out: memoryview) -> None:
+        """Decrypts ``sealed`` into ``out`` (``len(sealed) - OVERHEAD`` bytes); a
+        :class:`wire.FrameError` ("bad_mac") when it was not sealed by the peer for ``aad``."""
+        if sealed.nbytes != out.nbytes + OVERHEAD:
+            raise wire.FrameError("bad_mac", "sealed body of the wrong length")
+        try:
+            nonce = bytes(sealed[:NONCE_BYTES])
+            self._receive.decrypt_into(nonce, sealed[NONCE_BYTES:], aad, out)
+        except InvalidTag:
+            raise wire.FrameError("bad_mac", "a sealed chunk failed its tag") from None
+
+    def open(self, aad: bytes, sealed: memoryview) -> memoryview:
+        """The plaintext of ``sealed`` (a new buffer); see :meth:`open_into`."""
+        out = memoryview(bytearray(max(sealed.nbytes - OVERHEAD, 0)))
+        self.open_into(aad, sealed, out)
+        return out
