@@ -49,6 +49,7 @@ from transfer.messages import (
     Grant,
     Handshake,
     Header,
+    Hello,
     Landed,
     Ping,
     Pull,
@@ -274,7 +275,7 @@ class Core:
         """The session a frame belongs to; None when it was a handshake frame or refused."""
         msg = header.msg
         if isinstance(msg, Handshake):
-            peer_ip = _peer_ip(first) if isinstance(msg, Auth) else ""
+            peer_ip = _peer_ip(first) if isinstance(msg, Auth | Hello) else ""
             self.linker.on_handshake(msg, identity, link, peer_ip)
             return None
         session = self.linker.by_identity(identity) if identity is not None else None

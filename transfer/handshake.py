@@ -18,6 +18,8 @@ another model or another encryption policy (:func:`mismatch`), agrees on sealing
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
+
 from transfer import aead, auth, wire
 from transfer.addresses import reachable
 from transfer.config import TransferConfig
@@ -104,3 +106,35 @@ def new_session(
         data_address=data_address,
         sealer=sealer,
     )
+
+
+#: HELLOs whose AUTH has not come yet, kept at most: in all, and from one source address.
+MAX_PENDING_HELLOS = 256
+MAX_PENDING_PER_ADDRESS = 64
+
+
+class PendingHellos:
+    """Half-done handshakes (HELLO answered, AUTH awaited), bounded so that a flood from
+    one address evicts that address's own: past ``MAX_PENDING_PER_ADDRESS`` its oldest goes;
+    past ``MAX_PENDING_HELLOS`` in all, the oldest of the address holding the most."""
+
+    def __init__(self) -> None:
+        self._by_identity: OrderedDict[bytes, tuple[Hello, bytes, str]] = OrderedDict()
+
+    def add(self, identity: bytes, hello: Hello, nonce: bytes, address: str) -> None:
+        self._by_identity.pop(identity, None)
+        self._by_identity[identity] = (hello, nonce, address)
+        counts = Counter(a for _, _, a in self._by_identity.values())
+        if counts[address] > MAX_PENDING_PER_ADDRESS:
+            self._evict(address)
+        elif len(self._by_identity) > MAX_PENDING_HELLOS:
+            self._evict(counts.most_common(1)[0][0])
+
+    def _evict(self, address: str) -> None:
+        oldest = next(i for i, (_, _, a) in self._by_identity.items() if a == address)
+        del self._by_identity[oldest]
+
+    def pop(self, identity: bytes) -> tuple[Hello, bytes] | None:
+        """The HELLO and our nonce of ``identity``'s pending handshake (now done), or None."""
+        entry = self._by_identity.pop(identity, None)
+        return None if entry is None else entry[:2]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import hmac
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 
 import zmq
@@ -42,7 +41,6 @@ from transfer.session import Identity, Link, Session
 log = logging.getLogger(__name__)
 
 #: Handshakes in progress on the listening side, at most (oldest evicted).
-MAX_PENDING_HELLOS = 256
 Frames = list[zmq.Frame]
 
 
@@ -72,7 +70,7 @@ class Linker:
         self._outbound: dict[str, Session] = {}
         self._inbound: dict[str, Session] = {}
         self._by_identity: dict[bytes, Session] = {}
-        self._pending: OrderedDict[bytes, tuple[Hello, bytes]] = OrderedDict()
+        self._pending = handshake.PendingHellos()
         #: Where each peer listens, as last told (link, link_async, set_peer_address).
         self.addresses: dict[str, str] = {}
         self.on_linked: list[Callable[[Session], None]] = []
@@ -224,7 +222,7 @@ class Linker:
         """Route a handshake frame to the side that expects it (``peer_ip``: where an
         inbound connection comes from, for a peer that advertises a wildcard host)."""
         if identity is not None and isinstance(msg, Hello):
-            self._on_hello(identity, msg)
+            self._on_hello(identity, msg, peer_ip)
         elif identity is not None and isinstance(msg, Auth):
             self._on_auth(identity, msg, peer_ip)
         elif link is not None and isinstance(msg, Challenge):
@@ -247,11 +245,9 @@ class Linker:
         if msg.status is StatusCode.NOT_LINKED and session.outbound:
             self.relink(session)
 
-    def _on_hello(self, identity: bytes, msg: Hello) -> None:
+    def _on_hello(self, identity: bytes, msg: Hello, peer_ip: str) -> None:
         server_nonce = auth.new_nonce()
-        self._pending[identity] = (msg, server_nonce)
-        while len(self._pending) > MAX_PENDING_HELLOS:
-            self._pending.popitem(last=False)
+        self._pending.add(identity, msg, server_nonce, peer_ip)
         me = self.me
         proof = auth.server_proof(
             self.config.secret, msg.nonce, server_nonce, msg.engine_id, me.engine_id
@@ -279,7 +275,7 @@ class Linker:
         link.socket.send(wire.encode(Auth(proof=proof, about=self._about_me())), zmq.NOBLOCK)
 
     def _on_auth(self, identity: bytes, msg: Auth, peer_ip: str) -> None:
-        pending = self._pending.pop(identity, None)
+        pending = self._pending.pop(identity)
         if pending is None:
             self.metrics.reject("unexpected_handshake")
             return
@@ -361,7 +357,7 @@ class Linker:
 
     def _reply(self, identity: bytes, header: bytes) -> None:
         if not self.outbox.to_identity(identity, header):
-            self._pending.pop(identity, None)
+            self._pending.pop(identity)
 
     # ---- sessions -----------------------------------------------------------------------
     def announce_regions(self) -> None:

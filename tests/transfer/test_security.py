@@ -94,7 +94,7 @@ def test_a_hello_flood_from_elsewhere_cannot_evict_a_pending_handshake(
     its AUTH was refused. Pending HELLOs are now bounded per source address: a flood from
     127.0.0.2 evicts only its own."""
     from transfer import auth
-    from transfer.linker import MAX_PENDING_HELLOS
+    from transfer.handshake import MAX_PENDING_HELLOS
     from transfer.messages import About, Auth, Challenge, Hello, Welcome
 
     d = make_engine()
