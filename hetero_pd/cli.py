@@ -109,6 +109,8 @@ def _passthrough(command: str, argv: list[str]) -> int:
         from hetero_pd.bench.routing import main as run
     elif argv[:1] == ["tp"]:
         from hetero_pd.bench.tp import main as run
+    elif argv[:1] == ["moe"]:
+        from hetero_pd.bench.moe import main as run
     elif argv[:1] == ["grammar"]:
         from hetero_pd.bench.grammar import main as run
     elif argv[:1] == ["edge-privacy"]:
@@ -120,7 +122,7 @@ def _passthrough(command: str, argv: list[str]) -> int:
         from hetero_pd.bench.per_token import main as run
     else:
         print(
-            "usage: hetero-pd bench {offline,serve,pd,transfer,kv,routing,tp,edge,edge-privacy,"
+            "usage: hetero-pd bench {offline,serve,pd,transfer,kv,routing,tp,moe,edge,edge-privacy,"
             "per-token,grammar} "
             "[--help | options]"
         )
@@ -136,8 +138,8 @@ PASSTHROUGH = {
     "status": "workers, roles, devices, health and load of a running deployment",
     "worker": "run one worker process (the launcher starts these)",
     "edge": "the device side: edge generate (a session from the shell) | edge plan (pick k)",
-    "bench": "benchmarks: bench offline | serve | pd | transfer | kv [wire] | routing | tp | edge "
-    "| edge-privacy | per-token | grammar",
+    "bench": "benchmarks: bench offline | serve | pd | transfer | kv [wire] | routing | tp | moe "
+    "| edge | edge-privacy | per-token | grammar",
     "drill": "a deployment across hosts, proven in network namespaces: drill multihost",
 }
 
