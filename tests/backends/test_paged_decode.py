@@ -274,3 +274,20 @@ def test_a_kernel_others_could_write_is_not_loaded(
             assert "owned by uid 65534" in caplog.text
     finally:
         paged_decode._library.cache_clear()
+
+
+def test_a_kernel_built_in_a_folder_others_could_write_is_not_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only cached kernels were checked: one built just now in a folder others may write
+    was loaded, though they could have swapped it between the build and the load."""
+    kernels = tmp_path / "open"
+    kernels.mkdir()
+    kernels.chmod(0o777)
+    paged_decode._library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="backends.paged_decode"):
+            assert paged_decode._library(kernels) is None
+        assert "mode 777: only uid" in caplog.text
+    finally:
+        paged_decode._library.cache_clear()

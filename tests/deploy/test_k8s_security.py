@@ -245,3 +245,19 @@ def test_unknown_image_kinds_and_relative_mounts_are_errors(
     text = str(e.value)
     assert "kubernetes.images.tpu: unknown kind; allowed: router, cpu, cuda, npu" in text
     assert "'usr/local/Ascend' is not an absolute path" in text
+
+
+def test_compiled_code_caches_are_private_to_each_pod(write_yaml: Callable[[str], Path]) -> None:
+    """Every pod runs as one uid on a shared /models volume, so a kernel library or an
+    inductor cache entry (which inductor unpickles) written there by one pod passed the
+    ownership check in every other: the compile caches go to the pod's own /tmp."""
+    out = k8s.render(load_deployment(write_yaml(BASE)))
+    tmp = {"name": "tmp", "emptyDir": {}}
+    for name in ("hetero-pd-router", "hetero-pd-prefill", "hetero-pd-decode"):
+        pod = _pod(out, name)
+        env = _env(pod)
+        cache = env["HETERO_PD_COMPILE_CACHE_DIR"]["value"]
+        assert cache.startswith("/tmp/") and not cache.startswith(k8s.MODEL_DIR)
+        assert tmp in pod["volumes"]
+        mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts["/tmp"] == "tmp"
