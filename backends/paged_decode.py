@@ -163,6 +163,7 @@ def _library(kernel_dir: Path) -> ctypes.CDLL | None:
             except (OSError, AttributeError):  # damaged: build it again
                 path.unlink()
         _build(cc, path)
+        _check_private(path)  # built in a folder others could write: swapped meanwhile?
         return _use(path)
     except UntrustedKernel as e:
         log.warning("%s: decode attention runs portable", e)

@@ -13,6 +13,14 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "hetero-pd"
 
 
+def compile_cache_dir() -> Path:
+    """Where compiled code lives (the attention kernel, inductor's cache), which a process
+    loads and runs: $HETERO_PD_COMPILE_CACHE_DIR, else cache_dir(). Kubernetes pods keep it
+    in their own /tmp: the model cache volume is shared, and every pod runs as one uid."""
+    env = os.environ.get("HETERO_PD_COMPILE_CACHE_DIR")
+    return Path(env) if env else cache_dir()
+
+
 def num_threads() -> int | None:
     """$HETERO_PD_NUM_THREADS: torch intra-op threads for CPU engines (unset: torch's default)."""
     env = os.environ.get("HETERO_PD_NUM_THREADS")

@@ -119,7 +119,7 @@ class ModelRunner:
             kv_layout == ND
             and cfg.mla is None
             and envs.native_attention()
-            and backend.native_decode_attention(dtype, envs.cache_dir() / "kernels")
+            and backend.native_decode_attention(dtype, envs.compile_cache_dir() / "kernels")
         )
         self.compiled = compile
         self.compiled_steps = 0  # steps that ran through the compiled graph
@@ -135,7 +135,7 @@ class ModelRunner:
 
     def _compile(self, backend: Backend) -> None:
         """Compiles the decode step now, on a fake batch, so no request waits for it."""
-        use_cache_dir(envs.cache_dir() / "inductor")
+        use_cache_dir(envs.compile_cache_dir() / "inductor")
         if self.padding:
             for t in self.kv_tensors:
                 torch._dynamo.mark_static_address(t)  # graphs write the cache in place
