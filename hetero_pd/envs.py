@@ -27,16 +27,20 @@ def num_threads() -> int | None:
     return int(env) if env else None
 
 
+#: Names a bench sets for the engines it starts in its own process (bench/decode_step.py).
+ADAPTIVE_THREADS, NATIVE_ATTENTION = "HETERO_PD_ADAPTIVE_THREADS", "HETERO_PD_NATIVE_ATTENTION"
+
+
 def adaptive_threads() -> bool:
     """$HETERO_PD_ADAPTIVE_THREADS: "0" keeps a CPU engine's thread count fixed instead of
     lowering it while other processes keep its CPUs busy (backends/cpu_share.py)."""
-    return os.environ.get("HETERO_PD_ADAPTIVE_THREADS", "1").strip() != "0"
+    return os.environ.get(ADAPTIVE_THREADS, "1").strip() != "0"
 
 
 def native_attention() -> bool:
     """$HETERO_PD_NATIVE_ATTENTION: "0" keeps CPU decode attention on the portable path
     instead of the C kernel built on first use (backends/paged_decode.py)."""
-    return os.environ.get("HETERO_PD_NATIVE_ATTENTION", "1").strip() != "0"
+    return os.environ.get(NATIVE_ATTENTION, "1").strip() != "0"
 
 
 def auto_dtype() -> str | None:

@@ -9,7 +9,11 @@ of sequences whose blocks are scattered over a cache larger than the CPU's cache
 take turns over `--rounds`; each prints its median per call, and the last line is one JSON
 object with the ratios to native and the machine.
 
+With `--dtype bfloat16` the kernel runs both of its bf16 paths: `native` (AVX-512 BF16
+where the CPU has it) and `portable` (bf16 widened by a shift).
+
     python scripts/bench_decode_attention.py [--batch 64] [--context 272] [--threads 2]
+        [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -35,20 +39,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=5, help="calls per way per round")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args()
-    if not paged_decode.available(torch.float32, envs.cache_dir() / "kernels"):
+    dtype = getattr(torch, args.dtype)
+    if not paged_decode.available(dtype, envs.cache_dir() / "kernels"):
         raise SystemExit("the kernel is not available here (no C compiler?): nothing to compare")
     torch.set_num_threads(args.threads)
     n, ctx, kv_heads, group, dim, block = args.batch, args.context, 3, 3, 64, 16
     width = -(-ctx // block)
     num_blocks = max(20000, 4 * n * width)  # ~120 MB per K or V: past the last-level cache
-    k = torch.randn(num_blocks * block, kv_heads, dim)
-    v = torch.randn(num_blocks * block, kv_heads, dim)
+    k = torch.randn(num_blocks * block, kv_heads, dim).to(dtype)
+    v = torch.randn(num_blocks * block, kv_heads, dim).to(dtype)
     tables = torch.randperm(num_blocks)[: n * width].view(n, width)
     offsets = torch.arange(width * block)
     slots = (tables[:, offsets // block] * block + offsets % block).reshape(-1)
     mask = (offsets < ctx).repeat(n)
-    q = torch.randn(n, kv_heads * group, dim)
+    q = torch.randn(n, kv_heads * group, dim).to(dtype)
     scale = dim**-0.5
     fused = torch.compile(_decode_fused, backend="inductor")
 
@@ -62,13 +68,20 @@ def main() -> None:
         return out.reshape(n, -1, dim)
 
     ways: dict[str, Callable[[], torch.Tensor]] = {
-        "native": lambda: paged_decode.paged_decode(q, k, v, slots, mask, scale),
+        "native": lambda: paged_decode.paged_decode(q, k, v, slots, mask, scale).to(dtype),
         "inductor": lambda: fused(q, k, v, slots, mask.view(n, 1, 1, -1), scale),
         "eager": eager,
     }
+    if dtype == torch.bfloat16:
+        ways["portable"] = lambda: paged_decode.decode(
+            q, k, v, slots, mask, scale, portable=True
+        ).to(dtype)
     want = eager()
     for name, fn in ways.items():  # warm up (and compile), and check they agree
-        torch.testing.assert_close(fn(), want, atol=1e-5, rtol=1e-4, msg=f"{name} differs")
+        tol = (
+            {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 2e-2}
+        )
+        torch.testing.assert_close(fn(), want, **tol, msg=f"{name} differs")
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(args.rounds):
         for name, fn in ways.items():
@@ -77,16 +90,20 @@ def main() -> None:
                 fn()
             times[name].append((time.perf_counter() - start) / args.calls * 1e3)
     ms = {name: statistics.median(t) for name, t in times.items()}
-    kv_mb = 2 * n * ctx * kv_heads * dim * 4 / 1e6
+    kv_mb = 2 * n * ctx * kv_heads * dim * k.element_size() / 1e6
     for name, t in ms.items():
         print(f"{name:9s} {t:7.2f} ms per layer  ({kv_mb / t:.1f} GB/s of K/V)")
     result = {
         "batch": n,
         "context": ctx,
         "threads": args.threads,
+        "dtype": args.dtype,
         "ms": {name: round(t, 3) for name, t in ms.items()},
-        "inductor_over_native": round(ms["inductor"] / ms["native"], 3),
-        "eager_over_native": round(ms["eager"] / ms["native"], 3),
+        **{
+            f"{name}_over_native": round(t / ms["native"], 3)
+            for name, t in ms.items()
+            if name != "native"
+        },
         "cpu": cpu_info(),
     }
     print(json.dumps(result))

@@ -1,0 +1,118 @@
+"""`hetero-pd bench decode-step`: the decode step of one model in float32 and bfloat16, with
+the C decode-attention kernel on and off, side by side in one process.
+
+Each of the four engines prefills the same `--batch` prompts of `--prompt-len` tokens, then
+they take turns over `--rounds`: each times `--steps` decode steps (every request one token
+per step) and the next engine goes. Contexts grow alike in every engine, so a round compares
+like with like; the median per engine is printed, then the ratios (bf16 over float32, kernel
+off over on). The thread count is fixed (no thread governor) so that all four run alike; the
+last stdout line is one JSON object with the machine.
+
+    hetero-pd bench decode-step [--batch 32] [--prompt-len 256] [--compile auto|on|off]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hetero_pd import LLM, SamplingParams, envs
+from hetero_pd.bench.machine import cpu_info
+from hetero_pd.models.fetch import DEFAULT_MODEL, resolve_model
+
+#: (name, dtype, kernel): the float32 kernel first, the baseline of every ratio.
+CONFIGS = (
+    ("float32+kernel", "float32", True),
+    ("float32-kernel", "float32", False),
+    ("bfloat16+kernel", "bfloat16", True),
+    ("bfloat16-kernel", "bfloat16", False),
+)
+
+
+@dataclass(slots=True)
+class Engine:
+    name: str
+    llm: LLM
+    step_ms: list[float] = field(default_factory=list)
+
+
+def start(name: str, dtype: str, kernel: bool, args: argparse.Namespace) -> Engine:
+    """An engine with every request prefilled and decoding."""
+    os.environ[envs.NATIVE_ATTENTION] = "1" if kernel else "0"
+    blocks = args.batch * -(-(args.prompt_len + args.rounds * args.steps + 8) // 16)
+    llm = LLM(
+        args.model,
+        dtype=dtype,
+        compile=args.compile,
+        num_threads=args.threads,
+        num_kv_blocks=blocks + 8,
+        max_num_batched_tokens=max(2048, args.prompt_len),
+    )
+    if llm.engine.runner.native_decode != kernel:
+        raise SystemExit(f"{name}: the decode kernel is not available here: nothing to compare")
+    gen = torch.Generator().manual_seed(0)
+    vocab = llm.engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.rounds * args.steps + 4)
+    for i in range(args.batch):
+        prompt = torch.randint(100, vocab, (args.prompt_len,), generator=gen).tolist()
+        llm.engine.add_request(prompt, params, request_id=f"r{i}")
+    tokens: dict[str, int] = {}
+    while len(tokens) < args.batch or min(tokens.values()) < 2:  # prefilled, then one decode
+        for out in llm.engine.step():
+            tokens[out.request_id] = tokens.get(out.request_id, 0) + 1
+    return Engine(name, llm)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hetero-pd bench decode-step", description=__doc__)
+    ap.add_argument("--model", default=str(resolve_model(DEFAULT_MODEL)))
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=8, help="decode steps per engine per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
+    args = ap.parse_args(argv)
+    os.environ[envs.ADAPTIVE_THREADS] = "0"  # one thread count for all four
+    engines = [start(name, dtype, kernel, args) for name, dtype, kernel in CONFIGS]
+    for _ in range(args.rounds):
+        for e in engines:
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                e.llm.engine.step()
+            e.step_ms.append((time.perf_counter() - t0) / args.steps * 1e3)
+    ms = {e.name: statistics.median(e.step_ms) for e in engines}
+    for e in engines:
+        tok_s = args.batch / ms[e.name] * 1e3
+        print(f"{e.name:16s} {ms[e.name]:8.1f} ms per step  ({tok_s:6.1f} tok/s)")
+    ratios = {
+        "bf16_over_fp32_kernel_on": ms["bfloat16+kernel"] / ms["float32+kernel"],
+        "bf16_over_fp32_kernel_off": ms["bfloat16-kernel"] / ms["float32-kernel"],
+        "fp32_off_over_on": ms["float32-kernel"] / ms["float32+kernel"],
+        "bf16_off_over_on": ms["bfloat16-kernel"] / ms["bfloat16+kernel"],
+    }
+    for name, r in ratios.items():
+        print(f"{name:26s} {r:.3f}")
+    compiled = {e.name: e.llm.engine.runner.compiled_steps for e in engines}
+    result: dict[str, Any] = {
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "threads": args.threads,
+        "compiled_steps": compiled,
+        "ms_per_step": {k: round(v, 2) for k, v in ms.items()},
+        "ratios": {k: round(v, 3) for k, v in ratios.items()},
+        "cpu": cpu_info(),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
