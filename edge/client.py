@@ -24,6 +24,7 @@ import torch
 
 from edge.codec import encode
 from edge.noise import add_noise
+from edge.privacy import check_split
 from edge.runtime import EdgeRuntime
 from hetero_pd.serving.api.edge_protocol import (
     MODES,
@@ -100,11 +101,15 @@ class EdgeClient:
         mode: str = "split",
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         noise_sigma: float = 0.0,
+        max_recovery: float | None = None,
+        privacy_profile: str | Path | None = None,
     ) -> None:
         """`runtime` (an EdgeRuntime or OnnxEdgeRuntime) defaults to torch on the CPU;
         `tap`, if given, sees every message this client sends (audits, benchmarks);
         `sleep` waits out the backoff between connection attempts (tests count its calls);
-        `noise_sigma` > 0 adds Gaussian noise to every hidden state sent (`edge.noise`).
+        `noise_sigma` > 0 adds Gaussian noise to every hidden state sent (`edge.noise`);
+        `max_recovery` refuses (EdgeError "privacy_floor") a split whose measured top-1 token
+        recovery, in `privacy_profile` (default: the stored one for `model`), is above it.
 
         `mode="split"` (default): the cloud runs layers [k, L) and this device runs its layers
         on every generated token. `mode="prompt_only"`: this device runs its layers on the
@@ -129,6 +134,12 @@ class EdgeClient:
         if noise_sigma < 0:
             raise ValueError(f"noise_sigma must be >= 0, got {noise_sigma}")
         self.noise_sigma = noise_sigma
+        if max_recovery is not None:
+            profile = Path(privacy_profile) if privacy_profile else None
+            try:
+                check_split(model, split_layer, max_recovery, profile)
+            except ValueError as e:  # PrivacyFloorError, PrivacyProfileError
+                raise EdgeError("privacy_floor", str(e)) from e
 
     async def stream(
         self,

@@ -107,6 +107,27 @@ class PrivacyProfile:
             raise PrivacyProfileError(f"{path}: not a privacy profile ({e!r})") from e
 
 
+def check_split(
+    model: str, split_layer: int, max_recovery: float, path: Path | None = None
+) -> float:
+    """The measured top-1 recovery of `model` split at `split_layer` (from `path`, default the
+    stored profile); PrivacyFloorError when it is above `max_recovery` or was never measured."""
+    where = path or default_path(model)
+    rate = PrivacyProfile.load(where).top1.get(split_layer)
+    if rate is None:
+        raise PrivacyFloorError(
+            f"split layer {split_layer}: its token recovery was never measured ({where}); run "
+            f"hetero-pd bench edge-privacy --model {model} --splits {split_layer}"
+        )
+    if rate > max_recovery:
+        raise PrivacyFloorError(
+            f"split layer {split_layer}: measured top-1 token recovery {rate:.1%} is above the "
+            f"maximum {max_recovery:.1%} ({where}); `hetero-pd edge plan --max-recovery "
+            f"{max_recovery:g}` lists the split layers that meet it"
+        )
+    return rate
+
+
 def default_path(model: str) -> Path:
     """Where the bench stores, and the planner looks for, a model's profile."""
     return cache_dir() / "privacy" / f"{Path(model).name}.json"

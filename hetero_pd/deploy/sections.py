@@ -260,6 +260,12 @@ class EdgeSpec:
     split_layer: int = opt(4, lo=1, doc="devices run layers [0, k); workers run [k, L)")
     codec: str = opt("float16", choices=EDGE_CODECS)
     runtime: str = opt("torch", choices=("torch", "onnx"))
+    max_recovery: float | None = opt(
+        None,
+        lo=0.0,
+        hi=1.0,
+        doc="refuse a split_layer whose measured token recovery (bench edge-privacy) is above",
+    )
 
 
 @dataclass(frozen=True, slots=True)

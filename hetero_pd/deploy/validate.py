@@ -162,6 +162,13 @@ def _check_model(dep: Deployment, target: str, src: Source, warn: Warn) -> None:
             f"{dep.edge.split_layer}: the model has {cfg.num_layers} layers; the split must "
             f"leave the cloud at least one (0..{cfg.num_layers - 1}, 0 = automatic)",
         )
+    if dep.edge is not None and dep.edge.max_recovery is not None:
+        from edge.privacy import PrivacyFloorError, PrivacyProfileError, check_split
+
+        try:
+            check_split(dep.model, dep.edge.split_layer, dep.edge.max_recovery)
+        except (PrivacyProfileError, PrivacyFloorError) as e:
+            src.error("edge.max_recovery", str(e))
 
 
 def _check_host_devices(dep: Deployment, src: Source) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from edge import cli as edge_cli
 from edge.planner import LinkProfile, SideProfile, format_plan, plan_split
-from edge.privacy import PrivacyFloorError, PrivacyProfile
+from edge.privacy import PrivacyFloorError, PrivacyProfile, default_path
 
 MS = 1e-3
 # Recovery falls with depth; k = 5 was never measured.
@@ -67,3 +67,29 @@ def test_edge_plan_command_respects_the_floor(
     assert "k=2: 5.0%" in capsys.readouterr().err
     assert edge_cli.main([*base, str(tmp_path / "none.json"), "--max-recovery", "0.1"]) == 2
     assert "bench edge-privacy" in capsys.readouterr().err
+
+
+def test_deployment_and_sdk_refuse_a_split_above_the_floor(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from edge import EdgeClient, EdgeError
+    from hetero_pd.deploy.source import ConfigError
+    from hetero_pd.deploy.validate import validate_file
+
+    monkeypatch.setenv("HETERO_PD_CACHE_DIR", str(tmp_path / "cache"))
+    model = str(tiny_llama_dir)
+    PrivacyProfile(model, "nn+linear", ("float16",), {1: 0.7, 2: 0.05}).save(default_path(model))
+    yaml = tmp_path / "edge.yaml"
+    head = f"version: 1\nmodel: {model}\nworkers:\n  - role: prefill\n  - role: decode\n"
+    yaml.write_text(head + "edge:\n  split_layer: 1\n  max_recovery: 0.1\n")
+    with pytest.raises(ConfigError, match=r"edge.max_recovery: split layer 1: measured top-1"):
+        validate_file(yaml, check_ports=False)
+    yaml.write_text(head + "edge:\n  split_layer: 2\n  max_recovery: 0.1\n")
+    assert "split layer 2" in validate_file(yaml, check_ports=False).summary()
+    yaml.write_text(head + "edge:\n  split_layer: 2\n  max_recovery: 1.5\n")
+    with pytest.raises(ConfigError, match="max_recovery"):
+        validate_file(yaml, check_ports=False)
+    url = "http://127.0.0.1:9"  # never contacted: the floor is checked before any session
+    with pytest.raises(EdgeError, match=r"privacy_floor: split layer 1: .* 70.0% is above"):
+        EdgeClient(url, tiny_llama_dir, 1, model=model, max_recovery=0.1)
+    assert EdgeClient(url, tiny_llama_dir, 2, model=model, max_recovery=0.1).split_layer == 2

@@ -25,6 +25,7 @@ from edge import EdgeClient, EdgeError, EdgeMismatchError, EdgeRuntime, encode
 from edge import cli as edge_cli
 from edge.wire_audit import assert_no_prompt_leak
 from hetero_pd import LLM, SamplingParams
+from hetero_pd.bench.link_shaping import LINKS, via
 from hetero_pd.deploy.testing import Stack, deployment, running_stack
 from hetero_pd.models.tokenizer import load_tokenizer
 from hetero_pd.serving.api.edge_protocol import PATH, Token, pack, unpack
@@ -91,6 +92,19 @@ def test_greedy_tokens_equal_the_unsplit_engine(
     assert stack.router.workers["decode-0"].load.kv_fallbacks == 0
     for name, report in stack.wait_idle().items():
         assert report["ok"] and report["used_blocks"] == 0, (name, report)
+
+
+def test_a_session_over_a_slow_lossy_link_keeps_the_greedy_tokens(
+    stack: Stack, text_llama_dir: Path, reference: LLM
+) -> None:
+    """10 Mbit/s, 40 ms RTT, 1% of segments lost and retransmitted (the bench's shaping
+    proxy, hetero_pd.bench.link_shaping): slower, and the same tokens as unsplit."""
+    with via(stack.url, LINKS["10mbit-40ms-1pct"]) as url:
+        edge = EdgeClient(url, text_llama_dir, SPLIT, model=stack.dep.model, api_key=KEY)
+        done = asyncio.run(edge.complete(PROMPTS[2], max_tokens=8, ignore_eos=True))
+    ids = EdgeRuntime(text_llama_dir, SPLIT).tokenize(PROMPTS[2])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert done.token_ids == reference.generate([ids], params)[0].outputs[0].token_ids
 
 
 def test_edge_generate_command_streams_transformers_greedy_text(
