@@ -129,3 +129,36 @@ def test_a_hello_flood_from_elsewhere_cannot_evict_a_pending_handshake(
         for s in flood:
             s.close()
         real.close()
+
+
+def test_a_connection_that_never_authenticates_gets_a_few_answers_not_one_per_frame(
+    make_engine: Callable[..., TransferEngine],
+) -> None:
+    """Every unauthenticated frame was answered (NOT_LINKED), and a peer that never reads
+    its answers grew the engine's send queue without bound (the ROUTER has no high-water
+    mark, so that sessions never lose a frame). Now a connection gets a few answers until
+    it authenticates; what it sends after is counted and dropped."""
+    import time
+
+    from transfer.messages import Ping
+
+    d = make_engine()
+    before = d.metrics().rejected("unauthenticated")
+    ctx = zmq.Context.instance()
+    evil = ctx.socket(zmq.DEALER)
+    evil.setsockopt(zmq.LINGER, 0)
+    evil.connect(d.address)
+    try:
+        for _ in range(1000):
+            evil.send(wire.encode(Ping(), b"s" * 16))
+        deadline = time.monotonic() + 30
+        while d.metrics().rejected("unauthenticated") < before + 1000:
+            assert time.monotonic() < deadline, "the frames were not all read"
+            time.sleep(0.05)
+        answers = 0
+        while evil.poll(500):
+            evil.recv()
+            answers += 1
+        assert 1 <= answers <= 8, answers
+    finally:
+        evil.close()
