@@ -311,6 +311,7 @@ class Linker:
         self._inbound[session.peer_id] = session
         self._by_identity[identity] = session
         self._reply(identity, wire.encode(Welcome(token=token, about=self._about_me())))
+        self.outbox.authenticated(identity)
         self._up(session)
 
     def _on_welcome(self, link: Link, msg: Welcome) -> None:

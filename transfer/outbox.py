@@ -9,6 +9,7 @@ frame any more (the peer's connection is gone) is reported through ``on_broken``
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,6 +26,11 @@ from transfer.session import Session
 from transfer.transports.tcp.frames import TRAILER_BYTES
 
 Part = bytes | memoryview
+#: Replies a connection without a session gets at most: a handshake takes two (CHALLENGE,
+#: WELCOME or a refusal), a restarted peer's frames a NOT_LINKED.
+MAX_UNAUTHENTICATED_REPLIES = 8
+#: Connections without a session whose replies are counted (the oldest forgotten).
+MAX_UNAUTHENTICATED_PEERS = 4096
 
 
 class FrameOwner(Protocol):
@@ -74,6 +80,8 @@ class Outbox:
     ) -> None:
         self.loop, self.router, self.metrics, self.injector = loop, router, metrics, injector
         self.datachan: DataPath | None = None
+        #: Replies sent to connections without a session, per connection (LRU).
+        self._unanswered: OrderedDict[bytes, int] = OrderedDict()
         #: Told when a session's link cannot take frames any more (the linker drops it).
         self.on_broken: Callable[[Session, str], None] = lambda session, reason: None
 
@@ -133,12 +141,26 @@ class Outbox:
         return True
 
     def to_identity(self, identity: bytes, header: bytes) -> bool:
-        """Send a bare header to a connection on our ROUTER that has no session (yet)."""
+        """Send a bare header to a connection on our ROUTER that has no session (yet): at
+        most ``MAX_UNAUTHENTICATED_REPLIES`` until it authenticates (:meth:`authenticated`),
+        so a peer that never reads them cannot grow our queue (the ROUTER has no high-water
+        mark: sessions must never lose a frame)."""
+        sent = self._unanswered.pop(identity, 0)
+        self._unanswered[identity] = sent + 1
+        while len(self._unanswered) > MAX_UNAUTHENTICATED_PEERS:
+            self._unanswered.popitem(last=False)
+        if sent >= MAX_UNAUTHENTICATED_REPLIES:
+            self.metrics.reject("reply_budget")
+            return False
         try:
             self.router.send_multipart([identity, header], zmq.NOBLOCK)
             return True
         except zmq.ZMQError:
             return False
+
+    def authenticated(self, identity: bytes) -> None:
+        """``identity`` has a session now: its replies go through :meth:`send`."""
+        self._unanswered.pop(identity, None)
 
     def flush_faults(self) -> None:
         """Send frames the reorder fault held back when nothing came after them."""
