@@ -39,6 +39,7 @@ from hetero_pd.deploy.drill_client import Api, alive, wait_until
 from hetero_pd.deploy.k8s_secrets import SecretValues
 from hetero_pd.deploy.schema import Deployment, parse_text
 from hetero_pd.deploy.testing import SMALL_ENGINE
+from hetero_pd.secrets import worker_environment
 
 T = TypeVar("T")
 NAME = "drill"
@@ -220,15 +221,17 @@ def bare_metal_cluster(spec: DrillSpec) -> Cluster:
         config = workdir / "deployment.yaml"
         config.write_text(text)
         dep = parse_text(text, str(config))
-        key = secrets.token_urlsafe(16)
-        env = {**_image_env(), "HETERO_PD_SECRET": secrets.token_urlsafe(32)}
-        env["HETERO_PD_API_KEY"] = key
+        key, secret = secrets.token_urlsafe(16), secrets.token_urlsafe(32)
+        env = {**_image_env(), "HETERO_PD_SECRET": secret, "HETERO_PD_API_KEY": key}
+        # hosts of workers only get the workers' credential: none of them can act as router
+        workers_env = worker_environment(env, secret.encode())
+        workers_env.pop("HETERO_PD_API_KEY")
         api = Api(f"http://{lab.hosts['router'].address}:{ROUTER_PORT}", key, spec.model)
         cluster = Cluster(lab, dep, workdir, api, model=spec.model)
         for host in ("router", *ids):
             address = lab.hosts[host].address
             argv = pods.local_command(["hetero-pd", "serve", str(config), "--host-id", address])
-            run = pods.PodProcess(host, host, argv, env, [])
+            run = pods.PodProcess(host, host, argv, env if host == "router" else workers_env, [])
             cluster.pods[host] = Pod(host, host, _always(run))
             cluster.run(host)
         cluster.wait_workers(set(ids))
