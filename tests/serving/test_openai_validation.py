@@ -95,8 +95,13 @@ CHAT_CASES = [
     ),
     (
         {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+        "messages[0].tool_calls[0]",
+        '"arguments": a JSON string',
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}]},
         "messages[0].tool_calls",
-        "not supported",
+        "an assistant message's list of calls",
     ),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "must be >= 1"),
     ({"max_tokens": -1}, "max_tokens", "must be >= 1"),
@@ -118,8 +123,7 @@ def test_invalid_chat_fields(fields: dict[str, Any], param: str, words: str) -> 
 
 UNSUPPORTED = [
     ("suffix", "end"),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "required"),
+    ("functions", [{"name": "f"}]),
     ("use_beam_search", True),
 ]
 

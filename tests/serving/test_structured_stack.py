@@ -1,8 +1,12 @@
-"""Structured outputs through a served 1P1D stack of the default model, with the official
-openai client: a constraint holds across the prefill -> decode hand-off (the prefill worker
-samples the first token under it, the decode worker resumes the grammar), with the
-single-process engine's greedy text, for prompts prefilled on the decode worker and on the
-prefill worker alike; a constraint the server cannot enforce is a 400."""
+"""Structured outputs and tool calls through a served 1P1D stack of the default model, with
+the official openai client: a constraint holds across the prefill -> decode hand-off (the
+prefill worker samples the first token under it, the decode worker resumes the grammar),
+with the single-process engine's greedy text, for prompts prefilled on the decode worker
+and on the prefill worker alike; a constraint the server cannot enforce is a 400.
+``tool_choice`` "required" and a named function always yield a call whose arguments
+validate against the function's schema, streamed calls reassemble to the non-streamed one,
+"none" answers in text, and a conversation carrying calls and tool results back is
+accepted."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import openai
@@ -30,6 +35,32 @@ SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string", "maxLength": 20}},
+    "required": ["timezone"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "Time in a timezone",
+                                      "parameters": TIME}},
+]  # fmt: skip
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+#: Longer than router.local_prefill_max_tokens (32 tokens): prefilled on the prefill worker.
+LONG_ASK = [{"role": "user", "content": "I am planning a trip. " * 6 + ASK[0]["content"]}]
 
 
 class Person(pydantic.BaseModel):
@@ -130,4 +161,77 @@ def test_constraints_the_server_cannot_enforce_are_400s(
         model=stack.dep.model, prompt="x", max_tokens=4, extra_body={"guided_choice": ["ok"]}
     )
     assert r.choices[0].text == "ok"
+    stack.wait_idle()
+
+
+def _valid_calls(choice: Any, names: set[str]) -> list[Any]:
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return calls
+
+
+def test_required_and_named_always_call_with_valid_arguments(
+    stack: Stack, client: openai.OpenAI
+) -> None:
+    for messages, temperature in ((ASK, 0.0), (LONG_ASK, 1.0)):
+        r = client.chat.completions.create(
+            model=stack.dep.model, messages=messages, tools=TOOLS, tool_choice="required",
+            max_tokens=80, temperature=temperature, seed=1, parallel_tool_calls=False,
+        )  # fmt: skip
+        assert len(_valid_calls(r.choices[0], set(SCHEMAS))) == 1
+    named = client.chat.completions.create(
+        model=stack.dep.model, messages=LONG_ASK, tools=TOOLS, max_tokens=80,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )  # fmt: skip
+    assert [c.function.name for c in _valid_calls(named.choices[0], {"get_time"})] == ["get_time"]
+
+
+def test_streamed_calls_reassemble_to_the_whole_call(stack: Stack, client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(
+        model=stack.dep.model, messages=ASK, tools=TOOLS, tool_choice="required",
+        max_tokens=80, temperature=0, parallel_tool_calls=False,
+    )  # fmt: skip
+    whole = _valid_calls(client.chat.completions.create(**kw).choices[0], set(SCHEMAS))
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        delta = chunk.choices[0].delta
+        for d in delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            call["name"] += d.function.name or ""
+            call["arguments"] += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [calls[i] for i in sorted(calls)] == [
+        {"name": c.function.name, "arguments": c.function.arguments} for c in whole
+    ]
+
+
+def test_none_answers_in_text_and_tool_results_go_back(stack: Stack, client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=stack.dep.model, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=8,
+        temperature=0,
+    )  # fmt: skip
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    followup: list[Any] = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
+    r = client.chat.completions.create(
+        model=stack.dep.model, messages=followup, tools=TOOLS, max_tokens=16, temperature=0
+    )
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(
+            model=stack.dep.model, messages=ASK, tools=TOOLS, max_tokens=8,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )  # fmt: skip
     stack.wait_idle()

@@ -39,6 +39,7 @@ from hetero_pd.serving.api.fields import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_PR
 from hetero_pd.serving.api.protocol import UNSUPPORTED
 from hetero_pd.serving.api.structured import FIELDS as STRUCTURED_FIELDS
 from hetero_pd.serving.api.tokens import too_many_ids
+from hetero_pd.serving.api.tools import FIELDS as TOOL_FIELDS
 from hetero_pd.serving.control.sampling import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 BodyKind = Literal["completion", "chat", "tokenize", "detokenize"]
@@ -87,6 +88,7 @@ _SMALL_FIELDS = (
     "return_token_strs",
     *UNSUPPORTED,
     *STRUCTURED_FIELDS,
+    *TOOL_FIELDS,
 )
 
 

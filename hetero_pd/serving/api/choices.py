@@ -23,6 +23,7 @@ from hetero_pd.serving.api.logprobs import (
     prompt_completion_logprobs,
 )
 from hetero_pd.serving.api.responses import chat_chunk, choices_body, completion_chunk
+from hetero_pd.serving.api.tools import parse_tool_calls
 from hetero_pd.serving.control import sampling as W
 from hetero_pd.serving.control.protocol import Output
 
@@ -95,15 +96,44 @@ class Answer:
         if self.chat:
             if self.logprobs:
                 logprobs = chat_logprobs(self.decode, c.entries, self.req.params.logprobs or 0)
-            message = {"role": "assistant", "content": text}
+            message, finish = self._message(text, c.finish)
             return {"index": index, "message": message, "logprobs": logprobs,
-                    "finish_reason": c.finish}  # fmt: skip
+                    "finish_reason": finish}  # fmt: skip
         if self.logprobs:
             lp = self._completion_logprobs()
             lp.add(c.entries)
             logprobs = lp.to_json()
         text = self.echo_text + text if self.req.echo else text
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish}
+
+    def _message(self, text: str, finish: str) -> tuple[dict[str, Any], str]:
+        """A chat choice's message and finish reason: with tools, the calls in its text
+        (``finish_reason`` "tool_calls" when it has any and ended by itself)."""
+        if self.req.tools is None:
+            return {"role": "assistant", "content": text}, finish
+        content, calls = parse_tool_calls(text)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        message = {"role": "assistant", "content": content, "tool_calls": calls}
+        return message, "tool_calls" if finish == "stop" else finish
+
+    def _tool_events(self, msg: Output) -> list[dict[str, Any]]:
+        """A stream with tools: the answer is held until it ends (a call is only known
+        once complete), then sent as its content and its whole calls."""
+        c = self.choices[msg.index]
+        self.add(msg)
+        if msg.finish_reason is None:
+            return []
+        index = self.base + msg.index
+        message, finish = self._message("".join(c.text), c.finish)
+        out = []
+        if message["content"]:
+            out.append(chat_chunk(self.req, message["content"], index=index))
+        if "tool_calls" in message:
+            calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            out.append(chat_chunk(self.req, None, index=index, tool_calls=calls))
+        out.append(chat_chunk(self.req, None, finish_reason=finish, index=index))
+        return out
 
     def _completion_logprobs(self) -> CompletionLogprobs:
         if self.req.echo and self.prompt is not None:
@@ -125,6 +155,8 @@ class Answer:
     def events(self, msg: Output) -> list[dict[str, Any]]:
         """The chunks of one message: its text with its tokens' logprobs, then (when the
         choice ended) its finish reason."""
+        if self.chat and self.req.tools is not None:
+            return self._tool_events(msg)
         c = self.choices[msg.index]
         entries = self.add(msg)
         finish = msg.finish_reason

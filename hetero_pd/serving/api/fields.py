@@ -80,13 +80,10 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
                 f"'{where}.role' must be one of {', '.join(ROLES)}; got {show(role)}",
                 f"{where}.role",
             )
-        if message.get("tool_calls"):
-            raise bad_request(
-                f"'{where}.tool_calls' is not supported by this server",
-                f"{where}.tool_calls",
-                "unsupported_parameter",
-            )
         content = _content(message.get("content"), f"{where}.content", role == "assistant")
+        if message.get("tool_calls"):
+            calls = _tool_calls_text(message["tool_calls"], f"{where}.tool_calls", role)
+            content = f"{content}\n{calls}" if content else calls
         # Chat templates know "system"; OpenAI's "developer" role is its newer name.
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
@@ -171,3 +168,30 @@ def show(value: Any) -> str:
     """A short rendering of a client-sent value for error messages."""
     text = json.dumps(value) if isinstance(value, (str, int, float, bool)) else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _tool_calls_text(value: Any, where: str, role: Any) -> str:
+    """An assistant message's earlier ``tool_calls`` as the model wrote them (Hermes'
+    ``<tool_call>`` blocks, hetero_pd.serving.api.tools), for the prompt."""
+    if role != "assistant" or not isinstance(value, list) or len(value) > MAX_MESSAGES:
+        raise bad_request(
+            f"'{where}' must be an assistant message's list of calls", where, "invalid_value"
+        )
+    blocks = []
+    for k, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else None
+        except ValueError:
+            parsed = None
+        if not isinstance(name, str) or parsed is None:
+            raise bad_request(
+                f'\'{where}[{k}]\' must be {{"function": {{"name": str, "arguments": '
+                "a JSON string}}",
+                f"{where}[{k}]",
+            )
+        body = json.dumps({"name": name, "arguments": parsed})
+        blocks.append(f"<tool_call>\n{body}\n</tool_call>")
+    return "\n".join(blocks)

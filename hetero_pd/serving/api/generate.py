@@ -74,7 +74,13 @@ def _tokenize(state: ApiState, req: GenerateRequest) -> list[int]:
             )
         assert req.messages is not None
         _check_chars(state, sum(len(m["content"]) for m in req.messages), "messages")
-        text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+        messages, kw = req.messages, {}
+        if req.tools is not None:  # the template renders tools, or a system prompt lists them
+            if "tools" in tok.chat_template:
+                kw["tools"] = req.tools.tools
+            else:
+                messages = req.tools.with_system_prompt(messages)
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
         return list(tok.encode(text, add_special_tokens=False))
     if req.prompt_token_ids is not None:
         return list(req.prompt_token_ids)

@@ -45,7 +45,8 @@ from hetero_pd.serving.api.fields import (
 )
 from hetero_pd.serving.api.request import GenerateRequest, RequestKind
 from hetero_pd.serving.api.sampling import sampling_fields
-from hetero_pd.serving.api.structured import structured_outputs
+from hetero_pd.serving.api.structured import check_constraint, structured_outputs
+from hetero_pd.serving.api.tools import parse_tools
 from hetero_pd.serving.control.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, WireParams
 
 __all__ = [
@@ -68,9 +69,7 @@ PRIORITY_LIMIT = 10
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (),
     "suffix": ("",),
-    "tools": ([],),
     "functions": ([],),
-    "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
     "modalities": (["text"],),
     "audio": (),
@@ -174,10 +173,23 @@ def _request(
     if user is not None and not isinstance(user, str):
         raise bad_request(f"'user' must be a string, got {show(user)}", "user")
     extra, echo = sampling_fields(b, kind)
+    params = _sampling_params(b, max_tokens, extra)
+    tools = parse_tools(b, kind == "chat")
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None:
+        if params.structured_outputs is not None:
+            raise bad_request(
+                f"'tool_choice' {show(b.get('tool_choice'))} constrains the output already: "
+                "leave out response_format / structured_outputs / guided_*",
+                "tool_choice",
+            )
+        check_constraint("tools", forced)
+        params.structured_outputs = forced
     return GenerateRequest(
         kind=kind,
         model=model,
-        params=_sampling_params(b, max_tokens, extra),
+        params=params,
+        tools=tools,
         stream=stream,
         echo=echo,
         include_usage=stream and bool(include_usage),

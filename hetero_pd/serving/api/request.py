@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from hetero_pd.sampling_params import SamplingParams
+from hetero_pd.serving.api.tools import ToolPlan
 
 RequestKind = Literal["completion", "chat"]
 
@@ -36,6 +37,8 @@ class GenerateRequest:
     include_usage: bool = False
     priority: int = 0
     user: str | None = None
+    #: Chat: the tools the answer may call, and how (None: a plain answer).
+    tools: ToolPlan | None = None
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 

@@ -99,6 +99,7 @@ def chat_chunk(
     finish_reason: str | None = None,
     index: int = 0,
     logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One streamed chat event (object "chat.completion.chunk").
 
@@ -110,6 +111,8 @@ def chat_chunk(
         delta["role"] = role
     if delta_text is not None:
         delta["content"] = delta_text
+    if tool_calls is not None:  # whole calls, each with its "index" among the choice's calls
+        delta["tool_calls"] = tool_calls
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _chunk_head(req, [choice])
 

@@ -55,10 +55,15 @@ def structured_outputs(b: Mapping[str, Any]) -> StructuredOutputsParams | None:
     if not found:
         return None
     param, so = found[0]
+    check_constraint(param, so)
+    return so
+
+
+def check_constraint(param: str, so: StructuredOutputsParams) -> None:
+    """400 naming ``param`` when llguidance cannot compile the constraint."""
     error = _compile_error(*so.key())
     if error:
         raise bad_request(f"'{param}' cannot be enforced: {error}", param)
-    return so
 
 
 def _response_format(rf: Any) -> StructuredOutputsParams | None:
