@@ -80,8 +80,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--codecs", default="float16,int8")
     p.add_argument("--noise", default="0.1,0.5", help="noise sigmas to try (float16), '' for none")
     p.add_argument(
-        "--long", action="store_true", help="every k, nn on the whole vocabulary, MLP attack"
+        "--long",
+        action="store_true",
+        help="every k (unless --splits), nn on the whole vocabulary, the MLP attack",
     )
+    p.add_argument("--mlp-steps", type=int, default=600, help="with --long")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile-out", default=None, help="where to store the privacy profile")
     p.add_argument("--no-store", action="store_true", help="do not store the privacy profile")
@@ -136,7 +139,7 @@ def attack_row(
     lin = score(nearest(apply_linear(w, x_eval, x_train), embed, vocab_ids), ev.ids)
     row.update(linear_top1=lin.top1, linear_top5=lin.top5)
     if ctx["long"]:
-        net = fit_mlp(x_train, embed[train.ids])
+        net = fit_mlp(x_train, embed[train.ids], steps=ctx["mlp_steps"])
         with torch.no_grad():
             pred = net(standardize_like(x_eval, x_train))
         mlp = score(nearest(pred, embed, vocab_ids), ev.ids)
@@ -165,10 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
     last = cfg.num_layers - 1
-    if args.long:
-        ks = list(range(cfg.num_layers))
-    elif args.splits:
+    if args.splits:
         ks = sorted({int(k) for k in args.splits.split(",")})
+    elif args.long:
+        ks = list(range(cfg.num_layers))
     else:
         ks = sorted({min(k, last) for k in DEFAULT_SPLITS})
     if not all(0 <= k <= last for k in ks):
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     v_layers = sorted({0} | {k - 1 for k in ks if k >= 1})
     train, ev = capture(stack, train_seqs, ks, v_layers), capture(stack, eval_seqs, ks, v_layers)
     cands = candidates(0 if args.long else args.nn_candidates, cfg.vocab_size)
-    nn_ks = [k for k in ks if 1 <= k <= (last if args.long else args.nn_max_k)]
+    nn_ks = [k for k in ks if 1 <= k <= args.nn_max_k]
     coverage = float(torch.isin(ev.ids, cands).float().mean())
     vocab_ids = torch.arange(cfg.vocab_size)
     ctx = {
@@ -198,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "tables": token_tables(stack, cands, nn_ks) if nn_ks else {},
         "v0": value_table(stack, vocab_ids),
         "long": args.long,
+        "mlp_steps": args.mlp_steps,
         "cloud": CloudReference(model_dir, cfg, eval_seqs, ks),
     }
     prepared = time.perf_counter() - started

@@ -21,12 +21,13 @@ def test_one_tpot_and_a_raw_error() -> None:
 
 def test_bench_edge_smoke(text_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--model", str(text_llama_dir), "--split", "1", "--codec", "int8"]
-    argv += ["--num-prompts", "2", "--prompt-words", "10", "--max-tokens", "4"]
+    argv += ["--num-prompts", "2", "--prompt-words", "10", "--max-tokens", "4", "--link", "lan"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     res = json.loads(out.strip().splitlines()[-1])
 
     assert (res["split_layer"], res["codec"], res["num_prompts"]) == (1, "int8", 2)
+    assert res["link"] == "lan" and "link: 1000 Mbit/s, 0.5 ms RTT, 0% loss" in out
     assert res["split_tokens"] == res["unsplit_tokens"] == 2 * 4  # EOS never stops them
     for side in ("split", "unsplit"):
         assert res[f"{side}_ttft_ms"] > 0 and res[f"{side}_tpot_ms"] > 0

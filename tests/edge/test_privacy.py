@@ -14,8 +14,10 @@ from edge.inversion import (
     apply_linear,
     capture,
     fit_linear,
+    fit_mlp,
     nearest,
     score,
+    standardize_like,
     token_tables,
     value_table,
 )
@@ -47,6 +49,10 @@ def test_attacks_recover_embeddings_and_fail_on_noise(tiny_llama_dir: Path) -> N
         score(nearest(apply_linear(w, ev.hidden[0], train.hidden[0]), embed, vocab), ev.ids).top1
         == 1.0
     )
+    net = fit_mlp(train.hidden[0], embed[train.ids], width=64, steps=150)
+    with torch.no_grad():
+        pred = net(standardize_like(ev.hidden[0], train.hidden[0]))
+    assert score(nearest(pred, embed, vocab), ev.ids).top1 >= 0.9
     # Layer 0's V rows depend on the token alone: the exact table inverts them.
     assert score(nearest(ev.values[0], value_table(stack, vocab), vocab), ev.ids).top1 == 1.0
     # Rows that carry nothing about the tokens: the attacks fail.
