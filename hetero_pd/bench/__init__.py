@@ -13,6 +13,8 @@ Modules, in the order a run uses them:
 - ``compare``: result files side by side (used by ``scripts/vllm_side_by_side.sh``).
 
 Whole-system benchmarks, each a ``hetero-pd bench`` command of its own: ``offline`` (the
-engine against transformers), ``pd`` (disaggregated against colocated serving) and ``edge``
-(the edge split against the unsplit stack).
+engine against transformers), ``pd`` (disaggregated against colocated serving), ``edge``
+(the edge split against the unsplit stack, over loopback or a link shaped by ``link_shaping``)
+and ``edge-privacy`` (inversion attacks on what the split sends; ``edge_agreement`` prices the
+codec and noise in greedy agreement).
 """
