@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from hetero_pd import SamplingParams
+from hetero_pd.config import resolve_dtype
 from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack
 
 KEY = "test-key"
@@ -257,6 +258,9 @@ def test_models_health_metrics(stack: Stack, client: openai.OpenAI) -> None:
         "prefill-0": ("prefill", True),
         "decode-0": ("decode", True),
     }
+    want = resolve_dtype(stack.dep.dtype, "cpu", "float32")  # what each worker resolved
+    for v in health["workers"].values():
+        assert v["dtype"] == {"name": want.name, "reason": want.reason}
     client.completions.create(model=model(stack), prompt=[5, 6, 7], max_tokens=2)
     text = stack.metrics()
     for name in (

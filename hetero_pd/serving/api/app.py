@@ -89,6 +89,7 @@ async def _health(request: web.Request) -> web.Response:
             w.id: {
                 "role": w.role,
                 "device": w.info.device,
+                "dtype": {"name": w.info.dtype, "reason": w.info.dtype_reason},
                 "pid": w.info.pid,
                 "alive": w.alive,
                 "load": {

@@ -108,6 +108,8 @@ class WorkerInfo(Value, kw_only=True, frozen=True):
     hidden_size: Count = 0
     vocab_size: Count = 0
     fingerprint: Name = ""
+    dtype: Name = ""  # what the engine computes in ("auto" resolved), and why
+    dtype_reason: Name = ""
 
 
 class TransportCounters(Value, kw_only=True, frozen=True):

@@ -128,6 +128,8 @@ class Worker:
             hidden_size=e.model_config.hidden_size,
             vocab_size=e.model_config.vocab_size,
             fingerprint=self.fingerprint,
+            dtype=e.dtype_choice.name,
+            dtype_reason=e.dtype_choice.reason,
         )
 
     def _advertised(self, address: str) -> str:
