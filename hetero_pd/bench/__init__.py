@@ -16,5 +16,6 @@ Whole-system benchmarks, each a ``hetero-pd bench`` command of its own: ``offlin
 engine against transformers), ``pd`` (disaggregated against colocated serving), ``edge``
 (the edge split against the unsplit stack, over loopback or a link shaped by ``link_shaping``)
 and ``edge-privacy`` (inversion attacks on what the split sends; ``edge_agreement`` prices the
-codec and noise in greedy agreement).
+codec and noise in greedy agreement); ``decode-step`` (float32 against bfloat16, the decode
+attention kernel on and off) and ``per-token`` (detokenizing and SSE encoding, old and new).
 """
