@@ -199,7 +199,7 @@ class Sampler:
         logprobs of those that ask for them on the request and advances their grammars.
         ``masks``: what ``start_masks(reqs)`` returned (started here when not given)."""
         if masks is None:
-            masks = self.start_masks(reqs)
+            masks = self._masks.start([r.grammar for r in reqs])
         bitmask = masks.result() if masks is not None else None
         if bitmask is not None:
             rows = [i for i, r in enumerate(reqs) if r.grammar is not None]

@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from hetero_pd.sampling_params import SamplingParams
@@ -189,8 +190,9 @@ class TokenMasks:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """``logits`` with every token a row's bitmask disallows set to ``-inf`` (a copy)."""
     vocab = logits.shape[-1]
-    bits = torch.arange(32, dtype=torch.int32)
-    ok = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]
+    # Bit t of a row is token t (little-endian words): numpy unpacks that in one C pass.
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    ok = torch.from_numpy(bits.view(np.bool_))[:, :vocab]
     if ok.shape[1] < vocab:  # logits padded past the tokenizer's vocabulary: never those
         ok = torch.nn.functional.pad(ok, (0, vocab - ok.shape[1]), value=False)
     return logits.masked_fill(~ok.to(logits.device), float("-inf"))
