@@ -8,11 +8,15 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
+import msgspec
 import pytest
 
-from transfer import StatusCode, TransferEngine, TransferError, TransferState, aead, layout
+from transfer import StatusCode, TransferEngine, TransferError, TransferState, aead, layout, wire
+from transfer.messages import Begin
 from transfer.testing import blocks_digest, make_config
+from transfer.transports.tcp import frames
 
 from .conftest import FAST, Pair
 
@@ -150,3 +154,39 @@ def test_a_sealed_chunk_that_cannot_land_directly_is_opened_then_converted() -> 
     finally:
         p.close()
         d.close()
+
+
+@pytest.mark.parametrize("data_channel", [True, False], ids=["data-channel", "link"])
+def test_a_begin_rewritten_in_transit_never_commits_misplaced_kv(
+    make_pair: Callable[..., Pair], data_channel: bool
+) -> None:
+    """BEGIN travels in clear with the session token, which a man in the middle sees, and
+    its CRC is no MAC: one that reverses the destination blocks would make sealed chunks
+    land in each other's place. Chunks are sealed under their BEGIN too, so they fail
+    instead, and the transfer never commits."""
+    spec = {"encrypt": "on", "transports": ["tcp"], "data_channel": data_channel}
+    p, d = make_pair({**spec, "timeout_s": 3.0}, spec)
+    outbox = p._core.outbox  # the wire, as the man in the middle rewrites it
+    send = outbox.send
+
+    def rewritten(
+        session: Any, msg_type: str, header: bytes, payload: Any = None, **kw: Any
+    ) -> Any:
+        if msg_type != "begin":
+            return send(session, msg_type, header, payload, **kw)
+        raw = payload if kw.get("via_data") else header
+        envelope = wire.decode(memoryview(raw), 1)
+        assert isinstance(envelope.msg, Begin)
+        msg = msgspec.structs.replace(envelope.msg, dst=envelope.msg.dst[::-1])
+        raw = wire.encode(msg, envelope.sid)
+        if kw.get("via_data"):
+            stream = frames.unpack(header, 1 << 20).stream
+            return send(session, msg_type, frames.message(stream, raw), raw, **kw)
+        return send(session, msg_type, raw, payload, **kw)
+
+    outbox.send = rewritten  # type: ignore[method-assign]
+    recv = d.reserve("reversed", DST)
+    assert recv.blocks is not None
+    h = p.push_blocks(d.engine_id, SRC, recv.blocks, transport="tcp")
+    assert h.wait(10) is not TransferState.DONE, "KV committed into the wrong blocks"
+    assert d.metrics().rejected("bad_mac") > 0
