@@ -5,7 +5,8 @@
     handshake (transfer.auth): secret + both nonces + both ids ──> c2s key, s2c key
     DATA frame body:  nonce 12 B | ciphertext of the chunk | tag 16 B
                       AAD: the frame's header (data channel) or its msgpack DATA message
-                      (link), so a chunk cannot be moved to another place or transfer
+                      (link), and the digest of the transfer's BEGIN (:func:`begin_digest`),
+                      so a chunk cannot be moved to another place, block or transfer
 
 A session is sealed when both ends agree (:func:`agree`): ``encrypt: auto`` seals links
 between hosts and leaves peers on one host in clear (they use shared memory anyway);
@@ -13,21 +14,34 @@ between hosts and leaves peers on one host in clear (they use shared memory anyw
 link. Each direction has its own key and a counter for nonces, so a nonce is never used
 twice under one key; a frame whose tag does not verify is dropped and counted
 (``bad_mac``), and its chunk is resent like any chunk that did not arrive whole. BEGIN, END
-and ACK carry block ids and counts, not KV, and stay bound to the session by its token.
+and ACK carry block ids and counts, not KV, and stay bound to the session by its token: one
+rewritten on the way can fail a transfer, never misplace or alter its KV.
 """
 
 from __future__ import annotations
 
+import hashlib
+
+import msgspec
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from transfer import wire
+from transfer.messages import Begin
 
 NONCE_BYTES = 12
 TAG_BYTES = 16
 #: Bytes a sealed body has beyond its plaintext.
 OVERHEAD = NONCE_BYTES + TAG_BYTES
 POLICIES = ("auto", "on", "off")
+_encoder = msgspec.msgpack.Encoder()
+
+
+def begin_digest(begin: Begin) -> bytes:
+    """What a chunk is sealed under besides its header: its BEGIN (which blocks it lands
+    in), as each end holds it. BEGIN itself travels in clear; one rewritten on the way makes
+    every chunk of it fail its tag, never land elsewhere."""
+    return hashlib.sha256(_encoder.encode(begin)).digest()
 
 
 def agree(mine: str, theirs: str, same_host: bool) -> bool:

@@ -259,8 +259,10 @@ class Core:
             session = self._authenticate(header, parts[0], identity, link)
             if session is not None:
                 payload = parts[1].buffer if len(parts) == 2 else None
-                if payload is not None and session.sealer is not None:  # bad_mac if not
-                    payload = session.sealer.open(parts[0].bytes, payload)
+                if isinstance(header.msg, Data) and payload is not None and session.sealer:
+                    payload = self.receiver.open_sealed(
+                        session, parts[0].bytes, header.msg, payload
+                    )
                 self._route(header.msg, session, payload)
         except wire.FrameError as exc:
             self.metrics.reject(exc.reason)

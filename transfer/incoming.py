@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from transfer import checksum, kv_codec, kv_layouts, layout
+from transfer import aead, checksum, kv_codec, kv_layouts, layout
 from transfer.errors import StatusCode, TransferError
 from transfer.ledger import Ledger, Reservation
 from transfer.messages import Begin, End
@@ -80,6 +80,8 @@ class InTransfer:
     nbytes: int = 0
     #: How its stream chunks are encoded (:mod:`transfer.kv_codec`).
     codec: str = "none"
+    #: :func:`transfer.aead.begin_digest` of its latest BEGIN (sealed chunks are under it).
+    begin_digest: bytes = b""
 
     def chunk_nbytes(self, num_blocks: int) -> int:
         """The exact size a chunk of ``num_blocks`` blocks has on the wire."""
@@ -200,6 +202,7 @@ def accept_begin(
         bytearray(num_chunks),
         bool(dst_array.size <= 1 or (np.diff(dst_array) == 1).all()),
         codec=msg.codec,
+        begin_digest=aead.begin_digest(msg),
     )
 
 

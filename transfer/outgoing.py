@@ -76,6 +76,8 @@ class OutTransfer:
     stream: int = 0
     #: The encoded BEGIN of the current attempt (resent in band before resent chunks).
     begin: bytes = b""
+    #: :func:`transfer.aead.begin_digest` of that BEGIN (sealed chunks are sealed under it).
+    begin_digest: bytes = b""
     #: Bytes of frames viewing our source blocks still queued on the data channel.
     queued: int = 0
     closing: tuple[TransferState, TransferError | None, str] | None = None

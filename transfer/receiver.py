@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from transfer import checksum, kv_codec, kv_layouts, layout, wire
+from transfer import aead, checksum, kv_codec, kv_layouts, layout, wire
 from transfer.config import TransferConfig
 from transfer.direct_checks import DirectChecks
 from transfer.errors import StatusCode, TransferError
@@ -121,6 +121,7 @@ class Receiver:
             self._refuse(session, transfer_id, err)
             return
         incoming.session, incoming.last_seen = session, time.monotonic()  # may be a new link
+        incoming.begin_digest = aead.begin_digest(msg)  # this attempt's chunks are under it
         if incoming.mode in DIRECT:
             # an absolute deadline on our monotonic clock (direct writers share this host):
             # a grant that reaches the writer late is worth only what is left of it
@@ -161,6 +162,16 @@ class Receiver:
             self.metrics.of("tcp").duplicates_total += 1
             return False
         return True
+
+    def open_sealed(
+        self, session: Session, aad: bytes, msg: Data, sealed: memoryview
+    ) -> memoryview:
+        """A sealed chunk from the link, opened under its header and its transfer's BEGIN
+        (a chunk of no transfer we hold is left as it is: :meth:`on_data` drops it)."""
+        incoming = self.active.get(msg.transfer_id)
+        if incoming is None or session.sealer is None:
+            return sealed
+        return session.sealer.open(aad + incoming.begin_digest, sealed)
 
     def on_data(
         self, session: Session, msg: Data, payload: memoryview, sealed: bool = False

@@ -21,7 +21,7 @@ import logging
 import time
 from collections import deque
 
-from transfer import transports, wire
+from transfer import aead, transports, wire
 from transfer.config import TransferConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
@@ -122,6 +122,7 @@ class Sender:
         if out.via_data:
             out.stream = out.stream or next(self._streams)
         out.begin = wire.encode(begin, session.token)
+        out.begin_digest = aead.begin_digest(begin)
         send_framing(self.outbox, out, "begin", out.begin)
         out.phase = Phase.GRANT if direct else Phase.SEND
         out.attempt_until = now + self.config.ack_timeout_s + out.handle.nbytes / MIN_RATE

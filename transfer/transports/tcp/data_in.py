@@ -186,7 +186,8 @@ class DataIn:
             return
         view = _destination(incoming, tensor, lo, hi)
         if frame.sealed:  # read whole, then opened into the blocks (or scattered from staging)
-            self._body, self._aad = self._buffer(frame.length), bytes(self._head)
+            self._body = self._buffer(frame.length)
+            self._aad = bytes(self._head) + incoming.begin_digest
             self._opens_into = None if view is None else (view, incoming)
             return
         if view is None:

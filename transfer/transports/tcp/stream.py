@@ -69,9 +69,8 @@ def pump_stream(
             place = (chunk.ti, chunk.lo, chunk.hi)
             header = frames.data(out.stream, seq, *place, size, digest, sealed=True)
             owner = None if outbox.faults_on else out
-            sent = outbox.send(
-                session, "data", header, sealer.seal(header, buf), via_data=True, owner=owner
-            )
+            sealed = sealer.seal(header + out.begin_digest, buf)
+            sent = outbox.send(session, "data", header, sealed, via_data=True, owner=owner)
         elif out.via_data:
             header = frames.data(
                 out.stream, seq, chunk.ti, chunk.lo, chunk.hi, len(buf), None, out.algo is not None
@@ -98,7 +97,9 @@ def pump_stream(
             )
             header = wire.encode(data, session.token)
             if sealer is not None:  # the DATA message is the sealed body's associated data
-                sent = outbox.send(session, "data", header, sealer.seal(header, buf))
+                sent = outbox.send(
+                    session, "data", header, sealer.seal(header + out.begin_digest, buf)
+                )
             else:
                 sent = outbox.send(session, "data", header, buf, track=not outbox.faults_on)
         if sent is False:
