@@ -142,6 +142,10 @@ class EngineConfig:
             "start_layer > 0 (an edge split engine)": self.start_layer > 0,
             "compile 'on' (the decode step runs eager under TP)": self.compile == "on",
             "KV cache tiers (kv_cache_host_gb / kv_cache_disk_gb)": self.kv_tiers is not None,
+            # A prefill or decode worker's ranks share one whole-head KV cache in /dev/shm.
+            f"role {self.role!r} off the CPU (its ranks' KV heads must share memory)": (
+                self.role != "both" and parse_device(self.device).type != "cpu"
+            ),
         }
         for what, present in unsupported.items():
             if present:

@@ -213,11 +213,19 @@ def _check_tensor_parallel(spec: WorkerSpec, key: str, src: Source) -> None:
     tp = spec.tensor_parallel_size
     if tp == 1:
         return
-    if spec.role != "both":
+    kind = spec.device.split(":", 1)[0]
+    if spec.role != "both" and kind != "cpu":
         src.error(
             f"{key}.tensor_parallel_size",
-            f"{tp} on a {spec.role} worker: moving KV between workers split over ranks (KV "
-            "resharded in transit) is not supported yet; only role both runs with TP > 1",
+            f"{tp} on a {spec.role} worker on {kind}: KV resharded in transit works where "
+            "the ranks share one KV cache in memory, on the CPU only so far; on other "
+            "devices only role both runs with TP > 1",
+        )
+    if kind == "cpu" and spec.kv_layout not in ("auto", "nd"):
+        src.error(
+            f"{key}.kv_layout",
+            f"{spec.kv_layout} with tensor_parallel_size {tp} on the CPU: each rank's KV heads "
+            "are a slice of one nd cache; use kv_layout nd (or auto)",
         )
     if spec.devices:
         src.error(

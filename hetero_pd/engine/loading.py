@@ -12,9 +12,11 @@ from hetero_pd import envs
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.model_runner import KVAllocator, ModelRunner
 from hetero_pd.engine.tp.group import RankGroup, start_ranks
+from hetero_pd.engine.tp.kv import head_slices, shared_files
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.loader import load_model
 from hetero_pd.models.parallel import SINGLE, Parallel, shard_config
+from transfer.kv_layouts import ND
 
 
 def rank_threads(config: EngineConfig, backend: Backend) -> int:
@@ -33,6 +35,31 @@ def blocks_for_budget(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype
     if num_blocks < 1:
         raise ValueError(f"kv_cache_gb={config.kv_cache_gb} holds no KV block")
     return num_blocks
+
+
+def shared_kv(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_blocks: int,
+    kv_allocator: KVAllocator,
+) -> tuple[KVAllocator, list[str]]:
+    """A worker's KV under TP on the CPU: every head allocated by `kv_allocator` (the
+    worker's transfer region, in shared memory), as (rank 0's allocator of its heads, the
+    files the other ranks map); see tp/kv.py."""
+    layout = config.kv_layout_choice()
+    if layout != ND:
+        raise ValueError(
+            f"tensor_parallel_size {config.tensor_parallel_size} on the CPU slices each rank's "
+            f"KV heads out of one nd cache; kv_layout {layout!r} cannot be sliced by head"
+        )
+    # Under TP the step runs eager: the pool and the null block, no scratch block.
+    block_shape = cfg.kv_block_shape(config.block_size)
+    per_layer = cfg.kv_tensors_per_layer
+    whole = kv_allocator(cfg.num_layers, num_blocks + 1, block_shape, dtype, device, per_layer)
+    tp = Parallel(0, config.tensor_parallel_size)
+    return head_slices(cfg, tp, whole), shared_files(whole)
 
 
 def load_runner(
@@ -54,7 +81,12 @@ def load_runner(
         raise ValueError(
             f"start_layer={config.start_layer} is outside the model's {cfg.num_layers} layers"
         )
-    ranks = start_ranks(config, str(path), dtype, num_blocks, max_model_len) if tp > 1 else None
+    files: list[str] = []
+    if tp > 1 and kv_allocator is not None and device.type == "cpu":
+        kv_allocator, files = shared_kv(config, cfg, dtype, device, num_blocks, kv_allocator)
+    ranks = None
+    if tp > 1:
+        ranks = start_ranks(config, str(path), dtype, num_blocks, max_model_len, files)
     try:
         parallel = SINGLE if ranks is None else ranks.parallel
         model = load_model(path, cfg, dtype, device, max_model_len, parallel)

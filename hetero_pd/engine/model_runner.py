@@ -117,6 +117,7 @@ class ModelRunner:
         #: only; MLA decodes over its latents, mla.py).
         self.native_decode = (
             kv_layout == ND
+            and all(t.is_contiguous() for t in tensors)  # not a TP rank's slice of heads
             and cfg.mla is None
             and envs.native_attention()
             and backend.native_decode_attention(dtype, envs.compile_cache_dir() / "kernels")

@@ -59,9 +59,14 @@ def test_a_tp_worker_takes_consecutive_devices() -> None:
     ("worker", "key", "message"),
     [
         (
-            {"role": "prefill", "tensor_parallel_size": 2},
+            {"role": "prefill", "device": "cuda", "tensor_parallel_size": 2},
             r"workers\[0\]\.tensor_parallel_size",
-            "KV resharded in transit",
+            "on the CPU only so far",
+        ),
+        (
+            {"role": "prefill", "kv_layout": "fractal_nz", "tensor_parallel_size": 2},
+            r"workers\[0\]\.kv_layout",
+            "slice of one nd cache",
         ),
         ({"role": "both", "tensor_parallel_size": 0}, r"workers\[0\]\.tensor_parallel_size", ""),
         (
@@ -87,8 +92,13 @@ def test_serve_model_flag(tiny_llama_dir: Path) -> None:
 
     dep = deployment_for_model(model, serve_args("--colocated", "-tp", "2"))
     assert [w.tensor_parallel_size for w in dep.workers] == [2]
-    with pytest.raises(ValueError, match="--tensor-parallel-size: 2 on a prefill worker"):
-        deployment_for_model(model, serve_args("--tensor-parallel-size", "2"))
+    dep = deployment_for_model(model, serve_args("--tensor-parallel-size", "2"))
+    assert [(w.role, w.tensor_parallel_size) for w in dep.workers] == [
+        ("prefill", 2),
+        ("decode", 2),
+    ]
+    with pytest.raises(ValueError, match="--tensor-parallel-size: 2 on a prefill worker on cuda"):
+        deployment_for_model(model, serve_args("--tensor-parallel-size", "2", "--device", "cuda"))
 
 
 def _ranks_of(pid: int) -> list[int]:

@@ -123,6 +123,7 @@ def test_a_killed_rank_stops_the_engine_with_its_name(tiny_qwen3_dir: Path, make
         (dict(tensor_parallel_size=2, start_layer=1), "start_layer > 0"),
         (dict(tensor_parallel_size=2, compile="on"), "compile 'on'"),
         (dict(tensor_parallel_size=2, kv_cache_host_gb=0.1), "KV cache tiers"),
+        (dict(tensor_parallel_size=2, role="prefill", device="cuda"), "'prefill' off the CPU"),
     ],
 )
 def test_unsupported_combinations_are_named(

@@ -70,6 +70,8 @@ class RankSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_layout: str
     threads: int
     timeout_s: float
+    #: rank 0's whole-head KV files to map (tp/kv.py); empty: the rank allocates its own.
+    kv_files: tuple[str, ...] = ()
 
 
 class RankGroup:
@@ -241,10 +243,16 @@ def _reap(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def start_ranks(
-    config: EngineConfig, model: str, dtype: torch.dtype, num_blocks: int, max_model_len: int
+    config: EngineConfig,
+    model: str,
+    dtype: torch.dtype,
+    num_blocks: int,
+    max_model_len: int,
+    kv_files: list[str],
 ) -> RankGroup:
     """Starts the ranks of a tensor-parallel engine configured by `config` around this
-    process (rank 0) for the model folder `model`; each rank runs this process's threads."""
+    process (rank 0) for the model folder `model`; each rank runs this process's threads
+    and maps `kv_files` as its KV cache (tp/kv.py) if there are some."""
     device = parse_device(config.device)
     spec = RankSpec(
         model=model,
@@ -259,5 +267,6 @@ def start_ranks(
         kv_layout=config.kv_layout_choice(),
         threads=torch.get_num_threads(),
         timeout_s=envs.tp_timeout_s(),
+        kv_files=tuple(kv_files),
     )
     return RankGroup(spec, device)

@@ -22,6 +22,7 @@ from hetero_pd.config import parse_dtype
 from hetero_pd.engine.model_runner import ModelRunner
 from hetero_pd.engine.tp.codec import HEADER_LEN, OP_LOGITS, OP_STEP, Header, decode_step
 from hetero_pd.engine.tp.group import IDLE_TIMEOUT, RankSpec
+from hetero_pd.engine.tp.kv import mapped_slices
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.llama import CausalLM
 from hetero_pd.models.loader import load_model
@@ -57,6 +58,10 @@ class Rank:
         self.model: CausalLM = load_model(
             spec.model, cfg, self.dtype, self.device, spec.max_model_len, tp
         )
+        kv_allocator = None  # a worker's ranks share its whole-head KV (kv.py)
+        if spec.kv_files:
+            files, blocks = list(spec.kv_files), spec.num_blocks
+            kv_allocator = mapped_slices(cfg, tp, files, blocks, spec.block_size, self.dtype)
         self.runner = ModelRunner(
             self.model,
             shard_config(cfg, tp),
@@ -64,6 +69,7 @@ class Rank:
             spec.block_size,
             self.device,
             self.dtype,
+            kv_allocator,
             kv_layout=spec.kv_layout,
         )
         self.hidden_size = cfg.hidden_size

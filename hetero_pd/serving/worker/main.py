@@ -98,8 +98,10 @@ class Worker:
         device: torch.device,
         tensors_per_layer: int,
     ) -> list[torch.Tensor]:
-        # On the CPU the cache lives in shared memory so a peer on this host writes into it.
-        shared = device.type == "cpu" and "shm" in self.cfg.transfer.transports
+        # On the CPU the cache lives in shared memory so a peer on this host writes into it,
+        # and a tensor-parallel worker's ranks map their heads of it (engine/tp/kv.py).
+        split = self.cfg.engine.tensor_parallel_size > 1
+        shared = device.type == "cpu" and ("shm" in self.cfg.transfer.transports or split)
         self.region = KVRegion.allocate(
             "kv",
             num_layers,
@@ -201,8 +203,8 @@ class Worker:
                 else:
                     self.book.start(ident, msg)
             case P.OfferPrefix():
-                # A split engine caches no prefix; a tensor-parallel one holds only rank 0's
-                # heads in its transfer region (the KV is not resharded in transit yet).
+                # A split engine caches no prefix; prefix sharing is not built for a
+                # tensor-parallel one (its ranks' prefix caches are not offered).
                 if self.engine.config.start_layer or self.engine.config.tensor_parallel_size > 1:
                     self.control.send(ident, P.PrefixOffered(rid=msg.rid))
                 else:
