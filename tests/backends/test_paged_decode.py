@@ -72,7 +72,7 @@ def kernel(
     )
 
 
-KERNELS = envs.cache_dir() / "kernels"  # where engines keep it
+KERNELS = envs.compile_cache_dir() / "kernels"  # where engines keep it
 needs_kernel = pytest.mark.skipif(
     not paged_decode.available(torch.float32, KERNELS),
     reason="no C compiler could build the kernel",
@@ -276,6 +276,7 @@ def test_a_kernel_others_could_write_is_not_loaded(
         paged_decode._library.cache_clear()
 
 
+@needs_kernel
 def test_a_kernel_built_in_a_folder_others_could_write_is_not_loaded(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
