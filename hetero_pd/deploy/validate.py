@@ -233,7 +233,7 @@ def _check_host_part(
                     _check_port_free(host_id, p, src, f"workers[{i}].port")
 
 
-def _check_port_free(host: str, port: int, src: Source, key: str) -> None:
+def _check_port_free(host: str, port: int, src: Source, key: str = "router.port") -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         # As aiohttp binds: connections of a stopped server in TIME_WAIT do not block the
         # port, a listening socket still does.

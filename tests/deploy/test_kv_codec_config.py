@@ -18,7 +18,7 @@ def test_kv_codec_reaches_every_workers_transfer_engine() -> None:
     configs = worker_configs(dep)
     assert [c.transfer.kv_codec for c in configs] == ["int8", "int8"]
     again = WorkerConfig.from_json(configs[0].to_json())  # how a worker process receives it
-    deployed = transfer_config(again, secrets.generate().encode())
+    deployed = transfer_config(again, secrets.WorkerCredential.of(secrets.generate().encode()))
     assert deployed.kv_codec == "int8"
     assert worker_configs(parse_text(YAML))[0].transfer.kv_codec == "none"  # the default
 
