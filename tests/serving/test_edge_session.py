@@ -21,7 +21,7 @@ import msgspec
 import pytest
 import torch
 
-from edge import EdgeClient, EdgeError, EdgeMismatchError, EdgeRuntime, encode
+from edge import EdgeClient, EdgeError, EdgeMismatchError, EdgeRuntime, decode, encode
 from edge import cli as edge_cli
 from edge.wire_audit import assert_no_prompt_leak
 from hetero_pd import LLM, SamplingParams
@@ -200,6 +200,20 @@ def test_nothing_the_device_sends_reveals_the_prompt(stack: Stack, text_llama_di
     start = msgspec.msgpack.decode(sent[0])
     assert set(start) == {"v", "t", "model", "split_layer", "fingerprint", "params", "prompt"}
     assert start["prompt"]["shape"] == [len(ids), 64]
+
+
+def test_the_noise_defence_changes_what_is_sent(stack: Stack, text_llama_dir: Path) -> None:
+    """noise_sigma = 0.5: the prompt's rows leave with Gaussian noise of half their RMS (the
+    edge-privacy bench prices it); the session still completes."""
+    sent: list[bytes] = []
+    edge = client(stack, text_llama_dir, tap=sent.append, noise_sigma=0.5)
+    done = asyncio.run(edge.complete(PROMPTS[2], max_tokens=3, ignore_eos=True))
+    assert len(done.token_ids) == 3
+    rows = decode(msgspec.msgpack.decode(sent[0])["prompt"])
+    rt = EdgeRuntime(text_llama_dir, SPLIT)
+    clean = rt.prefill(rt.tokenize(PROMPTS[2]))
+    ratio = (rows - clean).pow(2).mean(-1).sqrt() / clean.pow(2).mean(-1).sqrt()
+    assert 0.35 < float(ratio.mean()) < 0.65  # float16 rounding adds ~1e-3 at most
 
 
 def test_a_device_with_another_split_is_refused(stack: Stack, text_llama_dir: Path) -> None:
