@@ -11,6 +11,7 @@ from backends.base import (
     CapabilityProfile,
     DeviceInfo,
     LinearKernel,
+    MoEKernel,
     clear_profile_cache,
 )
 from backends.dtype import DtypeChoice
@@ -34,6 +35,7 @@ __all__ = [
     "DeviceInfo",
     "DtypeChoice",
     "LinearKernel",
+    "MoEKernel",
     "available_backends",
     "backend_for",
     "clear_profile_cache",

@@ -24,6 +24,13 @@ from backends.errors import BackendUnavailableError
 
 # x -> F.linear(x, weight, bias), with the weight held inside in the device's preferred layout.
 LinearKernel = Callable[[torch.Tensor], torch.Tensor]
+# A mixture-of-experts layer's routed experts, fused: (x [N, hidden], weights [N, k] float32,
+# ids [N, k], gate_up [held, 2 * inter, hidden], down [held, hidden, inter], num_experts,
+# first_expert) -> [N, hidden]; the arguments of hetero_pd::moe_experts (vLLM's fused_experts).
+MoEKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int],
+    torch.Tensor,
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +269,13 @@ class Backend(ABC):
         The kernel keeps its own copy of the weight (e.g. pre-packed for the GEMM library),
         so later changes to `weight` do not reach it.
         """
+        return None
+
+    def moe_kernel(self, dtype: torch.dtype) -> MoEKernel | None:
+        """A fused kernel for the routed experts of a mixture-of-experts layer in `dtype`, or
+        None (the default) when the model's grouped path (tokens grouped by expert, one matmul
+        pair per expert: hetero_pd/models/moe.py) is the best this backend has. Eager steps
+        call it; a compiled step keeps the `hetero_pd::moe_experts` op."""
         return None
 
     def profile_threads(self) -> int:

@@ -90,7 +90,9 @@ def load_runner(
     try:
         parallel = SINGLE if ranks is None else ranks.parallel
         model = load_model(path, cfg, dtype, device, max_model_len, parallel)
-        model.use_linear_kernels(backend_for(device).linear_kernel)
+        backend = backend_for(device)
+        model.use_linear_kernels(backend.linear_kernel)
+        model.use_moe_kernel(backend.moe_kernel(dtype))
         runner = ModelRunner(
             model,
             local,

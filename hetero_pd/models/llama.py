@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends import LinearKernel
+from backends import LinearKernel, MoEKernel
 from hetero_pd.models.attention import AttentionMetadata, paged_attention
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.moe import SparseMoE
@@ -227,6 +227,13 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 tied = name == "lm_head" and self.cfg.tie_word_embeddings
                 module.use_kernel(make, keep_weight=tied)
+
+    def use_moe_kernel(self, kernel: MoEKernel | None) -> None:
+        """Runs every MoE layer's routed experts through `kernel` (e.g. the backend's
+        `moe_kernel(dtype)`) in eager steps; None keeps the grouped path."""
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.kernel = kernel
 
     def compile_decode(
         self, compile_fn: Callable[[Callable[..., torch.Tensor]], object], dynamic_batch: bool

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends import MoEKernel
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.parallel import SINGLE, Parallel, local_experts
 
@@ -48,6 +49,9 @@ class SparseMoE(nn.Module):
     """The MoE block that replaces a decoder layer's MLP (its routed experts; DeepSeek's
     shared experts are deepseek.py's). Under tensor parallelism a rank holds its share of
     the experts whole (parallel.local_experts); an all-reduce sums the ranks' contributions."""
+
+    #: The backend's fused experts (Backend.moe_kernel), used by eager steps; None: grouped.
+    kernel: MoEKernel | None = None
 
     def __init__(self, cfg: ModelConfig, tp: Parallel = SINGLE) -> None:
         super().__init__()
@@ -83,7 +87,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
         weights, ids = self.route(x)
-        run = moe_experts if torch.compiler.is_compiling() else grouped_experts
+        run = moe_experts if torch.compiler.is_compiling() else (self.kernel or grouped_experts)
         experts, held = self.gate.weight.shape[0], (self.experts_gate_up, self.experts_down)
         y = run(x, weights, ids, *held, experts, self.first_expert)
         out = self.tp.all_reduce(y)
