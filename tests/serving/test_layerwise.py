@@ -25,6 +25,8 @@ DECISIONS = "hetero_pd_policy_decisions_total"
         ("tiny_llama_dir", [40, 33, 64, 100, 150, 200, 257, 300, 450, 520, 700, 20]),
         # MLA: one latent tensor per layer (tensors_per_layer 1) pushed layer by layer.
         ("tiny_deepseek_v3_dir", [40, 90, 200, 20]),
+        # Qwen3-MoE: q/k norms, routed experts and a dense layer between them.
+        ("tiny_qwen3_moe_dir", [40, 90, 200, 20]),
     ],
 )
 def test_layerwise_streaming_equals_engine(
