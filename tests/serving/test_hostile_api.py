@@ -67,7 +67,10 @@ def test_stop_ids_outside_the_vocabulary_never_reach_a_worker(stack: Stack) -> N
     assert_400(stack, completion(stack, seed=2**64), "seed")
     assert stack.launcher is not None and stack.launcher.pids() == pids
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
-    r = client.completions.create(model=stack.dep.model, prompt=[1, 2, 3], max_tokens=4)
+    # ignore_eos: a sampled EOS would end the answer early (the default temperature is 1).
+    r = client.completions.create(
+        model=stack.dep.model, prompt=[1, 2, 3], max_tokens=4, extra_body={"ignore_eos": True}
+    )
     assert r.usage is not None and r.usage.completion_tokens == 4
 
 
