@@ -29,6 +29,9 @@ ALWAYS_CORRUPT = [{"kind": "corrupt", "msg_type": "data", "nth": 1, "count": 10*
 #: Only the first data frame is corrupted: the transfer engine resends it by itself.
 CORRUPT_ONCE = [{"kind": "corrupt", "msg_type": "data", "nth": 1, "count": 1}]
 #: Every KV push of the prefill worker starts 0.3 s late, so pushes are in flight for a while.
+#: A killed worker is not restarted: these tests check what the router does without it (the
+#: supervisor's restart, 0.5 s later, could bring it back mid-test on a slow machine).
+STAYS_DOWN = {"restart": False}
 LATE_BEGIN = [{"kind": "delay", "msg_type": "begin", "nth": 1, "count": 10**9, "delay_s": 0.3}]
 
 
@@ -80,6 +83,7 @@ def test_killed_prefill_worker_recompute_on_decode(
         tiny_llama_dir,
         router={"failure_policy": "recompute"},
         transfer={"faults": {"prefill-0": LATE_BEGIN}},
+        supervisor=STAYS_DOWN,
     )
     prompts = random_prompts([40, 64, 90, 120, 150, 200, 260, 333, 48, 77, 99, 400], seed=31)
     expected = tiny_reference.texts(prompts, greedy(16))
@@ -187,6 +191,7 @@ def corrupt_deployment(model: Path, policy: str, *more_faults: dict[str, Any]) -
         model,
         router={"failure_policy": policy},
         transfer={"transports": ["tcp"], "faults": faults},
+        supervisor=STAYS_DOWN,
     )
 
 
