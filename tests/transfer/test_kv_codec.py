@@ -81,6 +81,23 @@ def test_decode_refuses_wrong_sizes_bad_scales_and_integers() -> None:
         encode(torch.ones(2, 16, 2, 8, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_refuses_finite_scales_that_overflow_the_receivers_dtype(dtype: torch.dtype) -> None:
+    """A finite scale is not enough: 3e38 x 127 is inf in float32, and 1e3 x 127 is inf once
+    cast into a float16 cache. Such blocks would put inf into the cache, where masked
+    attention turns it into NaN for other rows; the receiver refuses them instead."""
+    data = encode(torch.randn(2, 16, 2, 8))
+    limit = torch.finfo(dtype).max
+    hostile = data.clone()
+    hostile[:4].view(torch.float32)[0] = limit / 64  # x 128 (int8 -128) overflows
+    hostile[4 * 64 :].view(torch.int8)[0] = -128
+    with pytest.raises(KVCodecError, match="overflow"):
+        decode(hostile, 2, (16, 2, 8), dtype)
+    fits = data.clone()
+    fits[:4].view(torch.float32)[0] = limit / 128
+    assert torch.isfinite(decode(fits, 2, (16, 2, 8), dtype)).all()
+
+
 def test_codec_settings_and_refusals_name_what_is_wrong() -> None:
     with pytest.raises(ValueError, match=r"TransferConfig\.kv_codec 'int4'.*none, int8"):
         TransferConfig(kv_codec="int4")
