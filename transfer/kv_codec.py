@@ -16,7 +16,9 @@ SmolLM2-135M it kept 95.9% teacher-forced top-1 agreement, per token 100% (docs/
 
 Non-finite KV cannot be quantized: :func:`encode` refuses it (the transfer fails with
 PARAM_INVALID, never sends garbage). :func:`decode` refuses scales that are not finite
-and non-negative. Both raise :class:`KVCodecError`.
+and non-negative, or so large that a value would overflow the receiver's dtype (a finite
+3e38 x 127 is inf, and inf in a cache slot becomes NaN in other rows' masked attention).
+Both raise :class:`KVCodecError`.
 """
 
 from __future__ import annotations
@@ -105,6 +107,11 @@ def decode(
     scale = raw[:head].clone().view(torch.float32)  # clone: aligned, and ours
     if not bool((torch.isfinite(scale) & (scale >= 0)).all()):
         raise KVCodecError("int8 chunk with scales that are not finite and >= 0")
+    # |q| <= 128, so a scale up to max / 128 decodes finite in float32 and in `dtype`.
+    limit = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max) / 128
+    if not bool((scale <= limit).all()):
+        name = str(dtype).removeprefix("torch.")
+        raise KVCodecError(f"int8 chunk with scales that overflow {name} (scale <= {limit:.4g})")
     q = raw[head:].view(torch.int8).reshape(num_blocks, bs, heads, dim)
     x = q.to(torch.float32).mul_(scale.view(num_blocks, bs, heads, 1))
     return x.to(dtype).reshape(num_blocks, *block_shape)
