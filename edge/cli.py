@@ -87,9 +87,11 @@ async def _generate(args: argparse.Namespace) -> int:
         ):
             print(text, end="", flush=True)
     except EdgeError as e:
-        print(f"\n{PROG}: {e}", file=sys.stderr)
+        print(file=sys.stdout)  # the text so far ends its line on stdout
+        print(f"{PROG}: {e}", file=sys.stderr)
         return 1
-    print(f"\n[{client.sent_bytes} bytes sent by this device]", file=sys.stderr)
+    print()  # the answer's own line ends on stdout, so `> answer.txt` holds a whole line
+    print(f"[{client.sent_bytes} bytes sent by this device]", file=sys.stderr)
     return 0
 
 
