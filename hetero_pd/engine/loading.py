@@ -14,6 +14,7 @@ from hetero_pd.engine.model_runner import KVAllocator, ModelRunner
 from hetero_pd.engine.tp.group import RankGroup, start_ranks
 from hetero_pd.engine.tp.kv import head_slices, shared_files
 from hetero_pd.models.config import ModelConfig
+from hetero_pd.models.llama import CausalLM
 from hetero_pd.models.loader import load_model
 from hetero_pd.models.parallel import SINGLE, Parallel, shard_config
 from transfer.kv_layouts import ND
@@ -25,6 +26,15 @@ def rank_threads(config: EngineConfig, backend: Backend) -> int:
     default = backend.default_threads()
     tp = config.tensor_parallel_size
     return config.num_threads or envs.num_threads() or (default and max(1, default // tp))
+
+
+def use_backend_kernels(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
+    """The device backend's linear and MoE kernels in `model`. Every tensor-parallel rank
+    takes the same ones: the ranks then compute their replicated parts (KV heads shared by
+    ranks, MLA's latent) to the same bits, which the shared KV cache relies on (tp/kv.py)."""
+    backend = backend_for(device)
+    model.use_linear_kernels(backend.linear_kernel)
+    model.use_moe_kernel(backend.moe_kernel(dtype))
 
 
 def blocks_for_budget(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -90,9 +100,7 @@ def load_runner(
     try:
         parallel = SINGLE if ranks is None else ranks.parallel
         model = load_model(path, cfg, dtype, device, max_model_len, parallel)
-        backend = backend_for(device)
-        model.use_linear_kernels(backend.linear_kernel)
-        model.use_moe_kernel(backend.moe_kernel(dtype))
+        use_backend_kernels(model, device, dtype)
         runner = ModelRunner(
             model,
             local,

@@ -18,14 +18,17 @@ class DeepseekDecoderLayer(DecoderLayer):
     """The Llama family's decoder layer with MLA, and DeepSeek's MoE with shared experts."""
 
     def attention(self, cfg: ModelConfig, tp: Parallel) -> nn.Module:
-        return MLAttention(cfg)
+        return MLAttention(cfg, tp)
 
     def feed_forward(self, cfg: ModelConfig, index: int, tp: Parallel) -> nn.Module:
         if index not in cfg.moe_layers:
             return MLP(cfg, tp)
         moe = SparseMoE(cfg, tp)
         if cfg.n_shared_experts:
-            moe.shared_experts = MLP(cfg, tp, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            # Each rank's columns of them (parallel.take), summed in the routed experts'
+            # all-reduce: one collective for the block.
+            inter = cfg.moe_intermediate_size * cfg.n_shared_experts // tp.size
+            moe.shared_experts = MLP(cfg, tp, inter, reduce=False)
         return moe
 
 

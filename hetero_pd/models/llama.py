@@ -136,11 +136,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU; under TP column- then row-parallel, its output summed over the ranks unless
+    `reduce` is False (the caller sums it with other partial results)."""
+
     def __init__(
-        self, cfg: ModelConfig, tp: Parallel = SINGLE, intermediate_size: int | None = None
+        self,
+        cfg: ModelConfig,
+        tp: Parallel = SINGLE,
+        intermediate_size: int | None = None,
+        reduce: bool = True,
     ) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp = tp if reduce else SINGLE
         inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False)
         self.down_proj = Linear(inter, cfg.hidden_size, bias=False)

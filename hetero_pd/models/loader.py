@@ -72,13 +72,12 @@ def missing_tensors(cfg: ModelConfig, param: str, filled: set[int | None]) -> li
     return [f"model.layers.{m.group(1)}.{ckpt}.{kind}" for ckpt, i in shards if i not in filled]
 
 
-def _shard_sizes(cfg: ModelConfig, param: str) -> list[int]:
+def _shard_sizes(cfg: ModelConfig, param: str, rows: int) -> list[int]:
+    """The rows of each part of fused parameter `param` (`rows` in all)."""
     if "qkv_proj" in param:
         kv = cfg.num_kv_heads * cfg.head_dim
         return [cfg.num_heads * cfg.head_dim, kv, kv]
-    if "shared_experts" in param:
-        return [cfg.moe_intermediate_size * cfg.n_shared_experts] * 2
-    return [cfg.intermediate_size, cfg.intermediate_size]
+    return [rows // 2, rows // 2]  # gate_up_proj: gate rows, then up rows
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -177,7 +176,7 @@ def copy_tensor(
     if ".experts_" in target and shard is not None:
         dest = expert_slice(cfg, dest, target, shard - 2 * first_expert)
     elif shard is not None:
-        sizes = _shard_sizes(cfg, target)
+        sizes = _shard_sizes(cfg, target, dest.shape[0])
         offset = sum(sizes[:shard])
         dest = dest.narrow(0, offset, sizes[shard])
     if tuple(dest.shape) != tuple(tensor.shape):

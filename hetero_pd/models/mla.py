@@ -31,6 +31,7 @@ from torch import nn
 from hetero_pd.models.attention import AttentionMetadata
 from hetero_pd.models.config import MLAConfig, ModelConfig
 from hetero_pd.models.llama import KVCache, Linear, RMSNorm
+from hetero_pd.models.parallel import SINGLE, Parallel
 from hetero_pd.models.rotary import apply_rope_swapped
 from transfer.kv_layouts import read_slots, write_slots
 
@@ -39,13 +40,15 @@ _LORA_NORM_EPS = 1e-6
 
 
 class MLAttention(nn.Module):
-    """DeepSeek-V3's attention block; checkpoint names as transformers' DeepseekV3Attention."""
+    """DeepSeek-V3's attention block; checkpoint names as transformers' DeepseekV3Attention.
+    cfg: this rank's shapes (its heads, parallel.shard_config); o_proj is row-parallel, the
+    latent projection whole on every rank (parallel.py)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: Parallel = SINGLE) -> None:
         super().__init__()
         assert cfg.mla is not None
         m: MLAConfig = cfg.mla
-        self.m, self.num_heads = m, cfg.num_heads
+        self.m, self.num_heads, self.tp = m, cfg.num_heads, tp
         qk_head_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
         hidden, q_out = cfg.hidden_size, cfg.num_heads * qk_head_dim
         if m.q_lora_rank is None:
@@ -88,7 +91,7 @@ class MLAttention(nn.Module):
         k_pe = apply_rope_swapped(k_pe, cos, sin_signed)
         rows = torch.cat((self.kv_a_layernorm(c_kv)[:, None], k_pe), dim=-1)  # [N, 1, r + rope]
         o = mla_paged_attention(q_nope, q_pe, rows, kv[0], meta, self.kv_b_proj.weight, m)
-        return self.o_proj(o.reshape(x.shape[0], heads * m.v_head_dim))
+        return self.tp.all_reduce(self.o_proj(o.reshape(x.shape[0], heads * m.v_head_dim)))
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:

@@ -90,8 +90,9 @@ class SparseMoE(nn.Module):
         run = moe_experts if torch.compiler.is_compiling() else (self.kernel or grouped_experts)
         experts, held = self.gate.weight.shape[0], (self.experts_gate_up, self.experts_down)
         y = run(x, weights, ids, *held, experts, self.first_expert)
-        out = self.tp.all_reduce(y)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        if self.shared_experts is not None:  # its partial sum under TP (deepseek.py)
+            y = y + self.shared_experts(x)
+        return self.tp.all_reduce(y)
 
 
 def softmax_topk(

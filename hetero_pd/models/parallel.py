@@ -10,8 +10,16 @@ collectives that join the slices (Megatron's split, as vLLM's `parallel_state` d
     o_proj         row-parallel: the columns of rank r's heads; all-reduce after
     gate_up_proj   column-parallel; down_proj row-parallel, all-reduce after
     MoE experts    rank r holds experts [r*E/tp, (r+1)*E/tp) whole; all-reduce after
+    shared experts (DeepSeek) column/row-parallel as an MLP, reduced with the routed ones
     lm_head        vocab-parallel; the logits gathered on rank 0, where sampling runs
     norms, router  replicated
+
+MLA (DeepSeek-V3, mla.py) splits its heads, not its latent: q_proj / q_b_proj and kv_b_proj
+are column-parallel by heads, o_proj row-parallel; q_a_proj, kv_a_proj_with_mqa and their
+norms are replicated, because the latent KV they make has no heads: every head of every
+rank reads all of it. So each rank computes and caches the whole latent (vLLM's MLA under
+TP does the same), identical on every rank: the same input rows (whole after each
+all-reduce) through the same replicated weights and kernels.
 
 A row-parallel layer's bias is added once: rank 0 holds it, the other ranks zeros.
 The hidden states between layers are whole on every rank.
@@ -68,8 +76,8 @@ def kv_head_range(cfg: ModelConfig, size: int, rank: int) -> range:
     return range(head, head + 1)
 
 
-#: The families whose layers this module splits (MLA's latent KV, for one, is not yet).
-TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+#: The families whose layers this module splits.
+TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
 
 
 def check_split(cfg: ModelConfig, size: int) -> None:
@@ -89,6 +97,9 @@ def check_split(cfg: ModelConfig, size: int) -> None:
     ]
     if cfg.num_experts:
         need.append(("num_experts", cfg.num_experts))
+    if cfg.n_shared_experts:
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+        need.append(("shared experts' intermediate size", shared))
     for name, value in need:
         if value % size:
             raise ModelConfigError(
@@ -164,6 +175,11 @@ def take(cfg: ModelConfig, tp: Parallel, target: str, shard: int | None) -> Take
     if ".experts_" in target:
         expert = (shard or 0) // 2
         return ALL if expert in local_experts(cfg, tp) else Take(skip=True)
+    if cfg.mla is not None and ".self_attn." in target:
+        return _take_mla(cfg, r, size, module)
+    if ".shared_experts." in target:
+        inter = cfg.moe_intermediate_size * cfg.n_shared_experts // size
+        return Take(0 if module == "gate_up_proj" else 1, r * inter, (r + 1) * inter)
     heads = cfg.num_heads // size * cfg.head_dim
     if module == "qkv_proj":
         if shard == 0:
@@ -180,6 +196,23 @@ def take(cfg: ModelConfig, tp: Parallel, target: str, shard: int | None) -> Take
     if module == "down_proj" and ".mlp." in target:
         return Take(1, r * inter, (r + 1) * inter)
     return ALL
+
+
+def _take_mla(cfg: ModelConfig, r: int, size: int, module: str) -> Take:
+    """MLA's slices: rank r's heads of the per-head projections, the latent's whole."""
+    assert cfg.mla is not None
+    m, heads = cfg.mla, cfg.num_heads // size
+    per_head = {
+        "q_proj": m.qk_nope_head_dim + m.qk_rope_head_dim,
+        "q_b_proj": m.qk_nope_head_dim + m.qk_rope_head_dim,
+        "kv_b_proj": m.qk_nope_head_dim + m.v_head_dim,
+    }
+    if module in per_head:
+        rows = heads * per_head[module]
+        return Take(0, r * rows, (r + 1) * rows)
+    if module == "o_proj":
+        return Take(1, r * heads * m.v_head_dim, (r + 1) * heads * m.v_head_dim)
+    return ALL  # q_a_proj, kv_a_proj_with_mqa and their norms: the latent is every head's
 
 
 class VocabParallelEmbedding(nn.Embedding):

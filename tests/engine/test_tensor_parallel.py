@@ -51,7 +51,9 @@ def tiny_mqa_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) 
     return _save_tiny(config, LlamaForCausalLM, dest, tokenizer_dir, seed=8, random_norms=True)
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_qwen3_dir", "tiny_qwen3_moe_dir"])
+@pytest.mark.parametrize(
+    "model_fixture", ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_deepseek_v3_dir"]
+)
 def test_tp2_matches_tp1_and_transformers(
     model_fixture: str, request: pytest.FixtureRequest, hf_greedy: Ref, make_llm: Make
 ) -> None:
@@ -78,10 +80,21 @@ def test_tp2_matches_tp1_and_transformers(
     # Rank 0 holds half the heads, KV heads, MLP columns and vocabulary (the CPU's linear
     # kernels may hold the matrices outside the parameters: shapes, not bytes, tell).
     cfg, model = tp1.engine.model_config, tp2.engine.runner.model
-    heads = cfg.num_heads + 2 * cfg.num_kv_heads
-    assert model.layers[0].self_attn.qkv_proj.out_features == heads // 2 * cfg.head_dim
     assert model.embed_tokens.num_embeddings == cfg.vocab_size // 2
-    assert tp2.engine.runner.kv_caches[0][0].shape[2] == cfg.num_kv_heads // 2
+    attn, kv = model.layers[0].self_attn, tp2.engine.runner.kv_caches[0]
+    if cfg.mla is None:
+        heads = cfg.num_heads + 2 * cfg.num_kv_heads
+        assert attn.qkv_proj.out_features == heads // 2 * cfg.head_dim
+        assert kv[0].shape[2] == cfg.num_kv_heads // 2
+    else:  # half the heads; the latent, which has none, whole on each rank
+        qk = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim
+        assert attn.q_b_proj.out_features == cfg.num_heads // 2 * qk
+        assert attn.o_proj.in_features == cfg.num_heads // 2 * cfg.mla.v_head_dim
+        assert kv[0].shape[1:] == cfg.kv_block_shape(8)
+        moe = model.layers[1].mlp
+        assert moe.experts_down.shape[0] == cfg.num_experts // 2
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+        assert moe.shared_experts.down_proj.in_features == shared // 2
 
 
 def test_kv_head_replicated_when_tp_exceeds_kv_heads(tiny_mqa_dir: Path, hf_greedy: Ref) -> None:
@@ -152,7 +165,7 @@ def test_kv_heads_split_or_replicated(tiny_llama_dir: Path) -> None:
     assert [list(kv_head_range(cfg, 2, r)) for r in range(2)] == [[0], [1]]
     # TP 4: query heads 0-1 read KV head 0, heads 2-3 KV head 1; each KV head on two ranks
     assert [list(kv_head_range(cfg, 4, r)) for r in range(4)] == [[0], [0], [1], [1]]
-    mla = dataclasses.replace(cfg, family="deepseek_v3", architecture="DeepseekV3ForCausalLM")
-    with pytest.raises(ModelConfigError, match="not supported for DeepseekV3ForCausalLM"):
-        check_split(mla, 2)
-    check_split(mla, 1)  # one rank splits nothing
+    other = dataclasses.replace(cfg, family="gemma", architecture="GemmaForCausalLM")
+    with pytest.raises(ModelConfigError, match="not supported for GemmaForCausalLM"):
+        check_split(other, 2)
+    check_split(other, 1)  # one rank splits nothing

@@ -26,34 +26,49 @@ MAX_TOKENS = 10
 
 
 @pytest.mark.parametrize(
-    ("prefill_tp", "decode_tp", "transfer"),
+    ("model_fixture", "prefill_tp", "decode_tp", "transfer"),
     [
         # Layer by layer from TP 2: rank 0 pushes layer l once its all-reduces are done, by
         # which time rank 1 has written its heads of layer l.
-        pytest.param(2, 1, {"transports": ["tcp"], "layerwise": True}, id="tp2-to-tp1-tcp-layers"),
+        pytest.param(
+            "tiny_qwen3_dir", 2, 1, {"transports": ["tcp"], "layerwise": True},
+            id="tp2-to-tp1-tcp-layers",
+        ),
         # shm: the prefill worker writes into the files decode's two ranks map.
-        pytest.param(1, 2, {"transports": ["shm"]}, id="tp1-to-tp2-shm-whole"),
+        pytest.param(
+            "tiny_qwen3_dir", 1, 2, {"transports": ["shm"]}, id="tp1-to-tp2-shm-whole"
+        ),
+        # MLA: both prefill ranks write the same whole latent; decode's two ranks read it.
+        pytest.param(
+            "tiny_deepseek_v3_dir", 2, 1, {"transports": ["shm"], "layerwise": True},
+            id="mla-tp2-to-tp1-shm-layers",
+        ),
+        pytest.param(
+            "tiny_deepseek_v3_dir", 1, 2, {"transports": ["tcp"]}, id="mla-tp1-to-tp2-tcp-whole"
+        ),
     ],
-)
+)  # fmt: skip
 def test_prefill_and_decode_at_different_tp(
+    model_fixture: str,
     prefill_tp: int,
     decode_tp: int,
     transfer: dict[str, Any],
-    tiny_qwen3_dir: Path,
+    request: pytest.FixtureRequest,
     reference_for: Callable[[Path], Any],
 ) -> None:
+    model: Path = request.getfixturevalue(model_fixture)
     prompts = random_prompts(LENGTHS, seed=29)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    expected = reference_for(tiny_qwen3_dir).texts(prompts, params)
+    expected = reference_for(model).texts(prompts, params)
     dep = deployment(
-        tiny_qwen3_dir,
+        model,
         workers=[
             {"role": "prefill", "tensor_parallel_size": prefill_tp},
             {"role": "decode", "tensor_parallel_size": decode_tp},
         ],
         transfer=transfer,
     )
-    cfg = ModelConfig.from_dir(tiny_qwen3_dir)
+    cfg = ModelConfig.from_dir(model)
     elem = torch.tensor([], dtype=parse_dtype(dep.dtype)).element_size()
     with running_stack(dep) as stack:
         assert stack.router is not None

@@ -17,7 +17,8 @@ mismatched TP moves as many (and as large) writes as a matched one. Ranks write 
 during a step; rank 0 reads or writes the blocks only between steps (or, layer by layer,
 after a layer's last all-reduce, which every rank reaches only once its heads are written),
 and a transfer into the cache lands before the step that reads it is broadcast. When TP
-exceeds the KV head count, the ranks sharing a head write the same values into it.
+exceeds the KV head count (MLA's latent counts as one head), the ranks sharing a head write
+the same values into it: the same bits, from the same inputs, weights and kernels.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from backends import parse_device
 from backends.distributed import bind_device, collective_backend
 from hetero_pd.config import parse_dtype
+from hetero_pd.engine.loading import use_backend_kernels
 from hetero_pd.engine.model_runner import ModelRunner
 from hetero_pd.engine.tp.codec import HEADER_LEN, OP_LOGITS, OP_STEP, Header, decode_step
 from hetero_pd.engine.tp.group import IDLE_TIMEOUT, RankSpec
@@ -58,6 +59,7 @@ class Rank:
         self.model: CausalLM = load_model(
             spec.model, cfg, self.dtype, self.device, spec.max_model_len, tp
         )
+        use_backend_kernels(self.model, self.device, self.dtype)  # rank 0's kernels
         kv_allocator = None  # a worker's ranks share its whole-head KV (kv.py)
         if spec.kv_files:
             files, blocks = list(spec.kv_files), spec.num_blocks
