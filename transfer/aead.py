@@ -14,8 +14,8 @@ between hosts and leaves peers on one host in clear (they use shared memory anyw
 link. Each direction has its own key and a counter for nonces, so a nonce is never used
 twice under one key; a frame whose tag does not verify is dropped and counted
 (``bad_mac``), and its chunk is resent like any chunk that did not arrive whole. BEGIN, END
-and ACK carry block ids and counts, not KV, and stay bound to the session by its token: one
-rewritten on the way can fail a transfer, never misplace or alter its KV.
+and ACK carry block ids and counts, not KV: they travel in clear with a MAC under the
+session's control keys (:mod:`transfer.wire`), so one rewritten on the way is dropped.
 """
 
 from __future__ import annotations

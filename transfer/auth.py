@@ -15,7 +15,9 @@
 Who a side is (host, pid, data address) and what it holds (region descriptions) travel only
 to a peer that already proved the secret: the client's in AUTH, the server's in WELCOME.
 
-Every later frame carries the session token, bound to the ZMQ connection it was issued on.
+Every later frame carries the session token, bound to the ZMQ connection it was issued on,
+and a MAC under the session's control key of its direction (:func:`control_keys`): a frame
+altered on the way, or made by anyone who did not take part in the handshake, is dropped.
 Neither side ever sends the secret. An empty secret still runs the exchange (so both sides
 must agree on it) but offers no protection; use it on a trusted loopback only.
 """
@@ -59,6 +61,18 @@ def session_keys(
     """The session's keys for sealed KV (:mod:`transfer.aead`): client-to-server and
     server-to-client. Both nonces travel in clear, the secret never does."""
     root = _mac(secret, b"K", nonce_c, nonce_s, client, server)
+    return (
+        hmac.new(root, b"client->server", hashlib.sha256).digest(),
+        hmac.new(root, b"server->client", hashlib.sha256).digest(),
+    )
+
+
+def control_keys(
+    secret: bytes, nonce_c: bytes, nonce_s: bytes, client: str, server: str
+) -> tuple[bytes, bytes]:
+    """The session's keys for the MAC on every frame after the handshake (:func:`wire.encode
+    <transfer.wire.encode>`): client-to-server and server-to-client, apart from the KV keys."""
+    root = _mac(secret, b"M", nonce_c, nonce_s, client, server)
     return (
         hmac.new(root, b"client->server", hashlib.sha256).digest(),
         hmac.new(root, b"server->client", hashlib.sha256).digest(),

@@ -300,6 +300,9 @@ class Core:
                 refusal = Error(transfer_id="", code=code, text=_NOT_LINKED)
                 self.outbox.to_identity(identity, wire.encode(refusal))
             return None
+        if not wire.authentic(first.buffer, session.mac_receive):
+            self.metrics.reject("bad_mac")  # altered on the way, or not from the peer
+            return None
         return session
 
     def _route(self, msg: AnyMessage, session: Session, payload: memoryview | None) -> None:

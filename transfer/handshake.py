@@ -6,19 +6,21 @@ The :class:`~transfer.linker.Linker` runs the handshake (HMAC proofs both ways f
     dialler                                   listener
       HELLO {id, role, nonce}           ──>
                                         <──   CHALLENGE {id, role, nonce, proof}
-      AUTH {proof, about}               ──>   peer_facts, mismatch, sealer -> new_session
+      AUTH {proof, about}               ──>   peer_facts, mismatch, keys -> new_session
                                         <──   WELCOME {token, about}
-      peer_facts, mismatch, sealer -> new_session
+      peer_facts, mismatch, keys -> new_session
 
 Only after the peer proved the secret does either side say ``about`` itself (:func:`about`);
 this module builds that, reads the peer's (:func:`peer_facts`), refuses a peer holding
 another model or another encryption policy (:func:`mismatch`), agrees on sealing KV
-(:func:`sealer`) and makes the :class:`Session` from both halves.
+and derives the session's keys (:func:`keys`) and makes the :class:`Session` from both
+halves.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 
 from transfer import aead, auth, wire
 from transfer.addresses import reachable
@@ -40,19 +42,33 @@ def about(me: Identity, regions: list[RegionInfo], config: TransferConfig) -> Ab
     )
 
 
-def sealer(
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """A session's keys, all from the secret and both handshake nonces (never sent)."""
+
+    #: Seals KV chunks when both ends agree to (:func:`aead.agree`), else None.
+    sealer: aead.Sealer | None
+    #: MACs the frames we send (:func:`wire.encode`) and those the peer sends.
+    mac_send: bytes
+    mac_receive: bytes
+
+
+def keys(
     config: TransferConfig, me: Identity, theirs: About, peer: Hello | Challenge, mine: bytes
-) -> aead.Sealer | None:
-    """The session's sealer when both ends agree to seal its KV (:func:`aead.agree`; a
-    TransferError when they cannot), its keys from the secret and both handshake nonces.
-    ``peer``: its HELLO (we listen) or CHALLENGE (we dialled); ``mine``: our nonce."""
-    if not aead.agree(config.encrypt, theirs.encrypt, theirs.host == me.host):
-        return None
+) -> Keys:
+    """The session's keys. ``peer``: its HELLO (we listen) or CHALLENGE (we dialled);
+    ``mine``: our nonce."""
     dialler = isinstance(peer, Challenge)
     nonce_c, nonce_s = (mine, peer.nonce) if dialler else (peer.nonce, mine)
     ids = (me.engine_id, peer.engine_id) if dialler else (peer.engine_id, me.engine_id)
-    c2s, s2c = auth.session_keys(config.secret, nonce_c, nonce_s, *ids)
-    return aead.Sealer(c2s, s2c) if dialler else aead.Sealer(s2c, c2s)
+    ours, theirs_mac = auth.control_keys(config.secret, nonce_c, nonce_s, *ids)
+    sealer = None
+    if aead.agree(config.encrypt, theirs.encrypt, theirs.host == me.host):
+        c2s, s2c = auth.session_keys(config.secret, nonce_c, nonce_s, *ids)
+        sealer = aead.Sealer(c2s, s2c) if dialler else aead.Sealer(s2c, c2s)
+    if not dialler:
+        ours, theirs_mac = theirs_mac, ours
+    return Keys(sealer, ours, theirs_mac)
 
 
 def peer_facts(theirs: About, seen_host: str) -> tuple[str, str]:
@@ -89,7 +105,7 @@ def new_session(
     about: About,
     token: bytes,
     data_address: str,
-    sealer: aead.Sealer | None,
+    keys: Keys,
     identity: bytes | None = None,
     link: Link | None = None,
 ) -> Session:
@@ -104,7 +120,9 @@ def new_session(
         identity=identity,
         link=link,
         data_address=data_address,
-        sealer=sealer,
+        sealer=keys.sealer,
+        mac_send=keys.mac_send,
+        mac_receive=keys.mac_receive,
     )
 
 

@@ -300,10 +300,10 @@ class Linker:
             log.error("%s", refused[1])
             self._refuse(identity, StatusCode.PARAM_INVALID, refused[1])
             return
-        sealer = handshake.sealer(self.config, self.me, msg.about, hello, server_nonce)
+        keys = handshake.keys(self.config, self.me, msg.about, hello, server_nonce)
         token = auth.new_nonce()
         session = handshake.new_session(
-            hello, msg.about, token, data_address, sealer, identity=identity
+            hello, msg.about, token, data_address, keys, identity=identity
         )
         old = self._inbound.get(session.peer_id)
         if old is not None:
@@ -330,10 +330,8 @@ class Linker:
             self.metrics.reject(refused[0])
             self._fail_link(link, StatusCode.PARAM_INVALID, refused[1])
             return
-        sealer = handshake.sealer(self.config, self.me, msg.about, hello, link.nonce)
-        session = handshake.new_session(
-            hello, msg.about, msg.token, data_address, sealer, link=link
-        )
+        keys = handshake.keys(self.config, self.me, msg.about, hello, link.nonce)
+        session = handshake.new_session(hello, msg.about, msg.token, data_address, keys, link=link)
         link.session = session
         old = self._outbound.get(session.peer_id)
         if old is not None and old is not session:

@@ -27,7 +27,7 @@ from msgspec import Meta, field
 
 from transfer.errors import StatusCode, TransferError
 
-VERSION: Literal[4] = 4
+VERSION: Literal[5] = 5
 
 #: Engine ids and region names.
 Name = Annotated[str, Meta(max_length=256)]
@@ -322,7 +322,7 @@ class Header(_Struct, frozen=True, kw_only=True):
     """Every frame's header: the protocol version, the session token ("" while linking)
     and one message."""
 
-    v: Literal[4]
+    v: Literal[5]
     sid: Secret
     msg: AnyMessage = field(name="m")
 

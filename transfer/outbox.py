@@ -16,7 +16,6 @@ from typing import Protocol
 
 import zmq
 
-from transfer import wire
 from transfer.checksum import Running
 from transfer.faults import FaultInjector
 from transfer.loop import IOLoop
@@ -97,7 +96,7 @@ class Outbox:
 
     def post(self, session: Session, msg: AnyMessage) -> zmq.MessageTracker | bool:
         """Send a header-only message to ``session`` on its link; False if it could not go."""
-        return self.send(session, tag(msg), wire.encode(msg, session.token))
+        return self.send(session, tag(msg), session.header(msg))
 
     def send(
         self,

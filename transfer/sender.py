@@ -121,7 +121,7 @@ class Sender:
         out.via_data = out.transport == "tcp" and self.outbox.has_data_channel(session)
         if out.via_data:
             out.stream = out.stream or next(self._streams)
-        out.begin = wire.encode(begin, session.token)
+        out.begin = session.header(begin)
         out.begin_digest = aead.begin_digest(begin)
         send_framing(self.outbox, out, "begin", out.begin)
         out.phase = Phase.GRANT if direct else Phase.SEND
@@ -187,7 +187,7 @@ class Sender:
     def _send_end(self, out: OutTransfer, digests: list[int] | None) -> None:
         assert out.session is not None
         end = End(transfer_id=out.handle.transfer_id, num_chunks=len(out.chunks), digests=digests)
-        send_framing(self.outbox, out, "end", wire.encode(end, out.session.token))
+        send_framing(self.outbox, out, "end", out.session.header(end))
         out.phase = Phase.ACK
         out.attempt_until = time.monotonic() + self.config.ack_timeout_s
 

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 import zmq
 
+from transfer import wire
 from transfer.aead import Sealer
-from transfer.messages import Challenge, RegionInfo, RoleName
+from transfer.messages import AnyMessage, Challenge, RegionInfo, RoleName
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,14 @@ class Session:
     data_failed: bool = False
     #: Seals KV chunks both ways when the two ends agreed to (:mod:`transfer.aead`).
     sealer: Sealer | None = None
+    #: Control keys (:func:`transfer.auth.control_keys`): ours MACs every frame we send on
+    #: the session, the peer's every frame it sends.
+    mac_send: bytes = b""
+    mac_receive: bytes = b""
+
+    def header(self, msg: AnyMessage) -> bytes:
+        """``msg`` as a sealed header of this session: its token and our MAC."""
+        return wire.encode(msg, self.token, self.mac_send)
 
     @property
     def outbound(self) -> bool:

@@ -2,9 +2,17 @@
 
 A frame is a ZMQ multipart message ``[header]`` or ``[header, payload]``. The header is a
 msgpack :class:`~transfer.messages.Header` ``{"v": VERSION, "sid": token, "m": {"t": tag,
-...}}`` followed by the CRC32 of its bytes (4 bytes, little-endian): a header damaged on the
-way is rejected as ``corrupt`` and its transfer retried, never believed. Payloads are raw
-tensor bytes (only DATA has one), never pickled objects.
+...}}``, then its MAC, then the CRC32 of both (4 bytes, little-endian)::
+
+    msgpack header | MAC 16 B: HMAC-SHA256(session key of this direction, header)[:16] | CRC32
+
+A header damaged on the way is rejected as ``corrupt`` and its transfer retried, never
+believed. The CRC is no secret, so whoever is on the path can alter a field and recompute
+it: frames of a session also carry the MAC under the session's control key of their
+direction (:func:`transfer.auth.control_keys`), checked once the session is known
+(:func:`authentic`); handshake frames, which have no session yet, carry zeros there (their
+proofs authenticate them). Payloads are raw tensor bytes (only DATA has one), never pickled
+objects.
 
 :func:`decode` hands out a message only after one typed decoder checked every field's
 type and bounds (:mod:`transfer.messages`); whatever does not validate raises
@@ -15,6 +23,7 @@ type and bounds (:mod:`transfer.messages`); whatever does not validate raises
 
 from __future__ import annotations
 
+import hmac
 import zlib
 
 import msgspec
@@ -23,10 +32,22 @@ from transfer.addresses import split_host_port
 from transfer.errors import TransferError
 from transfer.messages import VERSION, AnyMessage, Data, Header, RegionInfo
 
-__all__ = ["CRC_BYTES", "MAX_HEADER_BYTES", "VERSION", "FrameError", "decode", "encode", "seal"]
+__all__ = [
+    "CRC_BYTES",
+    "MAC_BYTES",
+    "MAX_HEADER_BYTES",
+    "VERSION",
+    "FrameError",
+    "authentic",
+    "decode",
+    "encode",
+    "seal",
+]
 
 MAX_HEADER_BYTES = 1 << 20
 CRC_BYTES = 4
+MAC_BYTES = 16
+_NO_MAC = bytes(MAC_BYTES)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Header)
@@ -40,14 +61,33 @@ class FrameError(Exception):
         self.reason = reason
 
 
-def encode(msg: AnyMessage, sid: bytes = b"") -> bytes:
-    """One sealed header carrying ``msg`` on session ``sid`` (empty while linking)."""
-    return seal(_encoder.encode(Header(v=VERSION, sid=sid, msg=msg)))
+def encode(msg: AnyMessage, sid: bytes = b"", key: bytes = b"") -> bytes:
+    """One sealed header carrying ``msg`` on session ``sid`` (empty while linking), its MAC
+    under ``key`` (the session's control key for this direction; none while linking)."""
+    packed = _encoder.encode(Header(v=VERSION, sid=sid, msg=msg))
+    return seal(packed, _mac(key, packed) if key else _NO_MAC)
 
 
-def seal(packed: bytes) -> bytes:
-    """``packed`` followed by its CRC32 (what :func:`decode` expects)."""
-    return packed + zlib.crc32(packed).to_bytes(CRC_BYTES, "little")
+def seal(packed: bytes, mac: bytes = _NO_MAC) -> bytes:
+    """``packed``, its ``mac`` and their CRC32 (what :func:`decode` expects)."""
+    body = packed + mac
+    return body + zlib.crc32(body).to_bytes(CRC_BYTES, "little")
+
+
+def tag_of(raw: bytes | memoryview) -> bytes:
+    """The MAC a sealed header carries."""
+    return bytes(memoryview(raw)[-CRC_BYTES - MAC_BYTES : -CRC_BYTES])
+
+
+def authentic(raw: bytes | memoryview, key: bytes) -> bool:
+    """Whether a header that :func:`decode` accepted carries the MAC of its bytes under
+    ``key`` (the peer's control key): made by a holder of the session's keys, unaltered."""
+    packed = memoryview(raw)[: -CRC_BYTES - MAC_BYTES]
+    return hmac.compare_digest(_mac(key, packed), tag_of(raw))
+
+
+def _mac(key: bytes, packed: bytes | memoryview) -> bytes:
+    return hmac.digest(key, packed, "sha256")[:MAC_BYTES]
 
 
 def decode(raw: bytes | memoryview, nparts: int) -> Header:
@@ -55,13 +95,12 @@ def decode(raw: bytes | memoryview, nparts: int) -> Header:
     if len(raw) > MAX_HEADER_BYTES:
         raise FrameError("oversized_header", f"{len(raw)} bytes")
     view = memoryview(raw)
-    if len(view) <= CRC_BYTES:
+    if len(view) <= CRC_BYTES + MAC_BYTES:
         raise FrameError("malformed", "header too short")
-    body = view[:-CRC_BYTES]
-    if zlib.crc32(body) != int.from_bytes(view[-CRC_BYTES:], "little"):
+    if zlib.crc32(view[:-CRC_BYTES]) != int.from_bytes(view[-CRC_BYTES:], "little"):
         raise FrameError("corrupt", "header checksum")
     try:
-        header = _decoder.decode(body)
+        header = _decoder.decode(view[: -CRC_BYTES - MAC_BYTES])
     except msgspec.ValidationError as exc:
         raise FrameError(_reason(str(exc)), str(exc)[:200]) from None
     except msgspec.DecodeError as exc:

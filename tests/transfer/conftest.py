@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from transfer import KVRegion, TransferEngine
-from transfer.testing import PeerProcess, RegionSpec, fill, make_config
+from transfer import KVRegion, TransferEngine, TransferState
+from transfer.testing import PeerProcess, RegionSpec, blocks_digest, fill, make_config
 
 SECRET = "test-secret"
 REGION = RegionSpec(seed=7)
@@ -83,3 +83,15 @@ def make_pair() -> Iterator[Callable[..., Pair]]:
     finally:
         for eng in made:
             eng.close()
+
+
+def push_tcp(
+    p: TransferEngine, d: TransferEngine, rid: str, src: list[int], dst: list[int]
+) -> None:
+    """One tcp push of ``src`` into ``dst`` reserved for ``p``, DONE with identical bytes."""
+    recv = d.reserve(rid, dst)
+    assert recv.blocks is not None
+    h = p.push_blocks(d.engine_id, src, recv.blocks, transport="tcp")
+    assert h.wait(10) is TransferState.DONE, h.error
+    assert blocks_digest(d.region(), dst) == blocks_digest(p.region(), src)
+    d.release(rid)

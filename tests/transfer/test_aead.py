@@ -15,10 +15,10 @@ import pytest
 
 from transfer import StatusCode, TransferEngine, TransferError, TransferState, aead, layout, wire
 from transfer.messages import Begin
-from transfer.testing import blocks_digest, make_config
+from transfer.testing import make_config
 from transfer.transports.tcp import frames
 
-from .conftest import FAST, Pair
+from .conftest import FAST, Pair, push_tcp
 
 SRC, DST = [1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15]
 SO_RCVBUFFORCE = 33  # Linux: a receive buffer past rmem_max (root); Python names it not
@@ -71,15 +71,6 @@ def _samples(p: TransferEngine) -> list[bytes]:
     return out
 
 
-def _push(p: TransferEngine, d: TransferEngine, rid: str) -> None:
-    recv = d.reserve(rid, DST)
-    assert recv.blocks is not None
-    h = p.push_blocks(d.engine_id, SRC, recv.blocks, transport="tcp")
-    assert h.wait(10) is TransferState.DONE, h.error
-    assert blocks_digest(d.region(), DST) == blocks_digest(p.region(), SRC)
-    d.release(rid)
-
-
 @pytest.mark.parametrize("data_channel", [True, False], ids=["data-channel", "link"])
 def test_a_capture_between_engines_holds_no_kv_byte(
     make_pair: Callable[..., Pair],
@@ -90,7 +81,7 @@ def test_a_capture_between_engines_holds_no_kv_byte(
         spec = {"encrypt": encrypt, "transports": ["tcp"], "data_channel": data_channel}
         p, d = make_pair(spec, spec)
         with capture() as cap:
-            _push(p, d, f"sealed-{encrypt}")
+            push_tcp(p, d, f"sealed-{encrypt}", SRC, DST)
         found = [s for s in _samples(p) if s in cap.data]
         if encrypt == "on":
             assert found == [], f"{len(found)} KV pieces in clear on the wire"
@@ -105,7 +96,7 @@ def test_a_flipped_bit_fails_the_tag_and_the_chunk_is_resent(
     flip = [{"kind": "corrupt", "msg_type": "data", "nth": 2}]
     spec = {"encrypt": "on", "transports": ["tcp"], "data_channel": data_channel}
     p, d = make_pair({**spec, "faults": flip, "checksum": False}, spec)
-    _push(p, d, "flipped")
+    push_tcp(p, d, "flipped", SRC, DST)
     assert d.metrics().rejected("bad_mac") == 1
     assert p.metrics().faults_injected_total == 1
 

@@ -279,6 +279,8 @@ class DataIn:
         msg = header.msg
         if not isinstance(msg, Begin | End) or header.sid != session.token:
             raise wire.FrameError("unauthenticated", f"{tag(msg)} on the data channel")
+        if not wire.authentic(body, session.mac_receive):
+            raise wire.FrameError("bad_mac", f"{tag(msg)} altered or forged")
         if isinstance(msg, End):
             self.receiver.on_end(session, msg)
             return

@@ -20,7 +20,7 @@ import itertools
 
 import zmq
 
-from transfer import aead, checksum, kv_codec, layout, wire
+from transfer import aead, checksum, kv_codec, layout
 from transfer.hashing import Hasher
 from transfer.messages import Data
 from transfer.metrics import TransportMetrics
@@ -95,7 +95,7 @@ def pump_stream(
                 hi=chunk.hi,
                 digest=digest,
             )
-            header = wire.encode(data, session.token)
+            header = session.header(data)
             if sealer is not None:  # the DATA message is the sealed body's associated data
                 sent = outbox.send(
                     session, "data", header, sealer.seal(header + out.begin_digest, buf)
