@@ -76,12 +76,18 @@ def share_prefix(stack: Stack) -> tuple[list[int], list[int]]:
     return prefix, prefix + suffix
 
 
-@pytest.mark.parametrize("transports", [[], ["tcp"]], ids=["default", "tcp"])
+@pytest.mark.parametrize(
+    ("transports", "tp"),
+    [([], 1), (["tcp"], 1), (["tcp"], 2)],
+    # tp2: both workers at TP 2; each offers or pulls through its ranks' whole-head cache.
+    ids=["default", "tcp", "tp2-tcp"],
+)
 def test_prefill_worker_pulls_the_prefix_the_decode_worker_computed(
-    tiny_llama_dir: Path, tiny_reference: Any, hf_greedy: Any, transports: list[str]
+    tiny_llama_dir: Path, tiny_reference: Any, hf_greedy: Any, transports: list[str], tp: int
 ) -> None:
     transfer = {"transports": transports} if transports else {}
-    dep = deployment(tiny_llama_dir, router=ROUTER, transfer=transfer)
+    workers = [{"role": r, "tensor_parallel_size": tp} for r in ("prefill", "decode")]
+    dep = deployment(tiny_llama_dir, workers=workers, router=ROUTER, transfer=transfer)
     with running_stack(dep) as stack:
         prefix, prompt = share_prefix(stack)
         assert complete(stack, prefix) == expected(

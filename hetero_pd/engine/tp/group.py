@@ -86,6 +86,9 @@ class RankGroup:
                 "tensor-parallel engine at a time (close the other engine first)"
             )
         self.world, self.timeout_s, self.device = spec.world, spec.timeout_s, device
+        #: Rank 0's KV tensors are the whole-head cache every rank maps (tp/kv.py), so they
+        #: hold every head, as a TP 1 engine's do; else each rank keeps its heads apart.
+        self.kv_whole = bool(spec.kv_files)
         self.broken: str | None = None
         # The children's stderr, for error messages; closed by close().
         self._log = tempfile.TemporaryFile()  # noqa: SIM115

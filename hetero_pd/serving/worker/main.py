@@ -39,7 +39,7 @@ from hetero_pd.serving.control import values as V
 from hetero_pd.serving.control.auth import WorkerKeys
 from hetero_pd.serving.control.server import ControlServer
 from hetero_pd.serving.worker.config import WorkerConfig, transfer_config
-from hetero_pd.serving.worker.prefix_share import offer_prefix
+from hetero_pd.serving.worker.prefix_share import offer_prefix, shares_prefixes
 from hetero_pd.serving.worker.requests import RequestBook
 from transfer import KVRegion, TransferEngine
 
@@ -203,9 +203,7 @@ class Worker:
                 else:
                     self.book.start(ident, msg)
             case P.OfferPrefix():
-                # A split engine caches no prefix; prefix sharing is not built for a
-                # tensor-parallel one (its ranks' prefix caches are not offered).
-                if self.engine.config.start_layer or self.engine.config.tensor_parallel_size > 1:
+                if not shares_prefixes(self.engine):
                     self.control.send(ident, P.PrefixOffered(rid=msg.rid))
                 else:
                     self.control.send(ident, offer_prefix(self.engine.kv, self.transfer, msg))

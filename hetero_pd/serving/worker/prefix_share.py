@@ -40,6 +40,15 @@ Start = P.Generate | P.Prefill
 Resume = Callable[[bytes, Start], None]
 
 
+def shares_prefixes(engine: LLMEngine) -> bool:
+    """Whether `engine`'s cached blocks can be offered and pulled: its KV tensors (the
+    transfer region) hold every KV head of every block, which a tensor-parallel worker's do
+    when its ranks share one whole-head cache (engine/tp/kv.py), and it caches prefixes of
+    token ids (a split engine, which sees hidden states, does not)."""
+    ranks = engine.ranks
+    return engine.config.start_layer == 0 and (ranks is None or ranks.kv_whole)
+
+
 def offer_id(rid: str) -> str:
     """The transfer request id of a prefix offer (apart from the request's own ids)."""
     return f"{rid}/prefix"
@@ -107,7 +116,7 @@ class PrefixPulls:
         (`resume(owner, msg)` starts it when the pull ends, whichever way), False when there
         is nothing to pull (start it now)."""
         src = msg.pull
-        if src is None or self.engine.config.tensor_parallel_size > 1:
+        if src is None or not shares_prefixes(self.engine):
             return False  # nothing to pull, or no pulling into a split KV: compute it
         bs, prompt = self.kv.block_size, list(msg.prompt_ids)
         wanted = src.tokens // bs
