@@ -139,3 +139,14 @@ def test_compiled_moe_decode_equals_transformers(
     the governor changes under load is a global state dynamo guards, and recompiles."""
     monkeypatch.setenv("HETERO_PD_ADAPTIVE_THREADS", "0")
     run_compiled(tiny_qwen3_moe_dir, 1, hf_greedy)
+
+
+def test_compiled_mla_decode_equals_transformers(
+    tiny_deepseek_v3_dir: Path, hf_greedy: Ref, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSeek-V3 in the compiled step: the absorbed MLA decode over the latent cache
+    (mla.py takes its decode path whenever it is compiled) and DeepSeek's routing around
+    the opaque experts op; tokens equal transformers'."""
+    monkeypatch.setenv("HETERO_PD_ADAPTIVE_THREADS", "0")
+    llm = run_compiled(tiny_deepseek_v3_dir, 4, hf_greedy)
+    assert not llm.engine.runner.native_decode  # MLA attends over latents, not K/V heads
