@@ -12,6 +12,7 @@ is not, so a failing test leaves no orphan behind).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -141,6 +142,11 @@ class Stack:
         """Runs a coroutine on the stack's event loop (the router lives there)."""
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Starts a coroutine on the stack's event loop; its result comes in the future."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def integrity(self) -> dict[str, dict[str, Any]]:
         """`check_integrity()` of every worker still in the deployment."""

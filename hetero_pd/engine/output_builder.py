@@ -56,6 +56,24 @@ class OutputBuilder:
             StopChecker.from_params(params),
         )
 
+    def sent_chars(self, request_id: str) -> int:
+        """Characters of the request's text its outputs have carried so far."""
+        return self._states[request_id].sent_len
+
+    def replay(self, req: Request) -> int:
+        """Brings a request tracked from its prompt up to its output tokens (a migrated
+        request: the detokenizer and the stop matcher see every token again, as on the
+        worker it came from); returns the characters its outputs carried. Raises
+        ValueError when a stop string had already ended it."""
+        state = self._states[req.request_id]
+        for token in req.output_token_ids:
+            delta = state.detok.add(token)
+            if state.stop and state.stop.check(state.detok.text, len(delta)) is not None:
+                raise ValueError(f"request {req.request_id}: a stop string ended it already")
+        text = state.detok.text
+        state.sent_len = state.stop.streamable_text_len(text) if state.stop else len(text)
+        return state.sent_len
+
     def drop(self, request_id: str) -> None:
         self._states.pop(request_id, None)
         self._prompts.pop(request_id, None)

@@ -74,6 +74,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # waiting for KV from a prefill worker
         self.held: dict[str, Request] = {}  # prefill role: blocks held for hand-off
+        self.paused: dict[str, Request] = {}  # out of the batch, blocks kept (migrating)
         self.requests: dict[str, Request] = {}
 
     def switch_role(self, role: Role) -> None:
@@ -129,6 +130,40 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         bisect.insort(self.waiting, req, key=Request.sort_key)
+
+    def pause(self, request_id: str) -> Request:
+        """Takes a decoding request (every token but the newest computed) out of the batch,
+        keeping its blocks: a live migration copies its last KV while it is paused."""
+        req = self.requests.get(request_id)
+        if req is None or req not in self.running or req.num_computed_tokens != req.num_tokens - 1:
+            raise ValueError(f"request {request_id} is not decoding here")
+        self.running.remove(req)
+        self.paused[request_id] = req
+        return req
+
+    def resume(self, request_id: str) -> None:
+        """Back into the batch after `pause` (the migration was called off)."""
+        self.running.append(self.paused.pop(request_id))
+
+    def adopt(self, request_id: str, output_ids: list[int]) -> Request:
+        """A request reserved by `add_remote` whose KV came from a worker that decoded it
+        so far: every token but the newest of `output_ids` is in its blocks; decode on."""
+        req = self.remote[request_id]
+        num_tokens = req.num_prompt_tokens + len(output_ids)
+        if not output_ids or num_tokens >= self.config.max_model_len:
+            raise ValueError(f"request {request_id}: {len(output_ids)} output tokens to adopt")
+        if self.kv.blocks_for(num_tokens - 1) > len(req.block_ids):
+            raise ValueError(
+                f"request {request_id}: {num_tokens - 1} tokens of KV do not fit its "
+                f"{len(req.block_ids)} reserved blocks"
+            )
+        del self.remote[request_id]
+        req.all_token_ids = req.prompt_token_ids + list(output_ids)
+        req.num_computed_tokens = num_tokens - 1
+        self.kv.cache_computed_blocks(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return req
 
     def _check_fits(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -254,6 +289,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.remote.pop(req.request_id, None)
         self.held.pop(req.request_id, None)
+        self.paused.pop(req.request_id, None)
         self.kv.free(req)
         req.status = status
         self.requests.pop(req.request_id, None)

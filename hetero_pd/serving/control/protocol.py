@@ -1,9 +1,13 @@
 """The control protocol between the router and its workers: every message a declared type.
 
     router --(Hello | Generate | Reserve | Prefill | Hidden | KvReady | KvFailed | Abort
-              | Check | Shutdown | SwitchRole | OfferPrefix)--> worker
+              | Check | Shutdown | SwitchRole | OfferPrefix | MigrateIn | MigrateOut
+              | MigrateResume | MigrateCancel)--> worker
     worker --(Ready | Heartbeat | Output | Reserved | KvFallback | PrefillDone | Error
-              | Integrity | Bye | PrefixOffered)--> router
+              | Integrity | Bye | PrefixOffered | MigrateReady | MigrateState | Migrated
+              | MigrateFailed)--> router
+
+(The Migrate* messages, a live migration's, are declared in migration.py.)
 
 A frame is one msgpack map `{"v": 2, "t": <tag>, ...fields}`, decoded by `Codec` into
 exactly one of these `msgspec.Struct`s: unknown fields, wrong types, out-of-range numbers,
@@ -23,6 +27,7 @@ import msgspec
 from msgspec import Meta
 
 from hetero_pd.engine.scheduler import Role
+from hetero_pd.serving.control import migration as M
 from hetero_pd.serving.control.sampling import (
     MAX_STOP_CHARS,
     Position,
@@ -37,6 +42,7 @@ from hetero_pd.serving.control.values import (
     CachedBlocks,
     Count,
     EdgePrompt,
+    Envelope,
     ErrorCode,
     HiddenFrame,
     Message,
@@ -47,7 +53,6 @@ from hetero_pd.serving.control.values import (
     Rid,
     Text,
     TransferStats,
-    Value,
     WorkerInfo,
     WorkerLoad,
 )
@@ -56,10 +61,7 @@ from transfer import RemoteBlocks
 VERSION: Literal[2] = 2
 
 
-class _Msg(Value, tag_field="t", frozen=True, kw_only=True):
-    """A top-level message: a versioned, tagged map."""
-
-    v: Literal[2] = VERSION
+_Msg = Envelope
 
 
 # -- router -> worker ------------------------------------------------------------------------
@@ -261,6 +263,10 @@ ToWorker = (
     | Shutdown
     | SwitchRole
     | OfferPrefix
+    | M.MigrateIn
+    | M.MigrateResume
+    | M.MigrateOut
+    | M.MigrateCancel
 )
 ToRouter = (
     Ready
@@ -273,6 +279,10 @@ ToRouter = (
     | Integrity
     | Bye
     | PrefixOffered
+    | M.MigrateReady
+    | M.MigrateState
+    | M.Migrated
+    | M.MigrateFailed
 )
 #: Messages that start a request on a worker.
 RequestStart = Generate | Reserve | Prefill

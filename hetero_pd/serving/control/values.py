@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import sys
 from array import array
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -61,6 +61,12 @@ _RECOVERABLE = frozenset(
 
 class Value(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """A nested value of a message."""
+
+
+class Envelope(Value, tag_field="t", frozen=True, kw_only=True):
+    """A top-level message: a versioned, tagged map (protocol.py and migration.py)."""
+
+    v: Literal[2] = 2
 
 
 # -- values carried inside messages ------------------------------------------

@@ -40,6 +40,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: disconnect or cancel), "rejected" when refused under overload (429), "error" otherwise.
 OUTCOMES = ("stop", "length", "abort", "rejected", "error")
 #: What the router's policy decided for a request (or for a failed KV transfer).
+MIGRATION_STAGES = ("started", "completed", "aborted")
 DECISIONS = (
     "disaggregated",
     "local_prefill",
@@ -158,6 +159,20 @@ class ServingMetrics:
         for decision in DECISIONS:
             self.decisions.labels(model_name, decision)
 
+        self.migrations = counter(
+            "migrations", "Live migrations of decoding requests, by stage.", "stage"
+        )
+        for stage in MIGRATION_STAGES:
+            self.migrations.labels(model_name, stage)
+        self.migration_pause = hist(
+            PREFIX + "migration_pause_seconds",
+            "How long a migrated request stopped decoding (the last copy and the hand-over).",
+            TRANSFER_BUCKETS,
+        ).labels(model_name)
+        self.migration_bytes = counter("migration_bytes", "KV bytes live migrations moved.").labels(
+            model_name
+        )
+
         self.vllm_running = gauge(VLLM + "num_requests_running", "Requests running.")
         self.vllm_waiting = gauge(VLLM + "num_requests_waiting", "Requests waiting.")
         self.vllm_kv_usage = gauge(
@@ -264,6 +279,13 @@ class ServingMetrics:
     def transfer_retry(self) -> None:
         """Count one retried KV transfer."""
         self.transfer_retries.inc()
+
+    def migration(self, stage: str, pause_s: float = 0.0, nbytes: int = 0) -> None:
+        """Count a migration that started, completed (its pause and bytes) or aborted."""
+        self.migrations.labels(self.model_name, stage).inc()
+        if stage == "completed":
+            self.migration_pause.observe(pause_s)
+            self.migration_bytes.inc(nbytes)
 
     def decision(self, name: str) -> None:
         """Count one policy decision (one of :data:`DECISIONS`)."""

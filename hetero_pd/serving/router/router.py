@@ -23,6 +23,7 @@ from typing import Any
 import zmq.asyncio
 
 from hetero_pd.sampling_params import SamplingParams
+from hetero_pd.serving.control import migration as M
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import values as V
 from hetero_pd.serving.control.auth import RouterKeys
@@ -31,6 +32,7 @@ from hetero_pd.serving.router.errors import RouterError, worker_error
 from hetero_pd.serving.router.handoff import EdgeRequest, Handoff, HandoffPolicy
 from hetero_pd.serving.router.inbox import Inbox, next_message
 from hetero_pd.serving.router.metrics import ServingMetrics
+from hetero_pd.serving.router.migration import Migrator, Stream
 from hetero_pd.serving.router.policy import Chooser, FailurePolicy, RoutingConfig
 from hetero_pd.serving.router.worker_client import WorkerClient, WorkerGone, WorkerUnreachable
 
@@ -69,6 +71,11 @@ class Router:
         self.queues: dict[str, Inbox] = {}
         self.admission = Admission(cfg.max_inflight, cfg.max_inflight_per_key or cfg.max_inflight)
         self._switching: set[str] = set()
+        #: Requests streaming from their decode workers, and their live migrations.
+        self.streams: dict[str, Stream] = {}
+        self.migrator = Migrator(
+            self.streams, self.workers, self.metrics, lambda: self.live("decode", "both")
+        )
         self._decoder: dict[str, WorkerClient] = {}  # split request id -> its decode worker
         #: Supervisor's view of each worker process (pid, restarts, state) for /health.
         self._supervision: Mapping[str, Mapping[str, Any]] = {}
@@ -126,6 +133,7 @@ class Router:
             if w.alive
             and w.role in roles
             and w.id not in self._switching
+            and w.id not in self.migrator.draining
             and (split_layer is None or w.start_layer == split_layer)
         ]
 
@@ -171,11 +179,16 @@ class Router:
         return time.monotonic() - client.last_seen
 
     def _on_message(self, client: WorkerClient, msg: Any) -> None:
+        if isinstance(msg, M.MigrateReady | M.MigrateState | M.MigrateFailed | M.Migrated):
+            self.migrator.deliver(client.id, msg)
+            if not isinstance(msg, M.Migrated):  # Migrated switches the stream as well
+                return
         queue = self.queues.get(getattr(msg, "rid", ""))
         if queue is not None:
             queue.put_nowait((client.id, msg))
 
     def _on_dead(self, client: WorkerClient) -> None:
+        self.migrator.deliver(client.id, WorkerGone(client.id))
         for rid in list(client.inflight):
             queue = self.queues.get(rid)
             if queue is not None:
@@ -215,21 +228,29 @@ class Router:
         queue: Inbox = asyncio.Queue()
         self.queues[rid] = queue
         flow = Handoff(self.handoff_policy, rid, prompt_ids, params, priority, queue, edge)
+        migratable = edge is None and params.n == 1
         finished = False
         running = set(range(params.n))  # completions without a finish reason yet
         try:
             decode, early = await flow.start()
             if edge is not None and edge.prompt.early_kv is None:
                 self._decoder[rid] = decode
+            stream = self.streams[rid] = Stream(
+                rid, decode, prompt_ids, flow.params, priority, flow.involved, migratable
+            )
             expected = 0
             while True:
                 if early is not None:
                     wid, msg, early = decode.id, early, None
                 else:
                     wid, msg = await next_message(queue, self.cfg.token_timeout_s, rid)
+                if isinstance(msg, M.Migrated) and stream.switch(wid):
+                    decode = stream.decode  # its outputs follow on the same socket
                 if wid != decode.id:
                     continue
                 match msg:
+                    case WorkerGone() if stream.handing_over:
+                        pass  # the request is paused there, its state on the way to dest
                     case WorkerGone():
                         raise RouterError(
                             503, f"decode worker {wid} died mid-request", "worker_died"
@@ -243,6 +264,7 @@ class Router:
                         flow.prompt_done()
                         check_output(rid, wid, msg, expected, params.n)
                         expected += 1
+                        stream.decoding, stream.tokens = True, msg.completion_tokens
                         if msg.finish_reason is not None:
                             running.discard(msg.index)
                         finished = not running
@@ -254,6 +276,7 @@ class Router:
                 slots.release()
             flow.prompt_done()
             self.queues.pop(rid, None)
+            self.streams.pop(rid, None)
             self._decoder.pop(rid, None)
             for w in flow.involved:
                 w.inflight.discard(rid)

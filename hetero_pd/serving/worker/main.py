@@ -2,9 +2,9 @@
 wired to its KV cache.
 
     router --(Hello | Generate | Reserve | Prefill | Hidden | KvReady | KvFailed | Abort
-              | Check | Shutdown | SwitchRole | OfferPrefix)--> worker
+              | Check | Shutdown | SwitchRole | OfferPrefix | Migrate*)--> worker
     worker --(Ready | Heartbeat | Output | Reserved | KvFallback | PrefillDone | Error
-              | Integrity | Bye | PrefixOffered)--> router
+              | Integrity | Bye | PrefixOffered | Migrate*)--> router
 
 The loop is single-threaded: serve the control socket (`ControlServer`: authenticated,
 typed, nothing dropped silently), step the engine, progress transfers, tick the requests'
@@ -34,6 +34,7 @@ from hetero_pd.engine.llm_engine import LLMEngine
 from hetero_pd.engine.scheduler import Role, SchedulerOutput
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.models.fingerprint import model_fingerprint, split_fingerprint
+from hetero_pd.serving.control import migration as M
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import values as V
 from hetero_pd.serving.control.auth import WorkerKeys
@@ -215,6 +216,18 @@ class Worker:
                 self.book.kv_failed(ident, msg)
             case P.Abort():
                 self.book.abort(ident, msg.rid)
+            case M.MigrateIn():
+                if self.draining or self.switch_to is not None or self.role == "prefill":
+                    why = f"request {msg.rid}: worker {self.id} takes no migration now"
+                    self.control.send(ident, M.MigrateFailed(rid=msg.rid, message=why))
+                else:
+                    self.book.migrations.start_in(ident, msg)
+            case M.MigrateResume():
+                self.book.migrations.resume_in(ident, msg)
+            case M.MigrateOut():
+                self.book.migrations.start_out(ident, msg)
+            case M.MigrateCancel():
+                self.book.migrations.cancel(ident, msg.rid)
             case P.SwitchRole(role=role):
                 if self.role == "both":
                     message = f"{self.id} (both) cannot switch to {role}"

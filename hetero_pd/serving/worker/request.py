@@ -27,6 +27,7 @@ class Phase(enum.Enum):
     FALLBACK = "fallback"
     PREFILLING = "prefilling"
     FENCED = "fenced"
+    ARRIVING = "arriving"  # a live migration's destination: blocks reserved, KV coming
 
 
 @dataclass(slots=True)
@@ -35,7 +36,7 @@ class WorkerRequest:
     owner: bytes  # the router it answers to
     phase: Phase
     seq: int = 0  # the next Output's sequence number (over all its completions)
-    handle: TransferHandle | None = None  # RESERVED: the reservation awaiting KV
+    handle: TransferHandle | None = None  # RESERVED, ARRIVING: the reservation awaiting KV
     fence_until: float = 0.0  # FENCED: when no direct writer can touch its blocks
     then: Callable[[str], None] | None = None  # FENCED: the engine action after the fence
     #: n > 1: the completions of one prompt. Completion 0 runs as `rid`; the others start

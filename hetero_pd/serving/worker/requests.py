@@ -5,6 +5,7 @@
                     │ kv_failed, KV not whole, reservation expired
                     └──> FALLBACK (computes the prompt here) ───────> (finished: gone)
     prefill  ──> PREFILLING ──prompt done, KV pushed and ACKed──> (prefill_done: gone)
+    migrate  ──> ARRIVING ──state valid──> RUNNING (live migration: migration.py)
     any      ──abort / router lost──> released; while a direct writer may still write into
                                       its blocks: FENCED ──fence over──> (gone)
 
@@ -30,6 +31,7 @@ from hetero_pd.serving.control import sampling as W
 from hetero_pd.serving.control import values as V
 from hetero_pd.serving.worker import admission
 from hetero_pd.serving.worker.edge_inputs import decode_frame
+from hetero_pd.serving.worker.migration import Migrations
 from hetero_pd.serving.worker.prefill_push import PushTracker
 from hetero_pd.serving.worker.prefix_share import PrefixPulls
 from hetero_pd.serving.worker.request import (
@@ -67,6 +69,15 @@ class RequestBook:
         #: Requests pulling their prompt's prefix KV from another worker before they start.
         self.pulls = PrefixPulls(worker_id, engine, transfer)
         self.requests: dict[str, WorkerRequest] = {}
+        #: Live migrations of decoding requests, out of this worker and into it.
+        self.migrations = Migrations(
+            engine,
+            transfer,
+            send,
+            self.requests,
+            lambda req: self._drop(req, self.engine.abort_request),
+            remote_kv_timeout_s,
+        )
         self.children: dict[str, str] = {}  # engine id of completion 1.. of n -> request id
         #: Reserved prompts whose KV never arrived whole, so this worker computed them.
         self.kv_fallbacks = 0
@@ -287,6 +298,7 @@ class RequestBook:
         their blocks."""
         now = time.monotonic()
         self.pulls.tick(now)
+        self.migrations.tick()
         for req in list(self.requests.values()):
             if req.phase is Phase.RESERVED:
                 assert req.handle is not None
@@ -322,11 +334,13 @@ class RequestBook:
         """Ends `req`: its pushes stop, its reservation is released, and `then(rid)` frees
         its blocks in the engine once no direct writer can write there any more."""
         self.pushes.cancel(req.rid)
+        self.migrations.forget(req.rid)
         self._end_children(req)  # they computed their prompts here: no fence holds them
         if req.phase is Phase.FENCED:
             req.then = then  # the fence still holds; then free instead of recomputing
             return
-        wait = self.transfer.release(req.rid) if req.phase is Phase.RESERVED else 0.0
+        reserved = req.phase in (Phase.RESERVED, Phase.ARRIVING)
+        wait = self.transfer.release(req.rid) if reserved else 0.0
         if wait > 0:
             req.phase, req.fence_until, req.then = Phase.FENCED, time.monotonic() + wait, then
         else:

@@ -1,0 +1,111 @@
+"""The messages of a live migration: a decoding request moves from worker A to worker B
+with its KV and its state, and its stream goes on from B without a gap or a repeat.
+
+    router              B (destination)                   A (source)
+      |-- MigrateIn ------>| reserves blocks for the request's tokens, a grant for A
+      |<-- MigrateReady ---| (its blocks and epoch)
+      |-- MigrateOut --------------------------------------->| pre-copy: pushes the full
+      |                    |<====== full blocks (checksums) ==| blocks while it decodes on
+      |                    |                                  | (rounds until few are new)
+      |                    |<====== the rest, last partial ===| paused for this push only
+      |<-- MigrateState (generated tokens, generator, logprobs, seq) --| keeps it paused
+      |-- MigrateResume -->| checks the state, rebuilds what derives from the tokens
+      |<-- Migrated -------| (grammar, detokenizer, stop matcher, penalties), decodes on;
+      |<-- Output seq k ...| its outputs follow Migrated on the same socket
+      |-- Abort ---------------------------------------------->| frees the paused request
+
+Any failure before Migrated (B refuses, dies, a push fails, the request is preempted or
+finishes): MigrateFailed or the router's own deadline; the router sends MigrateCancel to A,
+which decodes on as if nothing happened, and Abort to B, which releases its reservation.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from msgspec import Meta
+
+from hetero_pd.serving.control.sampling import Positions, TokenIds, WireParams
+from hetero_pd.serving.control.values import Count, Envelope, Message, Name, PromptCount, Rid, Value
+from transfer import RemoteBlocks
+
+#: A seeded request's generator state (torch's CPU generator state is 5056 bytes).
+MAX_GENERATOR_BYTES = 1 << 16
+
+
+class RequestState(Value, kw_only=True, frozen=True):
+    """What a decoding request is besides its prompt and its KV. Its penalties' counts,
+    its grammar's place and its stop-string matcher all follow from `output_ids` (the
+    destination replays them); the rest travels here."""
+
+    output_ids: TokenIds  # every generated token; the last one's KV is not computed yet
+    generator: Annotated[bytes, Meta(max_length=MAX_GENERATOR_BYTES)] | None = None
+    logprobs: Positions | None = None  # one position per output token, when asked
+    cumulative_logprob: float = 0.0
+    #: Characters of the completion's text already streamed (the destination's replay of
+    #: the detokenizer and stop matcher must agree).
+    sent_chars: Count
+    seq: Count  # the request's next Output sequence number
+    cached_tokens: PromptCount = 0
+
+
+class MigrateIn(Envelope, tag="migrate_in", kw_only=True, frozen=True):
+    """Router -> destination: reserve room for `num_tokens` of the request's KV, writable
+    by `writer` only."""
+
+    rid: Rid
+    prompt_ids: TokenIds
+    params: WireParams
+    priority: Annotated[int, Meta(ge=-(2**31), lt=2**31)] = 0
+    writer: Annotated[str, Meta(min_length=1, max_length=256)]
+    num_tokens: PromptCount
+
+
+class MigrateReady(Envelope, tag="migrate_ready", kw_only=True, frozen=True):
+    rid: Rid
+    blocks: RemoteBlocks
+
+
+class MigrateOut(Envelope, tag="migrate_out", kw_only=True, frozen=True):
+    """Router -> source: copy the request's KV into `dest_blocks` (block i of the request
+    into its block i), then pause it and send its state."""
+
+    rid: Rid
+    dest_worker: Name
+    dest_address: Name
+    dest_blocks: RemoteBlocks
+
+
+class MigrateState(Envelope, tag="migrate_state", kw_only=True, frozen=True):
+    """Source -> router: the KV is on the destination; the request is paused here."""
+
+    rid: Rid
+    state: RequestState
+    bytes: Count  # KV bytes pushed, every round
+    rounds: Count  # pushes, the last one while paused
+    paused_s: Annotated[float, Meta(ge=0.0)]  # paused so far (the last push)
+
+
+class MigrateResume(Envelope, tag="migrate_resume", kw_only=True, frozen=True):
+    rid: Rid
+    state: RequestState
+
+
+class Migrated(Envelope, tag="migrated", kw_only=True, frozen=True):
+    """Destination -> router: it decodes the request now; its outputs follow."""
+
+    rid: Rid
+
+
+class MigrateCancel(Envelope, tag="migrate_cancel", kw_only=True, frozen=True):
+    """Router -> source: the migration is off; decode the request on here."""
+
+    rid: Rid
+
+
+class MigrateFailed(Envelope, tag="migrate_failed", kw_only=True, frozen=True):
+    rid: Rid
+    message: Message
+
+
+FromWorker = MigrateReady | MigrateState | Migrated | MigrateFailed
