@@ -5,7 +5,9 @@ and stops them.
 ::
 
     rank 0 (the engine's process)           ranks 1..N-1 (python -m hetero_pd.engine.tp.rank)
-    TCPStore on 127.0.0.1:<port the OS gave> <- joined/<r>, then init_process_group
+    spec + secret on the child's stdin ----> joined/<r> in a private file store, then
+    init_process_group, each rank proving    init_process_group on loopback (rendezvous.py)
+    the secret to every other <----------->
     load its shard                          load their shards, allocate their KV heads
     barrier (control group) <-------------> barrier: every rank loaded
     step:   header, ints, flags (control) -> forward on their shards
@@ -42,6 +44,7 @@ from backends.distributed import bind_device, collective_backend, rank_device
 from hetero_pd import envs
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.health import EngineFault
+from hetero_pd.engine.tp import rendezvous
 from hetero_pd.engine.tp.codec import OP_LOGITS, OP_STEP, OP_STOP, Header, encode_step
 from hetero_pd.models.attention import AttentionMetadata
 from hetero_pd.models.parallel import Parallel
@@ -56,12 +59,13 @@ class TPRankError(EngineFault):
 
 
 class RankSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a child rank is told on its command line (JSON)."""
+    """What a child rank is told (on its stdin, in a RankStart)."""
 
     model: str
     rank: int
     world: int
-    port: int
+    #: the private folder of the group's file store (rendezvous.py).
+    store: str
     device: str
     dtype: str
     block_size: int
@@ -72,6 +76,14 @@ class RankSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeout_s: float
     #: rank 0's whole-head KV files to map (tp/kv.py); empty: the rank allocates its own.
     kv_files: tuple[str, ...] = ()
+
+
+class RankStart(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The one JSON line rank 0 writes on a child's stdin: its spec and the group's secret
+    (hex), which so never appears on a command line or in an environment."""
+
+    spec: RankSpec
+    secret: str
 
 
 class RankGroup:
@@ -92,29 +104,54 @@ class RankGroup:
         self.broken: str | None = None
         # The children's stderr, for error messages; closed by close().
         self._log = tempfile.TemporaryFile()  # noqa: SIM115
-        store = dist.TCPStore("127.0.0.1", 0, spec.world, is_master=True, wait_for_workers=False)
-        self.procs = [self._spawn(spec, r, store.port) for r in range(1, spec.world)]
-        self._finalizer = weakref.finalize(self, _release, list(self.procs))
+        self._folder = rendezvous.private_folder()
+        spec = msgspec.structs.replace(spec, store=self._folder)
+        store = rendezvous.open_store(self._folder, spec.world)
+        secret = rendezvous.new_secret()
+        self.procs = [self._spawn(spec, r, secret) for r in range(1, spec.world)]
+        self._finalizer = weakref.finalize(self, _release, list(self.procs), self._folder)
         self._wait_joined(store)
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         bind_device(device)
-        dist.init_process_group(
-            collective_backend(device), store=store, rank=0, world_size=spec.world, timeout=timeout
-        )
-        self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        with rendezvous.loopback_gloo():
+            dist.init_process_group(
+                collective_backend(device),
+                store=store,
+                rank=0,
+                world_size=spec.world,
+                timeout=timeout,
+            )
+            self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        self._prove(secret)
         self.parallel = Parallel(0, spec.world, None)
 
-    def _spawn(self, spec: RankSpec, rank: int, port: int) -> subprocess.Popen[bytes]:
+    def _spawn(self, spec: RankSpec, rank: int, secret: bytes) -> subprocess.Popen[bytes]:
         device = rank_device(self.device, rank)
-        child = msgspec.structs.replace(spec, rank=rank, port=port, device=str(device))
+        child = msgspec.structs.replace(spec, rank=rank, device=str(device))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        return subprocess.Popen(
-            [sys.executable, "-m", "hetero_pd.engine.tp.rank", msgspec.json.encode(child)],
+        env.update(rendezvous.LOOPBACK_ENV)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hetero_pd.engine.tp.rank"],
             stdin=subprocess.PIPE,  # closed when this process dies: the child exits
             stdout=subprocess.DEVNULL,
             stderr=self._log,
             env=env,
         )
+        assert proc.stdin is not None
+        proc.stdin.write(msgspec.json.encode(RankStart(child, secret.hex())) + b"\n")
+        proc.stdin.flush()
+        return proc
+
+    def _prove(self, secret: bytes) -> None:
+        """Every rank proves the secret over the control group's and the world group's own
+        connections before any step travels on them (rendezvous.prove)."""
+        for group, device in ((self.control, torch.device("cpu")), (None, self.device)):
+            with self.guard("proving the ranks"):
+                failed = rendezvous.prove(secret, 0, self.world, group, device)
+            if failed:
+                self.broken = rendezvous.refusal(failed, 0)
+                self.close()
+                raise TPRankError(self.broken)
 
     def _wait_joined(self, store: Any) -> None:
         """Waits until every child has reached the store, failing early if one exits."""
@@ -223,14 +260,16 @@ class RankGroup:
         self._log.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        rendezvous.remove_folder(self._folder)
 
 
-def _release(procs: list[subprocess.Popen[bytes]]) -> None:
+def _release(procs: list[subprocess.Popen[bytes]], folder: str) -> None:
     """An engine dropped without close(): its ranks killed, this process's group left, so
     another tensor-parallel engine may start here."""
     _reap(procs)
     if dist.is_initialized():
         dist.destroy_process_group()
+    rendezvous.remove_folder(folder)
 
 
 def _reap(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -261,7 +300,7 @@ def start_ranks(
         model=model,
         rank=0,
         world=config.tensor_parallel_size,
-        port=0,
+        store="",
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         block_size=config.block_size,

@@ -1,5 +1,6 @@
-"""A tensor-parallel rank other than 0: `python -m hetero_pd.engine.tp.rank SPEC_JSON`,
-started by rank 0's RankGroup (group.py). It loads its shard of the model, allocates its
+"""A tensor-parallel rank other than 0: `python -m hetero_pd.engine.tp.rank`, started by
+rank 0's RankGroup (group.py), which writes its RankStart (spec and the group's secret) as
+the first line of its stdin. It loads its shard of the model, allocates its
 KV heads, then runs what rank 0 sends until STOP. It owns no scheduler: block ids, slots
 and token ids all come from rank 0."""
 
@@ -21,8 +22,9 @@ from backends.distributed import bind_device, collective_backend
 from hetero_pd.config import parse_dtype
 from hetero_pd.engine.loading import use_backend_kernels
 from hetero_pd.engine.model_runner import ModelRunner
+from hetero_pd.engine.tp import rendezvous
 from hetero_pd.engine.tp.codec import HEADER_LEN, OP_LOGITS, OP_STEP, Header, decode_step
-from hetero_pd.engine.tp.group import IDLE_TIMEOUT, RankSpec
+from hetero_pd.engine.tp.group import IDLE_TIMEOUT, RankSpec, RankStart
 from hetero_pd.engine.tp.kv import mapped_slices
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.llama import CausalLM
@@ -39,21 +41,26 @@ def _exit_with_parent() -> None:
 
 
 class Rank:
-    def __init__(self, spec: RankSpec) -> None:
+    def __init__(self, spec: RankSpec, secret: bytes) -> None:
         self.device = parse_device(spec.device)
         self.dtype = parse_dtype(spec.dtype)
         torch.set_num_threads(spec.threads)
         bind_device(self.device)
-        store = dist.TCPStore("127.0.0.1", spec.port, spec.world, is_master=False)
+        store = rendezvous.open_store(spec.store, spec.world)
         store.set(f"joined/{spec.rank}", "1")
-        dist.init_process_group(
-            collective_backend(self.device),
-            store=store,
-            rank=spec.rank,
-            world_size=spec.world,
-            timeout=datetime.timedelta(seconds=spec.timeout_s),
-        )
-        self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        with rendezvous.loopback_gloo():
+            dist.init_process_group(
+                collective_backend(self.device),
+                store=store,
+                rank=spec.rank,
+                world_size=spec.world,
+                timeout=datetime.timedelta(seconds=spec.timeout_s),
+            )
+            self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        for group, device in ((self.control, torch.device("cpu")), (None, self.device)):
+            failed = rendezvous.prove(secret, spec.rank, spec.world, group, device)
+            if failed:
+                sys.exit(rendezvous.refusal(failed, spec.rank))
         cfg = ModelConfig.from_dir(spec.model)
         tp = Parallel(spec.rank, spec.world, None)
         self.model: CausalLM = load_model(
@@ -108,14 +115,16 @@ class Rank:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s tp-rank %(message)s")
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m hetero_pd.engine.tp.rank SPEC_JSON (started by rank 0)")
-    spec = msgspec.json.decode(sys.argv[1].encode(), type=RankSpec)
+    if len(sys.argv) != 1:
+        sys.exit(
+            "usage: python -m hetero_pd.engine.tp.rank (started by rank 0: RankStart on stdin)"
+        )
+    start = msgspec.json.decode(sys.stdin.buffer.readline(), type=RankStart)
     # Rank 0 stops us (STOP, or its exit closing our stdin): a Ctrl-C reaching the whole
     # process group must not kill a rank under a draining worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, daemon=True).start()
-    rank = Rank(spec)
+    rank = Rank(start.spec, bytes.fromhex(start.secret))
     rank.serve()
     dist.destroy_process_group()
 
