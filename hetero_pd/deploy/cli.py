@@ -75,7 +75,13 @@ def plan_main(argv: list[str] | None = None) -> int:
     print(plan.explain())
     if not dep.automatic:
         have = {r: sum(w.count for w in dep.workers if w.role == r) for r in ("prefill", "decode")}
-        print(f"the file itself lists {have['prefill']} prefill + {have['decode']} decode workers")
+        ranks = sum(w.count * w.tensor_parallel_size for w in dep.workers)
+        many = ranks > sum(w.count for w in dep.workers)
+        taking = f", taking {ranks} devices (tensor-parallel ranks)" if many else ""
+        print(
+            f"the file itself lists {have['prefill']} prefill + {have['decode']} decode "
+            f"workers{taking}"
+        )
     return 0
 
 

@@ -47,6 +47,21 @@ def role_devices(dep: Deployment) -> dict[str, str]:
     return out
 
 
+def role_tensor_parallel(dep: Deployment) -> dict[str, int]:
+    """The devices (ranks) each prefill and each decode-capable worker takes."""
+    if dep.pd is not None:
+        pd = dep.pd
+        return {
+            "prefill": pd.prefill_tensor_parallel_size,
+            "decode": pd.decode_tensor_parallel_size,
+        }
+    out: dict[str, int] = {}
+    for w in dep.workers:
+        for role in ("prefill", "decode") if w.role == "both" else (w.role,):
+            out.setdefault(role, w.tensor_parallel_size)
+    return {"prefill": out.get("prefill", 1), "decode": out.get("decode", 1)}
+
+
 def present(device: str) -> bool:
     """Whether `device` exists on this host."""
     kind, index = parse_device_spec(device)
@@ -123,31 +138,59 @@ def plan_deployment(dep: Deployment, measure: Measure, cores: int | None = None)
     d_speed = measure("decode", devices["decode"])
     max_batch = dep.engine.max_num_seqs
     cap = dep.pd.max_instances if dep.pd else 0
+    tp = role_tensor_parallel(dep)
     plan = plan_workers(dep.workload, p_speed, d_speed, max_batch, cap)
+    plan = dataclasses.replace(plan, ranks=(tp["prefill"], tp["decode"]))
     for note in dict.fromkeys(p_speed.notes + d_speed.notes):
         plan.warnings.append(note)
+    if plan.ranks != (1, 1):
+        plan.warnings.append(
+            f"tensor_parallel_size {tp['prefill']} (prefill) and {tp['decode']} (decode): the "
+            "speeds above are one device's, so a worker over several devices is counted no "
+            "faster than one (on the CPU its ranks share the same cores; on accelerators "
+            "it is faster, and these counts are an upper bound)"
+        )
     if cores is not None and devices["prefill"] == devices["decode"] == "cpu":
         plan = cap_to_cores(plan, cores)
+    if cores is not None:  # this host's accelerators: a worker owns its devices
+        check_host_devices(plan, devices)
     return plan
 
 
 def cap_to_cores(plan: Plan, cores: int) -> Plan:
-    """CPU workers on one host share its cores: more workers than cores only slow each
-    other down, so the counts are capped at the core count (at least 1P + 1D), in the
-    plan's proportion."""
-    total = plan.prefill + plan.decode
-    limit = max(2, cores)
-    if total <= limit:
+    """CPU workers on one host share its cores: more ranks (a worker has tensor_parallel_size
+    of them) than cores only slow each other down, so the counts are capped at the core
+    count (at least 1P + 1D), in the plan's proportion."""
+    tp_p, tp_d = plan.ranks
+    limit = max(tp_p + tp_d, cores)
+    if plan.devices("cpu", "cpu")["cpu"] <= limit:
         return plan
-    prefill = min(limit - 1, max(1, round(limit * plan.prefill / total)))
+    share = limit * plan.prefill * tp_p / (plan.prefill * tp_p + plan.decode * tp_d)
+    prefill = min((limit - tp_d) // tp_p, max(1, round(share / tp_p)))
+    decode = max(1, (limit - prefill * tp_p) // tp_d)
+    ranks = "" if plan.ranks == (1, 1) else f" ({tp_p} and {tp_d} ranks each)"
     warning = (
-        f"{plan.prefill}P + {plan.decode}D cpu workers on a host with {cores} core(s): "
-        f"capped to {prefill}P + {limit - prefill}D (more workers than cores only slow each "
+        f"{plan.prefill}P + {plan.decode}D cpu workers{ranks} on a host with {cores} core(s): "
+        f"capped to {prefill}P + {decode}D (more ranks than cores only slow each "
         "other down); the declared rate and SLOs will not hold on this host"
     )
     return dataclasses.replace(
-        plan, prefill=prefill, decode=limit - prefill, warnings=[*plan.warnings, warning]
+        plan, prefill=prefill, decode=decode, warnings=[*plan.warnings, warning]
     )
+
+
+def check_host_devices(plan: Plan, devices: dict[str, str]) -> None:
+    """PlanError when the planned workers need more of an accelerator kind this host has
+    than it has (a kind it lacks is planned for another host or a cluster)."""
+    for kind, need in plan.devices(devices["prefill"], devices["decode"]).items():
+        have = 0 if kind == "cpu" else get_backend(kind).device_count()
+        if have and need > have:
+            raise PlanError(
+                f"{plan.prefill}P + {plan.decode}D workers of {plan.ranks[0]} and "
+                f"{plan.ranks[1]} device(s) each need {need} {kind} devices; this host has "
+                f"{have}: set pd.max_instances, lower the workload, or plan a cluster "
+                "(`hetero-pd render k8s`)"
+            )
 
 
 def with_counts(dep: Deployment, plan: Plan) -> Deployment:

@@ -53,6 +53,19 @@ class Plan:
     decode: int
     steps: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    #: Devices (tensor-parallel ranks) per prefill and per decode worker.
+    ranks: tuple[int, int] = (1, 1)
+
+    def devices(self, prefill_device: str, decode_device: str) -> dict[str, int]:
+        """Devices the workers take, by kind (`cpu`: ranks, each on its own cores)."""
+        out: dict[str, int] = {}
+        for device, n, tp in (
+            (prefill_device, self.prefill, self.ranks[0]),
+            (decode_device, self.decode, self.ranks[1]),
+        ):
+            kind = device.split(":", 1)[0]
+            out[kind] = out.get(kind, 0) + n * tp
+        return out
 
     @property
     def ratio(self) -> str:
@@ -65,6 +78,12 @@ class Plan:
         lines = [f"  {i}. {s}" for i, s in enumerate(self.steps, 1)]
         lines += [f"  warning: {w}" for w in self.warnings]
         head = f"plan: {self.prefill} prefill + {self.decode} decode workers (P:D = {self.ratio})"
+        if self.ranks != (1, 1):
+            tp_p, tp_d = self.ranks
+            head += (
+                f", {self.prefill} × {tp_p} + {self.decode} × {tp_d} = "
+                f"{self.prefill * tp_p + self.decode * tp_d} devices (tensor-parallel ranks)"
+            )
         return "\n".join([head, *lines])
 
 

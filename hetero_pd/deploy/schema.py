@@ -133,6 +133,8 @@ def _parse(raw: Any, src: Source) -> Deployment:
         workers = _worker_list(raw["workers"], src)
     elif pd is not None:
         workers = pd_workers(pd, workload, src)
+        for spec in workers_for_counts(pd, 1, 1):
+            _check_tensor_parallel(spec, "pd", src, f"{spec.role}_")
     if workers:
         place_workers(workers, src, "pd" if pd is not None else "workers")
         host_ports(workers, src)
@@ -208,22 +210,23 @@ def _worker_list(raw: Any, src: Source) -> tuple[WorkerSpec, ...] | None:
     return tuple(out)
 
 
-def _check_tensor_parallel(spec: WorkerSpec, key: str, src: Source) -> None:
-    """What a worker group with tensor_parallel_size > 1 cannot do yet, named."""
+def _check_tensor_parallel(spec: WorkerSpec, key: str, src: Source, role: str = "") -> None:
+    """What a worker group with tensor_parallel_size > 1 cannot do yet, named (`role`:
+    the `pd:` section's key prefix, `prefill_` or `decode_`)."""
     tp = spec.tensor_parallel_size
     if tp == 1:
         return
     kind = spec.device.split(":", 1)[0]
     if spec.role != "both" and kind != "cpu":
         src.error(
-            f"{key}.tensor_parallel_size",
+            f"{key}.{role}tensor_parallel_size",
             f"{tp} on a {spec.role} worker on {kind}: KV resharded in transit works where "
             "the ranks share one KV cache in memory, on the CPU only so far; on other "
             "devices only role both runs with TP > 1",
         )
     if kind == "cpu" and spec.kv_layout not in ("auto", "nd"):
         src.error(
-            f"{key}.kv_layout",
+            f"{key}.{role}kv_layout",
             f"{spec.kv_layout} with tensor_parallel_size {tp} on the CPU: each rank's KV heads "
             "are a slice of one nd cache; use kv_layout nd (or auto)",
         )

@@ -248,6 +248,12 @@ class PDSpec:
     decode_dtype: str = opt("", choices=WORKER_DTYPES)
     prefill_kv_layout: str = opt("auto", choices=WORKER_KV_LAYOUTS)
     decode_kv_layout: str = opt("auto", choices=WORKER_KV_LAYOUTS)
+    prefill_tensor_parallel_size: int = opt(
+        1, lo=1, hi=64, doc="devices (ranks) each prefill worker takes"
+    )
+    decode_tensor_parallel_size: int = opt(
+        1, lo=1, hi=64, doc="devices (ranks) each decode worker takes"
+    )
     #: device kind -> Capacity fields
     capacity: dict[str, dict[str, Any]] = field(default_factory=dict)
 

@@ -209,17 +209,16 @@ def pd_workers(
 
 def workers_for_counts(pd: PDSpec, prefill: int, decode: int) -> tuple[WorkerSpec, ...]:
     """The worker list for `prefill` + `decode` workers on the pd section's devices."""
-    return (
+    return tuple(
         WorkerSpec(
-            "prefill",
-            pd.prefill_device,
-            prefill,
-            dtype=pd.prefill_dtype,
-            kv_layout=pd.prefill_kv_layout,
-        ),
-        WorkerSpec(
-            "decode", pd.decode_device, decode, dtype=pd.decode_dtype, kv_layout=pd.decode_kv_layout
-        ),
+            role,
+            getattr(pd, f"{role}_device"),
+            count,
+            dtype=getattr(pd, f"{role}_dtype"),
+            kv_layout=getattr(pd, f"{role}_kv_layout"),
+            tensor_parallel_size=getattr(pd, f"{role}_tensor_parallel_size"),
+        )
+        for role, count in (("prefill", prefill), ("decode", decode))
     )
 
 
