@@ -85,6 +85,10 @@ def _passthrough(command: str, argv: list[str]) -> int:
         from hetero_pd.deploy.cli import render_main as run
     elif command == "status":
         from hetero_pd.deploy.status import main as run
+    elif command == "drain":
+        from hetero_pd.deploy.operate import drain_main as run
+    elif command == "restart":
+        from hetero_pd.deploy.operate import restart_main as run
     elif command == "worker":
         from hetero_pd.serving.worker.main import main as run
     elif command == "drill":
@@ -138,6 +142,8 @@ PASSTHROUGH = {
     "plan": "P/D worker counts for a deployment's workload, with the reasoning: plan CONFIG",
     "render": "Kubernetes manifests for a deployment: render k8s CONFIG",
     "status": "workers, roles, devices, health and load of a running deployment",
+    "drain": "move a worker's decoding requests to the others (live migration): drain WORKER",
+    "restart": "restart workers without ending a request: restart --rolling CONFIG | WORKER",
     "worker": "run one worker process (the launcher starts these)",
     "edge": "the device side: edge generate (a session from the shell) | edge plan (pick k)",
     "bench": "benchmarks: bench offline | serve | pd | transfer | kv [wire] | routing | tp | moe "

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,6 +28,7 @@ from hetero_pd.deploy.schema import Deployment
 from hetero_pd.deploy.supervisor import Supervisor
 from hetero_pd.deploy.workers import WorkerInstance, expand_workers
 from hetero_pd.models.fetch import resolve_model
+from hetero_pd.serving.router.migration import summary
 from hetero_pd.serving.router.router import Router
 from hetero_pd.serving.worker.config import WorkerConfig
 from hetero_pd.serving.worker.main import READY_LINE, ready_address
@@ -212,6 +214,48 @@ class Launcher:
         await self.router.switch_role(worker_id, role)
         wp = self.procs[worker_id]
         wp.config = replace(wp.config, role=role)  # type: ignore[arg-type]
+
+    async def restart(self, worker_id: str, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Restarts `worker_id` without ending a request: new requests keep off it, its
+        decoding requests move to other decode workers (live migration) and its prompts
+        in flight finish, then it stops and a fresh process takes its place. Raises
+        RuntimeError when requests could not leave it within `timeout_s` (it keeps serving)."""
+        migrator = self.router.migrator
+        wp = self.procs.get(worker_id)
+        if wp is None:
+            raise ValueError(f"no worker {worker_id!r} in this deployment")
+        try:
+            moved = await migrator.drain(worker_id, timeout_s)
+            left = migrator.on_worker(worker_id)
+            if left:
+                raise RuntimeError(f"{len(left)} requests could not leave {worker_id}")
+            old = wp.proc.pid
+            self.supervisor.expect_exit(worker_id)
+            with contextlib.suppress(ProcessLookupError):
+                wp.proc.send_signal(signal.SIGTERM)  # drained: it exits at once
+            deadline = time.monotonic() + timeout_s
+            while not self._back(worker_id, old):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{worker_id} did not come back within {timeout_s}s")
+                await asyncio.sleep(0.05)
+        finally:
+            migrator.undrain(worker_id)
+        return {"worker": worker_id, **summary(moved)}
+
+    def _back(self, worker_id: str, old_pid: int) -> bool:
+        client = self.router.workers.get(worker_id)
+        wp = self.procs[worker_id]
+        return wp.proc.pid != old_pid and client is not None and client.alive
+
+    async def rolling_restart(self, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+        """Restarts every worker, one at a time (`restart`)."""
+        return [await self.restart(wid, timeout_s) for wid in list(self.procs)]
+
+    async def restart_any(self, worker_id: str | None, timeout_s: float) -> Any:
+        """`restart(worker_id)`, or with None `rolling_restart` (the admin API's)."""
+        if worker_id is None:
+            return await self.rolling_restart(timeout_s)
+        return await self.restart(worker_id, timeout_s)
 
     def pids(self) -> dict[str, int]:
         return {wid: wp.proc.pid for wid, wp in self.procs.items()}

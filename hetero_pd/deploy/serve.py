@@ -100,6 +100,7 @@ async def serve(
             dep.router.priority_api_keys,
             model_dir=Path(model_dir),
             write_timeout_s=dep.router.write_timeout_s,
+            restart=launcher.restart_any if launcher is not None else None,
         )
         # On stop, requests in flight get stop_grace_s to finish; then they are cut.
         runner = web.AppRunner(

@@ -63,15 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", help="the router's base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--json", action="store_true", help="print /health's JSON as it is")
     args = p.parse_args(argv)
-    url = args.url
-    if url is None:
-        if args.config is None:
-            p.error("give CONFIG or --url")
-        from hetero_pd.deploy.schema import load_deployment
+    from hetero_pd.deploy.operate import router_url
 
-        r = load_deployment(args.config).router
-        host = "127.0.0.1" if r.host in ("0.0.0.0", "") else r.host
-        url = f"http://{host}:{r.port}"
+    url = router_url(args.config, args.url, p)
     try:
         code, body = fetch_health(url)
     except (OSError, ValueError) as e:

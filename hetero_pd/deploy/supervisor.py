@@ -5,6 +5,8 @@
                  ──> respawn: a new process, READY, router.add_worker() replaces the client
                  ──> back in rotation
     more than max_restarts exits within window_s: it stays down (and /health says so)
+    a planned exit (`expect_exit`: a drained worker restarted on purpose)
+                 ──> respawn at once, outside the restart budget
     worker alive but silent (no heartbeat for hang_timeout_s: SIGSTOPped, deadlocked)
                  ──> SIGKILL, then the same restart path
 
@@ -83,6 +85,12 @@ class Supervisor:
         self.states: dict[str, dict[str, Any]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stopping = False
+        self._planned: set[str] = set()
+
+    def expect_exit(self, worker_id: str) -> None:
+        """`worker_id` is about to exit on purpose (drained, to restart): respawn it at once,
+        without backoff and without spending its restart budget."""
+        self._planned.add(worker_id)
 
     def watch(self, worker_ids: list[str]) -> None:
         """Starts supervising these (running) workers."""
@@ -114,7 +122,9 @@ class Supervisor:
             if self._stopping:
                 return
             self.router.mark_dead(wid)
-            delay = self.policy.delay(wid, self.clock())
+            planned = wid in self._planned
+            self._planned.discard(wid)
+            delay = 0.0 if planned else self.policy.delay(wid, self.clock())
             if delay is None:
                 state["state"] = "down"
                 log.error("worker %s exited (code %s); not restarting it", wid, code)
@@ -122,7 +132,8 @@ class Supervisor:
             state["state"] = f"restarting (exit code {code})"
             log.warning("worker %s exited (code %s); restarting in %.1f s", wid, code, delay)
             await asyncio.sleep(delay)
-            self.policy.record(wid, self.clock())
+            if not planned:
+                self.policy.record(wid, self.clock())
             state["restarts"] += 1
             try:
                 await self.procs.respawn(wid)

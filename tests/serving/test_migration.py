@@ -18,7 +18,14 @@ from typing import Any
 import openai
 import pytest
 
-from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack, wait_gone
+from hetero_pd.deploy.testing import (
+    Stack,
+    deployment,
+    http_json,
+    random_prompts,
+    running_stack,
+    wait_gone,
+)
 from hetero_pd.serving.router.migration import Migration
 
 ONE_P_TWO_D = [{"role": "prefill"}, {"role": "decode"}, {"role": "decode"}]
@@ -141,3 +148,41 @@ def test_destination_killed_mid_copy_leaves_request_on_source(default_model_dir:
         assert got == reference
         assert stack.metric(MIGRATIONS, stage="aborted") == 1
         assert stack.integrity()[result.source]["ok"]
+
+
+def streams_on(stack: Stack, worker: str) -> int:
+    assert stack.router is not None
+    return sum(s.decoding and s.decode.id == worker for s in stack.router.streams.values())
+
+
+def test_drain_moves_all_sixteen_requests(stack: Stack) -> None:
+    """16 requests decode on decode-0 (decode-1 drained while they start); draining
+    decode-0 through the admin API moves all 16 to decode-1, and each one's text equals
+    the unmigrated run's."""
+    prompt = random_prompts([40], seed=7)[0]
+    reference = stream_text(stack, prompt, 96, temperature=0)
+    status, _ = http_json(f"{stack.url}/admin/drain", {"worker": "decode-1"})
+    assert status == 200
+    with ThreadPoolExecutor(16) as pool:
+        runs = [pool.submit(stream_text, stack, prompt, 96, temperature=0) for _ in range(16)]
+        deadline = time.monotonic() + 120
+        while streams_on(stack, "decode-0") < 16:
+            assert time.monotonic() < deadline, "the 16 requests never all decoded"
+            assert not any(r.done() for r in runs), "a request ended before the drain"
+            time.sleep(0.02)
+        assert http_json(f"{stack.url}/admin/undrain", {"worker": "decode-1"})[0] == 200
+        status, answer = http_json(f"{stack.url}/admin/drain", {"worker": "decode-0"})
+        assert status == 200, answer
+        assert (answer["moved"], answer["failed"], answer["left"]) == (16, 0, 0)
+        assert streams_on(stack, "decode-0") == 0
+        texts = [r.result(180) for r in runs]
+    assert http_json(f"{stack.url}/admin/undrain", {"worker": "decode-0"})[0] == 200
+    assert texts == [reference] * 16
+    stack.wait_idle()
+
+
+def test_admin_api_refuses_bad_requests(stack: Stack) -> None:
+    assert http_json(f"{stack.url}/admin/drain", {"worker": "decode-9"})[0] == 400
+    assert http_json(f"{stack.url}/admin/drain", {"wrker": "decode-0"})[0] == 400
+    status, answer = http_json(f"{stack.url}/admin/migrate", {"request_id": "nope"})
+    assert status == 400 and "not decoding" in answer["error"]["message"]

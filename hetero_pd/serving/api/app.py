@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from hetero_pd import __version__
-from hetero_pd.serving.api import errors, generate, responses
+from hetero_pd.serving.api import admin, errors, generate, responses
 from hetero_pd.serving.api import tokens as openai_tokenize
 from hetero_pd.serving.api.bodies import decode_body
 from hetero_pd.serving.api.edge_protocol import PATH as EDGE_PATH
@@ -42,6 +42,7 @@ def create_app(state: ApiState) -> web.Application:
     app.router.add_post("/tokenize", _tokenize_route)
     app.router.add_post("/detokenize", _detokenize_route)
     app.router.add_get(EDGE_PATH, _edge_session)
+    admin.add_routes(app)
     return app
 
 

@@ -4,6 +4,7 @@ how a router error becomes an OpenAI error response."""
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,9 @@ class ApiState:
     #: Characters a prompt may have before it cannot fit in max_model_len tokens whatever
     #: the text (set from the tokenizer's longest token); 0 = not known.
     max_prompt_chars: int = 0
+    #: Restarts a worker (its id) or every worker in turn (None), within a timeout: the
+    #: launcher's on one box, None where workers run elsewhere (admin.py).
+    restart: Callable[[str | None, float], Awaitable[Any]] | None = None
 
     def __post_init__(self) -> None:
         if not self.max_prompt_chars:

@@ -1,0 +1,110 @@
+"""Operating a running deployment without ending a request (behind the API key when keys
+are set):
+
+    POST /admin/drain    {"worker": "decode-0"}  move its decoding requests to the other
+                                                 decode workers, keep new ones off it
+    POST /admin/undrain  {"worker": "decode-0"}  back in rotation
+    POST /admin/migrate  {"request_id": ..., "worker": optional destination}
+    POST /admin/restart  {"worker": "decode-0"} | {"rolling": true}   drain, stop, start a
+                                                 fresh process (one box: its launcher)
+
+Answers say what moved: `moved`, `failed`, the longest pause and the KV bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from hetero_pd.serving.api import errors
+from hetero_pd.serving.api.state import state_of
+from hetero_pd.serving.router.migration import summary
+
+#: Restarts a worker (its id) or, with None, every worker in turn: the launcher's.
+Restart = Callable[[str | None, float], Awaitable[Any]]
+MAX_TIMEOUT_S = 3600.0
+
+
+class AdminBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    worker: str | None = None
+    request_id: str | None = None
+    rolling: bool = False
+    timeout_s: float = 300.0
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/admin/drain", _drain)
+    app.router.add_post("/admin/undrain", _undrain)
+    app.router.add_post("/admin/migrate", _migrate)
+    app.router.add_post("/admin/restart", _restart)
+
+
+async def _body(request: web.Request) -> AdminBody:
+    state = state_of(request)
+    errors.check_api_key(request.headers, state.api_keys)
+    try:
+        body = msgspec.json.decode(await request.read(), type=AdminBody)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise errors.bad_request(f"invalid admin request: {e}") from None
+    if not 0 < body.timeout_s <= MAX_TIMEOUT_S:
+        raise errors.bad_request(f"timeout_s must be in (0, {MAX_TIMEOUT_S}]", "timeout_s")
+    return body
+
+
+def _worker(request: web.Request, body: AdminBody) -> str:
+    workers = state_of(request).router.workers
+    if body.worker is None:
+        raise errors.bad_request('name the worker: {"worker": ID}', "worker")
+    if body.worker not in workers:
+        raise errors.bad_request(
+            f"no worker {body.worker!r} (there are {sorted(workers)})", "worker"
+        )
+    return body.worker
+
+
+async def _drain(request: web.Request) -> web.Response:
+    body = await _body(request)
+    worker = _worker(request, body)
+    migrator = state_of(request).router.migrator
+    moved = await migrator.drain(worker, body.timeout_s)
+    left = len(migrator.on_worker(worker))
+    return web.json_response({"worker": worker, **summary(moved), "left": left})
+
+
+async def _undrain(request: web.Request) -> web.Response:
+    body = await _body(request)
+    worker = _worker(request, body)
+    state_of(request).router.migrator.undrain(worker)
+    return web.json_response({"worker": worker, "draining": False})
+
+
+async def _migrate(request: web.Request) -> web.Response:
+    body = await _body(request)
+    if body.request_id is None:
+        raise errors.bad_request('name the request: {"request_id": ID}', "request_id")
+    dest = _worker(request, body) if body.worker is not None else None
+    try:
+        result = await state_of(request).router.migrator.migrate(body.request_id, dest)
+    except ValueError as e:
+        raise errors.bad_request(str(e), "request_id") from None
+    return web.json_response(dataclasses.asdict(result))
+
+
+async def _restart(request: web.Request) -> web.Response:
+    body = await _body(request)
+    restart = state_of(request).restart
+    if restart is None:
+        raise errors.APIError(
+            501, "restart needs the deployment's launcher (one box: `hetero-pd serve`)",
+            "server_error", None, "not_supported",
+        )  # fmt: skip
+    worker = None if body.rolling else _worker(request, body)
+    try:
+        done = await restart(worker, body.timeout_s)
+    except RuntimeError as e:
+        raise errors.APIError(503, str(e), "server_error", None, "restart_failed") from None
+    return web.json_response({"restarted": done if isinstance(done, list) else [done]})
