@@ -74,6 +74,10 @@ log = logging.getLogger(__name__)
 _NOT_LINKED = "not linked: link (authenticate) first"
 
 
+#: Frames one connection may have waiting on our ROUTER before ZMQ stops reading it.
+ROUTER_RCVHWM = 64
+
+
 class Core:
     """Everything one engine runs on its I/O thread."""
 
@@ -156,8 +160,12 @@ class Core:
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes + wire.MAX_HEADER_BYTES)
+        # Sending never drops a session's frame (no SNDHWM; unauthenticated connections get a
+        # few replies, Outbox.to_identity). Receiving stops at RCVHWM frames per connection:
+        # past it ZMQ stops reading that socket (TCP pushes back on the sender, no frame is
+        # lost), so a connection that floods while this thread is busy piles up nothing here.
         router.setsockopt(zmq.SNDHWM, 0)
-        router.setsockopt(zmq.RCVHWM, 0)
+        router.setsockopt(zmq.RCVHWM, ROUTER_RCVHWM)
         if config.port:
             router.bind(f"tcp://{config.host}:{config.port}")
             port = config.port

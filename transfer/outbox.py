@@ -142,8 +142,8 @@ class Outbox:
     def to_identity(self, identity: bytes, header: bytes) -> bool:
         """Send a bare header to a connection on our ROUTER that has no session (yet): at
         most ``MAX_UNAUTHENTICATED_REPLIES`` until it authenticates (:meth:`authenticated`),
-        so a peer that never reads them cannot grow our queue (the ROUTER has no high-water
-        mark: sessions must never lose a frame)."""
+        so a peer that never reads them cannot grow our queue (the ROUTER has no send
+        high-water mark: sessions must never lose a frame)."""
         sent = self._unanswered.pop(identity, 0)
         self._unanswered[identity] = sent + 1
         while len(self._unanswered) > MAX_UNAUTHENTICATED_PEERS:

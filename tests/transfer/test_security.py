@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -138,7 +139,6 @@ def test_a_connection_that_never_authenticates_gets_a_few_answers_not_one_per_fr
     its answers grew the engine's send queue without bound (the ROUTER has no high-water
     mark, so that sessions never lose a frame). Now a connection gets a few answers until
     it authenticates; what it sends after is counted and dropped."""
-    import time
 
     from transfer.messages import Ping
 
@@ -162,3 +162,60 @@ def test_a_connection_that_never_authenticates_gets_a_few_answers_not_one_per_fr
         assert 1 <= answers <= 8, answers
     finally:
         evil.close()
+
+
+def test_a_hello_flood_from_one_socket_stays_bounded_and_a_real_peer_still_links(
+    make_engine: Callable[..., TransferEngine],
+) -> None:
+    """The ROUTER's receive queue had no high-water mark: while the I/O thread was busy,
+    ZMQ read whatever a connection sent into memory (256 MiB of forged HELLOs all went
+    in). Now a connection's unread frames stop at the ROUTER's RCVHWM and then at the
+    kernel's socket buffers: the flooder blocks, nothing piles up here. Once the thread
+    runs again the flood is read, gets a few answers, and a real engine still links."""
+    import threading
+
+    from transfer import auth
+    from transfer.messages import Hello
+
+    d = make_engine()
+    stalled, release = threading.Event(), threading.Event()
+
+    def stall() -> None:
+        stalled.set()
+        release.wait(60)
+
+    d._loop.call(stall)  # the I/O thread busy, as under load
+    assert stalled.wait(10)
+    ctx = zmq.Context.instance()
+    evil = ctx.socket(zmq.DEALER)
+    evil.setsockopt(zmq.LINGER, 0)
+    evil.setsockopt(zmq.SNDHWM, 16)
+    evil.setsockopt(zmq.SNDBUF, 64 << 10)
+    evil.connect(d.address)
+    # HELLOs padded to 64 KiB: the frame is read whole before anything decodes it.
+    hello = wire.encode(Hello(engine_id="p-evil", role="prefill", nonce=auth.new_nonce()))
+    frame = hello + b"\x00" * ((64 << 10) - len(hello))
+    sent = 0
+    try:
+        # Until the socket stays full for a second (or 256 MiB went out).
+        while sent < 4096 and evil.poll(1000, zmq.POLLOUT):
+            evil.send(frame, zmq.NOBLOCK)
+            sent += 1
+        # Bounded: RCVHWM frames, what two socket buffers hold, the flooder's own 16.
+        assert sent < 1024, f"{sent} frames of 64 KiB were taken while the engine was busy"
+    finally:
+        release.set()
+    # The thread runs again: it drains the flood (no answer to padded frames), the socket
+    # says HELLO a thousand times more, and a real engine links meanwhile.
+    for _ in range(1000):
+        evil.send(hello)
+    eng = make_engine()
+    eng.link(d.engine_id, d.address)
+    assert d.engine_id in eng.peers()
+    answers = 0
+    while evil.poll(1000):
+        evil.recv()
+        answers += 1
+    assert 1 <= answers <= 8, answers
+    assert d.metrics().rejected("reply_budget") > 0
+    evil.close()
