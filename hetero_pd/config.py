@@ -12,6 +12,7 @@ from backends import DtypeChoice, backend_for, parse_device
 from hetero_pd import envs
 from hetero_pd.engine.kv_tiers.config import TierConfig
 from hetero_pd.engine.scheduler import ROLES, Role
+from hetero_pd.engine.spec.config import SpeculativeConfig
 from transfer.kv_layouts import LAYOUTS as KV_LAYOUTS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,8 +107,13 @@ class EngineConfig:
     # Ranks the model is split over (vLLM's name): one process per rank, each on its own
     # device (engine/tp/); rank 0 is the engine's own process.
     tensor_parallel_size: int = 1
+    # Speculative decoding (vLLM's name and keys, as a SpeculativeConfig or its dict):
+    # decode steps verify proposed tokens (hetero_pd/engine/spec/). None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
         if self.dtype != "auto":
             parse_dtype(self.dtype)
         if self.kv_layout not in ("auto", *KV_LAYOUTS):

@@ -179,7 +179,7 @@ async def _resolves(name: str) -> bool:
 
 def max_model_len(dep: Deployment, cfg: ModelConfig) -> int:
     """What the workers will allow, known before any of them answers (the engine's rule)."""
-    from hetero_pd.engine.llm_engine import MAX_DEFAULT_MODEL_LEN
+    from hetero_pd.engine.loading import MAX_DEFAULT_MODEL_LEN
 
     if dep.engine.max_model_len is not None:
         return dep.engine.max_model_len

@@ -208,6 +208,14 @@ class KVCacheManager:
         req.block_ids.extend(self._new_blocks(need))
         return True
 
+    def trim(self, req: Request) -> None:
+        """Frees the blocks past those the request's tokens need (speculative slots that
+        held rejected proposals); they were never published."""
+        keep = self.blocks_for(req.num_tokens)
+        if len(req.block_ids) > keep:
+            self.pool.free_blocks(req.block_ids[keep:])
+            del req.block_ids[keep:]
+
     def cache_computed_blocks(self, req: Request) -> None:
         """Publishes every block that is full and computed, once."""
         if not self.enable_prefix_caching or req.prompt_hidden is not None:

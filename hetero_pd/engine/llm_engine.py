@@ -18,7 +18,7 @@ from hetero_pd.engine.health import EngineFault, EngineLoad, RequestFailure
 from hetero_pd.engine.hidden_prompts import HiddenPrompts
 from hetero_pd.engine.kv_cache_manager import KVCacheManager
 from hetero_pd.engine.kv_tiers import KVTierStats, build_kv_tiers
-from hetero_pd.engine.loading import load_runner, rank_threads
+from hetero_pd.engine.loading import load_runner, max_model_len, rank_threads
 from hetero_pd.engine.logprobs import adopt_remote_logprobs
 from hetero_pd.engine.model_runner import KVAllocator
 from hetero_pd.engine.output_builder import OutputBuilder
@@ -26,6 +26,7 @@ from hetero_pd.engine.parallel_sampling import check_engine_params
 from hetero_pd.engine.request import Request, RequestStatus
 from hetero_pd.engine.sampler import advance_generator
 from hetero_pd.engine.scheduler import Role, Scheduler, SchedulerConfig, SchedulerOutput
+from hetero_pd.engine.spec.speculator import Speculator
 from hetero_pd.engine.structured import GrammarCompiler
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
@@ -36,7 +37,6 @@ from hetero_pd.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-MAX_DEFAULT_MODEL_LEN = 4096
 #: Steps in a row in which every request failed: then the engine itself is broken.
 MAX_FAILED_STEPS = 3
 LayerHookFactory = Callable[[SchedulerOutput], Callable[[int], None] | None]
@@ -58,7 +58,7 @@ class LLMEngine(HiddenPrompts):
         self.config = config
         self.model_path = resolve_model(config.model)
         self.model_config = cfg = ModelConfig.from_dir(self.model_path)
-        self.max_model_len = self._max_model_len(cfg)
+        self.max_model_len = max_model_len(config, cfg, self.model_path)
         self.device = parse_device(config.device)
         backend = backend_for(self.device)
         backend.require_available()
@@ -103,6 +103,8 @@ class LLMEngine(HiddenPrompts):
             role=config.role,
         )
         self.scheduler = Scheduler(sched_cfg, self.kv)
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         eos = self.decoder.eos_token_id  # the tokenizer's, besides the model config's
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | {int(e) for e in [eos] if e is not None}
         self.outputs = OutputBuilder(self.decoder)
@@ -121,20 +123,6 @@ class LLMEngine(HiddenPrompts):
             f"({choice.reason}), {torch.get_num_threads()} threads, decode step "
             f"{'compiled' if self.runner.compiled else 'eager'} ({self.compile_choice[1]})"
         )
-
-    def _max_model_len(self, cfg: ModelConfig) -> int:
-        limit = cfg.max_position_embeddings
-        if cfg.sliding_window:
-            # Positions never leave the window, so the model's sliding attention is exact.
-            limit = min(limit, cfg.sliding_window)
-        if self.config.max_model_len is None:
-            return min(limit, MAX_DEFAULT_MODEL_LEN)
-        if self.config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len={self.config.max_model_len} exceeds what {self.model_path} "
-                f"supports ({limit})"
-            )
-        return self.config.max_model_len
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -199,7 +187,7 @@ class LLMEngine(HiddenPrompts):
         req = self.scheduler.remote_kv_ready(request_id, first_token_id)
         if req.generator is not None and not req.params.greedy:
             advance_generator(req.generator, self.model_config.vocab_size)
-        return self._make_output(req, first_token_id)
+        return self._make_output(req, [first_token_id])
 
     def cached_tokens(self, request_id: str) -> int:
         """Prompt tokens of a request whose KV this engine's prefix cache served."""
@@ -308,6 +296,8 @@ class LLMEngine(HiddenPrompts):
 
         `layer_hook`, if given, sees the step's schedule before the forward pass and may
         return a callback run after each layer (layer-wise KV streaming uses it)."""
+        if self.speculator is not None and self.config.role != "prefill":
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if not out:
             return []
@@ -334,12 +324,14 @@ class LLMEngine(HiddenPrompts):
     ) -> list[RequestOutput]:
         on_layer_done = layer_hook(out) if layer_hook is not None else None
         sampled = self.runner.execute(out, on_layer_done)
-        self.scheduler.update(out, sampled)
+        if self.speculator is not None:
+            self.speculator.observe(out, sampled)
+        self.scheduler.update(out, sampled)  # cuts a run where its request finishes
         reqs = {c.request.request_id: c.request for c in out.chunks}
         outputs = []
-        for rid, token in sampled.items():
+        for rid, tokens in sampled.items():
             try:
-                outputs.append(self._make_output(reqs[rid], token))
+                outputs.append(self._make_output(reqs[rid], tokens))
             except Exception as e:  # this request's output only
                 self._fail(reqs[rid], e)
         return outputs
@@ -376,8 +368,8 @@ class LLMEngine(HiddenPrompts):
         )
         self._failures.append(RequestFailure(req.request_id, message))
 
-    def _make_output(self, req: Request, token: int) -> RequestOutput:
-        return self.outputs.make(req, token, self.scheduler.finish)
+    def _make_output(self, req: Request, tokens: list[int]) -> RequestOutput:
+        return self.outputs.make(req, tokens, self.scheduler.finish)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

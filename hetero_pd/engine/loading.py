@@ -19,6 +19,24 @@ from hetero_pd.models.loader import load_model
 from hetero_pd.models.parallel import SINGLE, Parallel, shard_config
 from transfer.kv_layouts import ND
 
+MAX_DEFAULT_MODEL_LEN = 4096
+
+
+def max_model_len(config: EngineConfig, cfg: ModelConfig, model_path: Path) -> int:
+    """The engine's max_model_len: the configured one, checked against what the model
+    supports, else that limit capped at MAX_DEFAULT_MODEL_LEN."""
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window:
+        # Positions never leave the window, so the model's sliding attention is exact.
+        limit = min(limit, cfg.sliding_window)
+    if config.max_model_len is None:
+        return min(limit, MAX_DEFAULT_MODEL_LEN)
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds what {model_path} supports ({limit})"
+        )
+    return config.max_model_len
+
 
 def rank_threads(config: EngineConfig, backend: Backend) -> int:
     """Torch threads per rank: the configured count, else the backend's default (0: torch's

@@ -18,6 +18,7 @@ from hetero_pd import envs
 from hetero_pd.engine.logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from hetero_pd.engine.sampler import Sampler
 from hetero_pd.engine.scheduler import ScheduledChunk, SchedulerOutput
+from hetero_pd.engine.spec.verify import sample_runs
 from hetero_pd.engine.tp.group import RankGroup
 from hetero_pd.models.attention import AttentionMetadata, PrefillSpan
 from hetero_pd.models.config import ModelConfig
@@ -57,7 +58,9 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
-    sample_rows: list[int]  # row of the last token of each chunk that samples
+    # row of the last token of each chunk that samples (of every token of a chunk that
+    # verifies proposals)
+    sample_rows: list[int]
     sample_chunks: list[int]  # index into SchedulerOutput.chunks of those chunks
 
 
@@ -187,14 +190,14 @@ class ModelRunner:
             req = chunk.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + chunk.num_tokens
             row = len(ids)
-            ids.extend(req.all_token_ids[start:end])
+            ids.extend(chunk.token_ids)
             positions.extend(range(start, end))
             if chunk.num_tokens == 1:
                 decode_rows.append((req.block_ids, end))
             else:
                 spans.append((row, start, end, req.block_ids))
             if chunk.samples:
-                sample_rows.append(len(ids) - 1)
+                sample_rows.extend(range(len(ids) - 1 - chunk.num_spec, len(ids)))
                 sample_chunks.append(i)
         ctx = max((n for _, n in decode_rows), default=0)
         if pad is not None:
@@ -245,22 +248,23 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None
-    ) -> dict[str, int]:
-        """Runs one step; returns the sampled token per request id that samples."""
+    ) -> dict[str, list[int]]:
+        """Runs one step; returns per request id that samples its tokens: one, or a
+        verified run where the chunk carries proposals (spec/verify.py)."""
         if not self.start_layer and any(_edge_prompt_layer(c) for c in out.chunks):
             return self._execute_edge_prompts(out, on_layer_done)
         return self._run(out, on_layer_done, self.start_layer)
 
     def _execute_edge_prompts(
         self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None
-    ) -> dict[str, int]:
+    ) -> dict[str, list[int]]:
         """A step with edge prompts (they enter at layer k with layers [0, k) of their KV
         given): one forward pass for the other chunks, one per k for those. Layer callbacks
         run once every pass is done, so a layer-wise push never sends a layer too early."""
         groups: dict[int, list[ScheduledChunk]] = {}
         for chunk in out.chunks:
             groups.setdefault(_edge_prompt_layer(chunk), []).append(chunk)
-        sampled: dict[str, int] = {}
+        sampled: dict[str, list[int]] = {}
         for k, chunks in sorted(groups.items()):
             if k:
                 self._write_early_kv(chunks, k)
@@ -301,7 +305,7 @@ class ModelRunner:
 
     def _run(
         self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None, start: int
-    ) -> dict[str, int]:
+    ) -> dict[str, list[int]]:
         shape = self._compiled_shape(out, start)
         inputs = self.prepare(out, shape if self.padding else None)
         hidden_in = self._hidden_inputs(out) if start else None
@@ -334,8 +338,10 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden, compiled=True)[inputs.sample_rows]
             else:
                 logits = self._logits(hidden[inputs.sample_rows])
-        tokens = self.sampler.sample_requests(logits, reqs, masks)
-        return {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
+        chunks = [out.chunks[i] for i in inputs.sample_chunks]
+        drafts = [c.request.spec_token_ids[: c.num_spec] for c in chunks]
+        runs = sample_runs(self.sampler, logits, reqs, drafts, masks)
+        return {r.request_id: run for r, run in zip(reqs, runs, strict=True)}
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.ranks is None:

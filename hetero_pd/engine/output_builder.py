@@ -78,17 +78,26 @@ class OutputBuilder:
         self._states.pop(request_id, None)
         self._prompts.pop(request_id, None)
 
-    def make(self, req: Request, token: int, finish: Finish) -> RequestOutput:
-        """The output for `req`'s new `token`: its text so far, held back while it could
-        still turn into a stop string, and cut at one when it has (then `finish` ends the
-        request in the scheduler)."""
+    def make(self, req: Request, tokens: list[int], finish: Finish) -> RequestOutput:
+        """The output for `req`'s new `tokens` (one, or a speculative run): its text so
+        far, held back while it could still turn into a stop string, and cut at one when it
+        has (then `finish` ends the request in the scheduler, and the run's tokens after the
+        one that completed the stop string are dropped, as if never generated)."""
         state = self._states[req.request_id]
-        delta = state.detok.add(token)
         finished = req.status.finished or req.status is RequestStatus.KV_READY
-        if finished:
-            delta += state.detok.flush()
+        first_new = req.num_output_tokens - len(tokens)
+        match = None
+        for i, token in enumerate(tokens):
+            delta = state.detok.add(token)
+            if finished and i == len(tokens) - 1:
+                delta += state.detok.flush()
+            match = state.stop.check(state.detok.text, len(delta)) if state.stop else None
+            if match is not None:
+                if i < len(tokens) - 1:
+                    tokens = tokens[: i + 1]
+                    req.drop_outputs_after(first_new + i + 1)
+                break
         text = state.detok.text
-        match = state.stop.check(text, len(delta)) if state.stop else None
         if match is not None:
             text = text[: match.text_len]
             if not finished:
@@ -108,7 +117,7 @@ class OutputBuilder:
             finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason,
             delta_text=delta_text,
-            delta_token_ids=[token],
+            delta_token_ids=list(tokens),
         )
         completion.logprobs, completion.cumulative_logprob = output_logprobs(req)
         return RequestOutput(

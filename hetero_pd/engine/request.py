@@ -85,6 +85,8 @@ class Request:
     prompt_logprobs: PromptLogprobs = field(default_factory=list)
     # SamplingParams.structured_outputs: the grammar's state after the tokens so far.
     grammar: GrammarMatcher | None = None
+    # Speculative decoding: tokens proposed to follow all_token_ids, verified next step.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -117,6 +119,17 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    def drop_outputs_after(self, num_output_tokens: int) -> None:
+        """Forgets the output tokens past the first `num_output_tokens` (a speculative run
+        cut by a stop), with their logprobs."""
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]
+        if len(self.output_logprobs) > num_output_tokens:
+            del self.output_logprobs[num_output_tokens:]
+            # summed again in the same order, so the total is the one a plain run has
+            self.cumulative_logprob = 0.0
+            for entry, token in zip(self.output_logprobs, self.output_token_ids, strict=False):
+                self.cumulative_logprob += entry[token].logprob
 
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival_seq)

@@ -45,11 +45,22 @@ class SchedulerConfig:
 class ScheduledChunk:
     request: Request
     num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    # of them, proposed tokens to verify (request.spec_token_ids[:num_spec]) after the last
+    num_spec: int = 0
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the known tokens, so the step samples."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        end = self.request.num_computed_tokens + self.num_tokens - self.num_spec
+        return end == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The chunk's input tokens: known ones, then the proposals it verifies."""
+        req, start = self.request, self.request.num_computed_tokens
+        if not self.num_spec:
+            return req.all_token_ids[start : start + self.num_tokens]
+        return req.all_token_ids[start:] + req.spec_token_ids[: self.num_spec]
 
 
 @dataclass(slots=True)
@@ -191,6 +202,11 @@ class Scheduler:
         while pending and budget > 0:
             req = pending.pop(0)
             n = min(req.num_ready_tokens - req.num_computed_tokens, budget)
+            # A decode step verifies the request's proposals too, where budget and KV allow.
+            spec = min(len(req.spec_token_ids), budget - 1) if n == 1 else 0
+            if spec and not self.kv.allocate_slots(req, 1 + spec):
+                spec = 0
+            n += spec
             while not self.kv.allocate_slots(req, n):
                 victim = max(pending, key=Request.sort_key) if pending else req
                 if victim is not req:
@@ -200,7 +216,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.chunks.append(ScheduledChunk(req, n))
+                out.chunks.append(ScheduledChunk(req, n, spec))
                 budget -= n
         if not out.preempted:
             budget = self._admit(out, budget)
@@ -229,22 +245,30 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         bisect.insort(self.waiting, req, key=Request.sort_key)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Records the step's progress and sampled tokens; returns requests that changed
-        state to finished (or KV_READY on a prefill worker)."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Records the step's progress and sampled tokens (a run per request: one token,
+        or a verified speculative run, which is cut where the request finishes); returns
+        requests that changed state to finished (or KV_READY on a prefill worker)."""
         done = []
         for chunk in out.chunks:
             req = chunk.request
+            run = sampled.get(req.request_id)
+            if chunk.num_spec:
+                assert run is not None, "a verifying chunk samples"
+                if self._append_run(req, run):
+                    done.append(req)
+                continue
             req.num_computed_tokens += chunk.num_tokens
             self.kv.cache_computed_blocks(req)
-            token = sampled.get(req.request_id)
-            if token is None:
+            if run is None:
                 continue
+            token = run[0]
             if self.config.role == "prefill" and req.num_output_tokens == 0:
                 req.all_token_ids.append(token)
                 self.running.remove(req)
@@ -255,6 +279,21 @@ class Scheduler:
             if self.append_token(req, token):
                 done.append(req)
         return done
+
+    def _append_run(self, req: Request, run: list[int]) -> bool:
+        """A verified run: its tokens but the last were proposals, so their KV (and the
+        input token's) is computed; the rejected proposals' slots are given back. Cuts
+        `run` (in place) where the request finishes; returns whether it did."""
+        req.spec_token_ids = []
+        req.num_computed_tokens += len(run)
+        for i, token in enumerate(run):
+            if self.append_token(req, token):
+                del run[i + 1 :]
+                req.drop_outputs_after(req.num_output_tokens)
+                return True
+        self.kv.cache_computed_blocks(req)
+        self.kv.trim(req)
+        return False
 
     def append_token(self, req: Request, token: int) -> bool:
         """Appends a sampled token; finishes the request on EOS, stop ids or length."""

@@ -39,7 +39,7 @@ def step(
     """One step; requests that sample get tokens[rid], else FILLER."""
     out = s.schedule()
     sampled = {
-        c.request.request_id: (tokens or {}).get(c.request.request_id, FILLER)
+        c.request.request_id: [(tokens or {}).get(c.request.request_id, FILLER)]
         for c in out.chunks
         if c.samples
     }
@@ -111,7 +111,7 @@ def test_only_the_last_prefill_chunk_samples() -> None:
     for _ in range(3):
         out = s.schedule()
         samples.append([(c.num_tokens, c.samples) for c in out.chunks])
-        s.update(out, {c.request.request_id: FILLER for c in out.chunks if c.samples})
+        s.update(out, {c.request.request_id: [FILLER] for c in out.chunks if c.samples})
     assert samples == [[(5, False)], [(5, False)], [(2, True)]]
 
 
