@@ -34,18 +34,9 @@ from hetero_pd.bench.metrics import SLO, RequestResult, compute_metrics, parse_s
 from hetero_pd.bench.report import format_summary, format_sweep
 from hetero_pd.bench.runner import RunConfig, run_benchmark, send_one
 from hetero_pd.bench.sweep import GoodputSearch, SweepProbe, run_sweep, sweep_summary
+from hetero_pd.deploy.fields import json_object
 
 PROG = "hetero-pd bench serve"
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e.msg}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension)")
-    g.add_argument("--extra-body", type=_json_object, default={}, help="JSON merged into bodies")
+    g.add_argument("--extra-body", type=json_object, default={}, help="JSON merged into bodies")
     g.add_argument("--no-initial-test", action="store_true", help="skip the pre-flight request")
 
     g = p.add_argument_group("workload")

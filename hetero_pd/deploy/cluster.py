@@ -29,7 +29,7 @@ from hetero_pd.deploy import k8s
 from hetero_pd.deploy.addresses import check_advertised
 from hetero_pd.deploy.launcher import worker_config
 from hetero_pd.deploy.schema import Deployment
-from hetero_pd.deploy.workers import WorkerInstance, expand_workers
+from hetero_pd.deploy.workers import WorkerInstance, expand_workers, role_speculative_config
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.serving.router.router import Router
 from hetero_pd.serving.worker.config import WorkerConfig
@@ -65,7 +65,11 @@ def pod_worker_config(
     return worker_config(
         dep,
         WorkerInstance(
-            wid, role, device, tensor_parallel_size=k8s.role_tensor_parallel_size(dep, role)
+            wid,
+            role,
+            device,
+            tensor_parallel_size=k8s.role_tensor_parallel_size(dep, role),
+            speculative_config=role_speculative_config(dep.workers, role),
         ),
         usable_cpus(),  # its affinity and its CPU limit (cgroup quota)
         host=host,

@@ -13,7 +13,9 @@ returns None when anything was wrong, so the caller keeps going and reports them
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Sequence
@@ -148,3 +150,14 @@ def _kind(value: Any) -> str:
     return {dict: "a mapping", list: "a list", type(None): "nothing (null)"}.get(
         type(value), type(value).__name__
     )
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object (`--speculative-config`, bench's `--extra-body`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e.msg}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value

@@ -95,6 +95,7 @@ def worker_config(
         dtype=fmt.dtype,
         kv_layout=fmt.kv_layout,
         tensor_parallel_size=w.tensor_parallel_size,
+        speculative_config=w.speculative_config,
         # layers [k, L) on hidden states: the workers then serve edge sessions only
         start_layer=dep.edge.split_layer if dep.edge and dep.edge.enabled else e.start_layer,
     )

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hetero_pd.config import DTYPE_CHOICES
+from hetero_pd.deploy.fields import json_object
 from hetero_pd.deploy.schema import Deployment, parse_deployment
 from hetero_pd.deploy.source import ConfigError
 from hetero_pd.models.fetch import KNOWN_MODELS, ModelNotFoundError, check_model_dir
@@ -103,6 +104,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="engine seed (unseeded requests)")
     g.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache per worker")
     g.add_argument(
+        "--speculative-config",
+        type=json_object,
+        default=None,
+        help='vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\': '
+        "speculative decoding on the decode (or colocated) workers",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -114,7 +122,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def model_flags_given(args: argparse.Namespace) -> list[str]:
     """The model-only flags present on the command line (they make no sense with a YAML)."""
     given = [flag for key, flag in ENGINE_FLAGS.items() if getattr(args, key) is not None]
-    for key in ("pd", "device", "dtype", "tensor_parallel_size"):
+    for key in ("pd", "device", "dtype", "tensor_parallel_size", "speculative_config"):
         if getattr(args, key) is not None:
             given.append(f"--{key.replace('_', '-')}")
     if args.colocated:
@@ -207,6 +215,10 @@ def deployment_for_model(target: str, args: argparse.Namespace) -> Deployment:
     if args.tensor_parallel_size is not None:
         for w in workers:
             w["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.speculative_config is not None:
+        for w in workers:
+            if w["role"] != "prefill":
+                w["speculative_config"] = args.speculative_config
     engine = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     raw: dict[str, Any] = {
         "version": 1,
@@ -243,4 +255,6 @@ def _flag_message(key: str, message: str) -> str:
         flag = "--device" if key.endswith("device") else "--pd"
         if key.endswith("tensor_parallel_size"):
             flag = "--tensor-parallel-size"
+        if key.endswith("speculative_config"):
+            flag = "--speculative-config"
     return f"{flag or key}: {message}"

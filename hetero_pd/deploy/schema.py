@@ -42,6 +42,7 @@ from hetero_pd.deploy.workers import (
     workers_for_counts,
 )
 from hetero_pd.engine.kv_tiers.config import TierConfig
+from hetero_pd.engine.spec.config import SpeculativeConfig
 
 VERSION = 1
 TOP_KEYS: tuple[str, ...] = ("version", "model", "dtype", "workers", "pd", "workload")
@@ -201,6 +202,7 @@ def _worker_list(raw: Any, src: Source) -> tuple[WorkerSpec, ...] | None:
                 src.error(f"workers[{i}].device", "give `device:` or `devices:`, not both")
             spec = dataclasses.replace(spec, count=len(spec.devices))
         _check_tensor_parallel(spec, f"workers[{i}]", src)
+        _check_speculative(spec, f"workers[{i}]", src)
         out.append(spec)
     roles = {w.role for w in out}
     if not roles & {"decode", "both"}:
@@ -208,6 +210,22 @@ def _worker_list(raw: Any, src: Source) -> tuple[WorkerSpec, ...] | None:
     elif "prefill" in roles and "decode" not in roles:
         src.error("workers", "prefill workers need at least one worker with role decode")
     return tuple(out)
+
+
+def _check_speculative(spec: WorkerSpec, key: str, src: Source) -> None:
+    """A worker group's speculative_config: valid, and on workers that decode."""
+    if spec.speculative_config is None:
+        return
+    if spec.role == "prefill":
+        src.error(
+            f"{key}.speculative_config",
+            "speculative decoding runs where tokens are decoded: set it on decode (or "
+            "both) workers; a prefill worker computes the prompt and its first token only",
+        )
+    try:
+        SpeculativeConfig.parse(spec.speculative_config)
+    except (TypeError, ValueError) as e:
+        src.error(f"{key}.speculative_config", str(e))
 
 
 def _check_tensor_parallel(spec: WorkerSpec, key: str, src: Source, role: str = "") -> None:

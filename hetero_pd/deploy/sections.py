@@ -66,6 +66,9 @@ class WorkerSpec:
     #: Ranks each of these workers splits the model over (one process and one device
     #: each, the first given by `device`); the router sees one worker.
     tensor_parallel_size: int = opt(1, lo=1, hi=64)
+    #: Speculative decoding on these workers (vLLM's `speculative_config` keys: method
+    #: ngram, num_speculative_tokens, prompt_lookup_min/max); decode or both workers only.
+    speculative_config: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from typing import Any
 from backends import parse_device_spec
 from hetero_pd.deploy.sections import PDSpec, WorkerSpec, WorkloadSpec
 from hetero_pd.deploy.source import Source
+from hetero_pd.engine.spec.config import SpeculativeConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,7 @@ class WorkerInstance:
     host: str = ""  # bare metal: the host that runs it ("" = this box)
     port: int = 0  # bare metal: its control port (transfer: port + 1)
     tensor_parallel_size: int = 1
+    speculative_config: SpeculativeConfig | None = None
 
     @property
     def address(self) -> str:
@@ -157,6 +159,12 @@ def worker_ids(workers: tuple[WorkerSpec, ...]) -> list[str]:
     return ids
 
 
+def role_speculative_config(workers: tuple[WorkerSpec, ...], role: str) -> SpeculativeConfig | None:
+    """The speculative config of `role`'s first worker group (a Kubernetes replica's)."""
+    spec = next((w for w in workers if w.role == role), None)
+    return None if spec is None else SpeculativeConfig.parse(spec.speculative_config)
+
+
 def expand_workers(workers: tuple[WorkerSpec, ...]) -> list[WorkerInstance]:
     """Every worker process of a loaded deployment, in launch order, with its device."""
     src = Source("<deployment>")
@@ -166,7 +174,14 @@ def expand_workers(workers: tuple[WorkerSpec, ...]) -> list[WorkerInstance]:
     ids = iter(worker_ids(workers))
     return [
         WorkerInstance(
-            next(ids), spec.role, device, spec.cpus, spec.host, port, spec.tensor_parallel_size
+            next(ids),
+            spec.role,
+            device,
+            spec.cpus,
+            spec.host,
+            port,
+            spec.tensor_parallel_size,
+            SpeculativeConfig.parse(spec.speculative_config),
         )
         for spec, devices, group in zip(workers, placed, ports, strict=True)
         for device, port in zip(devices, group, strict=True)

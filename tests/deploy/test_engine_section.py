@@ -13,7 +13,8 @@ def test_the_section_has_every_engine_option_with_its_default() -> None:
     spec = {f.name: f.default for f in dataclasses.fields(EngineSpec)}
     engine = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     # per worker, not per deployment: what it runs, as what, and on which device(s)
-    assert set(spec) == set(engine) - {"model", "role", "device", "tensor_parallel_size"}
+    per_worker = {"model", "role", "device", "tensor_parallel_size", "speculative_config"}
+    assert set(spec) == set(engine) - per_worker
     # "" = the deployment's dtype; every other option defaults as the engine does
     assert {k: v for k, v in spec.items() if engine[k] != v} == {"dtype": ""}
 
