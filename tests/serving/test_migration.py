@@ -30,6 +30,7 @@ from hetero_pd.serving.router.migration import Migration
 
 ONE_P_TWO_D = [{"role": "prefill"}, {"role": "decode"}, {"role": "decode"}]
 MIGRATIONS = "hetero_pd_migrations_total"
+DECISIONS = "hetero_pd_policy_decisions_total"
 #: Every KV push of a decode worker (only migrations push from there) starts 0.5 s late.
 LATE_BEGIN = [{"kind": "delay", "msg_type": "begin", "nth": 1, "count": 10**9, "delay_s": 0.5}]
 
@@ -186,3 +187,44 @@ def test_admin_api_refuses_bad_requests(stack: Stack) -> None:
     assert http_json(f"{stack.url}/admin/drain", {"wrker": "decode-0"})[0] == 400
     status, answer = http_json(f"{stack.url}/admin/migrate", {"request_id": "nope"})
     assert status == 400 and "not decoding" in answer["error"]["message"]
+
+
+def chat_text(stack: Stack, question: str, max_tokens: int) -> str:
+    """A streamed greedy chat through the official client; its whole text."""
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    with client:
+        stream = client.chat.completions.create(
+            model=stack.dep.model, messages=[{"role": "user", "content": question}],
+            max_tokens=max_tokens, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+
+def test_rolling_restart_under_load_ends_no_request(stack: Stack) -> None:
+    """`hetero-pd restart --rolling`'s API while 32 streamed chats run: every worker is
+    drained, stopped and started afresh in turn; all 32 complete, each with the text of an
+    unmigrated run, none recomputed, and the requests on decode workers moved live."""
+    assert stack.router is not None
+    questions = ["Name three colors.", "What is a cat?", "Count to five.", "Say hello."]
+    reference = {q: chat_text(stack, q, 40) for q in questions}
+    recomputed = stack.metric(DECISIONS, decision="recompute")
+    moved = stack.metric(MIGRATIONS, stage="completed")
+    pids = dict(stack.pids)
+    with ThreadPoolExecutor(33) as pool:
+        runs = [pool.submit(chat_text, stack, questions[i % 4], 40) for i in range(32)]
+        deadline = time.monotonic() + 120
+        while sum(s.decoding for s in stack.router.streams.values()) < 8:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        restart = pool.submit(http_json, f"{stack.url}/admin/restart", {"rolling": True})
+        status, answer = restart.result(600)
+        texts = [r.result(300) for r in runs]  # raises on any error
+    assert status == 200, answer
+    assert [r["worker"] for r in answer["restarted"]] == ["prefill-0", "decode-0", "decode-1"]
+    assert all(r["failed"] == 0 for r in answer["restarted"])
+    assert texts == [reference[questions[i % 4]] for i in range(32)]
+    assert stack.metric(DECISIONS, decision="recompute") == recomputed
+    assert stack.metric(MIGRATIONS, stage="completed") > moved
+    assert stack.launcher is not None
+    assert all(stack.launcher.pids()[w] != pid for w, pid in pids.items())
+    stack.wait_idle()
