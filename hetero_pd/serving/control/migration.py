@@ -74,6 +74,9 @@ class MigrateOut(Envelope, tag="migrate_out", kw_only=True, frozen=True):
     dest_worker: Name
     dest_address: Name
     dest_blocks: RemoteBlocks
+    #: False: no pre-copy, every block moves while the request is paused (stop-and-copy,
+    #: what `hetero-pd bench migrate` compares against).
+    precopy: bool = True
 
 
 class MigrateState(Envelope, tag="migrate_state", kw_only=True, frozen=True):

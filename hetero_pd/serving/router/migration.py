@@ -114,10 +114,13 @@ class Migrator:
             raise ValueError(f"no live decode worker to move to ({where} is not one)")
         return max(ok, key=lambda w: (w.load.free_blocks, -w.load.running))
 
-    async def migrate(self, rid: str, dest_id: str | None = None) -> Migration:
+    async def migrate(
+        self, rid: str, dest_id: str | None = None, precopy: bool = True
+    ) -> Migration:
         """Moves request `rid` to `dest_id` (None: the decode worker with the most free
-        blocks). Raises ValueError when it cannot start (unknown or not decoding yet, n > 1,
-        an edge request, no destination); returns how it went otherwise."""
+        blocks); `precopy` False pauses it for the whole copy (for comparison). Raises
+        ValueError when it cannot start (unknown or not decoding yet, n > 1, an edge
+        request, no destination); returns how it went otherwise."""
         stream = self.streams.get(rid)
         if stream is None or not stream.decoding:
             raise ValueError(f"request {rid} is not decoding on this router")
@@ -136,7 +139,7 @@ class Migrator:
             stream.involved.append(dest)
         started = time.monotonic()
         try:
-            result = await self._run(stream, source, dest, inbox, started)
+            result = await self._run(stream, source, dest, inbox, started, precopy)
         except WorkerUnreachable as e:
             result = Migration(rid, source.id, dest.id, False, str(e))
         finally:
@@ -161,6 +164,7 @@ class Migrator:
         dest: WorkerClient,
         inbox: Inbox,
         started: float,
+        precopy: bool,
     ) -> Migration:
         rid = stream.rid
         tokens = len(stream.prompt_ids) + stream.tokens
@@ -193,6 +197,7 @@ class Migrator:
                 dest_worker=dest.id,
                 dest_address=dest.info.transfer_address,
                 dest_blocks=reply.blocks,
+                precopy=precopy,
             )
         )
         state = await self._answer(inbox, {source.id, dest.id}, (M.MigrateState,))

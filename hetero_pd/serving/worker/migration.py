@@ -41,6 +41,7 @@ class _Out:
     peer: str
     dest: RemoteBlocks
     preemptions: int
+    precopy: bool = True
     sent: int = 0  # the request's first blocks pushed so far
     rounds: int = 0
     nbytes: int = 0
@@ -93,7 +94,9 @@ class Migrations:
         if problem is not None or now is None:
             self.send(owner, M.MigrateFailed(rid=msg.rid, message=f"request {msg.rid}: {problem}"))
             return
-        self._out[msg.rid] = _Out(owner, msg.dest_worker, msg.dest_blocks, preemptions=now[2])
+        self._out[msg.rid] = _Out(
+            owner, msg.dest_worker, msg.dest_blocks, preemptions=now[2], precopy=msg.precopy
+        )
         self._advance(msg.rid)
 
     def _advance(self, rid: str) -> None:
@@ -118,7 +121,7 @@ class Migrations:
         blocks, computed, _ = now
         bs = self.engine.config.block_size
         full = computed // bs
-        if full - out.sent > SMALL_ROUND_BLOCKS and out.rounds < MAX_ROUNDS:
+        if out.precopy and full - out.sent > SMALL_ROUND_BLOCKS and out.rounds < MAX_ROUNDS:
             self._push(rid, out, blocks, full, full * bs)
             return
         blocks, computed = E.pause(self.engine, rid)

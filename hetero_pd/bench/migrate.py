@@ -1,0 +1,116 @@
+"""`hetero-pd bench migrate`: how long a live migration pauses a decoding request, against
+its context length, with pre-copy (the default: only the blocks filled during the last
+round and the partial one move while it is paused) and without (stop-and-copy: every
+block moves while it is paused), measured side by side in one run on one 1P2D stack.
+
+For each context length one greedy request decodes while the router moves it between the
+two decode workers `--migrations` times per mode, the modes taking turns. Per context and
+mode it prints the pause (p50, p99; what the request's stream stops for: the last push and
+the hand-over), the whole migration's time (p50) and the KV bytes moved, then the ratio of
+the stop-and-copy pause to the pre-copy pause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack
+from hetero_pd.models.fetch import DEFAULT_MODEL, resolve_model
+from hetero_pd.sampling_params import SamplingParams
+from hetero_pd.serving.router.migration import Migration
+
+MODES = {"precopy": True, "stop-and-copy": False}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def measure(stack: Stack, context: int, migrations: int, gap: int) -> dict[str, list[Migration]]:
+    """One request of `context` prompt tokens, moved `migrations` times per mode."""
+    router = stack.router
+    assert router is not None
+    rid = f"bench-migrate-{context}"
+    max_tokens = 2 * migrations * gap + 4 * gap
+    prompt = random_prompts([context], seed=context)[0]
+
+    async def consume() -> int:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        n = 0
+        async for out in router.generate(rid, prompt, params):
+            n += len(out.token_ids)
+        return n
+
+    run = stack.submit(consume())
+    results: dict[str, list[Migration]] = {mode: [] for mode in MODES}
+    for turn in range(2 * migrations):
+        mode = list(MODES)[turn % 2]
+        stream = router.streams.get(rid)
+        while stream is None or not stream.decoding:
+            time.sleep(0.005)
+            stream = router.streams.get(rid)
+        start = stream.tokens
+        while stream.tokens < start + gap:
+            time.sleep(0.005)
+        result = stack.call(router.migrator.migrate(rid, precopy=MODES[mode]), 120)
+        if not result.ok:
+            raise RuntimeError(f"migration failed: {result.reason}")
+        results[mode].append(result)
+    if run.result(600) != max_tokens:
+        raise RuntimeError("the request did not finish whole")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hetero-pd bench migrate", description=__doc__)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--contexts", default="128,512,2048", help="prompt lengths, tokens")
+    ap.add_argument("--migrations", type=int, default=8, help="per context and mode")
+    ap.add_argument("--gap", type=int, default=4, help="tokens decoded between migrations")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    args = ap.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    engine: dict[str, Any] = {
+        "max_model_len": max(contexts) + 4 * args.migrations * args.gap + 64,
+        "num_kv_blocks": (max(contexts) * 3) // 16 + 256,
+        "max_num_batched_tokens": 2048,
+    }
+    workers = [{"role": "prefill"}, {"role": "decode"}, {"role": "decode"}]
+    dep = deployment(resolve_model(args.model), workers=workers, engine=engine)
+    rows: list[dict[str, Any]] = []
+    with running_stack(dep) as stack:
+        for context in contexts:
+            results = measure(stack, context, args.migrations, args.gap)
+            for mode, done in results.items():
+                pauses = [r.pause_s * 1e3 for r in done]
+                rows.append(
+                    {
+                        "context": context,
+                        "mode": mode,
+                        "pause_p50_ms": round(percentile(pauses, 0.5), 2),
+                        "pause_p99_ms": round(percentile(pauses, 0.99), 2),
+                        "total_p50_ms": round(statistics.median(r.total_s * 1e3 for r in done), 2),
+                        "rounds_p50": statistics.median(r.rounds for r in done),
+                        "kv_mb": round(statistics.median(r.bytes for r in done) / 2**20, 2),
+                    }
+                )
+    print(f"{'context':>8} {'mode':>14} {'pause p50':>10} {'pause p99':>10} "
+          f"{'total p50':>10} {'rounds':>6} {'KV MB':>7}")  # fmt: skip
+    for r in rows:
+        print(f"{r['context']:>8} {r['mode']:>14} {r['pause_p50_ms']:>8.1f}ms "
+              f"{r['pause_p99_ms']:>8.1f}ms {r['total_p50_ms']:>8.1f}ms {r['rounds_p50']:>6} "
+              f"{r['kv_mb']:>7.2f}")  # fmt: skip
+    for context in contexts:
+        pre, stop = (
+            next(r for r in rows if r["context"] == context and r["mode"] == m) for m in MODES
+        )
+        ratio = float(stop["pause_p50_ms"]) / max(float(pre["pause_p50_ms"]), 1e-9)
+        print(f"context {context}: stop-and-copy pause / pre-copy pause (p50) = {ratio:.2f}")
+    if args.json:
+        print(json.dumps(rows))
+    return 0
