@@ -43,6 +43,9 @@ from hetero_pd.serving.router.metrics import ServingMetrics
 from hetero_pd.serving.router.router import Router
 
 log = logging.getLogger("hetero_pd.serve")
+#: The API's shortest wait at stop for its requests to end (stop_grace_s 0), and then for
+#: the cut ones to clean up (their aborts sent).
+MIN_CUT_S = 0.1
 
 
 async def serve(
@@ -51,8 +54,12 @@ async def serve(
     stop: asyncio.Event | None = None,
     discover: Discover | None = None,
     model_names: list[str] | None = None,
+    on_api_stopped: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Runs the deployment until `stop` is set (SIGINT/SIGTERM set it when it is None).
+    On stop the API closes first (requests in flight get `supervisor.stop_grace_s`, then are
+    cut and aborted on the workers), then `on_api_stopped` runs (tests look at the workers
+    there), then the workers stop.
 
     Clients name the model with any of `model_names` (default: the deployment's `model`).
 
@@ -102,12 +109,14 @@ async def serve(
             write_timeout_s=dep.router.write_timeout_s,
             restart=launcher.restart_any if launcher is not None else None,
         )
-        # On stop, requests in flight get stop_grace_s to finish; then they are cut.
+        # On stop, requests in flight get stop_grace_s to finish; then they are cut (their
+        # generators closed: each sends its workers an Abort). aiohttp reads a timeout of 0
+        # as none at all (it waited for every request to end), so 0 is the shortest wait.
         runner = web.AppRunner(
             create_app(state),
             handler_cancellation=True,
             access_log=None,
-            shutdown_timeout=dep.supervisor.stop_grace_s,
+            shutdown_timeout=max(dep.supervisor.stop_grace_s, MIN_CUT_S),
         )
         await runner.setup()
         site = web.TCPSite(runner, dep.router.host, dep.router.port)
@@ -127,6 +136,8 @@ async def serve(
         await asyncio.gather(*tasks, return_exceptions=True)
         if runner is not None:
             await runner.cleanup()
+        if on_api_stopped is not None:
+            await on_api_stopped()
         if launcher is not None:
             await launcher.stop()
         await router.close()

@@ -84,6 +84,8 @@ class Stack:
         self.pids: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self._api_stopped = threading.Event()
+        self._release: asyncio.Event | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="hetero-pd-stack", daemon=True)
@@ -108,18 +110,35 @@ class Stack:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        self._release = asyncio.Event()
 
         async def on_ready(url: str, launcher: Launcher, router: Router) -> None:
             self.url, self.launcher, self.router = url, launcher, router
             self.pids = dict(launcher.pids())
             self._ready.set()
 
-        await serve(self.dep, on_ready=on_ready, stop=self._stop)
+        async def on_api_stopped() -> None:
+            self._api_stopped.set()
+            assert self._release is not None
+            await self._release.wait()
+
+        await serve(self.dep, on_ready=on_ready, stop=self._stop, on_api_stopped=on_api_stopped)
+
+    def stop_api(self, timeout_s: float = 30.0) -> None:
+        """Stops the API as a shutdown does (requests in flight are cut after the grace
+        period) and returns with the workers still running, until close()."""
+        self._set_soon(self._stop)
+        if not self._api_stopped.wait(timeout_s):
+            raise AssertionError(f"the API did not stop within {timeout_s}s")
+
+    def _set_soon(self, event: asyncio.Event | None) -> None:
+        if self._loop is not None and event is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(event.set)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stops the stack; raises AssertionError if it or a worker process outlived it."""
-        if self._loop is not None and self._stop is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop.set)
+        self._set_soon(self._stop)
+        self._set_soon(self._release)
         self._thread.join(timeout_s)
         pids = dict(self.pids)
         if self.launcher is not None:
