@@ -11,6 +11,7 @@ import pytest
 
 from hetero_pd.bench import offline
 from hetero_pd.bench.offline import compare_tokens, main
+from hetero_pd.bench.offline_side import SideResult, SideSpec
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -31,26 +32,58 @@ def test_bench_offline_smoke(
     capsys: pytest.CaptureFixture[str],
     recorded_loads: Callable[[ModuleType], list[int]],
 ) -> None:
+    """One round, each side in a real process of its own (the rounds' order and their
+    summary: test_rounds_alternate_which_side_goes_first)."""
     loads = recorded_loads(offline)
     argv = ["--model", str(text_llama_dir), "--num-prompts", "3", "--max-tokens", "6"]
-    argv += ["--repeats", "2", "--warmup-prompts", "2", "--threads", "1"]
+    argv += ["--repeats", "1", "--warmup-prompts", "2", "--threads", "1"]
     argv += ["--kv-cache-gb", "0.05", "--background-load", "1"]
     assert main(argv) == 0
     assert loads == [1]  # --background-load reached the load around the measurement
     captured = capsys.readouterr()
     res = json.loads(captured.out.strip().splitlines()[-1])
 
-    assert res["num_prompts"] == 3 and res["max_tokens"] == 6 and res["repeats"] == 2
+    assert res["num_prompts"] == 3 and res["max_tokens"] == 6 and res["repeats"] == 1
     assert res["dtype"] == res["dtype_requested"] == "float32"
     assert res["background_load"] == 1
-    assert res["first_side"] == ["engine", "transformers"]  # the sides take turns
-    assert len(res["engine_tok_s_runs"]) == len(res["transformers_tok_s_runs"]) == 2
+    assert res["first_side"] == ["engine"]
+    assert len(res["engine_tok_s_runs"]) == len(res["transformers_tok_s_runs"]) == 1
     assert res["ratio_min"] <= res["ratio"] <= res["ratio_max"]
     assert res["engine_tok_s"] > 0 and res["transformers_tok_s"] > 0
     assert res["peak_rss_mb"] > 0 and res["transformers_peak_rss_mb"] > 0
     # Same token ids in, same greedy tokens out: transformers is the reference.
     assert res["token_mismatches"] == 0 and res["token_agreement_pct"] == 100.0
     assert "18 tokens in" in captured.err  # 3 prompts x 6 tokens, EOS never stops them
+
+
+def test_rounds_alternate_which_side_goes_first(
+    text_llama_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over three rounds the sides take turns going first; `auto` is resolved by round 0's
+    engine and asked of every later run; the ratio is the median of the rounds' ratios.
+    Each side's process is replaced by a record of what it was asked (the smoke test above
+    runs the real processes): the rounds' logic alone, without six model loads."""
+    asked: list[tuple[str, str]] = []
+    elapsed = iter([1.0, 2.0, 0.25, 1.0, 1.0, 3.0])  # engine/hf ratios 2, 0.25, 3
+
+    def side(spec: SideSpec, timeout_s: float) -> SideResult:
+        asked.append((spec.side, spec.dtype))
+        tokens = [[7] * spec.max_tokens for _ in spec.prompts]
+        return SideResult(spec.side, "bfloat16", next(elapsed), tokens, 100.0)
+
+    monkeypatch.setattr(offline, "run_in_process", side)
+    argv = ["--model", str(text_llama_dir), "--num-prompts", "2", "--max-tokens", "3"]
+    assert main([*argv, "--repeats", "3", "--dtype", "auto"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    sides = [s for s, _ in asked]
+    assert sides == ["engine", "transformers", "transformers", "engine", "engine", "transformers"]
+    assert [d for _, d in asked] == ["auto"] + ["bfloat16"] * 5
+    assert res["first_side"] == ["engine", "transformers", "engine"]
+    assert (res["dtype"], res["dtype_requested"], res["repeats"]) == ("bfloat16", "auto", 3)
+    assert res["engine_tok_s_runs"] == [6.0, 6.0, 6.0]
+    assert res["transformers_tok_s_runs"] == [3.0, 24.0, 2.0]
+    assert (res["ratio_min"], res["ratio"], res["ratio_max"]) == (0.25, 2.0, 3.0)
+    assert res["token_mismatches"] == 0
 
 
 def test_bad_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
