@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram",)
+#: Proposals one step verifies per sequence, at most (acceptance is reported per position).
+MAX_SPECULATIVE_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +36,11 @@ class SpeculativeConfig:
                 raise ValueError(
                     f"speculative_config.{name} must be an integer >= 1, got {value!r}"
                 )
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be at most "
+                f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from hetero_pd.engine.spec.config import MAX_SPECULATIVE_TOKENS
 from hetero_pd.serving.control.sampling import (
     MAX_TOKENS,
 )
@@ -139,6 +140,16 @@ class TransportCounters(Value, kw_only=True, frozen=True):
         return cls(**{name: int(getattr(counters, name)) for name in cls.__struct_fields__})
 
 
+class SpecDecodeCounts(Value, kw_only=True, frozen=True):
+    """A worker's speculative decoding totals (vLLM's spec_decode counters)."""
+
+    drafts: Count = 0
+    draft_tokens: Count = 0
+    accepted_tokens: Count = 0
+    #: accepted proposals by their position in the run
+    accepted_per_pos: Annotated[list[Count], Meta(max_length=MAX_SPECULATIVE_TOKENS)] = []
+
+
 class WorkerLoad(Value, kw_only=True, frozen=True):
     """A worker's load, as its heartbeat reports it (the router's one view of it)."""
 
@@ -166,6 +177,8 @@ class WorkerLoad(Value, kw_only=True, frozen=True):
     prefix_pulls: Count = 0
     prefix_pulled_tokens: Count = 0
     prefix_pull_failures: Count = 0
+    #: None: the worker does not speculate.
+    spec_decode: SpecDecodeCounts | None = None
 
 
 class CachedBlocks(Value, kw_only=True, frozen=True):

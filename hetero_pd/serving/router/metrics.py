@@ -9,7 +9,8 @@ gateways (llm-d, the Gateway API inference extension) read are exported for the 
 deployment: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc`` (and its older name ``vllm:gpu_cache_usage_perc``: the mean
 KV usage of the decode-capable workers, 0..1), ``vllm:time_to_first_token_seconds`` and
-``vllm:time_per_output_token_seconds`` (vLLM's buckets). Label values come from fixed sets
+``vllm:time_per_output_token_seconds`` (vLLM's buckets), and per speculating worker
+vLLM's ``vllm:spec_decode_*`` counters (spec_metrics.py). Label values come from fixed sets
 (outcomes, policy decisions) or from the deployment (worker ids, transports, transfer status
 codes), so the number of series stays bounded; unknown outcomes or decisions raise
 ``ValueError``.
@@ -29,6 +30,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+from hetero_pd.serving.router.spec_metrics import SpecDecodeMetrics
 
 PREFIX = "hetero_pd_"
 VLLM = "vllm:"
@@ -189,6 +192,7 @@ class ServingMetrics:
             "Time per output token after the first.",
             VLLM_TPOT_BUCKETS,
         ).labels(model_name)
+        self.spec_decode = SpecDecodeMetrics(r, model_name)
         self._publish_totals()
 
     def observe_request(
@@ -248,6 +252,7 @@ class ServingMetrics:
 
     def remove_worker(self, worker: str) -> None:
         """Drop a worker's series (it left the deployment); unknown workers are ignored."""
+        self.spec_decode.remove(worker)
         old = self._workers.pop(worker, None)
         if old is None:
             return

@@ -202,6 +202,7 @@ class Router:
             self.metrics.set_worker(
                 w.id, w.role, queued, load.running, load.kv_usage, w.alive, load.frames_rejected
             )
+            self.metrics.spec_decode.set(w.id, load.spec_decode)
 
     # -- requests ------------------------------------------------------------------------
     async def generate(

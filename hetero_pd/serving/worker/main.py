@@ -287,6 +287,7 @@ class Worker:
             prefix_pulls=self.book.pulls.done,
             prefix_pulled_tokens=self.book.pulls.tokens,
             prefix_pull_failures=self.book.pulls.failed,
+            spec_decode=spec_decode_counts(self.engine),
         )
         beat = P.Heartbeat(worker=self.id, load=report, cached=self._cache_report(now))
         self.control.broadcast(beat, only_idle=True)
@@ -352,6 +353,20 @@ def run(cfg: WorkerConfig) -> int:
     finally:
         worker.close()
     return 1 if worker.fault else 0
+
+
+def spec_decode_counts(engine: LLMEngine) -> V.SpecDecodeCounts | None:
+    """The engine's speculative decoding totals for its heartbeat (None: it does not
+    speculate)."""
+    if engine.speculator is None:
+        return None
+    s = engine.speculator.stats
+    return V.SpecDecodeCounts(
+        drafts=s.num_drafts,
+        draft_tokens=s.num_draft_tokens,
+        accepted_tokens=s.num_accepted_tokens,
+        accepted_per_pos=list(s.accepted_per_pos),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
