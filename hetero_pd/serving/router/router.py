@@ -146,8 +146,9 @@ class Router:
         return None
 
     async def switch_role(self, worker_id: str, role: str, timeout_s: float = 300.0) -> None:
-        """Drains `worker_id` (no new requests; in-flight ones finish) and switches it between
-        prefill and decode; it is back in rotation in its new role when this returns."""
+        """Drains `worker_id` (no new requests; a decode worker's decoding requests migrate to
+        the other decode workers, the rest finish) and switches it between prefill and
+        decode; it is back in rotation in its new role when this returns."""
         client = self.workers.get(worker_id)
         if client is None or not client.alive:
             raise ValueError(f"no live worker {worker_id!r}")
@@ -160,9 +161,12 @@ class Router:
             raise ValueError(f"{worker_id} is the last {client.role} worker")
         self._switching.add(worker_id)
         try:
+            if client.role == "decode":  # its decoding requests move instead of finishing
+                await self.migrator.drain(worker_id, timeout_s)
             await client.switch_role(role, timeout_s)
         finally:
             self._switching.discard(worker_id)
+            self.migrator.undrain(worker_id)
         log.info("worker %s now serves as %s", worker_id, role)
 
     def mark_dead(self, worker_id: str) -> None:
