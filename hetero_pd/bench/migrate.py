@@ -13,6 +13,7 @@ the stop-and-copy pause to the pre-copy pause.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -77,6 +78,53 @@ def measure(stack: Stack, context: int, migrations: int, gap: int) -> dict[str, 
     return results
 
 
+def under_load(
+    stack: Stack, requests: int, prompt_len: int, max_tokens: int, restart: bool
+) -> dict[str, Any]:
+    """`requests` greedy requests at once; with `restart`, a rolling restart of every worker
+    once a quarter of them decode. TTFT and TPOT (mean gap after the first token) per
+    request, as the router streams them."""
+    router, launcher = stack.router, stack.launcher
+    assert router is not None and launcher is not None
+    prompts = random_prompts([prompt_len] * requests, seed=prompt_len)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    recomputed = stack.metric("hetero_pd_policy_decisions_total", decision="recompute")
+
+    async def one(i: int) -> tuple[float, float]:
+        start, first, last, n = time.monotonic(), 0.0, 0.0, 0
+        async for out in router.generate(f"bench-load-{restart}-{i}", prompts[i], params):
+            last = time.monotonic()
+            first = first or last
+            n += len(out.token_ids)
+        if n != max_tokens:
+            raise RuntimeError(f"request {i}: {n} tokens of {max_tokens}")
+        return first - start, (last - first) / max(n - 1, 1)
+
+    async def run_all() -> list[tuple[float, float] | BaseException]:
+        return await asyncio.gather(*(one(i) for i in range(requests)), return_exceptions=True)
+
+    runs = stack.submit(run_all())
+    restarted: list[dict[str, Any]] = []
+    if restart:
+        while sum(s.decoding for s in router.streams.values()) < requests // 4:
+            time.sleep(0.01)
+        restarted = stack.call(launcher.rolling_restart(), 900)
+    results = runs.result(900)
+    done = [r for r in results if not isinstance(r, BaseException)]
+    ttft, tpot = [r[0] * 1e3 for r in done], [r[1] * 1e3 for r in done]
+    return {
+        "restart": restart,
+        "errors": len(results) - len(done),
+        "recomputed": stack.metric("hetero_pd_policy_decisions_total", decision="recompute")
+        - recomputed,
+        "moved": sum(r["moved"] for r in restarted),
+        "ttft_p50_ms": round(percentile(ttft, 0.5), 1),
+        "ttft_p99_ms": round(percentile(ttft, 0.99), 1),
+        "tpot_p50_ms": round(percentile(tpot, 0.5), 1),
+        "tpot_p99_ms": round(percentile(tpot, 0.99), 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hetero-pd bench migrate", description=__doc__)
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -84,6 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--migrations", type=int, default=8, help="per context and mode")
     ap.add_argument("--gap", type=int, default=4, help="tokens decoded between migrations")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    ap.add_argument(
+        "--rolling",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also: N requests without, then with a rolling restart: TTFT/TPOT p50/p99",
+    )
     args = ap.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     engine: dict[str, Any] = {
@@ -110,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                         "kv_mb": round(statistics.median(r.bytes for r in done) / 2**20, 2),
                     }
                 )
+        loads = []
+        if args.rolling:
+            loads = [under_load(stack, args.rolling, 128, 64, r) for r in (False, True)]
     print(f"{'context':>8} {'mode':>14} {'pause p50':>10} {'pause p99':>10} "
           f"{'total p50':>10} {'rounds':>6} {'KV MB':>7}")  # fmt: skip
     for r in rows:
@@ -122,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         ratio = float(stop["pause_p50_ms"]) / max(float(pre["pause_p50_ms"]), 1e-9)
         print(f"context {context}: stop-and-copy pause / pre-copy pause (p50) = {ratio:.2f}")
+    for load in loads:
+        print(json.dumps(load))
+    if len(loads) == 2:
+        for key in ("ttft_p99_ms", "tpot_p99_ms"):
+            ratio = loads[1][key] / max(loads[0][key], 1e-9)
+            print(f"rolling restart / none, {key}: {ratio:.2f}")
     if args.json:
         print(json.dumps(rows))
     return 0
