@@ -27,6 +27,23 @@ def num_threads() -> int | None:
     return int(env) if env else None
 
 
+ADVERTISE_WAIT_S = "HETERO_PD_ADVERTISE_WAIT_S"
+
+
+def advertise_wait_s() -> float:
+    """$HETERO_PD_ADVERTISE_WAIT_S: how long a worker waits for the name it advertises to
+    lead to the address it binds (DNS may lag behind a new pod) before it refuses to start
+    (default 10). The drill's test of a wrong name sets it low: it would only wait out the
+    default before failing the same way."""
+    env = os.environ.get(ADVERTISE_WAIT_S, "").strip()
+    if not env:
+        return 10.0
+    value = float(env)
+    if value < 0:
+        raise ValueError(f"{ADVERTISE_WAIT_S} must be >= 0, got {env!r}")
+    return value
+
+
 #: Names a bench sets for the engines it starts in its own process (bench/decode_step.py).
 ADAPTIVE_THREADS, NATIVE_ATTENTION = "HETERO_PD_ADAPTIVE_THREADS", "HETERO_PD_NATIVE_ATTENTION"
 

@@ -17,6 +17,8 @@ import ipaddress
 import socket
 import time
 
+from hetero_pd import envs
+
 WILDCARDS = ("", "0.0.0.0", "::", "*")
 
 
@@ -56,9 +58,11 @@ def bind_address(host: str, wait_s: float = 15.0) -> str:
     return ip
 
 
-def check_advertised(bind: str, advertised: str, what: str, wait_s: float = 10.0) -> None:
+def check_advertised(bind: str, advertised: str, what: str, wait_s: float | None = None) -> None:
     """Raises AddressError unless peers that connect to `advertised` reach a socket bound to
-    `bind` on this host. `what` names the socket in the message ("worker decode-0")."""
+    `bind` on this host. `what` names the socket in the message ("worker decode-0");
+    `wait_s` defaults to $HETERO_PD_ADVERTISE_WAIT_S (`envs.advertise_wait_s`)."""
+    wait_s = envs.advertise_wait_s() if wait_s is None else wait_s
     if bind in WILDCARDS:
         raise AddressError(
             f"{what} binds {bind or 'every address'}, but its KV transfer data channel "

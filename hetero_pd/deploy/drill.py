@@ -260,11 +260,13 @@ def _image_env() -> dict[str, str]:
     """What the image's environment provides (there is no image here): PATH with the
     installed `hetero-pd`, this source tree on PYTHONPATH, a HOME the pod may write; and the
     engine tuning the drill's caller set (`envs.ENGINE_TUNING`: tests run eager, like the
-    suite's own engines, and resolve `auto` alike in every process)."""
+    suite's own engines, and resolve `auto` alike in every process), and its
+    $HETERO_PD_ADVERTISE_WAIT_S where set."""
     source = Path(__file__).resolve().parents[2]
     path = f"{Path(sys.executable).parent}:{netns.SYSTEM_PATH}"
     env = {"PATH": path, "PYTHONPATH": str(source), "HOME": "/tmp", "LANG": "C.UTF-8"}
-    return {**env, **envs.engine_tuning()}
+    wait = {k: v for k, v in os.environ.items() if k == envs.ADVERTISE_WAIT_S}
+    return {**env, **envs.engine_tuning(), **wait}
 
 
 def _model_volume(model: str) -> tuple[str, dict[str, str]]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hetero_pd import envs
 from hetero_pd.deploy import addresses
 from hetero_pd.deploy.addresses import AddressError, bind_address, check_advertised
 from hetero_pd.deploy.hosts import host_worker_configs, run_host
@@ -128,6 +129,30 @@ def test_an_advertised_name_must_lead_back_to_the_bound_address(
     monkeypatch.setattr(addresses, "resolve", lagging)
     check_advertised("10.1.0.5", "late.svc", "worker decode-0", wait_s=5)
     assert len(calls) == 3 and real("pod-a.svc") == ["10.1.0.7"]
+
+
+def test_the_wait_for_an_advertised_name_comes_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unset: 10 s; $HETERO_PD_ADVERTISE_WAIT_S otherwise, read where the check runs (a
+    pod's process), so a wrong name fails as soon as that says."""
+    monkeypatch.delenv("HETERO_PD_ADVERTISE_WAIT_S", raising=False)
+    assert envs.advertise_wait_s() == 10.0
+    calls: list[str] = []
+
+    def wrong(name: str) -> list[str]:
+        calls.append(name)
+        return ["10.1.0.7"]
+
+    monkeypatch.setattr(addresses, "resolve", wrong)
+    monkeypatch.setattr(addresses.time, "sleep", lambda s: None)  # count tries, not seconds
+    monkeypatch.setenv("HETERO_PD_ADVERTISE_WAIT_S", "0")
+    with pytest.raises(AddressError, match="where it does not listen"):
+        check_advertised("10.1.0.5", "pod-a.svc", "worker decode-0")
+    assert calls == ["pod-a.svc"]  # one look, no retry
+    monkeypatch.setenv("HETERO_PD_ADVERTISE_WAIT_S", "-1")
+    with pytest.raises(ValueError, match="HETERO_PD_ADVERTISE_WAIT_S must be >= 0"):
+        check_advertised("10.1.0.5", "pod-a.svc", "worker decode-0")
 
 
 def test_bind_address_resolves_names_of_this_host() -> None:

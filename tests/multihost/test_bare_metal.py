@@ -37,10 +37,15 @@ def test_bare_metal_hosts_through_the_drill_command(
     assert "kill -9" not in out  # bare metal: no pods to kill
 
 
-def test_a_broken_advertisement_fails_the_drill_clearly(tiny_llama_dir: Path) -> None:
+def test_a_broken_advertisement_fails_the_drill_clearly(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """decode-0's DNS name points at prefill-0's host: the router will not take prefill-0's
     answer for decode-0's, the pod refuses to start, and the drill stops with its reason
-    instead of requests timing out one by one."""
+    instead of requests timing out one by one. The pod gives its name 1 s, not the default
+    10 s, to lead back to it: the name is wrong from the start, so waiting longer would
+    only end the same way later."""
+    monkeypatch.setenv("HETERO_PD_ADVERTISE_WAIT_S", "1")
     spec = DrillSpec(str(tiny_llama_dir), prefill=1, decode=1, ready_timeout_s=120)
     with pytest.raises(DrillError) as e:
         k8s_cluster(spec, dns={"decode-0": "prefill-0"})
