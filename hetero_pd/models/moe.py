@@ -8,7 +8,7 @@ Execution groups tokens by expert, never loops over tokens::
     topk ids   [N, k] --flatten, stable sort--> order [N*k]  (expert 0's rows first, ...)
     x[order // k]      -> rows of expert 0 | rows of expert 1 | ...   (one gather)
     each expert's slice -> gate_up, silu * up, down                    (one matmul pair each)
-    y * weight         -> index_add into out[token]                    (one scatter)
+    y * weight         -> slots[order] = y, [N, k, hidden] summed over k  (one scatter, one sum)
 
 Checkpoints store each expert's three matrices apart (`experts.{e}.w1/w3/w2` in Mixtral,
 `experts.{e}.gate_proj/up_proj/down_proj` in Qwen3-MoE); the loader copies them into the
@@ -149,8 +149,6 @@ def grouped_experts(
     experts are split over ranks)."""
     top_k = ids.shape[1]
     flat = ids.flatten()
-    # Stable: within an expert, rows keep token order, so each token's contributions are
-    # summed in expert order (as transformers does).
     order = torch.sort(flat, stable=True).indices
     counts = torch.bincount(flat, minlength=num_experts).tolist()
     held = counts[first_expert : first_expert + down.shape[0]]
@@ -169,7 +167,13 @@ def grouped_experts(
         outs.append(F.linear(F.silu(gate) * up, down[expert]))
         start += count
     y = torch.cat(outs) * weights.flatten()[order, None]
-    return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+    # Back to [token, k] slots, summed per token in float32 (as transformers does). Not
+    # index_add_: it runs a parallel region even for one token's few rows, which on a busy
+    # 2-thread CPU waits for the second thread (a decode step's MoE 0.8x transformers').
+    held_all = len(order) == len(flat)
+    slots = y.new_empty(len(flat), x.shape[1]) if held_all else y.new_zeros(len(flat), x.shape[1])
+    slots[order] = y
+    return slots.view(ids.shape[0], top_k, -1).sum(dim=1).to(x.dtype)
 
 
 # An op the compiler does not trace (as `hetero_pd::linear`): the expert sizes are data (a
