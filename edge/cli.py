@@ -1,6 +1,6 @@
 """`hetero-pd edge generate | plan`: the device side from the command line.
 
-hetero-pd edge generate --url http://127.0.0.1:8000 --split 4 "Name three colors."
+hetero-pd edge generate --url https://127.0.0.1:8443 --ca-file edge-cert.pem --split 4 "Hi"
 hetero-pd edge plan --prompt-len 256 --rtt-ms 20 --mbps 50   # a link you describe
 hetero-pd edge plan --link 127.0.0.1:9999                    # or one you probe
 hetero-pd edge plan --max-recovery 0.1   # only k whose measured token recovery is <= 10%
@@ -24,7 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="run a prompt through an edge session, streaming text")
     g.add_argument("prompt")
-    g.add_argument("--url", required=True, help="the router, e.g. http://127.0.0.1:8000")
+    g.add_argument(
+        "--url", required=True, help="the router's edge listener, e.g. https://127.0.0.1:8443"
+    )
+    g.add_argument("--ca-file", default=None, help="the certificate the router logs (edge.tls)")
+    g.add_argument(
+        "--plaintext", action="store_true", help="allow an http:// URL (hidden states in clear)"
+    )
     g.add_argument("--split", type=int, required=True, help="split layer k")
     g.add_argument("--model", default="smollm2-135m-instruct")
     g.add_argument("--codec", default="float16", choices=CODECS)
@@ -70,18 +76,20 @@ async def _generate(args: argparse.Namespace) -> int:
         from edge.onnx_runtime import OnnxEdgeRuntime
 
         runtime = OnnxEdgeRuntime(model_dir, args.split)
-    client = EdgeClient(
-        args.url,
-        model_dir,
-        args.split,
-        model=args.model,
-        codec=args.codec,
-        api_key=args.api_key,
-        runtime=runtime,
-        mode=args.mode,
-    )
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     try:
+        client = EdgeClient(
+            args.url,
+            model_dir,
+            args.split,
+            model=args.model,
+            codec=args.codec,
+            api_key=args.api_key,
+            runtime=runtime,
+            mode=args.mode,
+            ca_file=args.ca_file,
+            plaintext=args.plaintext,
+        )
         async for text in client.stream(
             prompt, max_tokens=args.max_tokens, temperature=args.temperature
         ):

@@ -1,18 +1,24 @@
 """EdgeClient: stream a completion while the device runs the model's first k layers.
 
     from edge import EdgeClient
-    client = EdgeClient("http://127.0.0.1:8000", model_dir, split_layer=4)
+    client = EdgeClient("https://router:8443", model_dir, split_layer=4, ca_file="edge-cert.pem")
     async for text in client.stream("Tell me a story", max_tokens=64):
         print(text, end="")
 
 The prompt is tokenized and run through layers [0, k) here; only encoded hidden states
 leave the device. For every token the cloud samples, the device runs its layers on that
 token and sends the hidden state back (one WebSocket round trip per token).
+
+The link is TLS (an `https://` URL: the deployment's edge listener, `edge.tls`, or any TLS
+front), the server's certificate checked against `ca_file` (the router's generated one, or
+the CA that signed the deployment's) or the system's CAs. An `http://` URL sends hidden
+states in clear and is refused unless `plaintext=True` says so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -103,6 +109,8 @@ class EdgeClient:
         noise_sigma: float = 0.0,
         max_recovery: float | None = None,
         privacy_profile: str | Path | None = None,
+        ca_file: str | Path | None = None,
+        plaintext: bool = False,
     ) -> None:
         """`runtime` (an EdgeRuntime or OnnxEdgeRuntime) defaults to torch on the CPU;
         `tap`, if given, sees every message this client sends (audits, benchmarks);
@@ -116,7 +124,11 @@ class EdgeClient:
         prompt only and sends their KV with it; the cloud (whole-model workers) decodes
         alone. That KV is a linear map of the prompt's normalized embeddings at layer 0, so
         whoever runs the cloud can recover the prompt from it: prompt_only keeps raw text out
-        of transit logs and request bodies, not away from the cloud operator."""
+        of transit logs and request bodies, not away from the cloud operator.
+
+        `ca_file`: the certificate (or CA) the cloud's TLS certificate must chain to (default:
+        the system's CAs); `plaintext=True` allows an `http://` URL (hidden states in clear:
+        a trusted network only)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
@@ -140,6 +152,7 @@ class EdgeClient:
                 check_split(model, split_layer, max_recovery, profile)
             except ValueError as e:  # PrivacyFloorError, PrivacyProfileError
                 raise EdgeError("privacy_floor", str(e)) from e
+        self._ssl = _tls(self.url, ca_file, plaintext)
 
     async def stream(
         self,
@@ -232,9 +245,16 @@ class EdgeClient:
             )
             try:
                 ws = await session.ws_connect(
-                    self.url + PATH, headers=headers, max_msg_size=64 * 2**20
+                    self.url + PATH, headers=headers, max_msg_size=64 * 2**20, ssl=self._ssl
                 )
                 return ws, session
+            except aiohttp.ClientSSLError as e:  # not retried: the next try fails alike
+                await session.close()
+                raise EdgeError(
+                    "tls",
+                    f"{self.url}: TLS failed ({e}); pass ca_file= the certificate the "
+                    "deployment's router logs (edge.tls), or its CA",
+                ) from e
             except aiohttp.WSServerHandshakeError as e:
                 await session.close()
                 if e.status in (401, 403, 404):
@@ -261,8 +281,36 @@ class EdgeClient:
         except TimeoutError:
             raise EdgeError("timeout", f"no answer from the cloud for {self.timeout_s}s") from None
         if msg.type != aiohttp.WSMsgType.BINARY:
+            err = ws.exception()
+            if isinstance(err, ssl.SSLError):
+                raise EdgeError("tls", f"the link failed TLS's integrity check: {err}")
+            if ws.close_code == 1006 and self._ssl:  # no close frame: the link was cut
+                raise EdgeError(
+                    "closed",
+                    "the connection to the cloud was cut without a close frame (1006): the "
+                    "router went away, or its TLS layer dropped a record that failed its "
+                    "integrity check (altered on the way)",
+                )
             raise EdgeError("closed", f"the cloud closed the session ({msg.type.name})")
         try:
             return unpack(msg.data)
         except ProtocolError as e:
             raise EdgeError("protocol", str(e)) from e
+
+
+def _tls(url: str, ca_file: str | Path | None, plaintext: bool) -> ssl.SSLContext | bool:
+    """The TLS context for `url` (https/wss); an EdgeError for a plain one unless allowed."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme in ("https", "wss"):
+        ctx = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        return ctx
+    if scheme in ("http", "ws") and plaintext:
+        return False
+    if scheme in ("http", "ws"):
+        raise EdgeError(
+            "insecure",
+            f"{url}: hidden states would travel in clear; use the deployment's https:// edge "
+            "URL (edge.tls, with ca_file=), or pass plaintext=True on a trusted network",
+        )
+    raise EdgeError("bad_request", f"{url}: the URL must start with https:// (or http://)")

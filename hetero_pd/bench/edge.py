@@ -142,8 +142,14 @@ async def unsplit_run(
 
 
 async def split_run(
-    url: str, model: str, model_dir: Path, args: argparse.Namespace, ids: list[list[int]]
+    url: str,
+    model: str,
+    model_dir: Path,
+    args: argparse.Namespace,
+    ids: list[list[int]],
+    ca_file: Path | None = None,
 ) -> list[dict[str, float]]:
+    """The split sessions, over TLS to the edge listener (`ca_file`: its certificate)."""
     runtime = EdgeRuntime(model_dir, args.split)
     out = []
     for prompt in ids:
@@ -156,6 +162,7 @@ async def split_run(
             codec=args.codec,
             runtime=runtime,
             tap=_counter(sent),
+            ca_file=ca_file,
         )
         done = await client.complete(prompt, max_tokens=args.max_tokens, ignore_eos=True)
         t = done.token_times_s
@@ -236,9 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         unsplit = asyncio.run(unsplit_run(url, stack.dep.model, ids, args.max_tokens))
     edge = {"split_layer": args.split, "codec": args.codec}
     dep = deployment(model_dir, router=router, engine=engine, edge=edge)
-    with running_stack(dep) as stack, via(stack.url, spec) as url:
-        asyncio.run(split_run(url, stack.dep.model, model_dir, args, warmup))
-        split = asyncio.run(split_run(url, stack.dep.model, model_dir, args, ids))
+    with running_stack(dep) as stack, via(stack.edge_url, spec) as url:
+        ca = stack.edge_ca
+        asyncio.run(split_run(url, stack.dep.model, model_dir, args, warmup, ca))
+        split = asyncio.run(split_run(url, stack.dep.model, model_dir, args, ids, ca))
     agreement = codec_agreement(model_dir, args.split, args.codec, ids)
     m = {
         "unsplit_ttft": _mean(unsplit, "ttft_s"),

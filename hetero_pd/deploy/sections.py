@@ -275,6 +275,12 @@ class EdgeSpec:
         hi=1.0,
         doc="refuse a split_layer whose measured token recovery (bench edge-privacy) is above",
     )
+    tls: bool = opt(
+        True, doc="serve edge sessions over TLS on their own port (off: on the API's, in clear)"
+    )
+    port: int = opt(8443, lo=0, hi=65535, doc="the edge sessions' TLS port (0: any free one)")
+    tls_cert: str = opt("", doc="PEM certificate devices trust; empty: generate a self-signed")
+    tls_key: str = opt("", doc="its private key (PEM)")
 
 
 @dataclass(frozen=True, slots=True)

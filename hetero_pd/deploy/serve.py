@@ -37,7 +37,8 @@ from hetero_pd.deploy.validate import validate
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.models.tokenizer import load_tokenizer
-from hetero_pd.serving.api.app import ApiState, create_app
+from hetero_pd.serving.api.app import ApiState, create_app, create_edge_app
+from hetero_pd.serving.api.edge_tls import EdgeCert, edge_cert
 from hetero_pd.serving.control.auth import RouterKeys
 from hetero_pd.serving.router.metrics import ServingMetrics
 from hetero_pd.serving.router.router import Router
@@ -55,6 +56,7 @@ async def serve(
     discover: Discover | None = None,
     model_names: list[str] | None = None,
     on_api_stopped: Callable[[], Awaitable[None]] | None = None,
+    on_edge: Callable[[str, Path], None] | None = None,
 ) -> None:
     """Runs the deployment until `stop` is set (SIGINT/SIGTERM set it when it is None).
     On stop the API closes first (requests in flight get `supervisor.stop_grace_s`, then are
@@ -62,6 +64,8 @@ async def serve(
     there), then the workers stop.
 
     Clients name the model with any of `model_names` (default: the deployment's `model`).
+    With `edge.tls`, edge sessions get a TLS listener of their own; `on_edge` hears its
+    URL and the certificate devices trust (before `on_ready`).
 
     Locally the workers are started and supervised here. With `discover` (several hosts),
     the router connects to the workers it finds instead and serves at once; /health
@@ -85,6 +89,7 @@ async def serve(
     launcher = Launcher(dep, router, secret) if discover is None else None
     stop = stop or _signal_event()
     runner: web.AppRunner | None = None
+    edge: tuple[web.AppRunner, EdgeCert] | None = None
     tasks: list[asyncio.Task[None]] = []
     try:
         if launcher is not None:
@@ -125,6 +130,11 @@ async def serve(
         assert server is not None
         port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
         url = f"http://{dep.router.host}:{port}"
+        if dep.edge is not None and dep.edge.tls:
+            grace = max(dep.supervisor.stop_grace_s, MIN_CUT_S)
+            edge = await _edge_listener(dep, state, grace)
+            if on_edge is not None:
+                on_edge(state.edge_tls_url, edge[1].cert)
         if on_ready is not None and launcher is not None:
             result = on_ready(url, launcher, router)
             if result is not None:
@@ -134,6 +144,9 @@ async def serve(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if edge is not None:
+            await edge[0].cleanup()
+            edge[1].remove()
         if runner is not None:
             await runner.cleanup()
         if on_api_stopped is not None:
@@ -141,6 +154,34 @@ async def serve(
         if launcher is not None:
             await launcher.stop()
         await router.close()
+
+
+async def _edge_listener(
+    dep: Deployment, state: ApiState, grace_s: float
+) -> tuple[web.AppRunner, EdgeCert]:
+    """Edge sessions over TLS on `edge.port` (`hetero_pd.serving.api.edge_tls`); the API's
+    own port then refuses them, naming this one."""
+    assert dep.edge is not None
+    cert = edge_cert(dep.edge.tls_cert, dep.edge.tls_key, dep.router.host)
+    runner = web.AppRunner(
+        create_edge_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=grace_s
+    )
+    try:
+        await runner.setup()
+        site = web.TCPSite(
+            runner, dep.router.host, dep.edge.port, ssl_context=cert.server_context()
+        )
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        cert.remove()
+        raise
+    server = site._server
+    assert server is not None
+    port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    state.edge_tls_url = f"https://{dep.router.host}:{port}"
+    log.info("edge sessions over TLS at %s; devices trust %s", state.edge_tls_url, cert.cert)
+    return runner, cert
 
 
 def deployment_secret(dep: Deployment, generate: bool) -> bytes:

@@ -19,6 +19,7 @@ import os
 import random
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -57,7 +58,7 @@ def deployment(
     supervisor: dict[str, Any] | None = None,
 ) -> Deployment:
     """A deployment on 127.0.0.1 and a free port; 1 prefill + 1 decode worker by default."""
-    raw = {
+    raw: dict[str, Any] = {
         "model": str(model),
         "workers": workers or [{"role": "prefill"}, {"role": "decode"}],
         # Exact flows by default (a test that counts decisions needs them); tests of elastic
@@ -67,7 +68,7 @@ def deployment(
         "engine": {**SMALL_ENGINE, **(engine or {})},
     }
     if edge is not None:
-        raw["edge"] = edge
+        raw["edge"] = {"port": 0, **edge}  # TLS on any free port: tests run side by side
     if supervisor is not None:
         raw["supervisor"] = supervisor
     return parse_deployment(raw, "<test>")
@@ -79,6 +80,9 @@ class Stack:
     def __init__(self, dep: Deployment) -> None:
         self.dep = dep
         self.url = ""
+        #: Edge sessions over TLS (`edge.tls`): their URL and the certificate to trust.
+        self.edge_url = ""
+        self.edge_ca: Path | None = None
         self.launcher: Launcher | None = None
         self.router: Router | None = None
         self.pids: dict[str, int] = {}
@@ -122,7 +126,16 @@ class Stack:
             assert self._release is not None
             await self._release.wait()
 
-        await serve(self.dep, on_ready=on_ready, stop=self._stop, on_api_stopped=on_api_stopped)
+        def on_edge(url: str, cert: Path) -> None:
+            self.edge_url, self.edge_ca = url, cert
+
+        await serve(
+            self.dep,
+            on_ready=on_ready,
+            stop=self._stop,
+            on_api_stopped=on_api_stopped,
+            on_edge=on_edge,
+        )
 
     def stop_api(self, timeout_s: float = 30.0) -> None:
         """Stops the API as a shutdown does (requests in flight are cut after the grace
@@ -153,6 +166,11 @@ class Stack:
             raise AssertionError(f"worker processes {left} outlived the stack")
 
     # -- helpers -------------------------------------------------------------------------
+    def edge_ssl(self) -> ssl.SSLContext:
+        """A TLS context that trusts this stack's edge listener (`edge.tls`)."""
+        assert self.edge_ca is not None, "this stack serves no edge listener"
+        return ssl.create_default_context(cafile=str(self.edge_ca))
+
     @property
     def base_url(self) -> str:
         return f"{self.url}/v1"

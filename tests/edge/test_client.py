@@ -81,7 +81,9 @@ def test_dropped_connections_are_retried_with_doubling_backoff(runtime: EdgeRunt
 
     async def run() -> tuple[EdgeError, int]:
         async with dropping_server() as (url, accepted):
-            edge = EdgeClient(url, "", 1, runtime=runtime, retries=3, sleep=backoff.sleep)
+            edge = EdgeClient(
+                url, "", 1, runtime=runtime, retries=3, sleep=backoff.sleep, plaintext=True
+            )
             return await _fail(edge), accepted[0]
 
     err, accepted = asyncio.run(asyncio.wait_for(run(), 30))
@@ -96,7 +98,9 @@ def test_an_unavailable_router_is_retried_and_a_refusal_is_not(runtime: EdgeRunt
     async def run(status: int) -> tuple[EdgeError, int, list[float]]:
         backoff = Backoff()
         async with answering(status) as (url, upgrades):
-            edge = EdgeClient(url, "", 1, runtime=runtime, retries=2, sleep=backoff.sleep)
+            edge = EdgeClient(
+                url, "", 1, runtime=runtime, retries=2, sleep=backoff.sleep, plaintext=True
+            )
             return await _fail(edge), upgrades[0], backoff.waits
 
     err, upgrades, waits = asyncio.run(asyncio.wait_for(run(503), 30))

@@ -91,5 +91,10 @@ def test_deployment_and_sdk_refuse_a_split_above_the_floor(
         validate_file(yaml, check_ports=False)
     url = "http://127.0.0.1:9"  # never contacted: the floor is checked before any session
     with pytest.raises(EdgeError, match=r"privacy_floor: split layer 1: .* 70.0% is above"):
-        EdgeClient(url, tiny_llama_dir, 1, model=model, max_recovery=0.1)
-    assert EdgeClient(url, tiny_llama_dir, 2, model=model, max_recovery=0.1).split_layer == 2
+        EdgeClient(url, tiny_llama_dir, 1, model=model, max_recovery=0.1, plaintext=True)
+    assert (
+        EdgeClient(
+            url, tiny_llama_dir, 2, model=model, max_recovery=0.1, plaintext=True
+        ).split_layer
+        == 2
+    )

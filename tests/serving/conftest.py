@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -39,3 +41,44 @@ def reference_for() -> Callable[[Path], Reference]:
         return cache[model]
 
     return get
+
+
+Relay = Callable[[bytes], bytes]
+
+
+@asynccontextmanager
+async def proxy(
+    target: str,
+    drop: Callable[[], bool] = lambda: False,
+    up: Relay = lambda data: data,
+    down: Relay = lambda data: data,
+) -> AsyncIterator[str]:
+    """A loopback TCP proxy to `target` (scheme://host:port), its URL (same scheme): it
+    hangs up on each new connection while `drop()` holds, and passes the client's bytes
+    through `up` and the server's through `down` (to record or alter them)."""
+    scheme, address = target.split("://")
+    host, port = address.rsplit(":", 1)
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, f: Relay) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                writer.write(f(data))
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if drop():
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        await asyncio.gather(pipe(reader, up_writer, up), pipe(up_reader, writer, down))
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"{scheme}://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -12,8 +12,7 @@ import json
 import re
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,8 @@ from hetero_pd.bench.link_shaping import LINKS, via
 from hetero_pd.deploy.testing import Stack, deployment, running_stack
 from hetero_pd.models.tokenizer import load_tokenizer
 from hetero_pd.serving.api.edge_protocol import PATH, Token, pack, unpack
+
+from .conftest import proxy
 
 SPLIT = 2
 KEY = "edge-key"
@@ -58,10 +59,12 @@ def reference(text_llama_dir: Path) -> LLM:
     )
 
 
-def client(stack: Stack, model_dir: Path, split: int = SPLIT, **kw: object) -> EdgeClient:
-    return EdgeClient(
-        stack.url, model_dir, split, model=stack.dep.model, api_key=KEY, timeout_s=30, **kw
-    )
+def client(stack: Stack, model_dir: Path, split: int = SPLIT, **kw: Any) -> EdgeClient:
+    """A device of `stack`: over TLS to its edge listener, or in clear to the API's port
+    where it has none (whole-model deployments)."""
+    tls = {"ca_file": stack.edge_ca} if stack.edge_url else {"plaintext": True}
+    kw = {"api_key": KEY, "timeout_s": 30, **tls, **kw}
+    return EdgeClient(stack.edge_url or stack.url, model_dir, split, model=stack.dep.model, **kw)
 
 
 def test_greedy_tokens_equal_the_unsplit_engine(
@@ -99,8 +102,10 @@ def test_a_session_over_a_slow_lossy_link_keeps_the_greedy_tokens(
 ) -> None:
     """10 Mbit/s, 40 ms RTT, 1% of segments lost and retransmitted (the bench's shaping
     proxy, hetero_pd.bench.link_shaping): slower, and the same tokens as unsplit."""
-    with via(stack.url, LINKS["10mbit-40ms-1pct"]) as url:
-        edge = EdgeClient(url, text_llama_dir, SPLIT, model=stack.dep.model, api_key=KEY)
+    with via(stack.edge_url, LINKS["10mbit-40ms-1pct"]) as url:
+        edge = EdgeClient(
+            url, text_llama_dir, SPLIT, model=stack.dep.model, api_key=KEY, ca_file=stack.edge_ca
+        )
         done = asyncio.run(edge.complete(PROMPTS[2], max_tokens=8, ignore_eos=True))
     ids = EdgeRuntime(text_llama_dir, SPLIT).tokenize(PROMPTS[2])
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -117,47 +122,18 @@ def test_edge_generate_command_streams_transformers_greedy_text(
     for the prompt and reports the bytes this device sent (at least the prompt's hidden
     states and one per generated token but the last, in float16)."""
     prompt = "Name three colors."
-    args = ["--url", stack.url, "--api-key", KEY, "--split", str(SPLIT), "--max-tokens", "8"]
+    args = ["--url", stack.edge_url, "--ca-file", str(stack.edge_ca), "--api-key", KEY]
+    args += ["--split", str(SPLIT), "--max-tokens", "8"]
     assert edge_cli.main(["generate", *args, "--model", str(text_llama_dir), prompt]) == 0
     out, err = capsys.readouterr()
     ids = EdgeRuntime(text_llama_dir, SPLIT).tokenize(prompt)
-    assert out == load_tokenizer(text_llama_dir).decode(hf_greedy(text_llama_dir, ids, 8))
-    sent = re.fullmatch(r"\n\[(\d+) bytes sent by this device\]\n", err)
+    # the answer's line ends on stdout (1331a37); the byte count goes to stderr
+    assert out == load_tokenizer(text_llama_dir).decode(hf_greedy(text_llama_dir, ids, 8)) + "\n"
+    sent = re.fullmatch(r"\[(\d+) bytes sent by this device\]\n", err)
     assert sent is not None, err
     assert int(sent.group(1)) >= (len(ids) + 8 - 1) * 64 * 2
     for name, report in stack.wait_idle().items():
         assert report["ok"] and report["used_blocks"] == 0, (name, report)
-
-
-@asynccontextmanager
-async def hanging_up(target: str, drop: Callable[[], bool]) -> AsyncIterator[str]:
-    """A TCP proxy to `target` that hangs up on each new connection while `drop()` holds,
-    and forwards the others; its URL."""
-    host, port = target.removeprefix("http://").rsplit(":", 1)
-
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(1 << 16):
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if drop():
-            writer.close()
-            return
-        upstream = await asyncio.open_connection(host, int(port))
-        await asyncio.gather(pipe(reader, upstream[1]), pipe(upstream[0], writer))
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 def test_a_client_whose_first_connections_drop_reconnects_with_backoff(
@@ -172,9 +148,15 @@ def test_a_client_whose_first_connections_drop_reconnects_with_backoff(
         waits.append(seconds)
 
     async def run() -> list[int]:
-        async with hanging_up(stack.url, lambda: len(waits) < 2) as url:
+        async with proxy(stack.edge_url, drop=lambda: len(waits) < 2) as url:
             edge = EdgeClient(
-                url, text_llama_dir, SPLIT, model=stack.dep.model, api_key=KEY, sleep=sleep
+                url,
+                text_llama_dir,
+                SPLIT,
+                model=stack.dep.model,
+                api_key=KEY,
+                sleep=sleep,
+                ca_file=stack.edge_ca,
             )
             done = await edge.complete(PROMPTS[1], max_tokens=8, ignore_eos=True)
         return done.token_ids
@@ -225,8 +207,7 @@ def test_bad_sessions_end_with_a_clear_error(stack: Stack, text_llama_dir: Path)
     with pytest.raises(EdgeError, match="unknown sampling parameter"):
         asyncio.run(client(stack, text_llama_dir).generate("Hello", max_tokens=2, nonsense=1))
     with pytest.raises(EdgeError, match="refused"):
-        edge = EdgeClient(stack.url, text_llama_dir, SPLIT, model=stack.dep.model, api_key="no")
-        asyncio.run(edge.generate("Hello", max_tokens=2))
+        asyncio.run(client(stack, text_llama_dir, api_key="no").generate("Hello", max_tokens=2))
 
     async def raw(message: bytes) -> Any:
         import aiohttp
@@ -234,7 +215,7 @@ def test_bad_sessions_end_with_a_clear_error(stack: Stack, text_llama_dir: Path)
         headers = {"Authorization": f"Bearer {KEY}"}
         async with (
             aiohttp.ClientSession() as s,
-            s.ws_connect(stack.url + PATH, headers=headers) as ws,
+            s.ws_connect(stack.edge_url + PATH, headers=headers, ssl=stack.edge_ssl()) as ws,
         ):
             await ws.send_bytes(message)
             reply = await ws.receive(timeout=30)
@@ -329,7 +310,7 @@ def test_a_device_that_goes_away_mid_session_frees_every_block(
         headers = {"Authorization": f"Bearer {KEY}"}
         async with (
             aiohttp.ClientSession() as s,
-            s.ws_connect(stack.url + PATH, headers=headers) as ws,
+            s.ws_connect(stack.edge_url + PATH, headers=headers, ssl=stack.edge_ssl()) as ws,
         ):
             await ws.send_bytes(start)
             first = unpack((await ws.receive(timeout=30)).data)

@@ -3,7 +3,8 @@
 POST /v1/completions, POST /v1/chat/completions (streaming or not), GET /v1/models,
 GET /health, GET /metrics, vLLM's GET /version, POST /tokenize and POST /detokenize (the
 last two, which spend tokenizer time, behind the API key when keys are set), and the edge
-sessions' WebSocket (GET /v1/edge/session, see `hetero_pd.serving.api.edge_session`). Errors
+sessions' WebSocket (GET /v1/edge/session, see `hetero_pd.serving.api.edge_session`; with
+`edge.tls`, on a TLS listener of its own: `create_edge_app`, `edge_tls`). Errors
 use OpenAI's JSON shape and status codes.
 """
 
@@ -30,6 +31,14 @@ log = logging.getLogger("hetero_pd.api")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def create_edge_app(state: ApiState) -> web.Application:
+    """The edge listener's app (served over TLS, `edge_tls`): edge sessions only."""
+    app = web.Application(middlewares=[_errors], client_max_size=16 * 2**20)
+    app[STATE] = state
+    app.router.add_get(EDGE_PATH, _edge_session)
+    return app
+
+
 def create_app(state: ApiState) -> web.Application:
     app = web.Application(middlewares=[_errors], client_max_size=16 * 2**20)
     app[STATE] = state
@@ -41,7 +50,7 @@ def create_app(state: ApiState) -> web.Application:
     app.router.add_get("/version", _version)
     app.router.add_post("/tokenize", _tokenize_route)
     app.router.add_post("/detokenize", _detokenize_route)
-    app.router.add_get(EDGE_PATH, _edge_session)
+    app.router.add_get(EDGE_PATH, _edge_session_here)
     admin.add_routes(app)
     return app
 
@@ -155,6 +164,19 @@ def _tokenize(state: ApiState, raw: bytes) -> dict[str, Any]:
 def _detokenize(state: ApiState, raw: bytes) -> dict[str, str]:
     body = decode_body(raw, "detokenize", state.max_model_len)
     return openai_tokenize.detokenize(state.tokenizer, body, state.model_names, state.max_model_len)
+
+
+async def _edge_session_here(request: web.Request) -> web.StreamResponse:
+    """An edge session on the API's port: refused while the edge listener serves them."""
+    url = state_of(request).edge_tls_url
+    if url:
+        raise errors.APIError(
+            403,
+            f"edge sessions are served over TLS at {url}{EDGE_PATH} (edge.tls): this port "
+            "is plain HTTP, where hidden states would travel in clear",
+            "permission_error",
+        )
+    return await _edge_session(request)
 
 
 async def _edge_session(request: web.Request) -> web.StreamResponse:

@@ -13,6 +13,7 @@ the workers'; anything malformed ends it with an `error` message naming the prob
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -71,6 +72,12 @@ async def serve_session(
     await ws.prepare(request)
     try:
         await _run(ws, router, cfg)
+    except asyncio.CancelledError:  # the connection was lost: aiohttp cancels its handler
+        log.info(
+            "edge session ended: the connection was lost (the device went away, or TLS "
+            "dropped it: a record that failed its integrity check, altered on the way)"
+        )
+        raise
     except SessionError as e:
         await _send_error(ws, e.code, e.message)
     except RouterError as e:

@@ -46,6 +46,9 @@ class ApiState:
     #: Restarts a worker (its id) or every worker in turn (None), within a timeout: the
     #: launcher's on one box, None where workers run elsewhere (admin.py).
     restart: Callable[[str | None, float], Awaitable[Any]] | None = None
+    #: Where edge sessions are served over TLS (`edge.tls`): the API's own port then
+    #: refuses them, naming this URL. Empty: they are served on the API's port.
+    edge_tls_url: str = ""
 
     def __post_init__(self) -> None:
         if not self.max_prompt_chars:
