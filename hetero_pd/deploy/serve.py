@@ -47,6 +47,9 @@ log = logging.getLogger("hetero_pd.serve")
 #: The API's shortest wait at stop for its requests to end (stop_grace_s 0), and then for
 #: the cut ones to clean up (their aborts sent).
 MIN_CUT_S = 0.1
+#: How long the router waits at stop for workers it did not start to read its last
+#: messages (the aborts of cut requests) before it closes their sockets.
+FLUSH_S = 5.0
 
 
 async def serve(
@@ -153,7 +156,8 @@ async def serve(
             await on_api_stopped()
         if launcher is not None:
             await launcher.stop()
-        await router.close()
+        # Workers we did not start go on: they must read the aborts first.
+        await router.close(flush_s=0.0 if launcher is not None else FLUSH_S)
 
 
 async def _edge_listener(

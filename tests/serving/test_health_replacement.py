@@ -22,7 +22,9 @@ from hetero_pd.serving.router.router import Router, RouterConfig
 
 class StandIn:
     """A worker's control endpoint (real CurveZMQ socket) that answers hello only once
-    `answering` is set, as a new process does once its model is loaded."""
+    `answering` is set, as a new process does once its model is loaded; it answers check
+    as an idle worker, counts the aborts it reads, and reads nothing while `reading` is
+    cleared (a slow or far worker)."""
 
     def __init__(self, keys: WorkerKeys, answering: bool) -> None:
         self.server = ControlServer("127.0.0.1", 0, keys)
@@ -30,6 +32,9 @@ class StandIn:
         self.answering = threading.Event()
         if answering:
             self.answering.set()
+        self.reading = threading.Event()
+        self.reading.set()
+        self.aborts = 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -39,8 +44,17 @@ class StandIn:
         hellos: list[bytes] = []
         try:
             while not self.stop.is_set():
+                if not self.reading.wait(0.02):
+                    continue
                 if self.server.poll(20):
-                    hellos += [i for i, msg in self.server.receive() if isinstance(msg, P.Hello)]
+                    for ident, msg in self.server.receive():
+                        if isinstance(msg, P.Hello):
+                            hellos.append(ident)
+                        elif isinstance(msg, P.Check):
+                            idle = P.Integrity(ok=True, used_blocks=0, message="idle")
+                            self.server.send(ident, idle)
+                        elif isinstance(msg, P.Abort):
+                            self.aborts += 1
                 if self.answering.is_set():
                     for ident in hellos:
                         ready = P.Ready(worker="decode-0", role="decode", info=info)

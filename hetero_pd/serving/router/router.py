@@ -110,7 +110,14 @@ class Router:
             await old.close()
         await client.start(timeout_s)
 
-    async def close(self) -> None:
+    async def close(self, flush_s: float = 0.0) -> None:
+        """Closes every worker's socket; with `flush_s`, after one round trip to each live
+        worker (at most that long): the sockets drop what they have not sent, and workers
+        that outlive the router (several hosts) must first read the aborts of the requests
+        a shutdown cut (one worker's messages stay in order: its answer means they were)."""
+        if flush_s > 0:
+            live = [w for w in self.workers.values() if w.alive]
+            await asyncio.gather(*(w.flush(flush_s) for w in live))
         for client in self.workers.values():
             await client.close()
         self.ctx.term()

@@ -134,6 +134,16 @@ class WorkerClient:
         self.send(P.Check())
         return await asyncio.wait_for(self._integrity.get(), timeout_s)
 
+    async def flush(self, timeout_s: float) -> bool:
+        """Waits until the worker has read everything sent to it so far (a round trip),
+        at most `timeout_s`; False (logged) if it did not answer in time."""
+        try:
+            await self.check_integrity(timeout_s)
+            return True
+        except (TimeoutError, WorkerUnreachable) as e:
+            log.warning("worker %s did not confirm the router's last messages: %s", self.id, e)
+            return False
+
     @property
     def start_layer(self) -> int:
         return self.info.start_layer
