@@ -236,7 +236,8 @@ class Migrator:
     async def drain(self, worker_id: str, timeout_s: float = 300.0) -> list[Migration]:
         """Moves every request decoding on `worker_id` to other workers and keeps new ones
         off it (until `undrain`); returns the migrations, the failed ones retried until
-        `timeout_s`. Requests still being handed to it are moved once they decode."""
+        `timeout_s`. Requests still being handed to it are moved once they decode; those
+        that cannot move are waited for."""
         self.draining.add(worker_id)
         deadline = time.monotonic() + timeout_s
         done: list[Migration] = []
@@ -255,7 +256,15 @@ class Migrator:
             left = self.on_worker(worker_id)
             if not left:
                 break
-            ready = [rid for rid in left if rid in self.streams and self.streams[rid].decoding]
+            # A request that cannot move (n > 1, edge) finishes where it is: only waited for.
+            ready = [
+                rid
+                for rid in left
+                if rid in self.streams
+                and self.streams[rid].decoding
+                and self.streams[rid].migratable
+                and self.streams[rid].dest is None
+            ]
             results = await asyncio.gather(*(move(rid) for rid in ready))
             done += [r for r in results if r is not None]
             if not any(r is not None and r.ok for r in results):
