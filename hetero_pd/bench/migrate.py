@@ -86,7 +86,7 @@ def under_load(
     request, as the router streams them."""
     router, launcher = stack.router, stack.launcher
     assert router is not None and launcher is not None
-    prompts = random_prompts([prompt_len] * requests, seed=prompt_len)
+    prompts = random_prompts([prompt_len] * requests, seed=prompt_len + restart)  # uncached
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     recomputed = stack.metric("hetero_pd_policy_decisions_total", decision="recompute")
 
@@ -167,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
         loads = []
         if args.rolling:
-            loads = [under_load(stack, args.rolling, 128, 64, r) for r in (False, True)]
+            # The first run compiles the decode step's batch shapes; only the next two count.
+            under_load(stack, args.rolling, 16, 8, False)
+            loads = [under_load(stack, args.rolling, 128, 192, r) for r in (False, True)]
     print(f"{'context':>8} {'mode':>14} {'pause p50':>10} {'pause p99':>10} "
           f"{'total p50':>10} {'rounds':>6} {'KV MB':>7}")  # fmt: skip
     for r in rows:
