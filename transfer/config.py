@@ -10,6 +10,11 @@ from transfer.addresses import valid_host
 from transfer.faults import FaultPlan
 from transfer.kv_codec import check_codec
 
+#: Frames one connection may have waiting on our sockets (the listening ROUTER, each link we
+#: dial) before ZMQ stops reading it: TCP then pushes back on the sender, and no frame is
+#: lost, so a peer that floods while the I/O thread is busy piles nothing up here.
+RECEIVE_HWM = 64
+
 
 class Role(enum.Enum):
     """What a worker does; informational (either role may push or pull)."""

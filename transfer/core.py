@@ -29,7 +29,7 @@ import zmq
 
 from transfer import wire
 from transfer.addresses import endpoint
-from transfer.config import Role, TransferConfig
+from transfer.config import RECEIVE_HWM, Role, TransferConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.faults import FaultInjector
 from transfer.handle import RemoteBlocks, TransferState
@@ -72,10 +72,6 @@ from transfer.transports.tcp.data_in import DataIn
 log = logging.getLogger(__name__)
 
 _NOT_LINKED = "not linked: link (authenticate) first"
-
-
-#: Frames one connection may have waiting on our ROUTER before ZMQ stops reading it.
-ROUTER_RCVHWM = 64
 
 
 class Core:
@@ -161,11 +157,9 @@ class Core:
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes + wire.MAX_HEADER_BYTES)
         # Sending never drops a session's frame (no SNDHWM; unauthenticated connections get a
-        # few replies, Outbox.to_identity). Receiving stops at RCVHWM frames per connection:
-        # past it ZMQ stops reading that socket (TCP pushes back on the sender, no frame is
-        # lost), so a connection that floods while this thread is busy piles up nothing here.
+        # few replies, Outbox.to_identity); receiving stops at RECEIVE_HWM per connection.
         router.setsockopt(zmq.SNDHWM, 0)
-        router.setsockopt(zmq.RCVHWM, ROUTER_RCVHWM)
+        router.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         if config.port:
             router.bind(f"tcp://{config.host}:{config.port}")
             port = config.port

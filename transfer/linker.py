@@ -19,7 +19,7 @@ import zmq
 
 from transfer import auth, handshake, wire
 from transfer.addresses import parse_endpoint
-from transfer.config import TransferConfig
+from transfer.config import RECEIVE_HWM, TransferConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.loop import IOLoop
 from transfer.messages import (
@@ -122,7 +122,7 @@ class Linker:
             waiter.set_result(None)
             return
         sock: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
-        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
+        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, RECEIVE_HWM)):
             sock.setsockopt(option, value)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes + wire.MAX_HEADER_BYTES)
         try:

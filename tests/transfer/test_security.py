@@ -219,3 +219,51 @@ def test_a_hello_flood_from_one_socket_stays_bounded_and_a_real_peer_still_links
     assert 1 <= answers <= 8, answers
     assert d.metrics().rejected("reply_budget") > 0
     evil.close()
+
+
+def test_a_peer_we_dial_cannot_pile_frames_up_here_either(
+    make_engine: Callable[..., TransferEngine],
+) -> None:
+    """The sockets we dial peers with had no receive high-water mark either: a listener at
+    an address we were given (or a man in the middle there) could send frames into our
+    memory faster than a busy I/O thread reads them. They stop at the same bound now."""
+    import threading
+
+    d = make_engine()
+    ctx = zmq.Context.instance()
+    evil = ctx.socket(zmq.ROUTER)
+    evil.setsockopt(zmq.LINGER, 0)
+    evil.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    evil.setsockopt(zmq.SNDHWM, 16)
+    evil.setsockopt(zmq.SNDBUF, 64 << 10)
+    port = evil.bind_to_random_port("tcp://127.0.0.1")
+    attempt = d.link_async("p-evil", f"tcp://127.0.0.1:{port}")
+    assert evil.poll(10_000)
+    identity = evil.recv_multipart()[0]  # our HELLO: the listener now knows our socket
+    stalled, release = threading.Event(), threading.Event()
+
+    def stall() -> None:
+        stalled.set()
+        release.wait(60)
+
+    d._loop.call(stall)
+    assert stalled.wait(10)
+    frame = b"\x00" * (64 << 10)
+    sent = 0
+    try:
+        deadline = time.monotonic() + 1.0  # until it stays full for a second
+        while sent < 4096 and time.monotonic() < deadline:
+            try:
+                evil.send_multipart([identity, frame], zmq.NOBLOCK)
+                sent += 1
+                deadline = time.monotonic() + 1.0
+            except zmq.Again:
+                time.sleep(0.01)
+        assert sent < 1024, f"{sent} frames of 64 KiB were taken while the engine was busy"
+    finally:
+        release.set()
+        evil.close()
+    with pytest.raises(TransferError):
+        attempt.result(30)  # garbage is no handshake
+    eng = make_engine()
+    eng.link(d.engine_id, d.address)  # the engine still links
