@@ -19,7 +19,7 @@ import torch
 from hetero_pd.bench.machine import cpu_info
 from hetero_pd.llm import LLM
 from hetero_pd.models.config import ModelConfig
-from hetero_pd.models.llama import CausalLM
+from hetero_pd.models.loader import model_class
 from hetero_pd.models.parallel import Parallel, shard_config
 from hetero_pd.sampling_params import SamplingParams
 
@@ -28,7 +28,7 @@ def weight_bytes(cfg: ModelConfig, tp: int, rank: int, elem: int = 4) -> int:
     """Bytes of rank `rank`'s weights at TP `tp` (a tied LM head counted once)."""
     parallel = Parallel(rank, tp)
     with torch.device("meta"):
-        model = CausalLM(shard_config(cfg, parallel), 16, parallel)
+        model = model_class(cfg)(shard_config(cfg, parallel), 16, parallel)
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     return elem * sum(p.numel() for n, p in model.named_parameters() if n not in tied)
 

@@ -87,6 +87,11 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+def model_class(cfg: ModelConfig) -> type[CausalLM]:
+    """The model class of `cfg`'s architecture."""
+    return DeepseekV3 if cfg.mla else CausalLM
+
+
 def load_model(
     path: str | Path,
     cfg: ModelConfig,
@@ -100,7 +105,7 @@ def load_model(
     path = Path(path)
     whole, cfg = cfg, shard_config(cfg, tp)
     with torch.device("meta"):
-        model = (DeepseekV3 if cfg.mla else CausalLM)(cfg, max_positions, tp)
+        model = model_class(cfg)(cfg, max_positions, tp)
     materialize(model, device)
     params = dict(model.named_parameters())
     if cfg.tie_word_embeddings:

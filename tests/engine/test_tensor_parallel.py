@@ -11,6 +11,7 @@ import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -148,16 +149,27 @@ def test_unsupported_combinations_are_named(
 
 
 def test_bench_tp_reports_weight_bytes_per_rank(
-    tiny_mixtral_dir: Path, capsys: pytest.CaptureFixture[str]
+    tiny_mixtral_dir: Path,
+    tiny_deepseek_v3_dir: Path,
+    hf_model: Callable[[Path, torch.dtype], Any],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     from hetero_pd.bench.tp import main
 
-    assert main([str(tiny_mixtral_dir), "--no-timing"]) == 0
-    row = json.loads(capsys.readouterr().out)
-    ranks = row["weight_bytes_tp2_per_rank"]
+    assert main([str(tiny_mixtral_dir), str(tiny_deepseek_v3_dir), "--no-timing"]) == 0
+    mixtral, deepseek = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    ranks = mixtral["weight_bytes_tp2_per_rank"]
     # 4 of 8 experts, half the heads, MLP columns and vocabulary each; norms and router whole
-    assert ranks[0] == ranks[1] and 0.5 < ranks[0] / row["weight_bytes_tp1"] < 0.51
-    assert "features" in row["cpu"]
+    assert ranks[0] == ranks[1] and 0.5 < ranks[0] / mixtral["weight_bytes_tp1"] < 0.51
+    assert "features" in mixtral["cpu"]
+    # MLA counted as DeepSeek's layers: at TP 1 every transformers weight (and router bias);
+    # at TP 2 more than half, the latent's projections and norms being on each rank whole.
+    hf = hf_model(tiny_deepseek_v3_dir, torch.float32)
+    biases = [b for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")]
+    hf_bytes = 4 * sum(t.numel() for t in (*hf.parameters(), *biases))
+    assert deepseek["weight_bytes_tp1"] == hf_bytes
+    ranks = deepseek["weight_bytes_tp2_per_rank"]
+    assert ranks[0] == ranks[1] and 0.5 < ranks[0] / deepseek["weight_bytes_tp1"] < 0.6
 
 
 def test_kv_heads_split_or_replicated(tiny_llama_dir: Path) -> None:
