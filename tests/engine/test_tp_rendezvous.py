@@ -81,9 +81,19 @@ def test_a_hostile_local_process_finds_no_way_into_the_group(
         return spawn(self, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(RankGroup, "_spawn", spying_spawn)
+    # While the ranks join, rank 0 listens on nothing at all (the store was a port then).
+    joining: list[set[tuple[str, int]]] = []
+    wait_joined = RankGroup._wait_joined
+
+    def spying_wait(self: RankGroup, store: object) -> None:
+        wait_joined(self, store)
+        joining.append(_listening(os.getpid()) - before)
+
+    monkeypatch.setattr(RankGroup, "_wait_joined", spying_wait)
     before = _listening(os.getpid())
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=32, tensor_parallel_size=2)
     try:
+        assert joining == [set()], joining
         ranks = llm.engine.ranks
         assert ranks is not None
         child = ranks.procs[0].pid
