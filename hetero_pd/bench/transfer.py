@@ -7,7 +7,9 @@ checksums, tcp sealed (AES-256-GCM, as between hosts: transfer.aead), and the sa
 through a raw tensor copy and a raw pyzmq PUSH/PULL (4 MiB zero-copy frames), interleaved.
 ``--repeat N`` runs the whole measurement N times and reports the median and the spread of
 each ratio against its goal (tcp_vs_raw_zmq >= 0.8, shm_vs_memcpy >= 0.5,
-checksum_overhead <= 0.15, encrypt_overhead <= 0.10). The last stdout line is one JSON
+checksum_overhead <= 0.15, encrypt_overhead <= 0.10), and the CPU seconds per GB both
+processes spent on plain and sealed tcp pushes (``encrypt_cpu_overhead``: what sealing adds,
+a figure the machine's load moves less than throughput). The last stdout line is one JSON
 object.
 """
 
@@ -60,6 +62,8 @@ def _receiver(conn: Connection, num_blocks: int, secret: bytes) -> None:
                 while got < arg:
                     got += len(pull.recv(copy=False))
                 conn.send(got)
+            elif cmd == "cpu":
+                conn.send(time.process_time())
             elif cmd == "stop":
                 break
     finally:
@@ -74,15 +78,25 @@ def _push(
     transport: str,
     checksum: bool | None,
     tag: str,
+    cpu: list[float] | None = None,
 ) -> float:
-    """One push of ``n`` blocks; ``checksum`` None: as shipped (on)."""
+    """One push of ``n`` blocks; ``checksum`` None: as shipped (on). ``cpu`` gets the CPU
+    seconds both processes spent on it (a figure the machine's load moves less than the
+    wall time)."""
     conn.send(("reserve", (tag, n)))
     blocks = RemoteBlocks.from_wire(conn.recv())
+    conn.send(("cpu", None))
+    cpu0 = time.process_time() + conn.recv()
     t0 = time.perf_counter()
     h = engine.push_blocks("bench-d", range(n), blocks, transport=transport, checksum=checksum)
     if h.wait(120) is not TransferState.DONE:
         raise RuntimeError(f"{transport} push failed: {h.error}")
     dt = time.perf_counter() - t0
+    conn.send(("cpu", None))
+    if cpu is not None:
+        cpu.append(time.process_time() + conn.recv() - cpu0)
+    else:
+        conn.recv()
     conn.send(("release", tag))
     conn.recv()
     return dt
@@ -207,6 +221,7 @@ def _measure(
     flat_dst = torch.empty_like(flat_src)
     kinds = ("shm", "tcp", "tcp_nock", "tcp_sealed", "memcpy", "raw_zmq")
     times: dict[str, list[float]] = {k: [] for k in kinds}
+    cpu: dict[str, list[float]] = {"tcp": [], "tcp_sealed": []}
     tag = next(_tags)
     engine, sealed = engines
     _push(engine, conn, n, "shm", None, f"warm-shm-{tag}")
@@ -214,9 +229,10 @@ def _measure(
     _push(sealed, conn, n, "tcp", None, f"warm-sealed-{tag}")
     for i in range(repeats):  # interleaved, so drift hits every variant alike
         times["shm"].append(_push(engine, conn, n, "shm", None, f"s{tag}-{i}"))
-        times["tcp"].append(_push(engine, conn, n, "tcp", None, f"t{tag}-{i}"))
+        times["tcp"].append(_push(engine, conn, n, "tcp", None, f"t{tag}-{i}", cpu["tcp"]))
         times["tcp_nock"].append(_push(engine, conn, n, "tcp", False, f"n{tag}-{i}"))
-        times["tcp_sealed"].append(_push(sealed, conn, n, "tcp", None, f"e{tag}-{i}"))
+        sealed_cpu = cpu["tcp_sealed"]
+        times["tcp_sealed"].append(_push(sealed, conn, n, "tcp", None, f"e{tag}-{i}", sealed_cpu))
         t0 = time.perf_counter()
         flat_dst.copy_(flat_src)
         times["memcpy"].append(time.perf_counter() - t0)
@@ -224,12 +240,17 @@ def _measure(
     row: dict[str, Any] = {"tokens": tokens, "mb": nbytes / 1e6, "bytes": nbytes}
     for key, ts in times.items():
         row[key] = nbytes / statistics.median(ts) / 1e9
+    for key, cs in cpu.items():  # CPU seconds per GB, both processes
+        row[f"{key}_cpu"] = statistics.median(cs) / nbytes * 1e9
     return row
 
 
 def _summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def total(key: str) -> float:  # bytes-weighted: total bytes / total median time
         return sum(r["bytes"] for r in rows) / sum(r["bytes"] / (r[key] * 1e9) for r in rows) / 1e9
+
+    def cpu_total(key: str) -> float:  # bytes-weighted CPU seconds per GB
+        return sum(r["bytes"] * r[key] for r in rows) / sum(r["bytes"] for r in rows)
 
     shm, tcp, nock, sealed = total("shm"), total("tcp"), total("tcp_nock"), total("tcp_sealed")
     memcpy, raw = total("memcpy"), total("raw_zmq")
@@ -244,6 +265,11 @@ def _summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "shm_vs_memcpy": round(shm / memcpy, 3),
         "checksum_overhead": round(max(nock / tcp - 1.0, 0.0), 3),
         "encrypt_overhead": round(max(tcp / sealed - 1.0, 0.0), 3),
+        # CPU seconds per GB moved (sender + receiver): what sealing costs in CPU, which a
+        # loaded machine moves less than it moves throughput
+        "tcp_cpu_s_per_gb": round(cpu_total("tcp_cpu"), 3),
+        "tcp_sealed_cpu_s_per_gb": round(cpu_total("tcp_sealed_cpu"), 3),
+        "encrypt_cpu_overhead": round(cpu_total("tcp_sealed_cpu") / cpu_total("tcp_cpu") - 1, 3),
         "tokens": [r["tokens"] for r in rows],
         "layout": "30 layers x K,V x 3 heads x 64 dims, block 16, float32",
     }

@@ -18,6 +18,9 @@ KEYS = {
     "checksum_overhead",
     "tcp_sealed_gbps",
     "encrypt_overhead",
+    "tcp_cpu_s_per_gb",
+    "tcp_sealed_cpu_s_per_gb",
+    "encrypt_cpu_overhead",
 }
 
 
@@ -26,7 +29,8 @@ def test_bench_transfer_quick(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
     assert set(result) >= KEYS
-    assert all(result[k] > 0 for k in KEYS - {"checksum_overhead", "encrypt_overhead"})
+    overheads = {"checksum_overhead", "encrypt_overhead", "encrypt_cpu_overhead"}
+    assert all(result[k] > 0 for k in KEYS - overheads)
     assert result["runs"] == 2
     for ratio in ("tcp_vs_raw_zmq", "shm_vs_memcpy", "checksum_overhead", "encrypt_overhead"):
         low, high = result["spread"][ratio]
