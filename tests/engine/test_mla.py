@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from hetero_pd import LLM
+from hetero_pd import LLM, SamplingParams
 from hetero_pd.engine.model_runner import allocate_kv_tensors, layer_caches
 from hetero_pd.models.attention import AttentionMetadata, PrefillSpan
 from hetero_pd.models.config import ModelConfig, ModelConfigError
@@ -71,9 +71,13 @@ def test_prefill_and_absorbed_decode_logits_match_transformers(
 
 
 def test_full_rank_q_and_plain_rope_match_transformers(
-    tmp_path: Path, tiny_deepseek_v3_dir: Path, hf_model: Callable[[Path, torch.dtype], Any]
+    tmp_path: Path,
+    tiny_deepseek_v3_dir: Path,
+    hf_model: Callable[[Path, torch.dtype], Any],
+    hf_greedy: Callable[..., list[int]],
 ) -> None:
-    """q_lora_rank None (one q_proj), rope not interleaved and not scaled, one group."""
+    """q_lora_rank None (one q_proj), rope not interleaved and not scaled, one group; and at
+    tensor-parallel size 2, where q_proj is split by heads (not q_b_proj)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     raw = json.loads((tiny_deepseek_v3_dir / "config.json").read_text())
@@ -84,6 +88,15 @@ def test_full_rank_q_and_plain_rope_match_transformers(
     model.save_pretrained(tmp_path)
     assert ModelConfig.from_dir(tmp_path).mla.q_lora_rank is None  # type: ignore[union-attr]
     assert_logits_match(tmp_path, hf_model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_deepseek_v3_dir / name, tmp_path / name)
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        got = llm.generate([PROMPT], params)[0].outputs[0].token_ids
+        assert list(got) == hf_greedy(tmp_path, PROMPT, 8)
+    finally:
+        llm.engine.close()
 
 
 def test_latent_kv_layout_and_bytes_per_token(tiny_deepseek_v3_dir: Path) -> None:
