@@ -2,7 +2,8 @@
 
     ConfigMap     <name>-config    the deployment YAML (without secrets), at /etc/hetero-pd
     Secret        <name>-secrets   deployment secret + API keys (hetero_pd.deploy.k8s_secrets)
-    Deployment    <name>-router    1 replica: router + REST API on router.port
+    Deployment    <name>-router    1 replica: router + REST API on router.port (+ the edge
+                                   sessions' TLS listener on edge.port, with an edge section)
     Service       <name>-router    ClusterIP/NodePort/LoadBalancer to the API
     StatefulSet   <name>-<role>    one per role (prefill, decode, both), N replicas, one
                                    accelerator each, node selector per device kind, the image
@@ -131,7 +132,8 @@ def _router(dep: Deployment, checksum: str) -> list[dict[str, Any]]:
         "spec": {
             "type": k.service_type,
             "selector": labels(dep, "router"),
-            "ports": [{"name": "http", "port": port, "targetPort": "http"}],
+            "ports": [{"name": "http", "port": port, "targetPort": "http"}]
+            + [{"name": "edge", "port": p, "targetPort": "edge"} for p in k8s_pods.edge_port(dep)],
         },
     }
     return [deployment, service]

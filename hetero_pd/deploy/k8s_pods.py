@@ -58,11 +58,20 @@ def container(
     }
 
 
+def edge_port(dep: Deployment) -> list[int]:
+    """The router's edge listener port (`edge.tls`), if it has one: edge sessions over TLS.
+    On a cluster give `edge.tls_cert` / `edge.tls_key` (a certificate for the name devices
+    dial): a generated one names only the pod."""
+    edge = dep.edge
+    return [edge.port] if edge is not None and edge.enabled and edge.tls else []
+
+
 def router_container(dep: Deployment) -> dict[str, Any]:
     k, port = dep.kubernetes, dep.router.port
     env = k8s_secrets.secret_env(dep, router=True)
     c = container(dep, "router", "router", ["--role", "router", "--host", "0.0.0.0"], env)
     c["ports"] = [{"name": "http", "containerPort": port}]
+    c["ports"] += [{"name": "edge", "containerPort": p} for p in edge_port(dep)]
     c["resources"] = {
         "requests": {"cpu": k.router_cpu, "memory": k.router_memory},
         "limits": {"memory": k.router_memory},

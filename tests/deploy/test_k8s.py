@@ -156,3 +156,15 @@ def test_automatic_counts_without_any_speed_is_a_clear_error(
     )
     assert render_main(["k8s", str(path)]) == 1
     assert "put the numbers under pd.capacity.npu" in capsys.readouterr().err
+
+
+def test_the_edge_listener_port_is_exposed_with_the_api() -> None:
+    """Edge sessions are served over TLS on edge.port: the router's pod and Service open it
+    (a deployment without an edge section opens only the API's)."""
+    out = _render(CONFIGS / "edge.yaml")
+    service = _by(out, "Service", "hetero-pd-router")["spec"]["ports"]
+    assert {"name": "edge", "port": 8443, "targetPort": "edge"} in service
+    router = _by(out, "Deployment", "hetero-pd-router")["spec"]["template"]["spec"]
+    assert {"name": "edge", "containerPort": 8443} in router["containers"][0]["ports"]
+    plain = _by(_render(CONFIGS / "local.yaml"), "Service", "hetero-pd-router")["spec"]["ports"]
+    assert [p["name"] for p in plain] == ["http"]
