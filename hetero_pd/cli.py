@@ -128,10 +128,12 @@ def _passthrough(command: str, argv: list[str]) -> int:
         from hetero_pd.bench.decode_step import main as run
     elif argv[:1] == ["migrate"]:
         from hetero_pd.bench.migrate import main as run
+    elif argv[:1] == ["spec"]:
+        from hetero_pd.bench.spec import main as run
     else:
         print(
             "usage: hetero-pd bench {offline,serve,pd,transfer,kv,routing,tp,moe,edge,edge-privacy,"
-            "per-token,grammar,decode-step,migrate} "
+            "per-token,grammar,decode-step,migrate,spec} "
             "[--help | options]"
         )
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
@@ -149,7 +151,7 @@ PASSTHROUGH = {
     "worker": "run one worker process (the launcher starts these)",
     "edge": "the device side: edge generate (a session from the shell) | edge plan (pick k)",
     "bench": "benchmarks: bench offline | serve | pd | transfer | kv [wire] | routing | tp | moe "
-    "| edge | edge-privacy | per-token | grammar | decode-step | migrate",
+    "| edge | edge-privacy | per-token | grammar | decode-step | migrate | spec",
     "drill": "a deployment across hosts, proven in network namespaces: drill multihost",
 }
 

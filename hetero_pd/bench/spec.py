@@ -1,0 +1,205 @@
+"""`hetero-pd bench spec`: speculative decoding (ngram) against plain decoding, side by side.
+
+Two engines of one model in this process, one plain and one with `speculative_config`,
+run the same greedy requests in alternating rounds (so background load falls on both
+alike), on two workloads:
+
+- copy-heavy: chat prompts that ask to repeat or lightly edit a paragraph given in the
+  prompt, where prompt lookup finds most of the output;
+- random: random token prompts (`bench serve`'s random dataset), generating past EOS,
+  greedy (`random`) and sampled at temperature 1 with a seed per request (`random-t1`).
+
+Per workload and engine: output tok/s (output tokens over wall time), TPOT p50/p99 (per
+request, (last token - first token) / (tokens - 1)), and for the speculative engine the
+mean acceptance length (1 + accepted / drafts) and the acceptance rate; then the ratios
+spec / plain, and whether the two engines' outputs were identical token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hetero_pd import envs
+from hetero_pd.bench.datasets import TokenizerText, random_requests
+from hetero_pd.bench.machine import cpu_info
+from hetero_pd.llm import LLM, chat_prompt_ids
+from hetero_pd.models.fetch import DEFAULT_MODEL
+from hetero_pd.sampling_params import SamplingParams
+
+PARAGRAPHS = (
+    "The river town wakes early. Fishermen check their nets at the harbour, the baker "
+    "opens his shutters on the square, and the first bus leaves for the city at six.",
+    "To reset the router, unplug it for ten seconds, plug it back in, wait until the "
+    "status light turns green, then connect to the network named on the label.",
+    "Our meeting on Thursday moves to room 4B at half past two. Please bring the budget "
+    "figures for the third quarter and the draft of the hiring plan.",
+    "Water the tomatoes every morning, feed them once a week, and pinch out the side "
+    "shoots so that the plant puts its strength into the fruit.",
+)
+ASKS = (
+    "Repeat this text exactly, word for word:\n\n{}",
+    "Rewrite this text with every sentence in the past tense, changing nothing else:\n\n{}",
+)
+
+
+@dataclass(slots=True)
+class Side:
+    name: str
+    llm: LLM
+    elapsed_s: float = 0.0
+    tokens: int = 0
+    tpots: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+
+
+def copy_prompts(llm: LLM, n: int) -> list[list[int]]:
+    tok = llm.tokenizer
+    texts = [ASKS[i % len(ASKS)].format(PARAGRAPHS[i % len(PARAGRAPHS)]) for i in range(n)]
+    return [chat_prompt_ids(tok, [{"role": "user", "content": t}]) for t in texts]
+
+
+def run_batch(
+    side: Side, prompts: list[list[int]], max_tokens: int, concurrency: int, temperature: float
+) -> None:
+    """Runs the prompts `concurrency` at a time through the side's engine (sampled ones
+    seeded, so both engines give the same tokens)."""
+    engine = side.llm.engine
+    for start in range(0, len(prompts), concurrency):
+        group = prompts[start : start + concurrency]
+        first: dict[str, float] = {}
+        last: dict[str, float] = {}
+        ids = [f"{side.name}-{time.monotonic_ns()}-{i}" for i in range(len(group))]
+        t0 = time.perf_counter()
+        for i, (rid, prompt) in enumerate(zip(ids, group, strict=True)):
+            params = SamplingParams(
+                temperature=temperature, seed=start + i, max_tokens=max_tokens, ignore_eos=True
+            )
+            engine.add_request(prompt, params, rid)
+        outs: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                now = time.perf_counter()
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                outs[out.request_id] = out.outputs[0].token_ids
+        side.elapsed_s += time.perf_counter() - t0
+        for rid in ids:
+            n = len(outs[rid])
+            side.tokens += n
+            side.outputs.append(outs[rid])
+            if n > 1:
+                side.tpots.append((last[rid] - first[rid]) / (n - 1))
+
+
+def _pct(values: list[float], q: int) -> float:
+    if len(values) < 2:
+        return values[0] if values else 0.0
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def summary(side: Side) -> dict[str, Any]:
+    return {
+        "output_tok_s": round(side.tokens / side.elapsed_s, 2),
+        "tpot_p50_ms": round(_pct(side.tpots, 50) * 1e3, 2),
+        "tpot_p99_ms": round(_pct(side.tpots, 99) * 1e3, 2),
+    }
+
+
+def run_workload(
+    plain: Side,
+    spec: Side,
+    prompts: list[list[int]],
+    temperature: float,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    speculator = spec.llm.engine.speculator
+    assert speculator is not None
+    stats = speculator.stats
+    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    for _ in range(args.rounds):
+        for side in (plain, spec):
+            run_batch(side, prompts, args.max_tokens, args.concurrency, temperature)
+    drafts = stats.num_drafts - before[0]
+    proposed = stats.num_draft_tokens - before[1]
+    accepted = stats.num_accepted_tokens - before[2]
+    a, b = summary(plain), summary(spec)
+    return {
+        "plain": a,
+        "spec": {
+            **b,
+            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
+            "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
+        },
+        "tok_s_ratio": round(b["output_tok_s"] / a["output_tok_s"], 3),
+        "tpot_p50_ratio": round(b["tpot_p50_ms"] / a["tpot_p50_ms"], 3),
+        "identical_outputs": plain.outputs == spec.outputs,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hetero-pd bench spec", description=__doc__)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--num-prompts", type=int, default=4, help="per workload")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--random-input-len", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests decoding together")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating plain/spec runs")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--prompt-lookup-min", type=int, default=2)
+    ap.add_argument("--prompt-lookup-max", type=int, default=5)
+    ap.add_argument("--workloads", default="copy,random,random-t1")
+    args = ap.parse_args(argv)
+    os.environ[envs.ADAPTIVE_THREADS] = "0"  # both engines at one thread count
+    spec_cfg = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_min": args.prompt_lookup_min,
+        "prompt_lookup_max": args.prompt_lookup_max,
+    }
+    common = {"dtype": args.dtype, "num_threads": args.threads}
+    plain = Side("plain", LLM(args.model, **common))
+    spec = Side("spec", LLM(args.model, speculative_config=spec_cfg, **common))
+    run_batch(plain, copy_prompts(plain.llm, 1), 8, 1, 0.0)  # warm-up, not counted
+    run_batch(spec, copy_prompts(spec.llm, 1), 8, 1, 0.0)
+
+    def random_prompts() -> list[list[int]]:
+        source = TokenizerText(plain.llm.engine.model_path)
+        reqs = random_requests(args.num_prompts, args.random_input_len, args.max_tokens, source)
+        return [plain.llm.engine.tokenize(r.prompt) for r in reqs]
+
+    # (prompts, temperature): random-t1 samples at temperature 1, where proposals are
+    # rarely accepted (greedy output of a random prompt falls into loops that they match)
+    workloads = {
+        "copy": (lambda: copy_prompts(plain.llm, args.num_prompts), 0.0),
+        "random": (random_prompts, 0.0),
+        "random-t1": (random_prompts, 1.0),
+    }
+    results: dict[str, Any] = {}
+    for name in args.workloads.split(","):
+        for side in (plain, spec):
+            side.elapsed_s, side.tokens, side.tpots, side.outputs = 0.0, 0, [], []
+        make, temperature = workloads[name]
+        results[name] = r = run_workload(plain, spec, make(), temperature, args)
+        print(
+            f"{name:9s} plain {r['plain']['output_tok_s']:7.1f} tok/s  spec "
+            f"{r['spec']['output_tok_s']:7.1f} tok/s  ratio {r['tok_s_ratio']:.3f}  "
+            f"TPOT p50 {r['plain']['tpot_p50_ms']:.1f} -> {r['spec']['tpot_p50_ms']:.1f} ms  "
+            f"p99 {r['plain']['tpot_p99_ms']:.1f} -> {r['spec']['tpot_p99_ms']:.1f} ms  "
+            f"acceptance length {r['spec']['mean_acceptance_length']:.2f}  "
+            f"identical {r['identical_outputs']}"
+        )
+    config = dict(vars(args))
+    print(json.dumps({"config": config, "results": results, "cpu": cpu_info()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
