@@ -1,0 +1,31 @@
+"""`hetero-pd bench spec` runs its three workloads end to end at toy sizes, reports every
+number and finds the two engines' outputs identical (its numbers: docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetero_pd.bench import spec
+
+
+def test_bench_spec_compares_plain_and_speculative(
+    chat_model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HETERO_PD_ADAPTIVE_THREADS", "1")  # restored after: the bench sets it
+    threads = torch.get_num_threads()
+    argv = ["--model", str(chat_model), "--num-prompts", "2", "--max-tokens", "12"]
+    try:
+        assert spec.main([*argv, "--rounds", "1", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert set(result["results"]) == {"copy", "random", "random-t1"}
+    for r in result["results"].values():
+        assert r["identical_outputs"] is True
+        assert r["tok_s_ratio"] > 0 and r["spec"]["mean_acceptance_length"] >= 1.0
+        assert r["plain"]["tpot_p99_ms"] >= r["plain"]["tpot_p50_ms"] > 0
+    assert result["cpu"]["model"]
