@@ -25,7 +25,8 @@ run: setup
 generate: setup
 	$(VENV)/bin/hetero-pd generate --chat "$(PROMPT)"
 
-# The suite on TEST_JOBS processes (whole files each, so a module's stack starts once), the
+# The suite on TEST_JOBS processes (whole files each, so a module's stack starts once; the
+# files sharing a session's stack together: tests/conftest.py SHARED_STACK_FILES), the
 # 20 slowest tests listed with their time. Tests marked `dtype` run once with `dtype: auto`
 # forced to each of float32 and bfloat16 (tests/conftest.py `auto_dtype`).
 TEST_JOBS ?= 2

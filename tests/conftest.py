@@ -47,13 +47,51 @@ def auto_dtype(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     return str(request.param)
 
 
+#: Session-scoped stacks that several test files only read (tests/serving/conftest.py), and
+#: the files whose tests take them: `make test` (`--dist loadfile`) runs those files in one
+#: process, so that each stack starts once (`pytest_xdist_make_scheduler` below).
+SHARED_STACKS = ("tiny_pd_stack", "chat_colocated_stack")
+SHARED_STACK_FILES = frozenset(
+    f"tests/serving/{name}.py"
+    for name in (
+        "test_stack",
+        "test_api_sampling",
+        "test_sampling_stack",
+        "test_control_plane",
+        "test_tokenize_api",
+    )
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test marked `dtype` depends on what `auto` resolves to: it must take `auto_dtype`."""
+    """A test marked `dtype` depends on what `auto` resolves to: it must take `auto_dtype`.
+    A test that takes one of SHARED_STACKS must be in one of SHARED_STACK_FILES."""
     for item in items:
-        if item.get_closest_marker("dtype") and "auto_dtype" not in getattr(
-            item, "fixturenames", ()
-        ):
+        fixtures = getattr(item, "fixturenames", ())
+        if item.get_closest_marker("dtype") and "auto_dtype" not in fixtures:
             raise pytest.UsageError(f"{item.nodeid} is marked dtype but does not take auto_dtype")
+        path = item.nodeid.split("::")[0]
+        if path not in SHARED_STACK_FILES and any(f in fixtures for f in SHARED_STACKS):
+            raise pytest.UsageError(
+                f"{item.nodeid} takes a shared stack: add {path} to SHARED_STACK_FILES "
+                "(tests/conftest.py), or each test process would start it again"
+            )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile`, with SHARED_STACK_FILES one unit of work: whole files per process
+    (a module's stack starts once), and the files sharing a session's stack together."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedStacksTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "shared-stacks" if path in SHARED_STACK_FILES else path
+
+    return SharedStacksTogether(config, log)
 
 
 @pytest.fixture(scope="session")

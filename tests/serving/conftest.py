@@ -1,15 +1,17 @@
-"""Fixtures for the serving tests: the single-process engine as the reference."""
+"""Fixtures for the serving tests: the single-process engine as the reference, the stacks
+that several test files share, and a TCP proxy."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 
 from hetero_pd import LLM, SamplingParams
+from hetero_pd.deploy.testing import Stack, deployment, running_stack
 
 
 class Reference:
@@ -41,6 +43,30 @@ def reference_for() -> Callable[[Path], Reference]:
         return cache[model]
 
     return get
+
+
+#: The API key of the shared stacks below (their test files' `KEY`). They start once per
+#: test process for every file that takes them, and `make test` runs those files in one
+#: process (tests/conftest.py: SHARED_STACK_FILES).
+SHARED_KEY = "k"
+
+
+@pytest.fixture(scope="session")
+def tiny_pd_stack(tiny_llama_dir: Path) -> Iterator[Stack]:
+    """1 prefill + 1 decode worker of the tiny Llama, API key SHARED_KEY. Its users assert
+    deltas of the metrics and leave the workers idle (`wait_idle`), never counts since the
+    start: other files' requests may come before theirs."""
+    dep = deployment(tiny_llama_dir, router={"api_keys": [SHARED_KEY]})
+    with running_stack(dep) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def chat_colocated_stack(chat_model: Path) -> Iterator[Stack]:
+    """One colocated worker of the tiny chat model, API key SHARED_KEY."""
+    dep = deployment(chat_model, workers=[{"role": "both"}], router={"api_keys": [SHARED_KEY]})
+    with running_stack(dep) as s:
+        yield s
 
 
 Relay = Callable[[bytes], bytes]

@@ -7,7 +7,6 @@ handed off) and one colocated worker (with a vocabulary that covers real chat te
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,29 +17,24 @@ from transformers import AutoTokenizer
 from hetero_pd import LLM, SamplingParams
 from hetero_pd.deploy.testing import (
     Stack,
-    deployment,
     http_json,
     random_prompts,
-    running_stack,
 )
 from hetero_pd.outputs import Logprob
 
-KEY = "k"
+KEY = "k"  # the shared stacks' (tests/serving/conftest.py)
 TOL = 1e-4
 SHORT, LONG = 20, 120
 
 
 @pytest.fixture(scope="module")
-def pd(tiny_llama_dir: Path) -> Iterator[Stack]:
-    with running_stack(deployment(tiny_llama_dir, router={"api_keys": [KEY]})) as s:
-        yield s
+def pd(tiny_pd_stack: Stack) -> Stack:
+    return tiny_pd_stack
 
 
 @pytest.fixture(scope="module")
-def colocated(chat_model: Path) -> Iterator[Stack]:
-    dep = deployment(chat_model, workers=[{"role": "both"}], router={"api_keys": [KEY]})
-    with running_stack(dep) as s:
-        yield s
+def colocated(chat_colocated_stack: Stack) -> Stack:
+    return chat_colocated_stack
 
 
 def client(stack: Stack) -> openai.OpenAI:

@@ -8,7 +8,6 @@ import asyncio
 import os
 import time
 import tracemalloc
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import pytest
 import zmq
 
 from hetero_pd import SamplingParams, secrets
-from hetero_pd.deploy.testing import Stack, deployment, running_stack
+from hetero_pd.deploy.testing import Stack
 from hetero_pd.serving.api import edge_protocol as E
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import values as V
@@ -54,9 +53,8 @@ def intruder_frames() -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir: Path) -> Iterator[Stack]:
-    with running_stack(deployment(tiny_llama_dir)) as s:
-        yield s
+def stack(tiny_pd_stack: Stack) -> Stack:
+    return tiny_pd_stack
 
 
 def heartbeat_after(stack: Stack, worker: str, since: float) -> V.WorkerLoad:

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hetero_pd import SamplingParams
-from hetero_pd.deploy.testing import Stack, deployment, metric_value, random_prompts, running_stack
+from hetero_pd.deploy.testing import Stack, metric_value, random_prompts
 from hetero_pd.outputs import Logprob, RequestOutput
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import sampling as W
@@ -27,9 +25,8 @@ DECISIONS = "hetero_pd_policy_decisions_total"
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir: Path) -> Iterator[Stack]:
-    with running_stack(deployment(tiny_llama_dir)) as s:
-        yield s
+def stack(tiny_pd_stack: Stack) -> Stack:
+    return tiny_pd_stack
 
 
 async def _collect(stack: Stack, rid: str, ids: list[int], params: SamplingParams) -> list[Any]:

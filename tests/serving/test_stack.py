@@ -10,8 +10,6 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -20,9 +18,9 @@ import pytest
 
 from hetero_pd import SamplingParams
 from hetero_pd.config import resolve_dtype
-from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack
+from hetero_pd.deploy.testing import Stack, random_prompts
 
-KEY = "test-key"
+KEY = "k"  # the shared stack's (tests/serving/conftest.py)
 DECISIONS = "hetero_pd_policy_decisions_total"
 REQUESTS = "hetero_pd_requests_total"
 #: Up to 32 prompt tokens are prefilled on the decode worker itself (conditional
@@ -35,9 +33,8 @@ def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir: Path) -> Iterator[Stack]:
-    with running_stack(deployment(tiny_llama_dir, router={"api_keys": [KEY]})) as s:
-        yield s
+def stack(tiny_pd_stack: Stack) -> Stack:
+    return tiny_pd_stack
 
 
 @pytest.fixture(scope="module")

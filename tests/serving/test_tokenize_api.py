@@ -4,7 +4,6 @@ the field."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,17 +11,15 @@ import pytest
 from transformers import AutoTokenizer
 
 import hetero_pd
-from hetero_pd.deploy.testing import Probe, Stack, deployment, http_json, running_stack
+from hetero_pd.deploy.testing import Probe, Stack, http_json
 
-KEY = "k"
+KEY = "k"  # the shared stack's (tests/serving/conftest.py)
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
 
 
 @pytest.fixture(scope="module")
-def stack(chat_model: Path) -> Iterator[Stack]:
-    dep = deployment(chat_model, workers=[{"role": "both"}], router={"api_keys": [KEY]})
-    with running_stack(dep) as s:
-        yield s
+def stack(chat_colocated_stack: Stack) -> Stack:
+    return chat_colocated_stack
 
 
 def call(
