@@ -121,6 +121,7 @@ def validate(
             _check_host_part(dep, host_id, check_ports, src, warn)
         elif check_ports and dep.router.port:
             _check_port_free(dep.router.host, dep.router.port, src, "router.port")
+        _check_edge_tls(dep, check_ports and not any(w.host for w in dep.workers), src)
     else:
         _check_k8s(dep, src, warn)
     src.raise_if_any()
@@ -231,6 +232,23 @@ def _check_host_part(
             for port in ports:
                 for p in (port, port + 1):  # control, transfer
                     _check_port_free(host_id, p, src, f"workers[{i}].port")
+
+
+def _check_edge_tls(dep: Deployment, check_port: bool, src: Source) -> None:
+    """The edge listener (`edge.tls`): its port free here, the given certificate and key
+    loadable as a pair (none given: serve generates them)."""
+    edge = dep.edge
+    if edge is None or not edge.enabled or not edge.tls:
+        return
+    if check_port and edge.port:
+        _check_port_free(dep.router.host, edge.port, src, "edge.port")
+    if edge.tls_cert or edge.tls_key:
+        from hetero_pd.serving.api.edge_tls import edge_cert
+
+        try:
+            edge_cert(edge.tls_cert, edge.tls_key, dep.router.host).server_context()
+        except ValueError as e:
+            src.error("edge.tls_cert" if edge.tls_cert else "edge.tls_key", str(e))
 
 
 def _check_port_free(host: str, port: int, src: Source, key: str = "router.port") -> None:

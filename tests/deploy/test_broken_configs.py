@@ -267,3 +267,31 @@ def test_edge_split_must_leave_the_cloud_a_layer(
         validate_file(write_yaml(text), check_ports=False)
     ok = text.replace("split_layer: 3", "split_layer: 2")
     assert "split layer 2" in validate_file(write_yaml(ok), check_ports=False).summary()
+
+
+def test_the_edge_listener_is_checked_before_serve(
+    write_yaml: Callable[[str], Path], tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """A certificate that cannot be loaded, a key without its certificate and a busy edge
+    port are named with their keys; a generated pair is loaded as serve loads it."""
+    from hetero_pd.serving.api.edge_tls import generate
+
+    head = f"version: 1\nmodel: {tiny_llama_dir}\n" + PD + "edge:\n  split_layer: 2\n"
+    missing = head + f"  tls_cert: {tmp_path}/nope.pem\n  tls_key: {tmp_path}/nope.key\n"
+    with pytest.raises(ConfigError, match=r"edge.tls_cert: .*nope.pem.*cannot load them"):
+        validate_file(write_yaml(missing), check_ports=False)
+    with pytest.raises(ConfigError, match=r"edge.tls_key: edge.tls_cert is missing"):
+        validate_file(write_yaml(head + f"  tls_key: {tmp_path}/k.pem\n"), check_ports=False)
+    pair = generate("127.0.0.1")
+    try:
+        good = head + f"  tls_cert: {pair.cert}\n  tls_key: {pair.key}\n"
+        assert "split layer 2" in validate_file(write_yaml(good), check_ports=False).summary()
+    finally:
+        pair.remove()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        text = head + f"  port: {port}\nrouter:\n  host: 127.0.0.1\n  port: 0\n"
+        with pytest.raises(ConfigError, match=rf"edge.port: 127.0.0.1:{port} cannot be bound"):
+            validate_file(write_yaml(text), "local")
