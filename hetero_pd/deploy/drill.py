@@ -59,6 +59,8 @@ class DrillSpec:
     prefill: int = 2
     decode: int = 1
     ready_timeout_s: float = 240.0
+    #: Ranks of every worker (tensor parallelism inside each host's worker).
+    tensor_parallel_size: int = 1
     #: Extra keys for the deployment file's sections (router, transfer, engine).
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -290,6 +292,8 @@ def _config(
         workers[1]["count"] = spec.decode
     else:
         workers = [{"role": w.rsplit("-", 1)[0], "host": ip} for w, ip in hosts.items()]
+    for w in workers:
+        w["tensor_parallel_size"] = spec.tensor_parallel_size
     o = spec.overrides
     raw: dict[str, Any] = {
         "version": 1,

@@ -33,6 +33,7 @@ from hetero_pd.deploy.drill import (
 from hetero_pd.deploy.drill_client import Answer, sequential, transferred_cleanly, under_load
 from hetero_pd.deploy.schema import Deployment
 from hetero_pd.deploy.testing import random_prompts
+from hetero_pd.engine.tp.group import rank_pids
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=["k8s", "bare-metal"], default="k8s")
     p.add_argument("--prefill", type=int, default=2, help="prefill hosts")
     p.add_argument("--decode", type=int, default=1, help="decode hosts")
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="ranks of every worker (on the CPU the ranks share their host's threads)",
+    )
     p.add_argument("--requests", type=int, default=8, help="measured requests")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -54,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"hetero-pd drill: cannot make hosts here: {reason}", file=sys.stderr)
         return 2
-    spec = DrillSpec(args.model, args.prefill, args.decode)
+    spec = DrillSpec(
+        args.model, args.prefill, args.decode, tensor_parallel_size=args.tensor_parallel_size
+    )
     start = time.monotonic()
     try:
         cluster = k8s_cluster(spec) if args.mode == "k8s" else bare_metal_cluster(spec)
@@ -86,6 +96,10 @@ def _run(cluster: Cluster, args: argparse.Namespace) -> bool:
     prompts = random_prompts([args.prompt_len] * args.requests, seed=7, vocab=_vocab(cluster))
     expected = _reference(cluster, prompts, args.max_tokens)
     ok = True
+    if args.tensor_parallel_size > 1:
+        ranks = {w: 1 + len(rank_pids(pid)) for w, pid in cluster.pids().items()}
+        ok &= _check(f"every worker runs {args.tensor_parallel_size} tensor-parallel ranks",
+                     set(ranks.values()) == {args.tensor_parallel_size}, str(ranks))  # fmt: skip
     for stream in (False, True):
         got = [cluster.call(cluster.api.complete, q, args.max_tokens, stream) for q in prompts]
         same = sum(a.text == e for a, e in zip(got, expected, strict=True))

@@ -5,7 +5,6 @@ rank killed under load takes the worker down to be restarted, every request endi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import threading
@@ -25,6 +24,7 @@ from hetero_pd.deploy.serve import build_parser
 from hetero_pd.deploy.testing import deployment, random_prompts, running_stack
 from hetero_pd.deploy.validate import validate_file
 from hetero_pd.deploy.workers import expand_workers
+from hetero_pd.engine.tp.group import rank_pids
 
 
 def _dep(workers: list[dict[str, object]]) -> dict[str, object]:
@@ -103,16 +103,7 @@ def test_serve_model_flag(tiny_llama_dir: Path) -> None:
 
 def _ranks_of(pid: int) -> list[int]:
     """The tensor-parallel rank processes worker `pid` started."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"engine.tp.rank" in cmd:
-                out.append(int(entry))
-    return out
+    return rank_pids(pid)
 
 
 def test_served_tp2_worker_and_a_killed_rank(tiny_qwen3_dir: Path) -> None:

@@ -20,11 +20,14 @@ def test_bare_metal_hosts_through_the_drill_command(
     tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`hetero-pd drill multihost --mode bare-metal`: each host runs `serve CONFIG --host-id
-    ADDRESS`; the answers equal the single-process engine's and the numbers are printed."""
+    ADDRESS`; the answers equal the single-process engine's and the numbers are printed.
+    Each host's worker runs at tensor-parallel size 2 (the k8s drill's at 1): its ranks on
+    that host, its KV handed over the link as one worker's."""
     argv = ["multihost", "--mode", "bare-metal", "--model", str(tiny_llama_dir), "--prefill", "1"]
-    argv += ["--requests", "4", "--prompt-len", "120", "--max-tokens", "12"]
+    argv += ["--requests", "4", "--prompt-len", "120", "--max-tokens", "12", "-tp", "2"]
     assert drill_main(argv) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
+    assert "ok   every worker runs 2 tensor-parallel ranks" in out
     assert "ok   greedy == single-process engine (whole): 4/4" in out
     assert "ok   greedy == single-process engine (streamed): 4/4" in out
     assert "ok   every measured request prefilled remotely, KV over the link" in out

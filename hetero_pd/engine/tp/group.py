@@ -284,6 +284,24 @@ def _reap(procs: list[subprocess.Popen[bytes]]) -> None:
                 stdin.close()
 
 
+def rank_pids(worker_pid: int) -> list[int]:
+    """The tensor-parallel ranks (processes) the engine in process `worker_pid` started, as
+    seen from outside it (Linux /proc; [] elsewhere)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    out = []
+    for entry in filter(str.isdigit, entries):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if parent == worker_pid and b"hetero_pd.engine.tp.rank" in f.read():
+                    out.append(int(entry))
+    return out
+
+
 def start_ranks(
     config: EngineConfig,
     model: str,
