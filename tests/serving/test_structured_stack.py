@@ -4,7 +4,8 @@ prefill worker samples the first token under it, the decode worker resumes the g
 with the single-process engine's greedy text, for prompts prefilled on the decode worker
 and on the prefill worker alike; a constraint the server cannot enforce is a 400.
 ``tool_choice`` "required" and a named function always yield a call whose arguments
-validate against the function's schema, streamed calls reassemble to the non-streamed one,
+validate against the function's schema, streamed calls arrive piece by piece (id and name,
+then fragments of the arguments) and reassemble to the non-streamed one,
 "none" answers in text, and a conversation carrying calls and tool results back is
 accepted."""
 
@@ -198,15 +199,21 @@ def test_streamed_calls_reassemble_to_the_whole_call(stack: Stack, client: opena
     )  # fmt: skip
     whole = _valid_calls(client.chat.completions.create(**kw).choices[0], set(SCHEMAS))
     calls: dict[int, dict[str, str]] = {}
-    finish = None
+    fragments, finish = 0, None
     for chunk in client.chat.completions.create(stream=True, **kw):
         delta = chunk.choices[0].delta
         for d in delta.tool_calls or []:
-            call = calls.setdefault(d.index, {"name": "", "arguments": ""})
-            call["name"] += d.function.name or ""
-            call["arguments"] += d.function.arguments or ""
+            assert d.function is not None
+            if d.index not in calls:  # OpenAI's first delta of a call: its id and name
+                assert d.id is not None and d.id.startswith("call_") and d.type == "function"
+                calls[d.index] = {"name": d.function.name or "", "arguments": ""}
+            else:  # then fragments of the arguments only
+                assert d.id is None and d.function.name is None and d.function.arguments
+                fragments += 1
+            calls[d.index]["arguments"] += d.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
+    assert fragments > 1, "the arguments came whole, not as the tokens arrived"
     assert [calls[i] for i in sorted(calls)] == [
         {"name": c.function.name, "arguments": c.function.arguments} for c in whole
     ]

@@ -1,4 +1,5 @@
-"""Tool calling without a stack: the Hermes parser on canned answers, the checks on
+"""Tool calling without a stack: the Hermes parser on canned answers, whole and streamed
+(any cut of the text into deltas reassembles to the whole answer's calls), the checks on
 ``tools`` / ``tool_choice`` (400s naming the field), and the grammar of a forced call, which
 accepts a valid call token by token on the default model's vocabulary and nothing else."""
 
@@ -13,7 +14,7 @@ import pytest
 from hetero_pd.engine.structured import GrammarCompiler
 from hetero_pd.serving.api.errors import APIError
 from hetero_pd.serving.api.protocol import parse_chat_request, parse_completion_request
-from hetero_pd.serving.api.tools import parse_tool_calls
+from hetero_pd.serving.api.tool_stream import HermesStream, parse_tool_calls
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
        "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
@@ -39,6 +40,59 @@ def test_hermes_calls_are_parsed_from_a_canned_answer() -> None:
     ]
     assert len({c["id"] for c in calls}) == 2 and all(c["type"] == "function" for c in calls)
     assert parse_tool_calls("no call here") == ("no call here", [])
+
+
+def _stream(text: str, cuts: list[int]) -> tuple[str, list[dict[str, Any]], list[Any]]:
+    """``text`` fed in the pieces ``cuts`` makes: (content, reassembled calls, deltas)."""
+    reader, content, deltas = HermesStream(), "", []
+    for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+        piece, got = reader.feed(text[a:b])
+        content += piece
+        deltas += got
+    content += reader.finish()
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        if d.id is not None:  # a call's first delta: id and name, before any argument
+            assert d.index not in calls and d.arguments == ""
+            calls[d.index] = {"id": d.id, "name": d.name, "arguments": ""}
+        calls[d.index]["arguments"] += d.arguments
+    return content, [calls[i] for i in sorted(calls)], deltas
+
+
+STREAMED = [
+    'Let me compute.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": {"c": "}\\""}}}'
+    '\n</tool_call>\n<tool_call>{"arguments": {}, "name": "now"}</tool_call>'
+    "<tool_call>{not json}</tool_call>",
+    '<tool_call>\n{"name": "now"}\n</tool_call>',
+    "just text, with a < and a <tool_",
+    "text and <tool_call>{broken",
+]
+
+
+@pytest.mark.parametrize("text", STREAMED)
+def test_streamed_calls_reassemble_to_the_whole_answer_whatever_the_cuts(text: str) -> None:
+    content, calls = parse_tool_calls(text)
+    whole = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+             for c in calls]  # fmt: skip
+    for step in (1, 2, 3, 7, len(text)):
+        got, streamed, _ = _stream(text, list(range(step, len(text), step)))
+        assert [{"name": c["name"], "arguments": c["arguments"]} for c in streamed] == whole
+        assert got.strip() == (content or "").strip(), step
+
+
+def test_a_call_streams_its_name_first_then_argument_fragments() -> None:
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 3}}\n</tool_call>'
+    cuts = [text.index('"add"') + 3, text.index("12") + 1, text.index("3}") + 1, len(text) - 4]
+    content, calls, deltas = _stream(text, cuts)
+    assert content == "" and [d.to_json() for d in deltas][1:] == [
+        {"index": 0, "function": {"arguments": '{"a": 1'}},
+        {"index": 0, "function": {"arguments": '2, "b": 3'}},
+        {"index": 0, "function": {"arguments": "}"}},
+    ]
+    first = deltas[0].to_json()
+    assert first == {"index": 0, "id": calls[0]["id"], "type": "function",
+                     "function": {"name": "add", "arguments": ""}}  # fmt: skip
+    assert json.loads(calls[0]["arguments"]) == {"a": 12, "b": 3}
 
 
 @pytest.mark.parametrize(

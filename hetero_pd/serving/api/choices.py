@@ -23,7 +23,7 @@ from hetero_pd.serving.api.logprobs import (
     prompt_completion_logprobs,
 )
 from hetero_pd.serving.api.responses import chat_chunk, choices_body, completion_chunk
-from hetero_pd.serving.api.tools import parse_tool_calls
+from hetero_pd.serving.api.tool_stream import HermesStream, parse_tool_calls
 from hetero_pd.serving.control import sampling as W
 from hetero_pd.serving.control.protocol import Output
 
@@ -38,6 +38,7 @@ class _Choice:
     finish: str = "abort"
     tokens: int = 0
     started: bool = False  # a stream sent its first event
+    calls: HermesStream | None = None  # a stream with tools: its reader of calls
     offset: int = 0  # a stream's text_offset of the next token
 
 
@@ -118,21 +119,25 @@ class Answer:
         return message, "tool_calls" if finish == "stop" else finish
 
     def _tool_events(self, msg: Output) -> list[dict[str, Any]]:
-        """A stream with tools: the answer is held until it ends (a call is only known
-        once complete), then sent as its content and its whole calls."""
+        """A stream with tools: content as it comes, then each call as it is read (its
+        index, id and name, then fragments of its arguments), as OpenAI streams them."""
         c = self.choices[msg.index]
         self.add(msg)
-        if msg.finish_reason is None:
-            return []
+        if c.calls is None:
+            c.calls = HermesStream()
         index = self.base + msg.index
-        message, finish = self._message("".join(c.text), c.finish)
+        content, deltas = c.calls.feed(msg.text)
+        if msg.finish_reason is not None:
+            content += c.calls.finish()
         out = []
-        if message["content"]:
-            out.append(chat_chunk(self.req, message["content"], index=index))
-        if "tool_calls" in message:
-            calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+        if content:
+            out.append(chat_chunk(self.req, content, index=index))
+        if deltas:
+            calls = [d.to_json() for d in deltas]
             out.append(chat_chunk(self.req, None, index=index, tool_calls=calls))
-        out.append(chat_chunk(self.req, None, finish_reason=finish, index=index))
+        if msg.finish_reason is not None:
+            finish = "tool_calls" if c.calls.started and c.finish == "stop" else c.finish
+            out.append(chat_chunk(self.req, None, finish_reason=finish, index=index))
         return out
 
     def _completion_logprobs(self) -> CompletionLogprobs:

@@ -111,7 +111,7 @@ def chat_chunk(
         delta["role"] = role
     if delta_text is not None:
         delta["content"] = delta_text
-    if tool_calls is not None:  # whole calls, each with its "index" among the choice's calls
+    if tool_calls is not None:  # pieces of calls, each with its "index" among the choice's calls
         delta["tool_calls"] = tool_calls
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _chunk_head(req, [choice])

@@ -7,16 +7,16 @@
 
 The tools reach the model through the chat template when it renders ``tools``, else
 through a system prompt that lists them (Qwen2.5's and Hermes' wording). ``auto``: the
-answer is parsed for calls after the fact; ``required`` and a named function: the output is
+answer is read for calls; ``required`` and a named function: the output is
 constrained by a grammar (one or more calls whose ``arguments`` follow the function's JSON
-schema), so it is always a valid call. ``none`` or no tools: a plain chat answer.
+schema), so it is always a valid call. ``none`` or no tools: a plain chat answer. The
+answer's calls are read by ``hetero_pd.serving.api.tool_stream``, as the text arrives.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +29,6 @@ from hetero_pd.structured_outputs import StructuredOutputsParams
 MAX_TOOLS = 128
 FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,28 +160,3 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
         out["description"] = fn["description"]
     out["parameters"] = params or {"type": "object", "properties": {}}
     return {"type": "function", "function": out}
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Hermes-format calls in a model's answer: ``(content before the first call or None,
-    calls in OpenAI's shape)``; no calls when none parses (the whole text is content)."""
-    calls = []
-    for body in _CALL.findall(text):
-        try:
-            call = json.loads(body)
-        except ValueError:
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        args = call.get("arguments", call.get("parameters", {}))
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": call["name"], "arguments": json.dumps(args)},
-            }
-        )
-    if not calls:
-        return text, []
-    content = text[: text.find("<tool_call>")].strip()
-    return content or None, calls
