@@ -221,26 +221,42 @@ class Launcher:
         decoding requests move to other decode workers (live migration) and its prompts
         in flight finish, then it stops and a fresh process takes its place. Raises
         RuntimeError when requests could not leave it within `timeout_s` (it keeps serving)."""
+        return await self._leave(worker_id, timeout_s, restart=True)
+
+    async def remove(self, worker_id: str, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Scale-down: `worker_id` leaves for good once its requests moved (as `restart`,
+        without the fresh process). Raises ValueError for the last decode-capable worker."""
+        others = [w for w in self.router.live("decode", "both") if w.id != worker_id]
+        client = self.router.workers.get(worker_id)
+        if client is not None and client.role in ("decode", "both") and not others:
+            raise ValueError(f"{worker_id} is the last decode-capable worker")
+        return await self._leave(worker_id, timeout_s, restart=False)
+
+    async def _leave(self, worker_id: str, timeout_s: float, restart: bool) -> dict[str, Any]:
         migrator = self.router.migrator
         wp = self.procs.get(worker_id)
-        if wp is None:
-            raise ValueError(f"no worker {worker_id!r} in this deployment")
+        if wp is None or wp.proc.returncode is not None:
+            raise ValueError(f"no running worker {worker_id!r} in this deployment")
         try:
             moved = await migrator.drain(worker_id, timeout_s)
             left = migrator.on_worker(worker_id)
             if left:
                 raise RuntimeError(f"{len(left)} requests could not leave {worker_id}")
             old = wp.proc.pid
-            self.supervisor.expect_exit(worker_id)
+            if restart:
+                self.supervisor.expect_exit(worker_id)
+            else:
+                self.supervisor.expect_removal(worker_id)
             with contextlib.suppress(ProcessLookupError):
                 wp.proc.send_signal(signal.SIGTERM)  # drained: it exits at once
             deadline = time.monotonic() + timeout_s
-            while not self._back(worker_id, old):
+            while not (self._back(worker_id, old) if restart else wp.proc.returncode is not None):
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{worker_id} did not come back within {timeout_s}s")
+                    raise RuntimeError(f"{worker_id} did not stop or come back in {timeout_s}s")
                 await asyncio.sleep(0.05)
         finally:
-            migrator.undrain(worker_id)
+            if restart:
+                migrator.undrain(worker_id)
         return {"worker": worker_id, **summary(moved)}
 
     def _back(self, worker_id: str, old_pid: int) -> bool:

@@ -3,6 +3,7 @@ request, through its router's admin API (hetero_pd/serving/api/admin.py).
 
     hetero-pd drain CONFIG decode-0            move decode-0's requests off, keep it out
     hetero-pd drain --url URL decode-0 --undo  back in rotation
+    hetero-pd drain CONFIG decode-1 --remove   scale-down: it leaves for good once drained
     hetero-pd restart --rolling CONFIG         every worker in turn: drain, stop, start
     hetero-pd restart --url URL decode-1       one worker
 
@@ -70,10 +71,11 @@ def drain_main(argv: list[str] | None = None) -> int:
     p = _parser("hetero-pd drain", drain_main.__doc__ or "")
     p.add_argument("target", nargs="+", metavar="[CONFIG] WORKER")
     p.add_argument("--undo", action="store_true", help="put WORKER back in rotation")
+    p.add_argument("--remove", action="store_true", help="then stop WORKER for good")
     args = p.parse_args(argv)
     *config, worker = args.target
     url = router_url(config[0] if config else None, args.url, p)
-    path = "/admin/undrain" if args.undo else "/admin/drain"
+    path = "/admin/undrain" if args.undo else "/admin/remove" if args.remove else "/admin/drain"
     return _run(path, {"worker": worker}, url, args.timeout, "hetero-pd drain")
 
 

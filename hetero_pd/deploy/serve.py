@@ -116,6 +116,7 @@ async def serve(
             model_dir=Path(model_dir),
             write_timeout_s=dep.router.write_timeout_s,
             restart=launcher.restart_any if launcher is not None else None,
+            remove=launcher.remove if launcher is not None else None,
         )
         # On stop, requests in flight get stop_grace_s to finish; then they are cut (their
         # generators closed: each sends its workers an Abort). aiohttp reads a timeout of 0

@@ -7,6 +7,7 @@
     more than max_restarts exits within window_s: it stays down (and /health says so)
     a planned exit (`expect_exit`: a drained worker restarted on purpose)
                  ──> respawn at once, outside the restart budget
+    a removal (`expect_removal`: scale-down of a drained worker) ──> stays down: "removed"
     worker alive but silent (no heartbeat for hang_timeout_s: SIGSTOPped, deadlocked)
                  ──> SIGKILL, then the same restart path
 
@@ -86,11 +87,16 @@ class Supervisor:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stopping = False
         self._planned: set[str] = set()
+        self._removing: set[str] = set()
 
     def expect_exit(self, worker_id: str) -> None:
         """`worker_id` is about to exit on purpose (drained, to restart): respawn it at once,
         without backoff and without spending its restart budget."""
         self._planned.add(worker_id)
+
+    def expect_removal(self, worker_id: str) -> None:
+        """`worker_id` is about to exit for good (scale-down): do not restart it."""
+        self._removing.add(worker_id)
 
     def watch(self, worker_ids: list[str]) -> None:
         """Starts supervising these (running) workers."""
@@ -122,6 +128,10 @@ class Supervisor:
             if self._stopping:
                 return
             self.router.mark_dead(wid)
+            if wid in self._removing:
+                state["state"] = "removed"
+                log.info("worker %s removed (code %s)", wid, code)
+                return
             planned = wid in self._planned
             self._planned.discard(wid)
             delay = 0.0 if planned else self.policy.delay(wid, self.clock())

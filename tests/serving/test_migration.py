@@ -228,3 +228,29 @@ def test_rolling_restart_under_load_ends_no_request(stack: Stack) -> None:
     assert stack.launcher is not None
     assert all(stack.launcher.pids()[w] != pid for w, pid in pids.items())
     stack.wait_idle()
+
+
+def test_scale_down_moves_the_requests_of_the_removed_worker(stack: Stack) -> None:
+    """Scale-down (`hetero-pd drain --remove`'s API): the decode worker removed moves its
+    running requests to the other one first; they finish with the unmigrated text, its
+    process is gone and stays gone, and the last decode worker cannot be removed."""
+    assert stack.router is not None and stack.launcher is not None
+    prompt = random_prompts([40], seed=9)[0]
+    reference = stream_text(stack, prompt, 64, temperature=0)
+    assert http_json(f"{stack.url}/admin/drain", {"worker": "decode-0"})[0] == 200
+    with ThreadPoolExecutor(4) as pool:
+        runs = [pool.submit(stream_text, stack, prompt, 64, temperature=0) for _ in range(4)]
+        deadline = time.monotonic() + 120
+        while streams_on(stack, "decode-1") < 4:
+            assert time.monotonic() < deadline and not any(r.done() for r in runs)
+            time.sleep(0.02)
+        assert http_json(f"{stack.url}/admin/undrain", {"worker": "decode-0"})[0] == 200
+        status, answer = http_json(f"{stack.url}/admin/remove", {"worker": "decode-1"})
+        assert status == 200, answer
+        assert (answer["removed"]["moved"], answer["removed"]["failed"]) == (4, 0)
+        texts = [r.result(180) for r in runs]
+    assert texts == [reference] * 4
+    assert stack.launcher.procs["decode-1"].proc.returncode is not None
+    assert stack.launcher.supervisor.states["decode-1"]["state"] == "removed"
+    status, answer = http_json(f"{stack.url}/admin/remove", {"worker": "decode-0"})
+    assert status == 400 and "last decode-capable" in answer["error"]["message"]

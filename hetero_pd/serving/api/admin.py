@@ -7,6 +7,7 @@ are set):
     POST /admin/migrate  {"request_id": ..., "worker": optional destination}
     POST /admin/restart  {"worker": "decode-0"} | {"rolling": true}   drain, stop, start a
                                                  fresh process (one box: its launcher)
+    POST /admin/remove   {"worker": "decode-1"}  scale-down: drain, then stop it for good
 
 Answers say what moved: `moved`, `failed`, the longest pause and the KV bytes.
 """
@@ -26,6 +27,8 @@ from hetero_pd.serving.router.migration import summary
 
 #: Restarts a worker (its id) or, with None, every worker in turn: the launcher's.
 Restart = Callable[[str | None, float], Awaitable[Any]]
+#: Removes a worker for good once drained (scale-down): the launcher's.
+Remove = Callable[[str, float], Awaitable[Any]]
 MAX_TIMEOUT_S = 3600.0
 
 
@@ -41,6 +44,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/admin/undrain", _undrain)
     app.router.add_post("/admin/migrate", _migrate)
     app.router.add_post("/admin/restart", _restart)
+    app.router.add_post("/admin/remove", _remove)
 
 
 async def _body(request: web.Request) -> AdminBody:
@@ -97,14 +101,29 @@ async def _migrate(request: web.Request) -> web.Response:
 async def _restart(request: web.Request) -> web.Response:
     body = await _body(request)
     restart = state_of(request).restart
-    if restart is None:
+    worker = None if body.rolling else _worker(request, body)
+    done = await _by_launcher("restart", restart and restart(worker, body.timeout_s))
+    return web.json_response({"restarted": done if isinstance(done, list) else [done]})
+
+
+async def _remove(request: web.Request) -> web.Response:
+    body = await _body(request)
+    worker = _worker(request, body)
+    remove = state_of(request).remove
+    done = await _by_launcher("remove", remove and remove(worker, body.timeout_s))
+    return web.json_response({"removed": done})
+
+
+async def _by_launcher(what: str, op: Awaitable[Any] | None) -> Any:
+    """Awaits the launcher's `op` (None: no launcher here, a 501); its refusals as 4xx/5xx."""
+    if op is None:
         raise errors.APIError(
-            501, "restart needs the deployment's launcher (one box: `hetero-pd serve`)",
+            501, f"{what} needs the deployment's launcher (one box: `hetero-pd serve`)",
             "server_error", None, "not_supported",
         )  # fmt: skip
-    worker = None if body.rolling else _worker(request, body)
     try:
-        done = await restart(worker, body.timeout_s)
+        return await op
+    except ValueError as e:
+        raise errors.bad_request(str(e), "worker") from None
     except RuntimeError as e:
-        raise errors.APIError(503, str(e), "server_error", None, "restart_failed") from None
-    return web.json_response({"restarted": done if isinstance(done, list) else [done]})
+        raise errors.APIError(503, str(e), "server_error", None, f"{what}_failed") from None

@@ -46,6 +46,8 @@ class ApiState:
     #: Restarts a worker (its id) or every worker in turn (None), within a timeout: the
     #: launcher's on one box, None where workers run elsewhere (admin.py).
     restart: Callable[[str | None, float], Awaitable[Any]] | None = None
+    #: Removes a drained worker for good (scale-down): the launcher's, or None.
+    remove: Callable[[str, float], Awaitable[Any]] | None = None
     #: Where edge sessions are served over TLS (`edge.tls`): the API's own port then
     #: refuses them, naming this URL. Empty: they are served on the API's port.
     edge_tls_url: str = ""
