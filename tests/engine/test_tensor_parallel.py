@@ -53,7 +53,8 @@ def tiny_mqa_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) 
 
 
 @pytest.mark.parametrize(
-    "model_fixture", ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_deepseek_v3_dir"]
+    "model_fixture",
+    ["tiny_qwen3_dir", "tiny_qwen3_moe_dir", "tiny_mixtral_dir", "tiny_deepseek_v3_dir"],
 )
 def test_tp2_matches_tp1_and_transformers(
     model_fixture: str, request: pytest.FixtureRequest, hf_greedy: Ref, make_llm: Make
