@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetero_pd import SamplingParams
+from hetero_pd import SamplingParams, StructuredOutputsParams
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine import migration as E
 from hetero_pd.engine.llm_engine import LLMEngine
@@ -42,6 +42,10 @@ def move(a: LLMEngine, b: LLMEngine, rid: str, params: SamplingParams) -> E.Snap
     return snap
 
 
+#: The grammar's state matters: after the a's only b's may follow.
+ORDERED = StructuredOutputsParams(regex="a{3}b{80}")
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
     SamplingParams(temperature=0.9, seed=7, max_tokens=24, ignore_eos=True, logprobs=2),
@@ -49,12 +53,22 @@ def move(a: LLMEngine, b: LLMEngine, rid: str, params: SamplingParams) -> E.Snap
 def test_moved_request_continues_with_the_same_tokens(
     tiny_llama_dir: Path, params: SamplingParams
 ) -> None:
-    still = engine(tiny_llama_dir)
+    check_move(tiny_llama_dir, params, 9)
+
+
+def test_moved_request_keeps_its_grammar_state(default_model_dir: Path) -> None:
+    """The destination replays the grammar over the tokens so far (a fresh matcher would
+    allow the a's again); the default model, whose vocabulary the grammar is built for."""
+    check_move(default_model_dir, SamplingParams(temperature=0, structured_outputs=ORDERED), 5)
+
+
+def check_move(model: Path, params: SamplingParams, steps: int) -> None:
+    still = engine(model)
     still.add_request(PROMPT, params, "r")
     reference = run(still, 40)
-    a, b = engine(tiny_llama_dir), engine(tiny_llama_dir)
+    a, b = engine(model), engine(model)
     a.add_request(PROMPT, params, "r")
-    before = run(a, 9)
+    before = run(a, steps)
     snap = move(a, b, "r", params)
     assert snap.output_ids == before and (snap.logprobs is None) == (params.logprobs is None)
     after = run(b, 40)
