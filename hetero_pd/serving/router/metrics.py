@@ -170,7 +170,7 @@ class ServingMetrics:
         self.migration_pause = hist(
             PREFIX + "migration_pause_seconds",
             "How long a migrated request stopped decoding (the last copy and the hand-over).",
-            TRANSFER_BUCKETS,
+            LATENCY_BUCKETS,
         ).labels(model_name)
         self.migration_bytes = counter("migration_bytes", "KV bytes live migrations moved.").labels(
             model_name
