@@ -133,6 +133,8 @@ def run_workload(
         "plain": a,
         "spec": {
             **b,
+            "drafts": drafts,
+            "draft_tokens": proposed,
             "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
             "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
         },
