@@ -107,6 +107,22 @@ def test_priority_keys_are_secrets_too(write_yaml: Callable[[str], Path]) -> Non
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
+def test_operator_keys_are_secrets_only_the_router_reads(write_yaml: Callable[[str], Path]) -> None:
+    router = "{port: 8000, api_keys: [k-123], admin_keys: [ops-789]}"
+    out = k8s.render(
+        validate_file(write_yaml(BASE.replace("{port: 8000}", router)), "k8s").deployment
+    )
+    config = _docs(out, "ConfigMap")[0]["data"]["deployment.yaml"]
+    assert "ops-789" not in config and "admin_keys" not in config
+    (secret,) = _docs(out, "Secret")
+    assert secret["stringData"]["admin-keys"] == "ops-789"
+    assert k8s.dump(out).count("ops-789") == 1
+    router_env, worker = _env(_pod(out, "hetero-pd-router")), _env(_pod(out, "hetero-pd-decode"))
+    ref = router_env["HETERO_PD_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "hetero-pd-secrets", "key": "admin-keys", "optional": True}
+    assert "HETERO_PD_ADMIN_KEY" not in worker
+
+
 def test_an_absent_secret_is_generated_or_taken_from_the_environment(
     write_yaml: Callable[[str], Path],
     monkeypatch: pytest.MonkeyPatch,

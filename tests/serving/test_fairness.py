@@ -16,7 +16,7 @@ from hetero_pd.serving.api.protocol import PRIORITY_LIMIT
 from hetero_pd.serving.router.admission import Admission
 from hetero_pd.serving.router.errors import RouterError
 
-A, B, VIP = "key-a", "key-b", "key-vip"
+A, B, VIP, OPS = "key-a", "key-b", "key-vip", "key-ops"
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +24,7 @@ def stack(tiny_llama_dir: Path) -> Iterator[Stack]:
     router = {
         "api_keys": [A, B, VIP],
         "priority_api_keys": [VIP],
+        "admin_keys": [OPS],
         "max_inflight": 8,
         "max_inflight_per_key": 4,
     }
@@ -90,6 +91,35 @@ def test_inflight_limits_count_choices_per_key(stack: Stack) -> None:
     assert "6 completions" in r["error"]["message"]
     stack.wait_idle()
     assert complete(stack, A, n=4)[0] == 200  # the slots came back
+
+
+def test_only_admin_keys_operate_the_deployment(stack: Stack) -> None:
+    """A client's API key once drained, migrated and restarted workers (/admin/*): any
+    client could empty the decode pool. Those routes take only router.admin_keys."""
+    for key in (A, VIP):
+        status, r = http_json(f"{stack.url}/admin/drain", {"worker": "decode-0"}, key)
+        assert (status, r["error"]["code"]) == (403, "admin_key_required"), r
+        assert "router.admin_keys" in r["error"]["message"]
+    assert http_json(f"{stack.url}/admin/restart", {"rolling": True}, B)[0] == 403
+    assert http_json(f"{stack.url}/admin/drain", {"worker": "decode-0"})[0] == 401
+    # The admin key gets past the check: the body's error is the next thing it hears.
+    status, r = http_json(f"{stack.url}/admin/drain", {"worker": "decode-9"}, OPS)
+    assert (status, r["error"]["param"]) == (400, "worker"), r
+    # An admin key is not a client's key.
+    assert complete(stack, OPS)[0] == 401
+
+
+def test_admin_routes_when_keys_are_partly_set() -> None:
+    """No keys at all: a local deployment, open like its API. Client keys but no admin
+    keys: nobody operates it over HTTP (the launcher and signals still do)."""
+    from hetero_pd.serving.api.admin import admin_refusal
+
+    assert admin_refusal("", (), ()) is None
+    assert admin_refusal("", ("k",), ()) is not None
+    assert admin_refusal("k", ("k",), ()) is not None
+    assert admin_refusal("ops", ("k",), ("ops",)) is None
+    assert admin_refusal("ops", (), ("ops",)) is None
+    assert admin_refusal("k", ("k",), ("ops",)) is not None
 
 
 def test_admission_counts_and_gives_back() -> None:
