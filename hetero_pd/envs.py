@@ -89,6 +89,12 @@ def priority_api_keys(environ: Mapping[str, str] | None = None) -> tuple[str, ..
     return _keys("HETERO_PD_PRIORITY_API_KEY", environ)
 
 
+def admin_keys(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """$HETERO_PD_ADMIN_KEY: comma-separated keys for the router's /admin/* routes
+    (`router.admin_keys`; `hetero-pd drain` and `restart` send the first); () when unset."""
+    return _keys("HETERO_PD_ADMIN_KEY", environ)
+
+
 def _keys(name: str, environ: Mapping[str, str] | None) -> tuple[str, ...]:
     raw = (os.environ if environ is None else environ).get(name, "")
     return tuple(k.strip() for k in raw.split(",") if k.strip())

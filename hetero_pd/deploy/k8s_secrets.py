@@ -8,10 +8,13 @@ the checksum that rolls the pods when either the file or the secrets change.
                             api-keys           comma-separated API keys (HETERO_PD_API_KEY, router)
                             priority-api-keys  those of them that may set `priority`
                                                (HETERO_PD_PRIORITY_API_KEY, router; optional)
+                            admin-keys         the operators' keys for /admin/* (drain,
+                                               restart; HETERO_PD_ADMIN_KEY, router; optional)
 
 The values come from the file (`transfer.secret`, `router.api_keys`,
-`router.priority_api_keys`; all are then taken out of the ConfigMap's copy), else from
-HETERO_PD_SECRET / HETERO_PD_API_KEY / HETERO_PD_PRIORITY_API_KEY when rendering,
+`router.priority_api_keys`, `router.admin_keys`; all are then taken out of the ConfigMap's
+copy), else from HETERO_PD_SECRET / HETERO_PD_API_KEY / HETERO_PD_PRIORITY_API_KEY /
+HETERO_PD_ADMIN_KEY when rendering,
 else the secret is generated (keep it by exporting HETERO_PD_SECRET before rendering again).
 With `kubernetes.existing_secret` the operator manages the Secret and none is rendered; it
 needs the same keys (`python -m hetero_pd.secrets` prints worker-key for $HETERO_PD_SECRET).
@@ -33,9 +36,9 @@ from hetero_pd.deploy.schema import Deployment
 from hetero_pd.secrets import WORKER_ENV, WorkerCredential
 
 SECRET_KEY, API_KEYS_KEY, PRIORITY_KEY = "secret", "api-keys", "priority-api-keys"
-WORKER_KEY = "worker-key"
+WORKER_KEY, ADMIN_KEY = "worker-key", "admin-keys"
 SECRET_ENV, API_KEYS_ENV = "HETERO_PD_SECRET", "HETERO_PD_API_KEY"
-PRIORITY_ENV = "HETERO_PD_PRIORITY_API_KEY"
+PRIORITY_ENV, ADMIN_ENV = "HETERO_PD_PRIORITY_API_KEY", "HETERO_PD_ADMIN_KEY"
 CHECKSUM_ANNOTATION = "hetero-pd/config-checksum"
 
 
@@ -47,6 +50,7 @@ class SecretValues:
     api_keys: tuple[str, ...]
     generated: bool = False  # the secret was made up now: render again with it exported
     priority_api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()
 
 
 def secret_name(dep: Deployment) -> str:
@@ -62,20 +66,23 @@ def secret_values(dep: Deployment, environ: Mapping[str, str] | None = None) -> 
     """The values of the rendered Secret (see the module docstring for where each is from)."""
     keys = api_keys(dep, environ)
     vip = dep.router.priority_api_keys or envs.priority_api_keys(environ)
+    ops = dep.router.admin_keys or envs.admin_keys(environ)
     secret = dep.transfer.secret or envs.deployment_secret(environ)
     if secret:
-        return SecretValues(secret, keys, priority_api_keys=vip)
-    return SecretValues(secrets.token_urlsafe(32), keys, generated=True, priority_api_keys=vip)
+        return SecretValues(secret, keys, priority_api_keys=vip, admin_keys=ops)
+    made = secrets.token_urlsafe(32)
+    return SecretValues(made, keys, generated=True, priority_api_keys=vip, admin_keys=ops)
 
 
 def config_text(dep: Deployment) -> str:
     """The file for the ConfigMap: as written, or without its secrets (which go to the Secret)."""
-    if not dep.transfer.secret and not dep.router.api_keys and not dep.router.priority_api_keys:
+    r = dep.router
+    if not (dep.transfer.secret or r.api_keys or r.priority_api_keys or r.admin_keys):
         return dep.text
     raw = yaml.safe_load(dep.text)
     raw.get("transfer", {}).pop("secret", None)
-    raw.get("router", {}).pop("api_keys", None)
-    raw.get("router", {}).pop("priority_api_keys", None)
+    for field in ("api_keys", "priority_api_keys", "admin_keys"):
+        raw.get("router", {}).pop(field, None)
     head = f"# {dep.source}, its secrets moved to the Secret {secret_name(dep)}\n"
     return head + yaml.safe_dump(raw, sort_keys=False)
 
@@ -91,7 +98,8 @@ def secret_manifest(dep: Deployment, values: SecretValues, meta: dict[str, Any])
             WORKER_KEY: WorkerCredential.of(values.secret.encode()).text(),
             API_KEYS_KEY: ",".join(values.api_keys),
         }
-        | ({PRIORITY_KEY: ",".join(values.priority_api_keys)} if values.priority_api_keys else {}),
+        | ({PRIORITY_KEY: ",".join(values.priority_api_keys)} if values.priority_api_keys else {})
+        | ({ADMIN_KEY: ",".join(values.admin_keys)} if values.admin_keys else {}),
     }
 
 
@@ -105,9 +113,10 @@ def secret_env(dep: Deployment, router: bool) -> list[dict[str, Any]]:
         {"name": env, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}
         for env, key in pairs
     ]
-    if router:  # optional: an operator's own Secret may give no key this right
-        ref = {"name": name, "key": PRIORITY_KEY, "optional": True}
-        env.append({"name": PRIORITY_ENV, "valueFrom": {"secretKeyRef": ref}})
+    if router:  # optional: an operator's own Secret may give no key these rights
+        for env_name, key in ((PRIORITY_ENV, PRIORITY_KEY), (ADMIN_ENV, ADMIN_KEY)):
+            ref = {"name": name, "key": key, "optional": True}
+            env.append({"name": env_name, "valueFrom": {"secretKeyRef": ref}})
     return env
 
 
@@ -116,7 +125,8 @@ def checksum(config: str, values: SecretValues | None) -> str:
     same values); keyed by the secret, so it tells nothing about the API keys."""
     if values is None:  # an existing Secret: its changes need `kubectl rollout restart`
         return hashlib.sha256(config.encode()).hexdigest()
-    body = f"{config}\0{','.join(values.api_keys)}\0{','.join(values.priority_api_keys)}".encode()
+    keys = (values.api_keys, values.priority_api_keys, values.admin_keys)
+    body = "\0".join([config, *(",".join(k) for k in keys)]).encode()
     return hmac.new(values.secret.encode(), body, hashlib.sha256).hexdigest()
 
 

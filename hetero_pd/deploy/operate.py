@@ -7,7 +7,8 @@ request, through its router's admin API (hetero_pd/serving/api/admin.py).
     hetero-pd restart --rolling CONFIG         every worker in turn: drain, stop, start
     hetero-pd restart --url URL decode-1       one worker
 
-The API key, when the deployment sets keys, comes from HETERO_PD_API_KEY.
+The key comes from HETERO_PD_ADMIN_KEY (router.admin_keys); a client's API key does not
+operate a deployment that has API keys.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def router_url(config: str | None, url: str | None, p: argparse.ArgumentParser) 
 
 def post(url: str, body: dict[str, Any], timeout_s: float) -> tuple[int, Any]:
     headers = {"Content-Type": "application/json"}
-    keys = envs.api_keys()
+    keys = envs.admin_keys()
     if keys:
         headers["Authorization"] = f"Bearer {keys[0]}"
     req = urllib.request.Request(url, json.dumps(body).encode(), headers)

@@ -119,6 +119,9 @@ class RouterSpec:
     api_keys: tuple[str, ...] = ()
     #: API keys whose requests may set `priority` (each also in api_keys); others get 400.
     priority_api_keys: tuple[str, ...] = ()
+    #: Keys that operate the deployment over HTTP (/admin/*: drain, migrate, restart). A
+    #: client's API key never does: with api_keys set and no admin_keys, /admin/* is off.
+    admin_keys: tuple[str, ...] = ()
     max_inflight: int = opt(256, lo=1, doc="completions in flight (prompts x n); above: 429")
     max_inflight_per_key: int = opt(
         0, lo=0, doc="completions in flight per API key; 0: max_inflight / number of keys"

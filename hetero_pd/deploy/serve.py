@@ -115,6 +115,7 @@ async def serve(
             dep.router.priority_api_keys,
             model_dir=Path(model_dir),
             write_timeout_s=dep.router.write_timeout_s,
+            admin_keys=dep.router.admin_keys,
             restart=launcher.restart_any if launcher is not None else None,
             remove=launcher.remove if launcher is not None else None,
         )
@@ -296,8 +297,12 @@ def load_target(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[D
         router = replace(router, port=args.port)
     keys = (*router.api_keys, *_flag_api_keys(p, args), *envs.api_keys())
     vip = (*router.priority_api_keys, *envs.priority_api_keys())
+    ops = (*router.admin_keys, *envs.admin_keys())
     router = replace(
-        router, api_keys=tuple(dict.fromkeys(keys)), priority_api_keys=tuple(dict.fromkeys(vip))
+        router,
+        api_keys=tuple(dict.fromkeys(keys)),
+        priority_api_keys=tuple(dict.fromkeys(vip)),
+        admin_keys=tuple(dict.fromkeys(ops)),
     )
     return replace(dep, router=router), name
 

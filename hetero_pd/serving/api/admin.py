@@ -1,5 +1,7 @@
-"""Operating a running deployment without ending a request (behind the API key when keys
-are set):
+"""Operating a running deployment without ending a request, for operators only: with
+router.admin_keys set, the request must carry one of them; with client API keys but no
+admin keys, these routes are refused (a client could otherwise drain every decode worker);
+with no keys at all (a local deployment, open like its API), anyone on its address may.
 
     POST /admin/drain    {"worker": "decode-0"}  move its decoding requests to the other
                                                  decode workers, keep new ones off it
@@ -47,9 +49,25 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/admin/remove", _remove)
 
 
+def admin_refusal(
+    given: str, api_keys: tuple[str, ...], admin_keys: tuple[str, ...]
+) -> errors.APIError | None:
+    """Why a request whose (checked) Bearer key is `given` may not use /admin/*; None: it may."""
+    if given in admin_keys or not (api_keys or admin_keys):
+        return None
+    why = "this key is a client's" if admin_keys else "this deployment sets no admin keys"
+    return errors.APIError(
+        403, f"/admin/* takes an operator's key from router.admin_keys ({why})",
+        "permission_error", None, "admin_key_required",
+    )  # fmt: skip
+
+
 async def _body(request: web.Request) -> AdminBody:
     state = state_of(request)
-    errors.check_api_key(request.headers, state.api_keys)
+    given = errors.check_api_key(request.headers, (*state.admin_keys, *state.api_keys))
+    refusal = admin_refusal(given, state.api_keys, state.admin_keys)
+    if refusal is not None:
+        raise refusal
     try:
         body = msgspec.json.decode(await request.read(), type=AdminBody)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:

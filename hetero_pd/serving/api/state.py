@@ -26,6 +26,8 @@ class ApiState:
     api_keys: tuple[str, ...] = ()
     #: The API keys whose requests may set `priority` (each one of api_keys).
     priority_keys: tuple[str, ...] = ()
+    #: The keys of /admin/* (router.admin_keys); a client's API key is not one.
+    admin_keys: tuple[str, ...] = ()
     #: The model folder (edge sessions in prompt_only mode check the device's split with it).
     model_dir: Path | None = None
     #: A streaming client that has not taken a chunk for this long is cut off (its request
