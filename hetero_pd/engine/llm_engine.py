@@ -23,6 +23,7 @@ from hetero_pd.engine.logprobs import adopt_remote_logprobs
 from hetero_pd.engine.model_runner import KVAllocator
 from hetero_pd.engine.output_builder import OutputBuilder
 from hetero_pd.engine.parallel_sampling import check_engine_params
+from hetero_pd.engine.pooling import embed
 from hetero_pd.engine.request import Request, RequestStatus
 from hetero_pd.engine.sampler import advance_generator
 from hetero_pd.engine.scheduler import Role, Scheduler, SchedulerConfig, SchedulerOutput
@@ -373,6 +374,10 @@ class LLMEngine(HiddenPrompts):
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+
+    def embed(self, inputs: list[list[int]]) -> torch.Tensor:
+        """Unit vectors of ``inputs`` (engine/pooling.py): no request, no KV kept."""
+        return embed(self.runner, inputs)
 
     def kv_tier_stats(self) -> KVTierStats | None:
         """Hits and bytes per KV tier and onload times; None without host/SSD tiers."""

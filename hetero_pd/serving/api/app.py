@@ -1,6 +1,7 @@
 """The OpenAI-compatible REST API (aiohttp) in front of the router.
 
-POST /v1/completions, POST /v1/chat/completions (streaming or not), GET /v1/models,
+POST /v1/completions, POST /v1/chat/completions (streaming or not), POST /v1/embeddings
+(`embeddings`), GET /v1/models,
 GET /health, GET /metrics, vLLM's GET /version, POST /tokenize and POST /detokenize (the
 last two, which spend tokenizer time, behind the API key when keys are set), and the edge
 sessions' WebSocket (GET /v1/edge/session, see `hetero_pd.serving.api.edge_session`; with
@@ -19,7 +20,7 @@ import msgspec
 from aiohttp import web
 
 from hetero_pd import __version__
-from hetero_pd.serving.api import admin, errors, generate, responses
+from hetero_pd.serving.api import admin, embeddings, errors, generate, responses
 from hetero_pd.serving.api import tokens as openai_tokenize
 from hetero_pd.serving.api.bodies import decode_body
 from hetero_pd.serving.api.edge_protocol import PATH as EDGE_PATH
@@ -44,6 +45,7 @@ def create_app(state: ApiState) -> web.Application:
     app[STATE] = state
     app.router.add_post("/v1/completions", generate.completions)
     app.router.add_post("/v1/chat/completions", generate.chat)
+    app.router.add_post("/v1/embeddings", embeddings.embeddings)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)

@@ -24,7 +24,7 @@ def tokenize(
     """The answer to a /tokenize body; ``max_chars`` (0: none) bounds the text, as for
     completions: longer text cannot be a prompt, so it is not worth tokenizer time."""
     b = json_object(body)
-    _check_model(b, model_names)
+    check_model(b, model_names)
     strs = bool(opt_bool(b, "return_token_strs"))
     if b.get("messages") is not None:
         messages = parse_messages(b["messages"])
@@ -60,7 +60,7 @@ def detokenize(tok: Any, body: Any, model_names: Sequence[str], max_ids: int) ->
     """The answer to a /detokenize body: the ids' text (special tokens kept, as vLLM);
     at most ``max_ids`` ids (the model's context: no request makes more)."""
     b = json_object(body)
-    _check_model(b, model_names)
+    check_model(b, model_names)
     ids = b.get("tokens")
     if not isinstance(ids, list):
         raise bad_request(f"'tokens' must be a list of token ids, got {show(ids)}", "tokens")
@@ -85,7 +85,7 @@ def too_many_ids(count: int, limit: int) -> APIError:
     )
 
 
-def _check_model(b: dict[str, Any], model_names: Sequence[str]) -> None:
+def check_model(b: dict[str, Any], model_names: Sequence[str]) -> None:
     model = b.get("model")
     if model is not None and model not in model_names:
         raise (

@@ -1,10 +1,10 @@
 """The control protocol between the router and its workers: every message a declared type.
 
     router --(Hello | Generate | Reserve | Prefill | Hidden | KvReady | KvFailed | Abort
-              | Check | Shutdown | SwitchRole | OfferPrefix | MigrateIn | MigrateOut
+              | Check | Shutdown | SwitchRole | OfferPrefix | Embed | MigrateIn | MigrateOut
               | MigrateResume | MigrateCancel)--> worker
     worker --(Ready | Heartbeat | Output | Reserved | KvFallback | PrefillDone | Error
-              | Integrity | Bye | PrefixOffered | MigrateReady | MigrateState | Migrated
+              | Integrity | Bye | PrefixOffered | Embedded | MigrateReady | MigrateState | Migrated
               | MigrateFailed)--> router
 
 (The Migrate* messages, a live migration's, are declared in migration.py.)
@@ -39,6 +39,7 @@ from hetero_pd.serving.control.sampling import (
 )
 from hetero_pd.serving.control.values import (
     MAX_FRAME_BYTES,
+    Blob,
     CachedBlocks,
     Count,
     EdgePrompt,
@@ -59,6 +60,8 @@ from hetero_pd.serving.control.values import (
 from transfer import RemoteBlocks
 
 VERSION: Literal[2] = 2
+#: Most inputs one Embed carries (OpenAI takes up to 2048 per request).
+MAX_EMBED_INPUTS = 2048
 
 
 _Msg = Envelope
@@ -157,7 +160,22 @@ class SwitchRole(_Msg, tag="switch_role", kw_only=True, frozen=True):
     role: Literal["prefill", "decode"]
 
 
+class Embed(_Msg, tag="embed", kw_only=True, frozen=True):
+    """Embeddings of ``inputs``: one forward pass over them, no KV kept (/v1/embeddings)."""
+
+    rid: Rid
+    inputs: Annotated[list[TokenIds], Meta(min_length=1, max_length=MAX_EMBED_INPUTS)]
+
+
 # -- worker -> router ------------------------------------------------------------------------
+class Embedded(_Msg, tag="embedded", kw_only=True, frozen=True):
+    """An ``Embed``'s vectors: ``len(inputs)`` rows of ``dim`` float32, little-endian."""
+
+    rid: Rid
+    dim: Annotated[int, Meta(ge=1, le=2**20)]
+    vectors: Blob
+
+
 class Ready(_Msg, tag="ready", kw_only=True, frozen=True):
     worker: Name
     role: Role
@@ -263,6 +281,7 @@ ToWorker = (
     | Shutdown
     | SwitchRole
     | OfferPrefix
+    | Embed
     | M.MigrateIn
     | M.MigrateResume
     | M.MigrateOut
@@ -279,6 +298,7 @@ ToRouter = (
     | Integrity
     | Bye
     | PrefixOffered
+    | Embedded
     | M.MigrateReady
     | M.MigrateState
     | M.Migrated

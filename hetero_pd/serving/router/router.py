@@ -295,6 +295,34 @@ class Router:
                 if not finished:
                     w.try_send(P.Abort(rid=rid))
 
+    async def embed(self, rid: str, inputs: list[list[int]]) -> tuple[int, bytes]:
+        """(dim, float32 rows) of `inputs`' embeddings, computed by the least loaded
+        whole-model worker that computes prompts (a prefill worker, else a colocated one)."""
+        workers = self.live("prefill", split_layer=0) or self.live("both", split_layer=0)
+        if not workers:
+            raise RouterError(503, "no whole-model prefill or colocated worker is alive",
+                              "no_workers", 2.0)  # fmt: skip
+        worker = min(workers, key=lambda w: w.load_score)
+        queue: Inbox = asyncio.Queue()
+        self.queues[rid] = queue
+        worker.inflight.add(rid)
+        try:
+            worker.send(P.Embed(rid=rid, inputs=inputs))
+            while True:
+                wid, msg = await next_message(queue, self.cfg.prefill_timeout_s, rid)
+                match msg:
+                    case P.Embedded() if wid == worker.id:
+                        return msg.dim, msg.vectors
+                    case P.Error() if wid == worker.id:
+                        raise worker_error(msg)
+                    case WorkerGone() if wid == worker.id:
+                        raise RouterError(503, f"worker {wid} died mid-request", "worker_died")
+        except WorkerUnreachable as e:
+            raise RouterError(503, str(e), "worker_unreachable", 2.0) from None
+        finally:
+            self.queues.pop(rid, None)
+            worker.inflight.discard(rid)
+
     def supply_hidden(self, rid: str, frame: V.HiddenFrame) -> None:
         """Forwards an edge device's hidden state for split request `rid`'s newest token."""
         decode = self._decoder.get(rid)

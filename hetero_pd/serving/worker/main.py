@@ -208,6 +208,8 @@ class Worker:
                     self.control.send(ident, P.PrefixOffered(rid=msg.rid))
                 else:
                     self.control.send(ident, offer_prefix(self.engine.kv, self.transfer, msg))
+            case P.Embed():
+                self.control.send(ident, self._embed(msg))
             case P.Hidden():
                 self.book.hidden(ident, msg)
             case P.KvReady():
@@ -239,6 +241,15 @@ class Worker:
             case P.Shutdown(drain=drain):
                 self.draining = True
                 self.stopped = not drain
+
+    def _embed(self, msg: P.Embed) -> P.Embedded | P.Error:
+        try:
+            vectors = self.engine.embed(msg.inputs)
+        except ValueError as e:
+            return P.Error(rid=msg.rid, code=V.ErrorCode.BAD_REQUEST, message=str(e))
+        return P.Embedded(
+            rid=msg.rid, dim=vectors.shape[1], vectors=vectors.numpy().astype("<f4").tobytes()
+        )
 
     def _switch_role(self, role: Role) -> None:
         """Drained (nothing in flight): now serve as `role`, and say so with a new Ready."""
