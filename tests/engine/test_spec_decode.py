@@ -167,3 +167,29 @@ def test_the_default_model_copies_a_text_with_accepted_runs(default_model_dir: P
     assert _tokens(spec.chat(messages, params)) == _tokens(plain.chat(messages, params))
     assert spec.engine.speculator is not None
     assert spec.engine.speculator.stats.mean_acceptance_length > 2
+
+
+def test_a_request_whose_proposals_keep_failing_stops_proposing_for_a_while() -> None:
+    from hetero_pd.engine.request import Request
+    from hetero_pd.engine.scheduler import ScheduledChunk, SchedulerOutput
+    from hetero_pd.engine.spec import speculator as S
+
+    sp = S.Speculator(SpeculativeConfig(2, prompt_lookup_min=1), max_model_len=1000)
+    req = Request("r", [1, 2, 3, 1, 2, 3, 1], SamplingParams(max_tokens=500))
+    req.num_computed_tokens = req.num_tokens - 1
+
+    def step(accepted: int) -> bool:
+        """One step; whether the request had proposals (verified with `accepted` kept)."""
+        sp.propose([req])
+        if not req.spec_token_ids:
+            return False
+        chunk = ScheduledChunk(req, 1 + len(req.spec_token_ids), len(req.spec_token_ids))
+        sp.observe(SchedulerOutput([chunk]), {"r": [0] * (1 + accepted)})
+        return True
+
+    assert [step(0) for _ in range(S.MISSES_BEFORE_BACKOFF)] == [True] * 3
+    skipped = [step(0) for _ in range(S.BACKOFF_STEPS + 1)]
+    assert skipped == [False] * S.BACKOFF_STEPS + [True]  # then one more miss: paused longer
+    assert [step(1) for _ in range(2 * S.BACKOFF_STEPS)] == [False] * 8
+    assert step(1) and step(0) and step(0)  # an accepted run resets the count
+    assert sp.stats.num_drafts == 7
