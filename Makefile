@@ -29,10 +29,14 @@ generate: setup
 # files sharing a session's stack together: tests/conftest.py SHARED_STACK_FILES), the
 # 20 slowest tests listed with their time. Tests marked `dtype` run once with `dtype: auto`
 # forced to each of float32 and bfloat16 (tests/conftest.py `auto_dtype`).
+# Bytecode is cached under .venv even where the environment says not to write it
+# (PYTHONDONTWRITEBYTECODE): each test process and each worker process a test starts would
+# otherwise compile our sources and re-rewrite every test module's asserts again.
 TEST_JOBS ?= 2
 test: setup
 	$(VENV)/bin/hetero-pd fetch-model smollm2-135m-instruct
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=20
+	PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=$(abspath $(VENV))/pycache \
+		$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=20
 
 lint: setup
 	$(VENV)/bin/ruff check .
