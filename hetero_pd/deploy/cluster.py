@@ -55,8 +55,8 @@ def pod_worker_config(
 ) -> WorkerConfig:
     """The config of worker `<role>-<n>` of `dep` in its own pod, bound to `host` (its pod's
     IP) on the ports derived from `kubernetes.base_port`."""
-    wid = k8s.worker_id_of_pod(dep, pod_or_worker_id)
-    role, _, n = wid.rpartition("-")
+    worker_id = k8s.worker_id_of_pod(dep, pod_or_worker_id)
+    role, _, n = worker_id.rpartition("-")
     if role not in ("prefill", "decode", "both") or not n.isdigit():
         raise ValueError(f"--worker-id {pod_or_worker_id!r} is not <role>-<n> (or its pod name)")
     kind = role_device_kind(dep, role)
@@ -65,7 +65,7 @@ def pod_worker_config(
     return worker_config(
         dep,
         WorkerInstance(
-            wid,
+            worker_id,
             role,
             device,
             tensor_parallel_size=k8s.role_tensor_parallel_size(dep, role),
@@ -76,7 +76,7 @@ def pod_worker_config(
         port=base,
         transfer_port=base + 1,
         data_port=base + 2,
-        advertise_host=k8s.pod_host(dep, wid),
+        advertise_host=k8s.pod_host(dep, worker_id),
         alive_file=alive_file,
     )
 
@@ -102,9 +102,9 @@ class StatefulSetDNS:
         for role in self.roles:
             n, misses = 0, 0
             while misses <= LOOKAHEAD and n < 256:
-                wid = f"{role}-{n}"
-                if await _resolves(k8s.pod_host(self.dep, wid)):
-                    found[wid] = k8s.worker_address(self.dep, wid)
+                worker_id = f"{role}-{n}"
+                if await _resolves(k8s.pod_host(self.dep, worker_id)):
+                    found[worker_id] = k8s.worker_address(self.dep, worker_id)
                     misses = 0
                 else:
                     misses += 1
@@ -129,17 +129,19 @@ async def watch_workers(router: Router, discover: Discover, interval_s: float) -
     try:
         while True:
             found = await discover()
-            for wid, address in found.items():
-                missing.pop(wid, None)
-                if wid not in tasks:
-                    log.info("found worker %s at %s", wid, address)
-                    tasks[wid] = asyncio.create_task(keep_connected(router, wid, address))
-            for wid in [w for w in tasks if w not in found]:
-                missing[wid] = missing.get(wid, 0) + 1
-                if missing[wid] >= GONE_AFTER:
-                    log.info("worker %s is gone (its name no longer resolves)", wid)
-                    tasks.pop(wid).cancel()
-                    router.mark_dead(wid)
+            for worker_id, address in found.items():
+                missing.pop(worker_id, None)
+                if worker_id not in tasks:
+                    log.info("found worker %s at %s", worker_id, address)
+                    tasks[worker_id] = asyncio.create_task(
+                        keep_connected(router, worker_id, address)
+                    )
+            for worker_id in [w for w in tasks if w not in found]:
+                missing[worker_id] = missing.get(worker_id, 0) + 1
+                if missing[worker_id] >= GONE_AFTER:
+                    log.info("worker %s is gone (its name no longer resolves)", worker_id)
+                    tasks.pop(worker_id).cancel()
+                    router.mark_dead(worker_id)
             await asyncio.sleep(interval_s)
     finally:
         for task in tasks.values():

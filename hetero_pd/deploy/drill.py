@@ -184,8 +184,8 @@ def k8s_cluster(spec: DrillSpec, dns: dict[str, str] | None = None) -> Cluster:
             _pod_start(cluster, f"{NAME}-router", f"{NAME}-router-0", "router"),
         )
         ids = spec.worker_ids()
-        for wid in ids:
-            add_worker(cluster, wid, dns)
+        for worker_id in ids:
+            add_worker(cluster, worker_id, dns)
         cluster.run("router")
         cluster.wait_workers(set(ids))
         return cluster
@@ -195,19 +195,19 @@ def k8s_cluster(spec: DrillSpec, dns: dict[str, str] | None = None) -> Cluster:
         raise
 
 
-def add_worker(cluster: Cluster, wid: str, dns: dict[str, str] | None = None) -> None:
-    """A new host for worker `wid`'s pod, its DNS record (as the headless Service publishes
+def add_worker(cluster: Cluster, worker_id: str, dns: dict[str, str] | None = None) -> None:
+    """A new host for worker `worker_id`'s pod, its DNS record (as the headless Service publishes
     it) and the pod started: what `kubectl scale` does. `dns` (worker id -> host) points
     a worker's name at another host, to break the deployment on purpose."""
     lab, dep = cluster.lab, cluster.dep
-    lab.add_host(wid)
-    lab.dns[k8s.pod_host(dep, wid)] = lab.hosts[(dns or {}).get(wid, wid)].address
+    lab.add_host(worker_id)
+    lab.dns[k8s.pod_host(dep, worker_id)] = lab.hosts[(dns or {}).get(worker_id, worker_id)].address
     lab.write_hosts()
-    role = wid.rsplit("-", 1)[0]
-    pod = k8s.pod_name(dep, wid)
-    start = _pod_start(cluster, k8s.service_name(dep, role), pod, wid)
-    cluster.pods[wid] = Pod(pod, wid, start)
-    cluster.run(wid)
+    role = worker_id.rsplit("-", 1)[0]
+    pod = k8s.pod_name(dep, worker_id)
+    start = _pod_start(cluster, k8s.service_name(dep, role), pod, worker_id)
+    cluster.pods[worker_id] = Pod(pod, worker_id, start)
+    cluster.run(worker_id)
 
 
 def bare_metal_cluster(spec: DrillSpec) -> Cluster:

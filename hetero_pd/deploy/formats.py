@@ -43,9 +43,9 @@ def worker_format(dep: Deployment, worker_id: str, role: str) -> KVFormat:
     if worker_id in formats:
         return formats[worker_id]
     roles = [spec.role for spec in dep.workers for _ in range(spec.count)]
-    for worker_role, wid in zip(roles, worker_ids(dep.workers), strict=True):
+    for worker_role, listed in zip(roles, worker_ids(dep.workers), strict=True):
         if worker_role == role:
-            return formats[wid]
+            return formats[listed]
     return KVFormat(dep.engine.dtype or dep.dtype, dep.engine.kv_layout)
 
 
@@ -53,9 +53,9 @@ def role_dtype(dep: Deployment, role: str) -> str:
     """The dtype of the first worker that runs `role` ("prefill" or "decode")."""
     formats = worker_formats(dep)
     roles = [spec.role for spec in dep.workers for _ in range(spec.count)]
-    for worker_role, wid in zip(roles, worker_ids(dep.workers), strict=True):
+    for worker_role, worker_id in zip(roles, worker_ids(dep.workers), strict=True):
         if worker_role in (role, "both"):
-            return formats[wid].dtype
+            return formats[worker_id].dtype
     default = dep.engine.dtype or dep.dtype
     if dep.pd is not None:  # automatic counts: no workers yet
         return str(getattr(dep.pd, f"{role}_dtype")) or default

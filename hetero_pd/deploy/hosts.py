@@ -125,7 +125,7 @@ class HostWorkers:
         self.pumps: dict[str, asyncio.Task[None]] = {}
 
     async def start(self) -> None:
-        await asyncio.gather(*(self.respawn(wid) for wid in self.configs))
+        await asyncio.gather(*(self.respawn(worker_id) for worker_id in self.configs))
 
     def pid(self, worker_id: str) -> int | None:
         return self.procs[worker_id].pid

@@ -164,7 +164,7 @@ class Launcher:
 
     async def _connect(self, wp: WorkerProcess) -> None:
         assert wp.proc.stdout is not None
-        wid = wp.config.worker_id
+        worker_id = wp.config.worker_id
 
         async def ready_line() -> str:
             assert wp.proc.stdout is not None
@@ -172,7 +172,7 @@ class Launcher:
                 line = (await wp.proc.stdout.readline()).decode()
                 if not line:
                     raise RuntimeError(
-                        f"worker {wid} exited with code {await wp.proc.wait()} before it was "
+                        f"worker {worker_id} exited with code {await wp.proc.wait()} before it was "
                         "ready (its log is above)"
                     )
                 if line.startswith(READY_LINE):
@@ -181,8 +181,10 @@ class Launcher:
         line = await asyncio.wait_for(ready_line(), self.ready_timeout_s)
         wp.address = ready_address(line)
         wp.pump = asyncio.create_task(self._pump(wp))
-        await self.router.add_worker(wid, wp.address)  # replaces a previous client
-        log.info("worker %s (%s) ready at %s, pid %s", wid, wp.config.role, wp.address, wp.proc.pid)
+        await self.router.add_worker(worker_id, wp.address)  # replaces a previous client
+        log.info(
+            "worker %s (%s) ready at %s, pid %s", worker_id, wp.config.role, wp.address, wp.proc.pid
+        )
 
     async def _pump(self, wp: WorkerProcess) -> None:
         """Keeps reading a worker's stdout so its pipe never fills."""
@@ -266,7 +268,7 @@ class Launcher:
 
     async def rolling_restart(self, timeout_s: float = 300.0) -> list[dict[str, Any]]:
         """Restarts every worker, one at a time (`restart`)."""
-        return [await self.restart(wid, timeout_s) for wid in list(self.procs)]
+        return [await self.restart(worker_id, timeout_s) for worker_id in list(self.procs)]
 
     async def restart_any(self, worker_id: str | None, timeout_s: float) -> Any:
         """`restart(worker_id)`, or with None `rolling_restart` (the admin API's)."""
@@ -275,7 +277,7 @@ class Launcher:
         return await self.restart(worker_id, timeout_s)
 
     def pids(self) -> dict[str, int]:
-        return {wid: wp.proc.pid for wid, wp in self.procs.items()}
+        return {worker_id: wp.proc.pid for worker_id, wp in self.procs.items()}
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops supervising, SIGTERMs every worker (they drain), SIGKILLs any left after

@@ -29,7 +29,7 @@ def fetch_health(url: str, timeout_s: float = 5.0) -> tuple[int, dict[str, Any]]
 def format_status(body: dict[str, Any]) -> str:
     """The worker table of a /health body."""
     rows = [COLUMNS]
-    for wid, w in sorted(body.get("workers", {}).items()):
+    for worker_id, w in sorted(body.get("workers", {}).items()):
         load = w.get("load", {})
         state = w.get("state", "")
         if w.get("alive"):
@@ -40,7 +40,7 @@ def format_status(body: dict[str, Any]) -> str:
         kv = load.get("kv_usage")
         rows.append(
             (
-                wid,
+                worker_id,
                 str(w.get("role", "?")),
                 str(w.get("device", "?")),
                 health,

@@ -100,9 +100,13 @@ class Supervisor:
 
     def watch(self, worker_ids: list[str]) -> None:
         """Starts supervising these (running) workers."""
-        for wid in worker_ids:
-            self.states[wid] = {"state": "running", "restarts": 0, "pid": self.procs.pid(wid)}
-            self._tasks[wid] = asyncio.create_task(self._supervise(wid))
+        for worker_id in worker_ids:
+            self.states[worker_id] = {
+                "state": "running",
+                "restarts": 0,
+                "pid": self.procs.pid(worker_id),
+            }
+            self._tasks[worker_id] = asyncio.create_task(self._supervise(worker_id))
         self._tasks["<hangs>"] = asyncio.create_task(self._watch_hangs())
 
     async def _watch_hangs(self) -> None:
@@ -111,47 +115,49 @@ class Supervisor:
         limit = self.policy.spec.hang_timeout_s
         while True:
             await asyncio.sleep(limit / 4)
-            for wid, state in self.states.items():
-                silent = self.router.silent_for(wid)
-                pid = self.procs.pid(wid)
+            for worker_id, state in self.states.items():
+                silent = self.router.silent_for(worker_id)
+                pid = self.procs.pid(worker_id)
                 if state["state"] != "running" or silent is None or silent < limit or not pid:
                     continue
-                log.error("worker %s (pid %s) silent for %.1f s; killing it", wid, pid, silent)
+                log.error(
+                    "worker %s (pid %s) silent for %.1f s; killing it", worker_id, pid, silent
+                )
                 state["state"] = "hung"
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
 
-    async def _supervise(self, wid: str) -> None:
-        state = self.states[wid]
+    async def _supervise(self, worker_id: str) -> None:
+        state = self.states[worker_id]
         while True:
-            code = await self.procs.wait(wid)
+            code = await self.procs.wait(worker_id)
             if self._stopping:
                 return
-            self.router.mark_dead(wid)
-            if wid in self._removing:
+            self.router.mark_dead(worker_id)
+            if worker_id in self._removing:
                 state["state"] = "removed"
-                log.info("worker %s removed (code %s)", wid, code)
+                log.info("worker %s removed (code %s)", worker_id, code)
                 return
-            planned = wid in self._planned
-            self._planned.discard(wid)
-            delay = 0.0 if planned else self.policy.delay(wid, self.clock())
+            planned = worker_id in self._planned
+            self._planned.discard(worker_id)
+            delay = 0.0 if planned else self.policy.delay(worker_id, self.clock())
             if delay is None:
                 state["state"] = "down"
-                log.error("worker %s exited (code %s); not restarting it", wid, code)
+                log.error("worker %s exited (code %s); not restarting it", worker_id, code)
                 return
             state["state"] = f"restarting (exit code {code})"
-            log.warning("worker %s exited (code %s); restarting in %.1f s", wid, code, delay)
+            log.warning("worker %s exited (code %s); restarting in %.1f s", worker_id, code, delay)
             await asyncio.sleep(delay)
             if not planned:
-                self.policy.record(wid, self.clock())
+                self.policy.record(worker_id, self.clock())
             state["restarts"] += 1
             try:
-                await self.procs.respawn(wid)
+                await self.procs.respawn(worker_id)
             except (RuntimeError, TimeoutError, OSError) as e:
-                log.error("worker %s failed to restart: %s", wid, e)
+                log.error("worker %s failed to restart: %s", worker_id, e)
                 continue  # its process has exited: the next wait() returns at once
-            state.update(state="running", pid=self.procs.pid(wid))
-            log.info("worker %s is back (pid %s)", wid, state["pid"])
+            state.update(state="running", pid=self.procs.pid(worker_id))
+            log.info("worker %s is back (pid %s)", worker_id, state["pid"])
 
     async def stop(self) -> None:
         """Stop supervising (the processes are stopped by their launcher afterwards)."""

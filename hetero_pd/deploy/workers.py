@@ -245,9 +245,9 @@ def check_faults(raw: Any, ids: list[str], src: Source) -> dict[str, tuple[dict[
         src.error("transfer.faults", "transfer.faults must map worker ids to lists of rules")
         return {}
     out = {}
-    for wid, rules in raw.items():
-        key = f"transfer.faults.{wid}"
-        if wid not in ids:
+    for worker_id, rules in raw.items():
+        key = f"transfer.faults.{worker_id}"
+        if worker_id not in ids:
             src.error(key, f"no such worker; the workers are {', '.join(ids)}")
             continue
         if not isinstance(rules, list) or not all(isinstance(r, dict) for r in rules):
@@ -258,5 +258,5 @@ def check_faults(raw: Any, ids: list[str], src: Source) -> dict[str, tuple[dict[
                 FaultRule(**rule)
             except (TypeError, ValueError) as e:
                 src.error(key, str(e))
-        out[str(wid)] = tuple(dict(r) for r in rules)
+        out[str(worker_id)] = tuple(dict(r) for r in rules)
     return out

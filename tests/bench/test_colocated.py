@@ -190,7 +190,7 @@ def test_both_workers_take_requests(served: Served) -> None:
     seen: set[str] = set()
     while any(t.is_alive() for t in threads) and len(seen) < 2:
         health = served.health()["workers"]
-        seen |= {wid for wid, w in health.items() if w["load"].get("running", 0) > 0}
+        seen |= {worker_id for worker_id, w in health.items() if w["load"].get("running", 0) > 0}
         time.sleep(0.05)
     for t in threads:
         t.join(timeout=120)

@@ -35,7 +35,7 @@ def test_workers_list_sets_dtype_and_layout_per_group(
     write_yaml: Callable[[str], Path], tiny_llama_dir: Path
 ) -> None:
     dep = load_deployment(_workers(write_yaml, tiny_llama_dir))
-    formats = {wid: (f.dtype, f.kv_layout) for wid, f in worker_formats(dep).items()}
+    formats = {worker_id: (f.dtype, f.kv_layout) for worker_id, f in worker_formats(dep).items()}
     assert formats == {
         "prefill-0": ("bfloat16", "fractal_nz"),
         "decode-0": ("float32", "auto"),

@@ -72,13 +72,13 @@ def test_an_outsider_is_neither_answered_nor_obeyed(stack: Stack) -> None:
     assert stack.router is not None
     workers = {w.id: w.address for w in stack.router.workers.values()}
     start = time.monotonic()
-    before = {wid: heartbeat_after(stack, wid, start) for wid in workers}
+    before = {worker_id: heartbeat_after(stack, worker_id, start) for worker_id in workers}
     wrong = RouterKeys.from_secret(secrets.generate().encode())
     ctx = zmq.Context()
     answered: dict[str, list[bytes]] = {}
     try:
         socks = []
-        for wid, address in workers.items():
+        for worker_id, address in workers.items():
             bare = ctx.socket(zmq.DEALER)  # no CURVE at all
             forged = ctx.socket(zmq.DEALER)  # CURVE with keys from another secret
             secure_client(forged, wrong)
@@ -90,21 +90,21 @@ def test_an_outsider_is_neither_answered_nor_obeyed(stack: Stack) -> None:
                         sock.send(frame, zmq.NOBLOCK)
                     except zmq.Again:
                         break  # the worker already refused the handshake: no pipe is left
-                socks.append((wid, sock))
+                socks.append((worker_id, sock))
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
-            for wid, sock in socks:
+            for worker_id, sock in socks:
                 if sock.poll(10):
-                    answered.setdefault(wid, []).append(sock.recv())
+                    answered.setdefault(worker_id, []).append(sock.recv())
     finally:
         ctx.destroy(linger=0)
     assert answered == {}
     now = time.monotonic()
-    for wid in workers:
-        load = heartbeat_after(stack, wid, now)
-        assert load.frames_rejected >= before[wid].frames_rejected + 2, (wid, load)
-        assert load.free_blocks == before[wid].free_blocks, (wid, load)
-        assert load.waiting == load.running == load.remote == 0, (wid, load)
+    for worker_id in workers:
+        load = heartbeat_after(stack, worker_id, now)
+        assert load.frames_rejected >= before[worker_id].frames_rejected + 2, (worker_id, load)
+        assert load.free_blocks == before[worker_id].free_blocks, (worker_id, load)
+        assert load.waiting == load.running == load.remote == 0, (worker_id, load)
     rejected = stack.metric(
         "hetero_pd_worker_control_frames_rejected", worker="decode-0", role="decode"
     )

@@ -101,7 +101,7 @@ def control_seeds(rng: random.Random) -> list[bytes]:
 def test_fuzz_the_worker_control_endpoint(stack: Stack) -> None:
     assert stack.router is not None and stack.launcher is not None
     pids = dict(stack.launcher.pids())
-    before = {wid: rss_bytes(pid) for wid, pid in pids.items()}
+    before = {worker_id: rss_bytes(pid) for worker_id, pid in pids.items()}
     rng = random.Random(20261201)
     ctx = zmq.Context()
     try:
@@ -119,8 +119,8 @@ def test_fuzz_the_worker_control_endpoint(stack: Stack) -> None:
         ctx.term()
     assert stack.launcher.pids() == pids
     stack.wait_idle(timeout_s=60)
-    for wid, pid in pids.items():
-        assert rss_bytes(pid) - before[wid] < 256 * 2**20, wid
+    for worker_id, pid in pids.items():
+        assert rss_bytes(pid) - before[worker_id] < 256 * 2**20, worker_id
     assert all(w.alive for w in stack.router.workers.values())
 
 

@@ -21,7 +21,7 @@ DECISIONS = "hetero_pd_policy_decisions_total"
 
 
 def worker(
-    wid: str, backlog: int = 0, running: int = 0, kv: float = 0.0, holds: list[int] = ()
+    worker_id: str, backlog: int = 0, running: int = 0, kv: float = 0.0, holds: list[int] = ()
 ) -> Any:
     """A worker as the chooser sees it: an id, a load report, the router's counts and the
     prefix blocks it reported (the full blocks of `holds`, block size 4)."""
@@ -29,7 +29,7 @@ def worker(
     held = HeldBlocks()
     held.report(V.CachedBlocks.of(1, prompt_block_hashes(list(holds), 4)))
     return SimpleNamespace(
-        id=wid,
+        id=worker_id,
         load=load,
         info=V.WorkerInfo(block_size=4, num_blocks=100),
         held=held,

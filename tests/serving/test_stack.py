@@ -269,8 +269,8 @@ def test_models_health_metrics(stack: Stack, client: openai.OpenAI) -> None:
         "hetero_pd_kv_transfer_seconds_bucket",
     ):
         assert f"\n{name}" in text, name
-    for wid, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
-        assert stack.metric("hetero_pd_worker_up", worker=wid, role=role) == 1.0
+    for worker_id, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        assert stack.metric("hetero_pd_worker_up", worker=worker_id, role=role) == 1.0
     assert stack.metric("hetero_pd_time_to_first_token_seconds_count") >= 1
     assert stack.metric(REQUESTS, outcome="length") >= 1
 

@@ -282,11 +282,11 @@ class Handoff:
             self._send(decode, reserve)
             while True:
                 left = max(deadline - time.monotonic(), 0.01)
-                wid, msg = await next_message(self.queue, left, self.rid)
-                if wid != decode.id:
+                worker_id, msg = await next_message(self.queue, left, self.rid)
+                if worker_id != decode.id:
                     continue
                 if isinstance(msg, WorkerGone):
-                    raise RouterError(503, f"decode worker {wid} died", "worker_died")
+                    raise RouterError(503, f"decode worker {worker_id} died", "worker_died")
                 if isinstance(msg, P.Reserved):
                     return msg.blocks, self._check_cached(msg, reuse, block_size)
                 if isinstance(msg, P.Error):
@@ -356,23 +356,23 @@ class Handoff:
             try:
                 if left <= 0:
                     raise TimeoutError
-                wid, msg = await get_within(self.queue, left)
+                worker_id, msg = await get_within(self.queue, left)
             except TimeoutError:
                 return PrefillFailed("TIMEOUT", "no prefill result")
-            if wid == decode.id:
+            if worker_id == decode.id:
                 match msg:
                     case WorkerGone():
-                        raise RouterError(503, f"decode worker {wid} died", "worker_died")
+                        raise RouterError(503, f"decode worker {worker_id} died", "worker_died")
                     case P.Error():
                         raise worker_error(msg)
                     case P.Output():
                         return DecodeAnswered(msg)
                 continue
-            if wid != prefill.id:
+            if worker_id != prefill.id:
                 continue
             match msg:
                 case WorkerGone():
-                    return PrefillFailed("WORKER_DIED", f"prefill worker {wid} died")
+                    return PrefillFailed("WORKER_DIED", f"prefill worker {worker_id} died")
                 case P.Error():
                     if msg.code in (V.ErrorCode.BAD_REQUEST, V.ErrorCode.REQUEST_FAILED):
                         raise worker_error(msg)  # the request itself: no other worker helps

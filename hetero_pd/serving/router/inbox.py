@@ -39,13 +39,13 @@ async def answer_from(queue: Inbox, worker_id: str, kind: type[T], timeout_s: fl
     try:
         while reply is None and (left := deadline - time.monotonic()) > 0:
             try:
-                wid, msg = await get_within(queue, left)
+                sender, msg = await get_within(queue, left)
             except TimeoutError:
                 break
-            if wid == worker_id and isinstance(msg, kind):
+            if sender == worker_id and isinstance(msg, kind):
                 reply = msg
             else:
-                others.append((wid, msg))
+                others.append((sender, msg))
     finally:
         for item in others:
             queue.put_nowait(item)

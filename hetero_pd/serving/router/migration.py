@@ -221,17 +221,17 @@ class Migrator:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                wid, msg = await get_within(inbox, max(deadline - time.monotonic(), 0.001))
+                worker_id, msg = await get_within(inbox, max(deadline - time.monotonic(), 0.001))
             except TimeoutError:
                 return f"no answer in {self.timeout_s}s"
-            if wid not in workers:
+            if worker_id not in workers:
                 continue
             if isinstance(msg, wanted):
                 return msg
             if isinstance(msg, WorkerGone):
-                return f"worker {wid} died"
+                return f"worker {worker_id} died"
             if isinstance(msg, M.MigrateFailed):
-                return f"{wid} refused: {msg.message}"
+                return f"{worker_id} refused: {msg.message}"
 
     async def drain(self, worker_id: str, timeout_s: float = 300.0) -> list[Migration]:
         """Moves every request decoding on `worker_id` to other workers and keeps new ones

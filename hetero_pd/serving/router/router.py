@@ -253,28 +253,28 @@ class Router:
             expected = 0
             while True:
                 if early is not None:
-                    wid, msg, early = decode.id, early, None
+                    worker_id, msg, early = decode.id, early, None
                 else:
-                    wid, msg = await next_message(queue, self.cfg.token_timeout_s, rid)
-                if isinstance(msg, M.Migrated) and stream.switch(wid):
+                    worker_id, msg = await next_message(queue, self.cfg.token_timeout_s, rid)
+                if isinstance(msg, M.Migrated) and stream.switch(worker_id):
                     decode = stream.decode  # its outputs follow on the same socket
-                if wid != decode.id:
+                if worker_id != decode.id:
                     continue
                 match msg:
                     case WorkerGone() if stream.handing_over:
                         pass  # the request is paused there, its state on the way to dest
                     case WorkerGone():
                         raise RouterError(
-                            503, f"decode worker {wid} died mid-request", "worker_died"
+                            503, f"decode worker {worker_id} died mid-request", "worker_died"
                         )
                     case P.Error():
                         raise worker_error(msg)
                     case P.KvFallback():
-                        log.warning("request %s: %s computes the prompt itself", rid, wid)
+                        log.warning("request %s: %s computes the prompt itself", rid, worker_id)
                         self.metrics.decision("recompute")
                     case P.Output():
                         flow.prompt_done()
-                        check_output(rid, wid, msg, expected, params.n)
+                        check_output(rid, worker_id, msg, expected, params.n)
                         expected += 1
                         stream.decoding, stream.tokens = True, msg.completion_tokens
                         if msg.finish_reason is not None:
@@ -309,14 +309,16 @@ class Router:
         try:
             worker.send(P.Embed(rid=rid, inputs=inputs))
             while True:
-                wid, msg = await next_message(queue, self.cfg.prefill_timeout_s, rid)
+                worker_id, msg = await next_message(queue, self.cfg.prefill_timeout_s, rid)
                 match msg:
-                    case P.Embedded() if wid == worker.id:
+                    case P.Embedded() if worker_id == worker.id:
                         return msg.dim, msg.vectors
-                    case P.Error() if wid == worker.id:
+                    case P.Error() if worker_id == worker.id:
                         raise worker_error(msg)
-                    case WorkerGone() if wid == worker.id:
-                        raise RouterError(503, f"worker {wid} died mid-request", "worker_died")
+                    case WorkerGone() if worker_id == worker.id:
+                        raise RouterError(
+                            503, f"worker {worker_id} died mid-request", "worker_died"
+                        )
         except WorkerUnreachable as e:
             raise RouterError(503, str(e), "worker_unreachable", 2.0) from None
         finally:
@@ -334,16 +336,18 @@ class Router:
             raise RouterError(503, str(e), "worker_unreachable", 2.0) from None
 
 
-def check_output(rid: str, wid: str, msg: P.Output, expected: int, n: int) -> None:
+def check_output(rid: str, worker_id: str, msg: P.Output, expected: int, n: int) -> None:
     """An output must be the next of its request (none lost) and of one of its completions."""
     if msg.seq != expected:
         raise RouterError(
             502,
-            f"request {rid}: output {expected} from {wid} was lost (got output {msg.seq}); "
+            f"request {rid}: output {expected} from {worker_id} was lost (got output {msg.seq}); "
             "refusing to return an incomplete answer",
             "lost_output",
         )
     if msg.index >= n:
         raise RouterError(
-            502, f"request {rid}: {wid} answered for completion {msg.index} of {n}", "bad_output"
+            502,
+            f"request {rid}: {worker_id} answered for completion {msg.index} of {n}",
+            "bad_output",
         )
