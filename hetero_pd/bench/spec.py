@@ -1,8 +1,8 @@
 """`hetero-pd bench spec`: speculative decoding (ngram) against plain decoding, side by side.
 
 Two engines of one model in this process, one plain and one with `speculative_config`,
-run the same greedy requests in alternating rounds (so background load falls on both
-alike), on two workloads:
+run the same requests, `--concurrency` at a time, the two engines taking turns group by
+group (so background load drifts fall on both alike), on these workloads:
 
 - copy-heavy: chat prompts that ask to repeat or lightly edit a paragraph given in the
   prompt, where prompt lookup finds most of the output;
@@ -65,36 +65,34 @@ def copy_prompts(llm: LLM, n: int) -> list[list[int]]:
 
 
 def run_batch(
-    side: Side, prompts: list[list[int]], max_tokens: int, concurrency: int, temperature: float
+    side: Side, group: list[list[int]], max_tokens: int, temperature: float, seed: int = 0
 ) -> None:
-    """Runs the prompts `concurrency` at a time through the side's engine (sampled ones
-    seeded, so both engines give the same tokens)."""
+    """Runs the prompts together through the side's engine (sampled ones seeded from
+    `seed` on, so both engines give the same tokens)."""
     engine = side.llm.engine
-    for start in range(0, len(prompts), concurrency):
-        group = prompts[start : start + concurrency]
-        first: dict[str, float] = {}
-        last: dict[str, float] = {}
-        ids = [f"{side.name}-{time.monotonic_ns()}-{i}" for i in range(len(group))]
-        t0 = time.perf_counter()
-        for i, (rid, prompt) in enumerate(zip(ids, group, strict=True)):
-            params = SamplingParams(
-                temperature=temperature, seed=start + i, max_tokens=max_tokens, ignore_eos=True
-            )
-            engine.add_request(prompt, params, rid)
-        outs: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                now = time.perf_counter()
-                first.setdefault(out.request_id, now)
-                last[out.request_id] = now
-                outs[out.request_id] = out.outputs[0].token_ids
-        side.elapsed_s += time.perf_counter() - t0
-        for rid in ids:
-            n = len(outs[rid])
-            side.tokens += n
-            side.outputs.append(outs[rid])
-            if n > 1:
-                side.tpots.append((last[rid] - first[rid]) / (n - 1))
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    ids = [f"{side.name}-{time.monotonic_ns()}-{i}" for i in range(len(group))]
+    t0 = time.perf_counter()
+    for i, (rid, prompt) in enumerate(zip(ids, group, strict=True)):
+        params = SamplingParams(
+            temperature=temperature, seed=seed + i, max_tokens=max_tokens, ignore_eos=True
+        )
+        engine.add_request(prompt, params, rid)
+    outs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.perf_counter()
+            first.setdefault(out.request_id, now)
+            last[out.request_id] = now
+            outs[out.request_id] = out.outputs[0].token_ids
+    side.elapsed_s += time.perf_counter() - t0
+    for rid in ids:
+        n = len(outs[rid])
+        side.tokens += n
+        side.outputs.append(outs[rid])
+        if n > 1:
+            side.tpots.append((last[rid] - first[rid]) / (n - 1))
 
 
 def _pct(values: list[float], q: int) -> float:
@@ -122,9 +120,12 @@ def run_workload(
     assert speculator is not None
     stats = speculator.stats
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-    for _ in range(args.rounds):
-        for side in (plain, spec):
-            run_batch(side, prompts, args.max_tokens, args.concurrency, temperature)
+    step = args.concurrency
+    for _ in range(args.rounds):  # side by side group by group: load drifts hit both alike
+        for start in range(0, len(prompts), step):
+            for side in (plain, spec):
+                group = prompts[start : start + step]
+                run_batch(side, group, args.max_tokens, temperature, start)
     drafts = stats.num_drafts - before[0]
     proposed = stats.num_draft_tokens - before[1]
     accepted = stats.num_accepted_tokens - before[2]
@@ -169,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     common = {"dtype": args.dtype, "num_threads": args.threads}
     plain = Side("plain", LLM(args.model, **common))
     spec = Side("spec", LLM(args.model, speculative_config=spec_cfg, **common))
-    run_batch(plain, copy_prompts(plain.llm, 1), 8, 1, 0.0)  # warm-up, not counted
-    run_batch(spec, copy_prompts(spec.llm, 1), 8, 1, 0.0)
+    run_batch(plain, copy_prompts(plain.llm, 1), 8, 0.0)  # warm-up, not counted
+    run_batch(spec, copy_prompts(spec.llm, 1), 8, 0.0)
 
     def random_prompts() -> list[list[int]]:
         source = TokenizerText(plain.llm.engine.model_path)
