@@ -127,6 +127,10 @@ class RouterSpec:
         0, lo=0, doc="completions in flight per API key; 0: max_inflight / number of keys"
     )
     local_prefill_max_tokens: int = opt(32, lo=0)
+    #: vLLM's --tool-call-parser: the format the model writes tool calls in.
+    tool_call_parser: str = opt("hermes", choices=("hermes", "llama3_json", "mistral"))
+    #: vLLM's --enable-auto-tool-choice (on here by default): off, tool_choice "auto" is a 400.
+    enable_auto_tool_choice: bool = True
     elastic_prefill: bool = opt(
         True, doc="prefill on the decode worker when prefill is busier (see configs/README.md)"
     )

@@ -39,6 +39,7 @@ from hetero_pd.models.fetch import resolve_model
 from hetero_pd.models.tokenizer import load_tokenizer
 from hetero_pd.serving.api.app import ApiState, create_app, create_edge_app
 from hetero_pd.serving.api.edge_tls import EdgeCert, edge_cert
+from hetero_pd.serving.api.tools import ToolSettings
 from hetero_pd.serving.control.auth import RouterKeys
 from hetero_pd.serving.router.metrics import ServingMetrics
 from hetero_pd.serving.router.router import Router
@@ -116,6 +117,7 @@ async def serve(
             model_dir=Path(model_dir),
             write_timeout_s=dep.router.write_timeout_s,
             admin_keys=dep.router.admin_keys,
+            tools=ToolSettings(dep.router.tool_call_parser, dep.router.enable_auto_tool_choice),
             restart=launcher.restart_any if launcher is not None else None,
             remove=launcher.remove if launcher is not None else None,
         )

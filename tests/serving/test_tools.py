@@ -14,7 +14,7 @@ import pytest
 from hetero_pd.engine.structured import GrammarCompiler
 from hetero_pd.serving.api.errors import APIError
 from hetero_pd.serving.api.protocol import parse_chat_request, parse_completion_request
-from hetero_pd.serving.api.tool_stream import HermesStream, parse_tool_calls
+from hetero_pd.serving.api.tool_stream import PARSERS, parse_tool_calls
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
        "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
@@ -26,25 +26,11 @@ def chat(**fields: Any) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": "2+3?"}], **fields}
 
 
-def test_hermes_calls_are_parsed_from_a_canned_answer() -> None:
-    text = (
-        'Let me compute.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'
-        '</tool_call>\n<tool_call>{"name": "now", "arguments": {}}</tool_call>'
-        "<tool_call>{not json}</tool_call>"
-    )
-    content, calls = parse_tool_calls(text)
-    assert content == "Let me compute."
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("add", {"a": 2, "b": 3}),
-        ("now", {}),
-    ]
-    assert len({c["id"] for c in calls}) == 2 and all(c["type"] == "function" for c in calls)
-    assert parse_tool_calls("no call here") == ("no call here", [])
-
-
-def _stream(text: str, cuts: list[int]) -> tuple[str, list[dict[str, Any]], list[Any]]:
+def _stream(
+    text: str, cuts: list[int], parser: str = "hermes"
+) -> tuple[str, list[dict[str, Any]], list[Any]]:
     """``text`` fed in the pieces ``cuts`` makes: (content, reassembled calls, deltas)."""
-    reader, content, deltas = HermesStream(), "", []
+    reader, content, deltas = PARSERS[parser](), "", []
     for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
         piece, got = reader.feed(text[a:b])
         content += piece
@@ -69,15 +55,46 @@ STREAMED = [
 ]
 
 
-@pytest.mark.parametrize("text", STREAMED)
-def test_streamed_calls_reassemble_to_the_whole_answer_whatever_the_cuts(text: str) -> None:
-    content, calls = parse_tool_calls(text)
+LLAMA3 = (
+    '<|python_tag|>{"name": "add", "parameters": {"a": 2, "b": 3}}; '
+    '{"name": "now", "parameters": {}}'
+)
+MISTRAL = (
+    'Sure.[TOOL_CALLS][{"name": "add", "arguments": {"a": 2, "b": 3}}, '
+    '{"name": "now", "arguments": {}}]'
+)
+TWO = [("add", {"a": 2, "b": 3}), ("now", {})]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content", "calls"),
+    [
+        ("hermes", STREAMED[0], "Let me compute.", [("add", {"a": 2, "b": {"c": '}"'}}), TWO[1]]),
+        ("hermes", STREAMED[1], None, [("now", {})]),
+        ("hermes", STREAMED[2], STREAMED[2], []),
+        ("hermes", STREAMED[3], STREAMED[3], []),
+        ("llama3_json", LLAMA3, None, TWO),
+        ("llama3_json", LLAMA3.removeprefix("<|python_tag|>"), None, TWO),
+        ("llama3_json", 'It is {"name": "add"}', 'It is {"name": "add"}', []),
+        ("mistral", MISTRAL, "Sure.", TWO),
+        ("mistral", "No call [TOOL_", "No call [TOOL_", []),
+    ],
+)
+def test_streamed_calls_reassemble_to_the_whole_answer_whatever_the_cuts(
+    parser: str, text: str, content: str | None, calls: list[Any]
+) -> None:
+    got_content, got = parse_tool_calls(text, parser)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == [
+        (name, args) for name, args in calls
+    ]
+    assert len({c["id"] for c in got}) == len(got) and all(c["type"] == "function" for c in got)
     whole = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-             for c in calls]  # fmt: skip
+             for c in got]  # fmt: skip
     for step in (1, 2, 3, 7, len(text)):
-        got, streamed, _ = _stream(text, list(range(step, len(text), step)))
+        streamed_content, streamed, _ = _stream(text, list(range(step, len(text), step)), parser)
         assert [{"name": c["name"], "arguments": c["arguments"]} for c in streamed] == whole
-        assert got.strip() == (content or "").strip(), step
+        assert streamed_content.strip() == (content or "").strip(), step
 
 
 def test_a_call_streams_its_name_first_then_argument_fragments() -> None:

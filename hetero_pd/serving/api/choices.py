@@ -23,7 +23,7 @@ from hetero_pd.serving.api.logprobs import (
     prompt_completion_logprobs,
 )
 from hetero_pd.serving.api.responses import chat_chunk, choices_body, completion_chunk
-from hetero_pd.serving.api.tool_stream import HermesStream, parse_tool_calls
+from hetero_pd.serving.api.tool_stream import PARSERS, CallReader, parse_tool_calls
 from hetero_pd.serving.control import sampling as W
 from hetero_pd.serving.control.protocol import Output
 
@@ -38,7 +38,7 @@ class _Choice:
     finish: str = "abort"
     tokens: int = 0
     started: bool = False  # a stream sent its first event
-    calls: HermesStream | None = None  # a stream with tools: its reader of calls
+    calls: CallReader | None = None  # a stream with tools: its reader of calls
     offset: int = 0  # a stream's text_offset of the next token
 
 
@@ -112,7 +112,7 @@ class Answer:
         (``finish_reason`` "tool_calls" when it has any and ended by itself)."""
         if self.req.tools is None:
             return {"role": "assistant", "content": text}, finish
-        content, calls = parse_tool_calls(text)
+        content, calls = parse_tool_calls(text, self.req.tools.parser)
         if not calls:
             return {"role": "assistant", "content": text}, finish
         message = {"role": "assistant", "content": content, "tool_calls": calls}
@@ -124,7 +124,8 @@ class Answer:
         c = self.choices[msg.index]
         self.add(msg)
         if c.calls is None:
-            c.calls = HermesStream()
+            assert self.req.tools is not None
+            c.calls = PARSERS[self.req.tools.parser]()
         index = self.base + msg.index
         content, deltas = c.calls.feed(msg.text)
         if msg.finish_reason is not None:

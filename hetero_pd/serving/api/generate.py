@@ -48,7 +48,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "chat", oai.parse_chat_request)
+    tools = state_of(request).tools
+    return await _generate(request, "chat", functools.partial(oai.parse_chat_request, tools=tools))
 
 
 def _prompt_ids(state: ApiState, req: GenerateRequest) -> list[int]:

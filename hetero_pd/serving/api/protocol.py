@@ -46,7 +46,7 @@ from hetero_pd.serving.api.fields import (
 from hetero_pd.serving.api.request import GenerateRequest, RequestKind
 from hetero_pd.serving.api.sampling import sampling_fields
 from hetero_pd.serving.api.structured import check_constraint, structured_outputs
-from hetero_pd.serving.api.tools import parse_tools
+from hetero_pd.serving.api.tools import DEFAULT_TOOLS, ToolSettings, parse_tools
 from hetero_pd.serving.control.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, WireParams
 
 __all__ = [
@@ -91,7 +91,7 @@ def parse_completion_request(body: Any) -> GenerateRequest:
     )
 
 
-def parse_chat_request(body: Any) -> GenerateRequest:
+def parse_chat_request(body: Any, tools: ToolSettings = DEFAULT_TOOLS) -> GenerateRequest:
     """Validate a /v1/chat/completions body; ``max_completion_tokens`` wins over the
     deprecated ``max_tokens``, and neither means "until EOS or the model's length"."""
     b = json_object(body)
@@ -106,7 +106,7 @@ def parse_chat_request(body: Any) -> GenerateRequest:
     max_tokens = opt_int(b, "max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = opt_int(b, "max_tokens", minimum=1)
-    return _request("chat", b, max_tokens, messages=messages)
+    return _request("chat", b, max_tokens, tools, messages=messages)
 
 
 def check_context_length(req: GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> int:
@@ -149,7 +149,11 @@ def check_sampling_limits(params: SamplingParams, vocab_size: int) -> None:
 
 
 def _request(
-    kind: RequestKind, b: dict[str, Any], max_tokens: int | None, **inputs: Any
+    kind: RequestKind,
+    b: dict[str, Any],
+    max_tokens: int | None,
+    tool_settings: ToolSettings = DEFAULT_TOOLS,
+    **inputs: Any,
 ) -> GenerateRequest:
     model = b.get("model")
     if not isinstance(model, str) or not model:
@@ -174,8 +178,10 @@ def _request(
         raise bad_request(f"'user' must be a string, got {show(user)}", "user")
     extra, echo = sampling_fields(b, kind)
     params = _sampling_params(b, max_tokens, extra)
-    tools = parse_tools(b, kind == "chat")
+    tools = parse_tools(b, kind == "chat", tool_settings)
     forced = tools.constraint() if tools is not None else None
+    if tools is not None and tools.parser == "mistral":
+        params.skip_special_tokens = False  # [TOOL_CALLS] is a special token (as vLLM does)
     if forced is not None:
         if params.structured_outputs is not None:
             raise bad_request(

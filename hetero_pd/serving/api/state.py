@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from hetero_pd.serving.api import errors
+from hetero_pd.serving.api.tools import DEFAULT_TOOLS, ToolSettings
 from hetero_pd.serving.router.router import Router, RouterError
 
 
@@ -28,6 +29,8 @@ class ApiState:
     priority_keys: tuple[str, ...] = ()
     #: The keys of /admin/* (router.admin_keys); a client's API key is not one.
     admin_keys: tuple[str, ...] = ()
+    #: The deployment's tool-call format and whether tool_choice "auto" is served.
+    tools: ToolSettings = DEFAULT_TOOLS
     #: The model folder (edge sessions in prompt_only mode check the device's split with it).
     model_dir: Path | None = None
     #: A streaming client that has not taken a chunk for this long is cut off (its request

@@ -1,4 +1,6 @@
-"""Hermes tool calls read as the answer's text arrives (vLLM's ``hermes`` parser, streamed):
+"""Tool calls read as the answer's text arrives, in vLLM's ``--tool-call-parser`` formats
+(``PARSERS``: ``hermes``, and ``llama3_json`` and ``mistral``, whose calls are bare JSON
+objects after a marker: ``JsonCallsStream``). Hermes' (vLLM's ``hermes`` parser, streamed):
 content is passed on until the first ``<tool_call>``; inside a call, the call starts (index,
 id and name in one delta) as soon as its ``"name"`` string is whole, and its ``arguments``
 object follows in fragments, each the raw text the model wrote since the last one::
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +48,34 @@ class CallDelta:
 
 
 @dataclass(slots=True)
+class _Braces:
+    """Where a JSON value that opens with a brace or bracket ends, read character by
+    character (strings and their escapes skipped)."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+
+    def closes(self, ch: str) -> bool:
+        """Reads ``ch``; True when it closes the outermost brace or bracket."""
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+        elif ch == '"':
+            self.in_string = True
+        elif ch in "{[":
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+            return self.depth == 0
+        return False
+
+
+@dataclass(slots=True)
 class _Call:
     index: int
     body: str = ""  # the text since <tool_call>
@@ -54,9 +85,8 @@ class _Call:
     args_at: int = -1  # where the arguments value starts in body, once known
     scanned: int = 0  # body[args_at:args_at + scanned] has been read
     begun: bool = False  # the arguments' "{" was read
-    depth: int = 0
-    in_string: bool = False
-    escaped: bool = False
+    args: _Braces = field(default_factory=lambda: _Braces())
+    whole: _Braces = field(default_factory=lambda: _Braces())  # the call's own object
     args_done: bool = False
     sent: list[str] = field(default_factory=list)  # the arguments' fragments sent
 
@@ -69,9 +99,10 @@ def _held_prefix(text: str, tag: str) -> int:
     return 0
 
 
-class HermesStream:
+class CallReader:
     """Reads one choice's answer delta by delta: ``feed`` returns the content and call
-    pieces the new text completes, ``finish`` what the end of the answer releases."""
+    pieces the new text completes, ``finish`` what the end of the answer releases. Each
+    format (a subclass) finds its calls' JSON objects; reading them is shared."""
 
     def __init__(self) -> None:
         self.buf = ""  # text not yet read (a possible tag start, held)
@@ -83,35 +114,7 @@ class HermesStream:
         self.opened = False  # a <tool_call> was seen: no more content
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
-        content: list[str] = []
-        deltas: list[CallDelta] = []
-        if self.opened:
-            self.raw += text
-        self.buf += text
-        while self.buf:
-            if self.call is None:
-                i = self.buf.find(OPEN)
-                cut = i if i >= 0 else len(self.buf) - _held_prefix(self.buf, OPEN)
-                if not self.opened:
-                    content.append(self._content(self.buf[:cut]))
-                if i < 0:
-                    self.buf = self.buf[cut:]
-                    break
-                if not self.opened:
-                    self.opened, self.raw = True, self.buf[i:]
-                self.call, self.buf = _Call(self.started), self.buf[i + len(OPEN) :]
-            else:
-                call = self.call
-                call.body += self.buf
-                self.buf = ""
-                j = call.body.find(CLOSE)
-                body = call.body if j < 0 else call.body[:j]
-                deltas += self._read(call, body)
-                if j < 0:
-                    break
-                deltas += self._close(call, body)
-                self.buf, self.call = call.body[j + len(CLOSE) :], None
-        return "".join(content), deltas
+        raise NotImplementedError
 
     def finish(self) -> str:
         """The content the end releases: held whitespace, or (no call started) the text
@@ -163,22 +166,9 @@ class HermesStream:
                     call.args_done = True  # not an object: sent whole at the close
                     return ""
                 call.begun = True
-            if call.in_string:
-                if call.escaped:
-                    call.escaped = False
-                elif ch == "\\":
-                    call.escaped = True
-                elif ch == '"':
-                    call.in_string = False
-            elif ch == '"':
-                call.in_string = True
-            elif ch in "{[":
-                call.depth += 1
-            elif ch in "}]":
-                call.depth -= 1
-                if call.depth == 0:
-                    call.args_done = True
-                    return text[start : k + 1]
+            if call.args.closes(ch):
+                call.args_done = True
+                return text[start : k + 1]
         return text[start:]
 
     def _close(self, call: _Call, body: str) -> list[CallDelta]:
@@ -205,10 +195,128 @@ class HermesStream:
         return out
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Hermes-format calls in a whole answer: ``(content before the first call or None,
-    calls in OpenAI's shape)``; no calls when none parses (the whole text is content)."""
-    reader = HermesStream()
+class HermesStream(CallReader):
+    """Hermes (Qwen): calls in ``<tool_call>`` ... ``</tool_call>``, content before them."""
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        content: list[str] = []
+        deltas: list[CallDelta] = []
+        if self.opened:
+            self.raw += text
+        self.buf += text
+        while self.buf:
+            if self.call is None:
+                i = self.buf.find(OPEN)
+                cut = i if i >= 0 else len(self.buf) - _held_prefix(self.buf, OPEN)
+                if not self.opened:
+                    content.append(self._content(self.buf[:cut]))
+                if i < 0:
+                    self.buf = self.buf[cut:]
+                    break
+                if not self.opened:
+                    self.opened, self.raw = True, self.buf[i:]
+                self.call, self.buf = _Call(self.started), self.buf[i + len(OPEN) :]
+            else:
+                call = self.call
+                call.body += self.buf
+                self.buf = ""
+                j = call.body.find(CLOSE)
+                body = call.body if j < 0 else call.body[:j]
+                deltas += self._read(call, body)
+                if j < 0:
+                    break
+                deltas += self._close(call, body)
+                self.buf, self.call = call.body[j + len(CLOSE) :], None
+        return "".join(content), deltas
+
+
+class JsonCallsStream(CallReader):
+    """Calls as bare JSON objects after a marker, with separators between them:
+    Llama 3's (``llama3_json``: the answer is ``<|python_tag|>`` or ``{`` first, calls
+    ``{"name", "parameters"}`` joined by ``;``) and Mistral's (``mistral``: content, then
+    ``[TOOL_CALLS]`` and a JSON list of ``{"name", "arguments"}``)."""
+
+    SEPARATORS = " \t\n;,[]"
+
+    def __init__(self, marker: str, first: bool) -> None:
+        super().__init__()
+        self.marker = marker
+        self.first = first  # calls only when the answer begins with them (Llama 3)
+        self.plain = False  # the answer is content only
+        self.ended = False  # something other than a call came after the calls
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        content = ""
+        deltas: list[CallDelta] = []
+        if self.opened:
+            self.raw += text
+        self.buf += text
+        while self.buf and not self.plain and not self.ended:
+            if not self.opened:
+                got, found = self._find_start()
+                content += got
+                if not found:
+                    break
+            elif self.call is None:
+                rest = self.buf.lstrip(self.SEPARATORS)
+                self.buf = rest
+                if rest and rest[0] != "{":
+                    self.ended = True
+                elif rest:
+                    self.call = _Call(self.started)
+            else:
+                call, end = self.call, -1
+                for k, ch in enumerate(self.buf):
+                    if call.whole.closes(ch):
+                        end = k + 1
+                        break
+                call.body += self.buf if end < 0 else self.buf[:end]
+                self.buf = "" if end < 0 else self.buf[end:]
+                deltas += self._read(call, call.body)
+                if end >= 0:
+                    deltas += self._close(call, call.body)
+                    self.call = None
+        if self.plain:
+            content, self.buf = content + self.buf, ""
+        return content, deltas
+
+    def _find_start(self) -> tuple[str, bool]:
+        """(content before the calls, whether they start here); the buffer keeps what may
+        still begin the marker."""
+        if self.first:
+            head = self.buf.lstrip()
+            if head.startswith(self.marker) or head.startswith("{"):
+                body = head[len(self.marker) :] if head.startswith(self.marker) else head
+                self.opened, self.raw, self.buf = True, self.buf, body
+                return "", True
+            if not head or self.marker.startswith(head):
+                return "", False  # too early to tell
+            self.plain = True
+            return "", False
+        i = self.buf.find(self.marker)
+        cut = i if i >= 0 else len(self.buf) - _held_prefix(self.buf, self.marker)
+        content = self._content(self.buf[:cut])
+        if i < 0:
+            self.buf = self.buf[cut:]
+            return content, False
+        self.opened, self.raw = True, self.buf[i:]
+        self.buf = self.buf[i + len(self.marker) :]
+        return content, True
+
+
+#: Readers by vLLM's ``--tool-call-parser`` names.
+PARSERS: dict[str, Callable[[], CallReader]] = {
+    "hermes": HermesStream,
+    "llama3_json": lambda: JsonCallsStream("<|python_tag|>", first=True),
+    "mistral": lambda: JsonCallsStream("[TOOL_CALLS]", first=False),
+}
+
+
+def parse_tool_calls(text: str, parser: str = "hermes") -> tuple[str | None, list[dict[str, Any]]]:
+    """The calls in a whole answer, in ``parser``'s format: ``(content before the first
+    call or None, calls in OpenAI's shape)``; no calls when none parses (the whole text is
+    content)."""
+    reader = PARSERS[parser]()
     content, _ = reader.feed(text)
     reader.finish()
     calls = [

@@ -32,12 +32,31 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True)
+class ToolSettings:
+    """The deployment's tool calling (``router.tool_call_parser``, vLLM's names, and
+    ``router.enable_auto_tool_choice``)."""
+
+    parser: str = "hermes"
+    auto: bool = True
+
+
+DEFAULT_TOOLS = ToolSettings()
+#: A forced call as each format writes it (lark): one call, or one or more.
+_FORMATS = {
+    "hermes": ('"<tool_call>\\n" body "\\n</tool_call>"', '"\\n"', "", ""),
+    "llama3_json": ("body", '"; "', "", ""),
+    "mistral": ("body", '", "', '"[TOOL_CALLS][" ', ' "]"'),
+}
+
+
+@dataclass(frozen=True, slots=True)
 class ToolPlan:
     """A chat request's tools and how the answer may use them."""
 
     tools: list[dict[str, Any]]  # OpenAI's tool objects ({"type": "function", ...}), checked
     choice: str  # "auto", "required", or the name of the function that must be called
     parallel: bool = True
+    parser: str = "hermes"  # the format calls are written and read in (tool_stream.PARSERS)
 
     @property
     def forced(self) -> bool:
@@ -65,12 +84,9 @@ class ToolPlan:
         schema = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
         # A named function is called once (OpenAI's forced function); "required": one or more.
         several = self.parallel and self.choice == "required"
-        calls = 'call ("\\n" call)*' if several else "call"
-        lark = (
-            f"start: {calls}\n"
-            'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
-            f"body: %json {json.dumps(schema)}\n"
-        )
+        call, sep, before, after = _FORMATS[self.parser]
+        calls = f"call ({sep} call)*" if several else "call"
+        lark = f"start: {before}{calls}{after}\ncall: {call}\nbody: %json {json.dumps(schema)}\n"
         return StructuredOutputsParams(grammar=lark)
 
     def system_prompt(self) -> str:
@@ -101,7 +117,9 @@ class ToolPlan:
         return [{"role": "system", "content": self.system_prompt()}, *out]
 
 
-def parse_tools(b: Mapping[str, Any], chat: bool) -> ToolPlan | None:
+def parse_tools(
+    b: Mapping[str, Any], chat: bool, settings: ToolSettings = DEFAULT_TOOLS
+) -> ToolPlan | None:
     """The request's tool plan; None when it has no tools or ``tool_choice`` is "none"."""
     tools, choice = b.get("tools"), b.get("tool_choice")
     if not tools:
@@ -117,6 +135,12 @@ def parse_tools(b: Mapping[str, Any], chat: bool) -> ToolPlan | None:
     parallel = b.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad_request("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    if (choice is None or choice == "auto") and not settings.auto:
+        raise bad_request(
+            'tool_choice "auto" (the default with tools) needs router.enable_auto_tool_choice '
+            '(vLLM\'s --enable-auto-tool-choice); ask for "required", a named function or "none"',
+            "tool_choice",
+        )
     if choice is None or choice in ("auto", "required"):
         mode = choice or "auto"
     elif choice == "none":
@@ -134,7 +158,7 @@ def parse_tools(b: Mapping[str, Any], chat: bool) -> ToolPlan | None:
             f'{{"type": "function", "function": {{"name": one of {names}}}}}, got {show(choice)}',
             "tool_choice",
         )
-    return ToolPlan(checked, mode, parallel is not False)
+    return ToolPlan(checked, mode, parallel is not False, settings.parser)
 
 
 def _tool(tool: Any, i: int) -> dict[str, Any]:

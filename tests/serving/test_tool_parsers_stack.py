@@ -1,0 +1,57 @@
+"""A deployment with ``router.tool_call_parser: llama3_json`` and
+``enable_auto_tool_choice: false`` (vLLM's --tool-call-parser and its default without
+--enable-auto-tool-choice), served 1P1D with the default model and the official openai
+client: a forced call is written in Llama 3's format (bare JSON, ``parameters``) and read
+back as a call whose arguments validate, whole and streamed alike; ``auto`` is a 400 naming
+``tool_choice``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from hetero_pd.deploy.testing import Stack, deployment, running_stack
+
+pytestmark = pytest.mark.slow
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+       "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
+TOOLS: list[Any] = [{"type": "function", "function": {"name": "add", "parameters": ADD}}]
+ASK: list[Any] = [{"role": "user", "content": "What is 2 plus 3? Use the add tool."}]
+
+
+@pytest.fixture(scope="module")
+def stack(default_model_dir: Path) -> Iterator[Stack]:
+    router = {"tool_call_parser": "llama3_json", "enable_auto_tool_choice": False}
+    with running_stack(deployment(default_model_dir, router=router)) as s:
+        yield s
+
+
+def test_llama3_json_calls_whole_and_streamed_and_auto_refused(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0, timeout=120)
+    kw: dict[str, Any] = dict(
+        model=stack.dep.model, messages=ASK, tools=TOOLS, max_tokens=40, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+    )  # fmt: skip
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls or []
+    assert [c.function.name for c in calls] == ["add"]  # type: ignore[union-attr]
+    arguments = calls[0].function.arguments  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(arguments), ADD)
+    streamed, finish = "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            assert d.index == 0 and d.function is not None
+            streamed += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and streamed == arguments
+    with pytest.raises(openai.BadRequestError, match="enable_auto_tool_choice") as info:
+        client.chat.completions.create(**{**kw, "tool_choice": "auto"})
+    assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
+    stack.wait_idle()
