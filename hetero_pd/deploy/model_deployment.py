@@ -24,6 +24,7 @@ from typing import Any
 from hetero_pd.config import DTYPE_CHOICES
 from hetero_pd.deploy.fields import json_object
 from hetero_pd.deploy.schema import Deployment, parse_deployment
+from hetero_pd.deploy.sections import TOOL_CALL_PARSERS
 from hetero_pd.deploy.source import ConfigError
 from hetero_pd.models.fetch import KNOWN_MODELS, ModelNotFoundError, check_model_dir
 
@@ -37,6 +38,8 @@ ENGINE_FLAGS = {
     "seed": "--seed",
     "kv_cache_gb": "--kv-cache-gb",
 }
+#: Router keys set by flags of the same name (vLLM's tool calling).
+TOOLS = ("tool_call_parser", "enable_auto_tool_choice")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -111,6 +114,18 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "speculative decoding on the decode (or colocated) workers",
     )
     g.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="the format the model writes tool calls in (default hermes)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help='serve tool_choice "auto" (default on; off: a 400, as vLLM without the flag)',
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -122,7 +137,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def model_flags_given(args: argparse.Namespace) -> list[str]:
     """The model-only flags present on the command line (they make no sense with a YAML)."""
     given = [flag for key, flag in ENGINE_FLAGS.items() if getattr(args, key) is not None]
-    for key in ("pd", "device", "dtype", "tensor_parallel_size", "speculative_config"):
+    for key in ("pd", "device", "dtype", "tensor_parallel_size", "speculative_config", *TOOLS):
         if getattr(args, key) is not None:
             given.append(f"--{key.replace('_', '-')}")
     if args.colocated:
@@ -229,6 +244,7 @@ def deployment_for_model(target: str, args: argparse.Namespace) -> Deployment:
         "router": {
             "host": args.host or "127.0.0.1",
             "port": 8000 if args.port is None else args.port,
+            **{k: getattr(args, k) for k in TOOLS if getattr(args, k) is not None},
         },
     }
     try:

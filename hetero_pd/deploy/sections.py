@@ -107,6 +107,10 @@ class EngineSpec:
         return EngineConfig.from_kwargs(model, device=device, **{**options, **overrides})
 
 
+#: vLLM's --tool-call-parser names served (hetero_pd.serving.api.tool_stream.PARSERS).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
+
 @dataclass(frozen=True, slots=True)
 class RouterSpec:
     """The `router:` section: where the API listens, its keys and limits, and the
@@ -128,7 +132,7 @@ class RouterSpec:
     )
     local_prefill_max_tokens: int = opt(32, lo=0)
     #: vLLM's --tool-call-parser: the format the model writes tool calls in.
-    tool_call_parser: str = opt("hermes", choices=("hermes", "llama3_json", "mistral"))
+    tool_call_parser: str = opt("hermes", choices=TOOL_CALL_PARSERS)
     #: vLLM's --enable-auto-tool-choice (on here by default): off, tool_choice "auto" is a 400.
     enable_auto_tool_choice: bool = True
     elastic_prefill: bool = opt(

@@ -162,3 +162,19 @@ def test_a_forced_call_accepts_valid_calls_only(default_model_dir: Path) -> None
         ids = tok.encode(text, add_special_tokens=False).ids
         accepted = m.llmatcher.validate_tokens(ids)
         assert (accepted == len(ids)) is ok, text
+
+
+def test_serve_flags_choose_the_parser_and_auto(default_model_dir: Path) -> None:
+    from hetero_pd.deploy.model_deployment import deployment_for_model
+    from hetero_pd.deploy.sections import TOOL_CALL_PARSERS
+    from hetero_pd.deploy.serve import build_parser
+
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS)
+    model, parser = str(default_model_dir), build_parser()
+    flags = ["--tool-call-parser", "llama3_json", "--no-enable-auto-tool-choice"]
+    router = deployment_for_model(model, parser.parse_args([model, *flags])).router
+    assert (router.tool_call_parser, router.enable_auto_tool_choice) == ("llama3_json", False)
+    router = deployment_for_model(model, parser.parse_args([model])).router
+    assert (router.tool_call_parser, router.enable_auto_tool_choice) == ("hermes", True)
+    with pytest.raises(SystemExit):
+        parser.parse_args([model, "--tool-call-parser", "pythonic"])
