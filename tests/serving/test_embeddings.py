@@ -1,5 +1,5 @@
-"""/v1/embeddings through a served 1P1D stack of the default model, with the official openai
-client: each vector is the last token's final hidden state, L2-normalised, equal to
+"""/v1/embeddings through served 1P1D and colocated stacks of the default model, with the
+official openai client: each vector is the last token's final hidden state, L2-normalised, equal to
 transformers' within float32 rounding, for text, text lists and token ids, as floats and
 as base64; the same input gives the same vector across calls and batch sizes; usage counts
 the prompt tokens; bad input is a 400 naming the field."""
@@ -91,3 +91,14 @@ def test_bad_input_is_a_400_naming_the_field(
     with pytest.raises(openai.BadRequestError) as info:
         client.post("/embeddings", body={"model": stack.dep.model, **extra}, cast_to=object)
     assert info.value.body["param"] == param, info.value.body  # type: ignore[index]
+
+
+def test_a_colocated_worker_embeds_too(
+    default_model_dir: Path, reference: tuple[Any, list[list[int]], np.ndarray]
+) -> None:
+    _, ids, expected = reference
+    with running_stack(deployment(default_model_dir, workers=[{"role": "both"}])) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0, timeout=120)
+        r = client.embeddings.create(model=s.dep.model, input=ids[:2])
+        np.testing.assert_allclose(_vectors(r), expected[:2], atol=1e-4)
+        s.wait_idle()
