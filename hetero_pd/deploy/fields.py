@@ -93,6 +93,9 @@ def check_value(value: Any, tp: Any, key: str, src: Source, meta: Any = None) ->
             return None
         (tp,) = [a for a in args if a is not type(None)]
         origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):  # a section inside a section (router.rebalance)
+        section = build(tp, value, key, src)  # type: ignore[arg-type]
+        return BAD if section is None else section
     if origin is tuple:
         if not isinstance(value, list):
             src.error(key, f"must be a list, got {_kind(value)}")

@@ -111,6 +111,12 @@ def _parse(raw: Any, src: Source) -> Deployment:
     choices = {"choices": DTYPE_CHOICES}
     dtype = check_value(raw.get("dtype", "float32"), str, "dtype", src, choices)
     router = build(RouterSpec, raw.get("router"), "router", src)
+    if router is not None and router.rebalance.low >= router.rebalance.high:
+        src.error(
+            "router.rebalance.low",
+            f"{router.rebalance.low} must be below router.rebalance.high "
+            f"({router.rebalance.high}): a worker below `low` takes requests from one above `high`",
+        )
     transfer_raw = raw.get("transfer")
     faults: Any = {}
     if isinstance(transfer_raw, dict) and "faults" in transfer_raw:

@@ -13,6 +13,7 @@ from hetero_pd.config import COMPILE_MODES, DTYPE_CHOICES, EngineConfig
 from hetero_pd.deploy.fields import opt, required
 from hetero_pd.hidden_codec import CODECS as EDGE_CODECS
 from hetero_pd.serving.router.policy import FAILURE_POLICIES, POLICIES, RoutingConfig
+from hetero_pd.serving.router.rebalance import RebalanceConfig
 from hetero_pd.serving.router.router import RouterConfig
 from transfer import FaultPlan, FaultRule, TransferConfig
 from transfer.kv_codec import CODECS as KV_CODECS
@@ -112,6 +113,22 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
 @dataclass(frozen=True, slots=True)
+class RebalanceSpec:
+    """`router.rebalance`: live-migrate decoding requests off a decode worker whose KV usage
+    is above `high` to one below `low` (opt-in; `low` < `high`, checked in schema)."""
+
+    enabled: bool = False
+    high: float = opt(0.85, lo=0.0, hi=1.0)
+    low: float = opt(0.5, lo=0.0, hi=1.0)
+    interval_s: float = opt(1.0, gt=0.0, doc="seconds between rounds")
+    max_moves: int = opt(2, lo=1, hi=64, doc="requests moved per round")
+    cooldown_s: float = opt(3.0, lo=0.0, doc="a pair of workers that moved sits out this long")
+
+    def config(self) -> RebalanceConfig:
+        return RebalanceConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+
+@dataclass(frozen=True, slots=True)
 class RouterSpec:
     """The `router:` section: where the API listens, its keys and limits, and the
     RouterConfig (routing policy, failure policy) under the same names."""
@@ -148,6 +165,7 @@ class RouterSpec:
     heartbeat_timeout_s: float = opt(5.0, lo=0.1)
     #: A streaming client that takes no data for this long is cut off and its request ended.
     write_timeout_s: float = opt(30.0, lo=0.1)
+    rebalance: RebalanceSpec = field(default_factory=RebalanceSpec)
 
     def router_config(self, block_size: int) -> RouterConfig:
         """The Router's settings; `block_size` is the engines' (prompt hashes must agree)."""
@@ -165,6 +183,7 @@ class RouterSpec:
             max_inflight=self.max_inflight,
             max_inflight_per_key=self.share_per_key(),
             heartbeat_timeout_s=self.heartbeat_timeout_s,
+            rebalance=self.rebalance.config(),
         )
 
     def share_per_key(self) -> int:

@@ -104,6 +104,8 @@ async def serve(
             watch = watch_workers(router, discover, dep.router.heartbeat_timeout_s)
             tasks.append(asyncio.create_task(watch))
             max_len = max_model_len(dep, cfg)
+        if router.cfg.rebalance.enabled:
+            tasks.append(asyncio.create_task(router.rebalancer.run()))
         if dep.supervisor.role_switch:
             tasks.append(asyncio.create_task(_controller(dep, router, launcher).run()))
         state = ApiState(

@@ -156,6 +156,15 @@ def streams_on(stack: Stack, worker: str) -> int:
     return sum(s.decoding and s.decode.id == worker for s in stack.router.streams.values())
 
 
+def wait_decoding(stack: Stack, worker: str, runs: list[Future[Any]]) -> None:
+    """Polls until every one of `runs` decodes on `worker`; none may end first."""
+    deadline = time.monotonic() + 120
+    while streams_on(stack, worker) < len(runs):
+        assert time.monotonic() < deadline, f"the {len(runs)} requests never all decoded"
+        assert not any(r.done() for r in runs), "a request ended too soon"
+        time.sleep(0.02)
+
+
 def test_drain_moves_all_sixteen_requests(stack: Stack) -> None:
     """16 requests decode on decode-0 (decode-1 drained while they start); draining
     decode-0 through the admin API moves all 16 to decode-1, and each one's text equals
@@ -166,11 +175,7 @@ def test_drain_moves_all_sixteen_requests(stack: Stack) -> None:
     assert status == 200
     with ThreadPoolExecutor(16) as pool:
         runs = [pool.submit(stream_text, stack, prompt, 96, temperature=0) for _ in range(16)]
-        deadline = time.monotonic() + 120
-        while streams_on(stack, "decode-0") < 16:
-            assert time.monotonic() < deadline, "the 16 requests never all decoded"
-            assert not any(r.done() for r in runs), "a request ended before the drain"
-            time.sleep(0.02)
+        wait_decoding(stack, "decode-0", runs)
         assert http_json(f"{stack.url}/admin/undrain", {"worker": "decode-1"})[0] == 200
         status, answer = http_json(f"{stack.url}/admin/drain", {"worker": "decode-0"})
         assert status == 200, answer
@@ -240,10 +245,7 @@ def test_scale_down_moves_the_requests_of_the_removed_worker(stack: Stack) -> No
     assert http_json(f"{stack.url}/admin/drain", {"worker": "decode-0"})[0] == 200
     with ThreadPoolExecutor(4) as pool:
         runs = [pool.submit(stream_text, stack, prompt, 64, temperature=0) for _ in range(4)]
-        deadline = time.monotonic() + 120
-        while streams_on(stack, "decode-1") < 4:
-            assert time.monotonic() < deadline and not any(r.done() for r in runs)
-            time.sleep(0.02)
+        wait_decoding(stack, "decode-1", runs)
         assert http_json(f"{stack.url}/admin/undrain", {"worker": "decode-0"})[0] == 200
         status, answer = http_json(f"{stack.url}/admin/remove", {"worker": "decode-1"})
         assert status == 200, answer

@@ -44,6 +44,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OUTCOMES = ("stop", "length", "abort", "rejected", "error")
 #: What the router's policy decided for a request (or for a failed KV transfer).
 MIGRATION_STAGES = ("started", "completed", "aborted")
+#: Why a migration started: an operator's /admin/migrate, a drain (restart, scale-down,
+#: role switch), or the rebalancing policy.
+MIGRATION_REASONS = ("admin", "drain", "rebalance")
 DECISIONS = (
     "disaggregated",
     "local_prefill",
@@ -167,6 +170,11 @@ class ServingMetrics:
         )
         for stage in MIGRATION_STAGES:
             self.migrations.labels(model_name, stage)
+        self.migration_reasons = counter(
+            "migrations_by_reason", "Live migrations started, by why.", "reason"
+        )
+        for reason in MIGRATION_REASONS:
+            self.migration_reasons.labels(model_name, reason)
         self.migration_pause = hist(
             PREFIX + "migration_pause_seconds",
             "How long a migrated request stopped decoding (the last copy and the hand-over).",
@@ -285,9 +293,16 @@ class ServingMetrics:
         """Count one retried KV transfer."""
         self.transfer_retries.inc()
 
-    def migration(self, stage: str, pause_s: float = 0.0, nbytes: int = 0) -> None:
-        """Count a migration that started, completed (its pause and bytes) or aborted."""
+    def migration(
+        self, stage: str, pause_s: float = 0.0, nbytes: int = 0, reason: str = ""
+    ) -> None:
+        """Count a migration that started (and why), completed (its pause and bytes) or
+        aborted."""
         self.migrations.labels(self.model_name, stage).inc()
+        if reason:
+            if reason not in MIGRATION_REASONS:
+                raise ValueError(f"unknown migration reason {reason!r}; one of {MIGRATION_REASONS}")
+            self.migration_reasons.labels(self.model_name, reason).inc()
         if stage == "completed":
             self.migration_pause.observe(pause_s)
             self.migration_bytes.inc(nbytes)

@@ -115,10 +115,11 @@ class Migrator:
         return max(ok, key=lambda w: (w.load.free_blocks, -w.load.running))
 
     async def migrate(
-        self, rid: str, dest_id: str | None = None, precopy: bool = True
+        self, rid: str, dest_id: str | None = None, precopy: bool = True, reason: str = "admin"
     ) -> Migration:
         """Moves request `rid` to `dest_id` (None: the decode worker with the most free
-        blocks); `precopy` False pauses it for the whole copy (for comparison). Raises
+        blocks); `precopy` False pauses it for the whole copy (for comparison); `reason`
+        (one of MIGRATION_REASONS: admin, drain, rebalance) labels its metric. Raises
         ValueError when it cannot start (unknown or not decoding yet, n > 1, an edge
         request, no destination); returns how it went otherwise."""
         stream = self.streams.get(rid)
@@ -130,7 +131,7 @@ class Migrator:
             raise ValueError(f"request {rid} is migrating already")
         source = stream.decode
         dest = self.destination(source, dest_id)
-        self.metrics.migration("started")
+        self.metrics.migration("started", reason=reason)
         inbox: Inbox = asyncio.Queue()
         self.inboxes[rid] = inbox
         stream.dest = dest
@@ -246,7 +247,7 @@ class Migrator:
         async def move(rid: str) -> Migration | None:
             async with limit:
                 try:
-                    return await self.migrate(rid)
+                    return await self.migrate(rid, reason="drain")
                 except ValueError as e:
                     if rid in self.streams and self.streams[rid].decode.id == worker_id:
                         log.warning("drain %s: %s", worker_id, e)

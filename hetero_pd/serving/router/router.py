@@ -34,6 +34,7 @@ from hetero_pd.serving.router.inbox import Inbox, next_message
 from hetero_pd.serving.router.metrics import ServingMetrics
 from hetero_pd.serving.router.migration import Migrator, Stream
 from hetero_pd.serving.router.policy import Chooser, FailurePolicy, RoutingConfig
+from hetero_pd.serving.router.rebalance import RebalanceConfig, Rebalancer
 from hetero_pd.serving.router.worker_client import WorkerClient, WorkerGone, WorkerUnreachable
 
 log = logging.getLogger("hetero_pd.router")
@@ -56,6 +57,8 @@ class RouterConfig:
     prefill_timeout_s: float = 120.0
     token_timeout_s: float = 120.0  # longest silence between two outputs of one request
     heartbeat_timeout_s: float = 5.0
+    #: Moving requests off a decode worker whose KV is nearly full (off by default).
+    rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
 
 
 class Router:
@@ -75,6 +78,10 @@ class Router:
         self.streams: dict[str, Stream] = {}
         self.migrator = Migrator(
             self.streams, self.workers, self.metrics, lambda: self.live("decode", "both")
+        )
+        #: Serve runs `rebalancer.run()` when cfg.rebalance.enabled.
+        self.rebalancer = Rebalancer(
+            cfg.rebalance, self.migrator, lambda: self.live("decode", "both")
         )
         self._decoder: dict[str, WorkerClient] = {}  # split request id -> its decode worker
         #: Supervisor's view of each worker process (pid, restarts, state) for /health.

@@ -1,0 +1,99 @@
+"""Rebalancing (issue 31, opt-in, as Llumnix does) and live migration with speculative
+decoding, on a 1P2D stack of the default model whose decode workers have a small KV cache
+and ngram speculation on: requests pinned onto one decode worker move to the other once
+it is back, with the unmigrated greedy text, and only while rebalancing is on; a request
+that decodes speculatively migrates mid-stream with the unmigrated text."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from hetero_pd.deploy.testing import Stack, deployment, http_json, random_prompts, running_stack
+
+from .test_migration import migrated_run, stream_text, streams_on, wait_decoding
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+DECODE = {"role": "decode", "speculative_config": SPEC}
+#: 64 blocks of 16 tokens per worker: four 100-token prompts fill 44% of one.
+ENGINE = {"num_kv_blocks": 64}
+REBALANCE = {
+    "enabled": True, "high": 0.3, "low": 0.15, "interval_s": 0.2, "max_moves": 2,
+    "cooldown_s": 2.0,
+}  # fmt: skip
+BY_REASON = "hetero_pd_migrations_by_reason_total"
+
+
+@pytest.fixture(scope="module")
+def stack(default_model_dir: Path) -> Iterator[Stack]:
+    dep = deployment(
+        default_model_dir, workers=[{"role": "prefill"}, DECODE, DECODE], engine=ENGINE,
+        router={"rebalance": REBALANCE},
+    )  # fmt: skip
+    with running_stack(dep) as s:
+        yield s
+
+
+def set_rebalancing(stack: Stack, enabled: bool) -> None:
+    assert stack.router is not None
+    rebalancer = stack.router.rebalancer
+    rebalancer.cfg = dataclasses.replace(rebalancer.cfg, enabled=enabled)
+
+
+def test_rebalancing_moves_requests_off_a_full_decode_worker(stack: Stack) -> None:
+    """Four requests decode on decode-0 (decode-1 drained while they start), whose KV
+    usage is then above `high` while decode-1's is below `low`. With rebalancing off, the
+    router sees that for three rounds and moves nothing; on, it moves some (at most
+    max_moves per round) to decode-1, and every text equals its unmigrated run's."""
+    assert stack.router is not None
+    rebalancer = stack.router.rebalancer
+    prompts = random_prompts([100, 100, 100, 100], seed=11)
+    with ThreadPoolExecutor(4) as pool:
+        reference = list(pool.map(lambda p: stream_text(stack, p, 128, temperature=0), prompts))
+    moved_before = stack.metric(BY_REASON, reason="rebalance")
+    assert http_json(f"{stack.url}/admin/drain", {"worker": "decode-1"})[0] == 200
+    set_rebalancing(stack, False)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            runs = [pool.submit(stream_text, stack, p, 128, temperature=0) for p in prompts]
+            wait_decoding(stack, "decode-0", runs)
+            assert http_json(f"{stack.url}/admin/undrain", {"worker": "decode-1"})[0] == 200
+            skipped = rebalancer.skipped
+            while rebalancer.skipped < skipped + 3:  # rounds that saw the imbalance, off
+                assert not any(r.done() for r in runs), "the requests ended before 3 rounds"
+                time.sleep(0.02)
+            assert streams_on(stack, "decode-0") == 4 and rebalancer.moved == 0
+            set_rebalancing(stack, True)
+            while rebalancer.moved == 0 and not all(r.done() for r in runs):
+                time.sleep(0.02)
+            texts = [r.result(180) for r in runs]
+    finally:
+        set_rebalancing(stack, True)
+        http_json(f"{stack.url}/admin/undrain", {"worker": "decode-1"})
+    assert 1 <= rebalancer.moved <= 4
+    assert stack.metric(BY_REASON, reason="rebalance") == moved_before + rebalancer.moved
+    assert texts == reference
+    stack.wait_idle()
+
+
+def test_speculative_request_migrates_with_the_unmigrated_text(stack: Stack) -> None:
+    """A request whose prompt repeats itself (ngram proposals keep being accepted) moves to
+    the other decode worker mid-stream; its greedy text, token count and chunks equal the
+    unmigrated run's, and speculation went on (tokens accepted) on both workers."""
+    prompt = ([7, 8, 9, 10, 11] * 20)[:100]
+    reference = stream_text(stack, prompt, 96, temperature=0)
+    accepted = {w: accepted_tokens(stack, w) for w in ("decode-0", "decode-1")}
+    got, result = migrated_run(stack, prompt, 96, temperature=0)
+    assert result.ok, result.reason
+    assert got[0] == reference[0] and got[2] == reference[2] == 96
+    assert accepted_tokens(stack, result.dest) > accepted[result.dest]
+    stack.wait_idle()
+
+
+def accepted_tokens(stack: Stack, worker: str) -> float:
+    return stack.metric("vllm:spec_decode_num_accepted_tokens_total", worker=worker)
