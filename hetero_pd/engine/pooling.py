@@ -14,7 +14,7 @@ between the engine's steps on the worker's thread.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -24,28 +24,39 @@ from hetero_pd.models.attention import AttentionMetadata, PrefillSpan
 if TYPE_CHECKING:
     from hetero_pd.engine.model_runner import ModelRunner
 
-#: Most tokens one forward pass takes (a longer input still goes alone).
+Ids = TypeVar("Ids", bound=Sequence[int])
+
+#: Most tokens one forward pass takes by default (a longer input still goes alone). A worker
+#: passes its engine's max_num_batched_tokens, so one pass costs no more than a prefill chunk.
 MAX_BATCH_TOKENS = 4096
 
 
+def batches(inputs: Sequence[Ids], max_tokens: int = MAX_BATCH_TOKENS) -> list[list[Ids]]:
+    """`inputs` in order, cut into runs of at most `max_tokens` tokens (or one input)."""
+    out: list[list[Ids]] = [[]]
+    used = 0
+    for ids in inputs:
+        if out[-1] and used + len(ids) > max_tokens:
+            out.append([])
+            used = 0
+        out[-1].append(ids)
+        used += len(ids)
+    return out
+
+
 @torch.inference_mode()
-def embed(runner: ModelRunner, inputs: Sequence[Sequence[int]]) -> torch.Tensor:
-    """``[len(inputs), hidden_size]`` float32 unit vectors, one per input, on the CPU."""
+def embed(
+    runner: ModelRunner, inputs: Sequence[Sequence[int]], max_tokens: int = MAX_BATCH_TOKENS
+) -> torch.Tensor:
+    """``[len(inputs), hidden_size]`` float32 unit vectors, one per input, on the CPU: one
+    forward pass per :func:`batches` run."""
     if runner.ranks is not None:
         raise ValueError("embeddings need tensor_parallel_size 1 (this worker runs TP > 1)")
     if runner.start_layer:
         raise ValueError("embeddings need the whole model (this worker starts at a split)")
     if any(not ids for ids in inputs):
         raise ValueError("an input to embed has no tokens")
-    out: list[torch.Tensor] = []
-    batch: list[Sequence[int]] = []
-    for ids in inputs:
-        if batch and sum(map(len, batch)) + len(ids) > MAX_BATCH_TOKENS:
-            out.append(_pass(runner, batch))
-            batch = []
-        batch.append(ids)
-    out.append(_pass(runner, batch))
-    return torch.cat(out)
+    return torch.cat([_pass(runner, batch) for batch in batches(inputs, max_tokens)])
 
 
 def _pass(runner: ModelRunner, batch: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -40,6 +40,7 @@ from hetero_pd.serving.control import values as V
 from hetero_pd.serving.control.auth import WorkerKeys
 from hetero_pd.serving.control.server import ControlServer
 from hetero_pd.serving.worker.config import WorkerConfig, transfer_config
+from hetero_pd.serving.worker.embeds import EmbedQueue
 from hetero_pd.serving.worker.prefix_share import offer_prefix, shares_prefixes
 from hetero_pd.serving.worker.requests import RequestBook
 from transfer import KVRegion, TransferEngine
@@ -78,6 +79,7 @@ class Worker:
         self.book: RequestBook = RequestBook(
             self.id, self.engine, self.transfer, self.control.send, cfg.remote_kv_timeout_s
         )
+        self.embeds: EmbedQueue = EmbedQueue(self.engine.config.max_num_batched_tokens)
         self.role: Role = cfg.role
         start = self.engine.config.start_layer
         #: > 0: a split (edge) worker running layers [start_layer, L) on hidden states.
@@ -148,11 +150,13 @@ class Worker:
                     self._contain(ident, msg)
             for ident in self.control.lost():
                 self.book.drop_owner(ident)
+                self.embeds.drop_owner(ident)
             if self.engine.has_unfinished_requests():
                 for out in self.engine.step(self._layer_hook):
                     self.book.on_output(out)
                 for failure in self.engine.pop_failures():
                     self.book.on_failure(failure)
+            self.embeds.step(self.engine, self.control.send)
             self.transfer.progress()
             self.book.tick()
             self.control.flush()
@@ -168,8 +172,8 @@ class Worker:
 
     def _poll_ms(self) -> int:
         load = self.engine.load()
-        if load.waiting or load.running:
-            return 0  # the engine has a step to run
+        if load.waiting or load.running or self.embeds.busy:
+            return 0  # the engine has a step (or an embedding pass) to run
         # Only waiting on transfers (remote KV, pushes, fences): check often, without spinning
         # on a core the other worker may need.
         return 1 if self.book.busy else 20
@@ -209,7 +213,7 @@ class Worker:
                 else:
                     self.control.send(ident, offer_prefix(self.engine.kv, self.transfer, msg))
             case P.Embed():
-                self.control.send(ident, self._embed(msg))
+                self.embeds.add(ident, msg)
             case P.Hidden():
                 self.book.hidden(ident, msg)
             case P.KvReady():
@@ -241,15 +245,6 @@ class Worker:
             case P.Shutdown(drain=drain):
                 self.draining = True
                 self.stopped = not drain
-
-    def _embed(self, msg: P.Embed) -> P.Embedded | P.Error:
-        try:
-            vectors = self.engine.embed(msg.inputs)
-        except ValueError as e:
-            return P.Error(rid=msg.rid, code=V.ErrorCode.BAD_REQUEST, message=str(e))
-        return P.Embedded(
-            rid=msg.rid, dim=vectors.shape[1], vectors=vectors.numpy().astype("<f4").tobytes()
-        )
 
     def _switch_role(self, role: Role) -> None:
         """Drained (nothing in flight): now serve as `role`, and say so with a new Ready."""
