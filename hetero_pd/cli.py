@@ -126,6 +126,8 @@ def _passthrough(command: str, argv: list[str]) -> int:
         from hetero_pd.bench.per_token import main as run
     elif argv[:1] == ["decode-step"]:
         from hetero_pd.bench.decode_step import main as run
+    elif argv[:1] == ["profile"]:
+        from hetero_pd.bench.profile import main as run
     elif argv[:1] == ["migrate"]:
         from hetero_pd.bench.migrate import main as run
     elif argv[:1] == ["spec"]:
@@ -133,7 +135,7 @@ def _passthrough(command: str, argv: list[str]) -> int:
     else:
         print(
             "usage: hetero-pd bench {offline,serve,pd,transfer,kv,routing,tp,moe,edge,edge-privacy,"
-            "per-token,grammar,decode-step,migrate,spec} "
+            "per-token,grammar,decode-step,profile,migrate,spec} "
             "[--help | options]"
         )
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
@@ -151,7 +153,7 @@ PASSTHROUGH = {
     "worker": "run one worker process (the launcher starts these)",
     "edge": "the device side: edge generate (a session from the shell) | edge plan (pick k)",
     "bench": "benchmarks: bench offline | serve | pd | transfer | kv [wire] | routing | tp | moe "
-    "| edge | edge-privacy | per-token | grammar | decode-step | migrate | spec",
+    "| edge | edge-privacy | per-token | grammar | decode-step | profile | migrate | spec",
     "drill": "a deployment across hosts, proven in network namespaces: drill multihost",
 }
 

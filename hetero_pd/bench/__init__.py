@@ -17,5 +17,7 @@ engine against transformers), ``pd`` (disaggregated against colocated serving), 
 (the edge split against the unsplit stack, over loopback or a link shaped by ``link_shaping``)
 and ``edge-privacy`` (inversion attacks on what the split sends; ``edge_agreement`` prices the
 codec and noise in greedy agreement); ``decode-step`` (float32 against bfloat16, the decode
-attention kernel on and off) and ``per-token`` (detokenizing and SSE encoding, old and new).
+attention kernel on and off), ``profile`` (a prefill and a decode step's time by category
+against the GEMM rate, float32 and bfloat16) and ``per-token`` (detokenizing and SSE
+encoding, old and new).
 """

@@ -36,3 +36,38 @@ def test_decode_step_runs_four_engines(
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert set(result["ms_per_step"]) == {name for name, _, _ in decode_step.CONFIGS}
     assert len(result["ratios"]) == 4 and result["cpu"]["model"]
+
+
+def test_profile_shares_sum_to_one(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hetero_pd.bench import profile, profile_ops
+
+    monkeypatch.setenv("HETERO_PD_ADAPTIVE_THREADS", "1")  # restored after: the bench sets it
+    threads = torch.get_num_threads()
+    argv = ["--model", str(tiny_llama_dir), "--prompts", "2", "--prompt-len", "16"]
+    argv += ["--batch", "3", "--context", "12", "--decode-steps", "2", "--repeats", "1"]
+    try:
+        assert profile.main([*argv, "--threads", "1", "--compile", "off"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert set(result["results"]) == {"float32", "bfloat16"} and result["cpu"]["model"]
+    for r in result["results"].values():
+        for step in ("prefill", "decode"):
+            shares = r[step]["shares"]
+            assert set(shares) == set(profile_ops.CATEGORIES)
+            assert sum(shares.values()) == pytest.approx(1.0, abs=1e-3)
+            assert shares["gemm"] > 0 and r[step]["roofline_share"] > 0
+        assert r["prefill"]["tokens"] == 32 and r["decode"]["tokens"] == 3
+
+
+def test_ops_fall_into_their_categories() -> None:
+    from hetero_pd.bench.profile_ops import category
+
+    assert category("aten::addmm") == category("mkldnn::_linear_pointwise") == "gemm"
+    assert category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert category("hetero_pd::paged_decode") == "attention"
+    assert category("aten::copy_") == category("aten::_to_copy") == "copies"
+    assert category("aten::rsqrt") == category("cpp_fused_add_mean_mul_0") == "elementwise"
+    assert category("aten::view") == "other_ops"
