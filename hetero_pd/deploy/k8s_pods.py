@@ -10,6 +10,7 @@ driver's host paths (`kubernetes.host_mounts`) of their kind.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from hetero_pd.deploy import k8s_secrets
@@ -24,6 +25,19 @@ COMPILE_CACHE_DIR = "/tmp/hetero-pd/compile"
 ALIVE_PROBE = f"test $(( $(date +%s) - $(stat -c %Y {ALIVE_FILE}) )) -lt 15"
 #: The image's user (docker/Dockerfile.*); Ascend's driver group HwHiAiUser is 1000 too.
 USER_ID = 1000
+#: A worker pod's termination grace beyond `supervisor.stop_grace_s` (its worker's time to
+#: drain), for the process's own exit; and the least grace a worker pod gets.
+STOP_SLACK_S, MIN_GRACE_S = 30, 60
+
+
+def worker_grace_s(dep: Deployment) -> int:
+    """terminationGracePeriodSeconds of a worker pod. Its SIGTERM makes the worker drain:
+    it takes no new request and says so in its heartbeat, on which the router live-migrates
+    its decoding requests to the other decode workers (no preStop hook calling the router's
+    /admin/drain: that would put an operator key, able to drain every worker, in every
+    worker pod); requests that cannot move (n > 1, edge) finish there within
+    `supervisor.stop_grace_s`, after which the pod's process kills the worker."""
+    return max(MIN_GRACE_S, math.ceil(dep.supervisor.stop_grace_s) + STOP_SLACK_S)
 
 
 def image(dep: Deployment, kind: str) -> str:
@@ -97,7 +111,7 @@ def worker_pod(dep: Deployment, kind: str, devices: int = 1) -> dict[str, Any]:
     ]
     requests: dict[str, Any] = {"cpu": k.worker_cpu, "memory": k.worker_memory}
     limits: dict[str, Any] = {"memory": k.worker_memory}
-    pod: dict[str, Any] = {"terminationGracePeriodSeconds": 60}
+    pod: dict[str, Any] = {"terminationGracePeriodSeconds": worker_grace_s(dep)}
     if kind != "cpu":
         resource = {**DEVICE_RESOURCES, **k.device_resources}[kind]
         requests[resource] = limits[resource] = devices

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -168,3 +169,21 @@ def test_the_edge_listener_port_is_exposed_with_the_api() -> None:
     assert {"name": "edge", "containerPort": 8443} in router["containers"][0]["ports"]
     plain = _by(_render(CONFIGS / "local.yaml"), "Service", "hetero-pd-router")["spec"]["ports"]
     assert [p["name"] for p in plain] == ["http"]
+
+
+@pytest.mark.parametrize(("grace", "pod_grace"), [(10.0, 60), (100.0, 130)])
+def test_worker_pods_have_time_to_drain(grace: float, pod_grace: int) -> None:
+    """A worker pod's SIGTERM drains it (the router moves its decoding requests when its
+    heartbeat says so), so its termination grace covers supervisor.stop_grace_s and the
+    exit; no hook calls the router: no worker pod holds an operator key."""
+    dep, _ = resolve(validate_file(CONFIGS / "local.yaml", "k8s").deployment, use_calibration=False)
+    dep = dataclasses.replace(
+        dep, supervisor=dataclasses.replace(dep.supervisor, stop_grace_s=grace)
+    )
+    out = k8s.render(dep)
+    for role in ("prefill", "decode"):
+        pod = _by(out, "StatefulSet", f"hetero-pd-{role}")["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == pod_grace
+        assert "lifecycle" not in pod["containers"][0]
+    for doc in out:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)

@@ -6,15 +6,25 @@ that decodes speculatively migrates mid-stream with the unmigrated text."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import signal
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from hetero_pd.deploy.testing import Stack, deployment, http_json, random_prompts, running_stack
+from hetero_pd.deploy.testing import (
+    Stack,
+    deployment,
+    http_json,
+    random_prompts,
+    running_stack,
+    wait_gone,
+)
 
 from .test_migration import migrated_run, stream_text, streams_on, wait_decoding
 
@@ -27,6 +37,8 @@ REBALANCE = {
     "cooldown_s": 2.0,
 }  # fmt: skip
 BY_REASON = "hetero_pd_migrations_by_reason_total"
+DECISIONS = "hetero_pd_policy_decisions_total"
+Reply = tuple[str, int, int]  # stream_text's: text, chunks with text, completion tokens
 
 
 @pytest.fixture(scope="module")
@@ -45,38 +57,49 @@ def set_rebalancing(stack: Stack, enabled: bool) -> None:
     rebalancer.cfg = dataclasses.replace(rebalancer.cfg, enabled=enabled)
 
 
+@contextlib.contextmanager
+def pinned_on_decode_0(
+    stack: Stack, prompts: list[list[int]], max_tokens: int
+) -> Iterator[tuple[list[Reply], list[Future[Reply]]]]:
+    """(the unmigrated greedy runs of `prompts`, the same prompts streaming again with all
+    of them decoding on decode-0): decode-1 is drained while they start and back in
+    rotation when this yields; rebalancing is off until it returns."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        greedy = {"temperature": 0}
+        reference = list(pool.map(lambda p: stream_text(stack, p, max_tokens, **greedy), prompts))
+        assert http_json(f"{stack.url}/admin/drain", {"worker": "decode-1"})[0] == 200
+        set_rebalancing(stack, False)
+        try:
+            runs = [pool.submit(stream_text, stack, p, max_tokens, **greedy) for p in prompts]
+            wait_decoding(stack, "decode-0", runs)
+            assert http_json(f"{stack.url}/admin/undrain", {"worker": "decode-1"})[0] == 200
+            yield reference, runs
+        finally:
+            set_rebalancing(stack, True)
+            http_json(f"{stack.url}/admin/undrain", {"worker": "decode-1"})
+
+
 def test_rebalancing_moves_requests_off_a_full_decode_worker(stack: Stack) -> None:
-    """Four requests decode on decode-0 (decode-1 drained while they start), whose KV
-    usage is then above `high` while decode-1's is below `low`. With rebalancing off, the
-    router sees that for three rounds and moves nothing; on, it moves some (at most
-    max_moves per round) to decode-1, and every text equals its unmigrated run's."""
+    """Four requests decode on decode-0, whose KV usage is then above `high` while
+    decode-1's is below `low`. With rebalancing off, the router sees that for three rounds
+    and moves nothing; on, it moves some (at most max_moves per round) to decode-1, and
+    every text equals its unmigrated run's."""
     assert stack.router is not None
     rebalancer = stack.router.rebalancer
     prompts = random_prompts([100, 100, 100, 100], seed=11)
-    with ThreadPoolExecutor(4) as pool:
-        reference = list(pool.map(lambda p: stream_text(stack, p, 128, temperature=0), prompts))
-    moved_before = stack.metric(BY_REASON, reason="rebalance")
-    assert http_json(f"{stack.url}/admin/drain", {"worker": "decode-1"})[0] == 200
-    set_rebalancing(stack, False)
-    try:
-        with ThreadPoolExecutor(4) as pool:
-            runs = [pool.submit(stream_text, stack, p, 128, temperature=0) for p in prompts]
-            wait_decoding(stack, "decode-0", runs)
-            assert http_json(f"{stack.url}/admin/undrain", {"worker": "decode-1"})[0] == 200
-            skipped = rebalancer.skipped
-            while rebalancer.skipped < skipped + 3:  # rounds that saw the imbalance, off
-                assert not any(r.done() for r in runs), "the requests ended before 3 rounds"
-                time.sleep(0.02)
-            assert streams_on(stack, "decode-0") == 4 and rebalancer.moved == 0
-            set_rebalancing(stack, True)
-            while rebalancer.moved == 0 and not all(r.done() for r in runs):
-                time.sleep(0.02)
-            texts = [r.result(180) for r in runs]
-    finally:
+    with pinned_on_decode_0(stack, prompts, 128) as (reference, runs):
+        moved_before, moved = stack.metric(BY_REASON, reason="rebalance"), rebalancer.moved
+        skipped = rebalancer.skipped
+        while rebalancer.skipped < skipped + 3:  # rounds that saw the imbalance, off
+            assert not any(r.done() for r in runs), "the requests ended before 3 rounds"
+            time.sleep(0.02)
+        assert streams_on(stack, "decode-0") == 4 and rebalancer.moved == moved
         set_rebalancing(stack, True)
-        http_json(f"{stack.url}/admin/undrain", {"worker": "decode-1"})
-    assert 1 <= rebalancer.moved <= 4
-    assert stack.metric(BY_REASON, reason="rebalance") == moved_before + rebalancer.moved
+        while rebalancer.moved == moved and not all(r.done() for r in runs):
+            time.sleep(0.02)
+        texts = [r.result(180) for r in runs]
+    assert 1 <= rebalancer.moved - moved <= 4
+    assert stack.metric(BY_REASON, reason="rebalance") == moved_before + rebalancer.moved - moved
     assert texts == reference
     stack.wait_idle()
 
@@ -97,3 +120,21 @@ def test_speculative_request_migrates_with_the_unmigrated_text(stack: Stack) -> 
 
 def accepted_tokens(stack: Stack, worker: str) -> float:
     return stack.metric("vllm:spec_decode_num_accepted_tokens_total", worker=worker)
+
+
+def test_a_decode_worker_told_to_stop_moves_its_requests_first(stack: Stack) -> None:
+    """SIGTERM to a decode worker (how Kubernetes stops a pod) while three requests decode
+    on it: its heartbeat says it drains, the router moves all three to the other decode
+    worker (no operator key anywhere), each with its unmigrated text and none recomputed,
+    and then the worker exits. Last in this module: it stops decode-0."""
+    prompts = random_prompts([40, 40, 40], seed=13)
+    with pinned_on_decode_0(stack, prompts, 96) as (reference, runs):
+        moved = stack.metric(BY_REASON, reason="shutdown")
+        recomputed = stack.metric(DECISIONS, decision="recompute")
+        pid = stack.pids["decode-0"]
+        os.kill(pid, signal.SIGTERM)
+        texts = [r.result(180) for r in runs]
+    assert texts == reference
+    assert stack.metric(BY_REASON, reason="shutdown") == moved + 3
+    assert stack.metric(DECISIONS, decision="recompute") == recomputed
+    assert not wait_gone([pid], 30)

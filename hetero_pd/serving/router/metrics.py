@@ -45,8 +45,9 @@ OUTCOMES = ("stop", "length", "abort", "rejected", "error")
 #: What the router's policy decided for a request (or for a failed KV transfer).
 MIGRATION_STAGES = ("started", "completed", "aborted")
 #: Why a migration started: an operator's /admin/migrate, a drain (restart, scale-down,
-#: role switch), or the rebalancing policy.
-MIGRATION_REASONS = ("admin", "drain", "rebalance")
+#: role switch), the rebalancing policy, or its worker being told to stop (SIGTERM: a
+#: Kubernetes pod's termination) and saying so in its heartbeat.
+MIGRATION_REASONS = ("admin", "drain", "rebalance", "shutdown")
 DECISIONS = (
     "disaggregated",
     "local_prefill",

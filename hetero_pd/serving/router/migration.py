@@ -240,6 +240,14 @@ class Migrator:
         `timeout_s`. Requests still being handed to it are moved once they decode; those
         that cannot move are waited for."""
         self.draining.add(worker_id)
+        return await self.evacuate(worker_id, timeout_s, "drain")
+
+    async def evacuate(
+        self, worker_id: str, timeout_s: float = 300.0, reason: str = "drain"
+    ) -> list[Migration]:
+        """`drain`'s moves, for a worker already kept out of rotation (by `drain`, or by
+        itself: a worker told to stop, SIGTERM, reports draining); ends early when the
+        worker is gone, and waits while no other decode worker could take a request."""
         deadline = time.monotonic() + timeout_s
         done: list[Migration] = []
         limit = asyncio.Semaphore(DRAIN_CONCURRENCY)
@@ -247,7 +255,7 @@ class Migrator:
         async def move(rid: str) -> Migration | None:
             async with limit:
                 try:
-                    return await self.migrate(rid, reason="drain")
+                    return await self.migrate(rid, reason=reason)
                 except ValueError as e:
                     if rid in self.streams and self.streams[rid].decode.id == worker_id:
                         log.warning("drain %s: %s", worker_id, e)
@@ -255,8 +263,14 @@ class Migrator:
 
         while time.monotonic() < deadline:
             left = self.on_worker(worker_id)
-            if not left:
+            source = self.workers.get(worker_id)
+            if not left or source is None or source.gone:
                 break
+            try:
+                self.destination(source, None)
+            except ValueError:  # every decode worker stops (the deployment does): wait
+                await asyncio.sleep(0.5)
+                continue
             # A request that cannot move (n > 1, edge) finishes where it is: only waited for.
             ready = [
                 rid

@@ -83,6 +83,7 @@ class Router:
         self.rebalancer = Rebalancer(
             cfg.rebalance, self.migrator, lambda: self.live("decode", "both")
         )
+        self._evacuations: set[asyncio.Task[Any]] = set()  # of workers stopping
         self._decoder: dict[str, WorkerClient] = {}  # split request id -> its decode worker
         #: Supervisor's view of each worker process (pid, restarts, state) for /health.
         self._supervision: Mapping[str, Mapping[str, Any]] = {}
@@ -122,6 +123,8 @@ class Router:
         worker (at most that long): the sockets drop what they have not sent, and workers
         that outlive the router (several hosts) must first read the aborts of the requests
         a shutdown cut (one worker's messages stay in order: its answer means they were)."""
+        for task in self._evacuations:
+            task.cancel()
         if flush_s > 0:
             live = [w for w in self.workers.values() if w.alive]
             await asyncio.gather(*(w.flush(flush_s) for w in live))
@@ -197,6 +200,9 @@ class Router:
         return time.monotonic() - client.last_seen
 
     def _on_message(self, client: WorkerClient, msg: Any) -> None:
+        if isinstance(msg, P.Heartbeat):  # the first saying it drains
+            self._evacuate(client)
+            return
         if isinstance(msg, M.MigrateReady | M.MigrateState | M.MigrateFailed | M.Migrated):
             self.migrator.deliver(client.id, msg)
             if not isinstance(msg, M.Migrated):  # Migrated switches the stream as well
@@ -204,6 +210,18 @@ class Router:
         queue = self.queues.get(getattr(msg, "rid", ""))
         if queue is not None:
             queue.put_nowait((client.id, msg))
+
+    def _evacuate(self, client: WorkerClient) -> None:
+        """A decode worker drains of its own accord (told to stop: SIGTERM, a Kubernetes
+        pod's termination): its decoding requests move to the other decode workers before
+        it exits, so stopping a pod needs no operator key in it. A drain the router runs
+        itself (admin, restart, role switch) moves them already."""
+        if client.role not in ("decode", "both") or client.id in self.migrator.draining:
+            return
+        log.info("worker %s is stopping: moving its requests", client.id)
+        task = asyncio.create_task(self.migrator.evacuate(client.id, reason="shutdown"))
+        self._evacuations.add(task)
+        task.add_done_callback(self._evacuations.discard)
 
     def _on_dead(self, client: WorkerClient) -> None:
         self.migrator.deliver(client.id, WorkerGone(client.id))

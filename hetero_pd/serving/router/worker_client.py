@@ -170,10 +170,13 @@ class WorkerClient:
             self.last_seen = time.monotonic()
             match msg:
                 case P.Heartbeat(load=load, cached=cached):
+                    stopping = load.draining and not self.load.draining
                     self.load = load
                     if cached is not None:
                         self.held.report(cached)
                     self.alive = self.usable
+                    if stopping:  # it started draining: the router moves its requests
+                        self.on_message(self, msg)
                 case P.Ready(role=role, info=info):
                     self.role, self.info = role, info
                     self.held.clear()  # a restarted worker's cache is empty
