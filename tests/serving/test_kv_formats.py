@@ -96,6 +96,8 @@ def test_bf16_npu_layout_prefill_to_bf16_nd_decode_equals_one_engine(tiny_llama_
         ("tiny_deepseek_v3_dir", "tcp", 0.08),
         # Qwen3-MoE (q/k norms, experts) over shm: measured 0.0044 nats.
         ("tiny_qwen3_moe_dir", "shm", LOGPROB_TOLERANCE),
+        ("tiny_qwen3_dir", "tcp", LOGPROB_TOLERANCE),
+        ("tiny_mixtral_dir", "shm", LOGPROB_TOLERANCE),
     ],
 )
 def test_bf16_npu_layout_prefill_to_float32_nd_decode(

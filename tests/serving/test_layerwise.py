@@ -29,6 +29,8 @@ DECISIONS = "hetero_pd_policy_decisions_total"
         ("tiny_qwen3_moe_dir", [40, 90, 200, 20]),
         # Mixtral: every layer a mixture of experts (block_sparse_moe names, renormalised top-2).
         ("tiny_mixtral_dir", [40, 90, 200, 20]),
+        # Qwen3 dense: per-head q/k norms, head_dim != hidden / heads.
+        ("tiny_qwen3_dir", [40, 90, 200, 20]),
     ],
 )
 def test_layerwise_streaming_equals_engine(
