@@ -93,6 +93,45 @@ def test_inflight_limits_count_choices_per_key(stack: Stack) -> None:
     assert complete(stack, A, n=4)[0] == 200  # the slots came back
 
 
+def test_embeddings_count_against_admission(stack: Stack) -> None:
+    """/v1/embeddings once skipped admission: a key at its share, or a full server, still
+    had every embeddings request sent to a worker. Now each input holds a slot (a request
+    at most its key's whole share) while it runs, and a client over its share gets the
+    completions' 429 with Retry-After."""
+    clients = {k: openai.OpenAI(base_url=stack.base_url, api_key=k, max_retries=0) for k in (A, B)}
+    router = stack.router
+    assert router is not None
+    held: list[dict[str, int]] = []
+    embed = router.embed
+
+    async def spy(rid: str, inputs: list[list[int]]) -> tuple[int, bytes]:
+        held.append(dict(router.admission.by_key))
+        return await embed(rid, inputs)
+
+    router.embed = spy  # type: ignore[method-assign]
+    long = {"model": stack.dep.model, "prompt": [1, 2, 3], "max_tokens": 1000, "n": 4,
+            "stream": True, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    try:
+        clients[B].embeddings.create(model=stack.dep.model, input=[[1, 2], [3], [4, 5]])
+        many = [[t] for t in range(1, 11)]  # ten inputs: the key's whole share, no more
+        clients[B].embeddings.create(model=stack.dep.model, input=many)
+        assert held == [{B: 3}, {B: 4}]
+        first = clients[A].completions.create(**long)
+        try:
+            next(iter(first))  # A's four slots are taken
+            with pytest.raises(openai.RateLimitError) as info:
+                clients[A].embeddings.create(model=stack.dep.model, input=[[1, 2]])
+            assert int(info.value.response.headers["Retry-After"]) >= 1
+            assert "may have at most 4" in info.value.response.json()["error"]["message"]
+            assert len(held) == 2  # refused before any worker saw it
+        finally:
+            first.close()
+    finally:
+        router.embed = embed  # type: ignore[method-assign]
+    stack.wait_idle()
+    assert router.admission.by_key == {}
+
+
 def test_only_admin_keys_operate_the_deployment(stack: Stack) -> None:
     """A client's API key once drained, migrated and restarted workers (/admin/*): any
     client could empty the decode pool. Those routes take only router.admin_keys."""

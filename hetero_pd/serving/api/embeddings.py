@@ -10,7 +10,9 @@ Each input is one vector: the last token's final hidden state, L2-normalised
 forward pass that keeps no KV. ``base64`` is the vector's float32 bytes, little-endian (what
 the openai client asks for by default and decodes). ``dimensions`` is refused unless it is
 the model's own width: a generative model's vectors are not trained to be cut shorter
-(Matryoshka). Bad input is a 400 naming the field.
+(Matryoshka). Bad input is a 400 naming the field. Admission counts each input as one
+completion (router/admission.py; a batch holds at most its key's whole share), so a client
+over its share, or any client while the server is full, gets the same 429 with Retry-After.
 """
 
 from __future__ import annotations
@@ -36,11 +38,19 @@ FORMATS = ("float", "base64")
 
 async def embeddings(request: web.Request) -> web.Response:
     state = state_of(request)
-    errors.check_api_key(request.headers, state.api_keys)
+    key = errors.check_api_key(request.headers, state.api_keys)
     raw = await request.read()
     loop = asyncio.get_running_loop()
-    body, inputs = await loop.run_in_executor(state.tokenize_pool, parse, state, raw)
-    dim, blob = await state.router.embed(f"embd-{uuid.uuid4().hex}", inputs)
+    body, items = await loop.run_in_executor(state.tokenize_pool, parse, state, raw)
+    # Admitted like completions, before the tokenizer spends time on it: each input holds a
+    # slot, a large batch at most its key's whole share (it then runs alone for that key).
+    admission = state.router.admission
+    slots = admission.admit(key, min(len(items), admission.largest))
+    try:
+        inputs = await loop.run_in_executor(state.tokenize_pool, token_ids, state, items)
+        dim, blob = await state.router.embed(f"embd-{uuid.uuid4().hex}", inputs)
+    finally:
+        slots.release()
     if body.get("dimensions") is not None and body["dimensions"] != dim:
         raise bad_request(
             f"'dimensions' {show(body['dimensions'])} is not supported: this model's embeddings "
@@ -63,8 +73,8 @@ async def embeddings(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data, "model": model, "usage": usage})
 
 
-def parse(state: ApiState, raw: bytes) -> tuple[dict[str, Any], list[list[int]]]:
-    """The body's fields and its inputs as token ids (run on the tokenizer thread)."""
+def parse(state: ApiState, raw: bytes) -> tuple[dict[str, Any], list[Any]]:
+    """The body's fields and its inputs, checked but not tokenized (tokenizer thread)."""
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
@@ -82,8 +92,12 @@ def parse(state: ApiState, raw: bytes) -> tuple[dict[str, Any], list[list[int]]]
         raise bad_request(
             f"'dimensions' must be a positive integer, got {show(dims)}", "dimensions"
         )
-    inputs = [_ids(state, item, i) for i, item in enumerate(_items(body.get("input")))]
-    return body, inputs
+    return body, _items(body.get("input"))
+
+
+def token_ids(state: ApiState, items: list[Any]) -> list[list[int]]:
+    """Each input as token ids, each checked against the context (tokenizer thread)."""
+    return [_ids(state, item, i) for i, item in enumerate(items)]
 
 
 def _items(value: Any) -> list[Any]:

@@ -3,7 +3,9 @@
 A request holds one slot per completion it asks for (its prompts times ``n``): that is what
 costs the workers, so one request with 256 prompts and ``n = 128`` cannot pass as one. A
 client over its key's share, or any client while the server is full, gets a 429 with
-``Retry-After``; the slots come back when its answer ends, however it ends.
+``Retry-After``; the slots come back when its answer ends, however it ends. An embeddings
+request holds one slot per input, at most :attr:`Admission.largest` (a batch of 2,048 inputs
+runs alone for its key rather than being refused).
 """
 
 from __future__ import annotations
