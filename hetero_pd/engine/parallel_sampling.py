@@ -38,6 +38,23 @@ class ParentRequest:
         self.n = params.n
         self.started = 1  # children handed to the engine so far (child 0 first)
         self._latest: dict[int, RequestOutput] = {}
+        self._ended: set[int] = set()  # children that finished elsewhere (live migration)
+
+    @classmethod
+    def arriving(cls, request_id: str, params: SamplingParams) -> ParentRequest:
+        """The request moving here by live migration: every child started where it was;
+        `end` the ones that finished there."""
+        parent = cls(request_id, params)
+        parent.started = parent.n
+        return parent
+
+    def end(self, index: int) -> None:
+        self._ended.add(index)
+
+    def done(self, index: int) -> bool:
+        """Whether child `index` has finished."""
+        out = self._latest.get(index)
+        return index in self._ended or (out is not None and out.finished)
 
     def child_id(self, index: int) -> str:
         return f"{index}_{self.request_id}" if index else self.request_id
@@ -60,7 +77,7 @@ class ParentRequest:
 
     @property
     def finished(self) -> bool:
-        return len(self._latest) == self.n and all(o.finished for o in self._latest.values())
+        return all(self.done(index) for index in range(self.n))
 
     def output(self) -> RequestOutput:
         """The merged output: one completion per child, in index order."""

@@ -51,23 +51,39 @@ def stream_text(
 ) -> tuple[str, int, int]:
     """Streams a completion with the official client: (its text, chunks with text, the
     completion tokens its usage counts); sets `reached` after `after` chunks."""
+    texts, chunks, usage = stream_choices(stack, prompt, max_tokens, reached, after, **sampling)
+    return texts[0], chunks[0], usage
+
+
+def stream_choices(
+    stack: Stack,
+    prompt: list[int],
+    max_tokens: int,
+    reached: threading.Event | None = None,
+    after: int = 8,
+    n: int = 1,
+    **sampling: Any,
+) -> tuple[list[str], list[int], int]:
+    """`stream_text` of each of `n` completions: (texts, chunks with text, completion
+    tokens of all); `after` counts the chunks of all of them."""
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
-    text, chunks, usage = "", 0, 0
+    texts, chunks, usage = [""] * n, [0] * n, 0
     with client:
         stream = client.completions.create(
-            model=stack.dep.model, prompt=prompt, max_tokens=max_tokens, stream=True,
+            model=stack.dep.model, prompt=prompt, max_tokens=max_tokens, stream=True, n=n,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
             **sampling,
         )  # fmt: skip
         for chunk in stream:
             if chunk.usage is not None:
                 usage = chunk.usage.completion_tokens
-            if chunk.choices and chunk.choices[0].text:
-                text += chunk.choices[0].text
-                chunks += 1
-                if reached is not None and chunks == after:
-                    reached.set()
-    return text, chunks, usage
+            for choice in chunk.choices:
+                if choice.text:
+                    texts[choice.index] += choice.text
+                    chunks[choice.index] += 1
+                    if reached is not None and sum(chunks) == after:
+                        reached.set()
+    return texts, chunks, usage
 
 
 def the_request(stack: Stack, timeout_s: float = 30.0) -> str:
@@ -85,14 +101,14 @@ def the_request(stack: Stack, timeout_s: float = 30.0) -> str:
 
 def migrated_run(
     stack: Stack, prompt: list[int], max_tokens: int, **sampling: Any
-) -> tuple[tuple[str, int, int], Migration]:
-    """Streams `prompt` and moves it to the other decode worker after 8 chunks."""
+) -> tuple[Any, Migration]:
+    """Streams `prompt` (`stream_choices` with `n` in `sampling`, else `stream_text`) and
+    moves it to the other decode worker after 8 chunks."""
     assert stack.router is not None
     reached = threading.Event()
+    streamer = stream_choices if "n" in sampling else stream_text
     with ThreadPoolExecutor(1) as pool:
-        run: Future[tuple[str, int, int]] = pool.submit(
-            stream_text, stack, prompt, max_tokens, reached, **sampling
-        )
+        run: Future[Any] = pool.submit(streamer, stack, prompt, max_tokens, reached, **sampling)
         assert reached.wait(60)
         rid = the_request(stack)
         result = stack.call(stack.router.migrator.migrate(rid), 60)
@@ -112,6 +128,20 @@ def test_migrated_stream_equals_unmigrated(stack: Stack, sampling: dict[str, Any
     assert got == reference  # same text, one chunk per token, none lost or repeated
     assert reference[2] == 48
     assert stack.metric(MIGRATIONS, stage="completed") == before + 1
+    stack.wait_idle()
+
+
+def test_n2_request_migrates_whole(stack: Stack) -> None:
+    """A seeded n=2 request moved mid-stream: both completions move together, each one's
+    text equals the unmigrated run's, chunk for chunk (no gap, no repeat)."""
+    prompt = random_prompts([70], seed=4)[0]
+    sampling: dict[str, Any] = {"temperature": 0.9, "seed": 77, "n": 2}
+    reference = stream_choices(stack, prompt, 40, **sampling)
+    got, result = migrated_run(stack, prompt, 40, **sampling)
+    assert result.ok, result.reason
+    assert result.source != result.dest and result.bytes > 0
+    assert got == reference
+    assert reference[0][0] != reference[0][1] and reference[2] == 80
     stack.wait_idle()
 
 

@@ -9,6 +9,7 @@ with its KV and its state, and its stream goes on from B without a gap or a repe
       |                    |                                  | (rounds until few are new)
       |                    |<====== the rest, last partial ===| paused for this push only
       |<-- MigrateState (generated tokens, generator, logprobs, seq) --| keeps it paused
+      |    (one state per completion still running: an n > 1 request moves whole)
       |-- MigrateResume -->| checks the state, rebuilds what derives from the tokens
       |<-- Migrated -------| (grammar, detokenizer, stop matcher, penalties), decodes on;
       |<-- Output seq k ...| its outputs follow Migrated on the same socket
@@ -23,12 +24,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from msgspec import Meta
+from msgspec import Meta, field
 
+from hetero_pd.sampling_params import MAX_N
 from hetero_pd.serving.control.sampling import Positions, TokenIds, WireParams
 from hetero_pd.serving.control.values import Count, Envelope, Message, Name, PromptCount, Rid, Value
 from transfer import RemoteBlocks
 
+Index = Annotated[int, Meta(ge=0, lt=MAX_N)]  # one of a request's n completions
 #: A seeded request's generator state (torch's CPU generator state is 5056 bytes).
 MAX_GENERATOR_BYTES = 1 << 16
 
@@ -38,6 +41,7 @@ class RequestState(Value, kw_only=True, frozen=True):
     its grammar's place and its stop-string matcher all follow from `output_ids` (the
     destination replays them); the rest travels here."""
 
+    index: Index = 0  # which of the request's n completions
     output_ids: TokenIds  # every generated token; the last one's KV is not computed yet
     generator: Annotated[bytes, Meta(max_length=MAX_GENERATOR_BYTES)] | None = None
     logprobs: Positions | None = None  # one position per output token, when asked
@@ -49,9 +53,16 @@ class RequestState(Value, kw_only=True, frozen=True):
     cached_tokens: PromptCount = 0
 
 
+#: The completions of a request that move (each one's index), in the order of their
+#: blocks in the destination's reservation.
+Choices = Annotated[list[Index], Meta(min_length=1, max_length=MAX_N)]
+States = Annotated[list[RequestState], Meta(min_length=1, max_length=MAX_N)]
+
+
 class MigrateIn(Envelope, tag="migrate_in", kw_only=True, frozen=True):
-    """Router -> destination: reserve room for `num_tokens` of the request's KV, writable
-    by `writer` only."""
+    """Router -> destination: reserve room for `num_tokens` of the request's KV for each
+    completion in `choices` (an n > 1 request's that still run), writable by `writer`
+    only; one reservation, the completions' blocks one after the other."""
 
     rid: Rid
     prompt_ids: TokenIds
@@ -59,6 +70,7 @@ class MigrateIn(Envelope, tag="migrate_in", kw_only=True, frozen=True):
     priority: Annotated[int, Meta(ge=-(2**31), lt=2**31)] = 0
     writer: Annotated[str, Meta(min_length=1, max_length=256)]
     num_tokens: PromptCount
+    choices: Choices = field(default_factory=lambda: [0])
 
 
 class MigrateReady(Envelope, tag="migrate_ready", kw_only=True, frozen=True):
@@ -67,8 +79,8 @@ class MigrateReady(Envelope, tag="migrate_ready", kw_only=True, frozen=True):
 
 
 class MigrateOut(Envelope, tag="migrate_out", kw_only=True, frozen=True):
-    """Router -> source: copy the request's KV into `dest_blocks` (block i of the request
-    into its block i), then pause it and send its state."""
+    """Router -> source: copy the request's KV into `dest_blocks` (block i of completion
+    `choices[c]` into block i of its c-th equal share), then pause it and send its state."""
 
     rid: Rid
     dest_worker: Name
@@ -77,13 +89,14 @@ class MigrateOut(Envelope, tag="migrate_out", kw_only=True, frozen=True):
     #: False: no pre-copy, every block moves while the request is paused (stop-and-copy,
     #: what `hetero-pd bench migrate` compares against).
     precopy: bool = True
+    choices: Choices = field(default_factory=lambda: [0])
 
 
 class MigrateState(Envelope, tag="migrate_state", kw_only=True, frozen=True):
     """Source -> router: the KV is on the destination; the request is paused here."""
 
     rid: Rid
-    state: RequestState
+    states: States  # one per completion still running, the others finished there
     bytes: Count  # KV bytes pushed, every round
     rounds: Count  # pushes, the last one while paused
     paused_s: Annotated[float, Meta(ge=0.0)]  # paused so far (the last push)
@@ -91,7 +104,7 @@ class MigrateState(Envelope, tag="migrate_state", kw_only=True, frozen=True):
 
 class MigrateResume(Envelope, tag="migrate_resume", kw_only=True, frozen=True):
     rid: Rid
-    state: RequestState
+    states: States
 
 
 class Migrated(Envelope, tag="migrated", kw_only=True, frozen=True):

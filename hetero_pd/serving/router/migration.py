@@ -45,7 +45,9 @@ class Stream:
     priority: int
     involved: list[WorkerClient]
     migratable: bool
-    tokens: int = 0  # completion tokens so far (its outputs said)
+    #: Its completions (of n) without a finish reason yet: those that move with it.
+    running: set[int] = field(default_factory=lambda: {0})
+    tokens: int = 0  # completion tokens so far, of its longest completion (its outputs said)
     decoding: bool = False  # it had an output: its prompt is done
     dest: WorkerClient | None = None  # the worker it migrates to, while it does
     stage: str = ""  # of its migration: reserving, copying, handing over ("" when none)
@@ -120,13 +122,13 @@ class Migrator:
         """Moves request `rid` to `dest_id` (None: the decode worker with the most free
         blocks); `precopy` False pauses it for the whole copy (for comparison); `reason`
         (one of MIGRATION_REASONS: admin, drain, rebalance) labels its metric. Raises
-        ValueError when it cannot start (unknown or not decoding yet, n > 1, an edge
-        request, no destination); returns how it went otherwise."""
+        ValueError when it cannot start (unknown or not decoding yet, an edge request, no
+        destination); returns how it went otherwise. An n > 1 request moves whole."""
         stream = self.streams.get(rid)
         if stream is None or not stream.decoding:
             raise ValueError(f"request {rid} is not decoding on this router")
         if not stream.migratable:
-            raise ValueError(f"request {rid} does not migrate (n > 1 or an edge request)")
+            raise ValueError(f"request {rid} does not migrate (an edge request)")
         if stream.dest is not None or rid in self.inboxes:
             raise ValueError(f"request {rid} is migrating already")
         source = stream.decode
@@ -169,6 +171,7 @@ class Migrator:
     ) -> Migration:
         rid = stream.rid
         tokens = len(stream.prompt_ids) + stream.tokens
+        choices = sorted(stream.running)
         room = min(tokens + HEADROOM_TOKENS, dest.info.max_model_len - 1)
 
         def failed(reason: str) -> Migration:
@@ -186,6 +189,7 @@ class Migrator:
                 priority=stream.priority,
                 writer=source.id,
                 num_tokens=room,
+                choices=choices,
             )
         )
         reply = await self._answer(inbox, {dest.id}, (M.MigrateReady,))
@@ -199,6 +203,7 @@ class Migrator:
                 dest_address=dest.info.transfer_address,
                 dest_blocks=reply.blocks,
                 precopy=precopy,
+                choices=choices,
             )
         )
         state = await self._answer(inbox, {source.id, dest.id}, (M.MigrateState,))
@@ -206,13 +211,13 @@ class Migrator:
             return failed(f"copy: {state}")
         handed = time.monotonic()
         stream.handing_over, stream.stage = True, "handing over"
-        dest.send(M.MigrateResume(rid=rid, state=state.state))
+        dest.send(M.MigrateResume(rid=rid, states=state.states))
         done = await self._answer(inbox, {dest.id}, (M.Migrated,))
         if not isinstance(done, M.Migrated):
             return failed(f"hand-over: {done}")
         pause = state.paused_s + (time.monotonic() - handed)
         source.try_send(P.Abort(rid=rid))  # frees the paused request there
-        moved = len(stream.prompt_ids) + len(state.state.output_ids)
+        moved = len(stream.prompt_ids) + max(len(s.output_ids) for s in state.states)
         return Migration(
             rid, source.id, dest.id, True, "", pause, elapsed(), state.bytes, state.rounds, moved
         )
@@ -271,7 +276,7 @@ class Migrator:
             except ValueError:  # every decode worker stops (the deployment does): wait
                 await asyncio.sleep(0.5)
                 continue
-            # A request that cannot move (n > 1, edge) finishes where it is: only waited for.
+            # A request that cannot move (edge) finishes where it is: only waited for.
             ready = [
                 rid
                 for rid in left

@@ -5,8 +5,8 @@ first to the second, so the loaded one stops preempting and its batch shrinks.
 Each round (every `interval_s`) pairs the most loaded worker above `high` with the least
 loaded below `low` (same model and block size, neither draining, neither a split worker),
 and moves at most `max_moves` of the loaded one's requests, those with the fewest tokens
-first (the least KV to copy, Llumnix's default), skipping those that cannot move (`n > 1`,
-edge requests, already migrating) or that are about to finish. Both workers then sit out
+first (the least KV to copy, Llumnix's default), skipping those that cannot move (edge
+requests, already migrating) or that are about to finish. Both workers then sit out
 `cooldown_s`: their heartbeats must first report the KV usage after the moves, or the next
 round would act on numbers from before them.
 """

@@ -265,7 +265,7 @@ class Router:
         queue: Inbox = asyncio.Queue()
         self.queues[rid] = queue
         flow = Handoff(self.handoff_policy, rid, prompt_ids, params, priority, queue, edge)
-        migratable = edge is None and params.n == 1
+        migratable = edge is None
         finished = False
         running = set(range(params.n))  # completions without a finish reason yet
         try:
@@ -273,8 +273,9 @@ class Router:
             if edge is not None and edge.prompt.early_kv is None:
                 self._decoder[rid] = decode
             stream = self.streams[rid] = Stream(
-                rid, decode, prompt_ids, flow.params, priority, flow.involved, migratable
-            )
+                rid, decode, prompt_ids, flow.params, priority, flow.involved, migratable,
+                running,
+            )  # fmt: skip
             expected = 0
             while True:
                 if early is not None:
@@ -301,7 +302,8 @@ class Router:
                         flow.prompt_done()
                         check_output(rid, worker_id, msg, expected, params.n)
                         expected += 1
-                        stream.decoding, stream.tokens = True, msg.completion_tokens
+                        stream.decoding = True
+                        stream.tokens = max(stream.tokens, msg.completion_tokens)
                         if msg.finish_reason is not None:
                             running.discard(msg.index)
                         finished = not running

@@ -69,16 +69,17 @@ class RequestBook:
         #: Requests pulling their prompt's prefix KV from another worker before they start.
         self.pulls = PrefixPulls(worker_id, engine, transfer)
         self.requests: dict[str, WorkerRequest] = {}
+        self.children: dict[str, str] = {}  # engine id of completion 1.. of n -> request id
         #: Live migrations of decoding requests, out of this worker and into it.
         self.migrations = Migrations(
             engine,
             transfer,
             send,
             self.requests,
+            self.children,
             lambda req: self._drop(req, self.engine.abort_request),
             remote_kv_timeout_s,
         )
-        self.children: dict[str, str] = {}  # engine id of completion 1.. of n -> request id
         #: Reserved prompts whose KV never arrived whole, so this worker computed them.
         self.kv_fallbacks = 0
 
