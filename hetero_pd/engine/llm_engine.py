@@ -27,7 +27,7 @@ from hetero_pd.engine.pooling import embed
 from hetero_pd.engine.request import Request, RequestStatus
 from hetero_pd.engine.sampler import advance_generator
 from hetero_pd.engine.scheduler import Role, Scheduler, SchedulerConfig, SchedulerOutput
-from hetero_pd.engine.spec.speculator import Speculator
+from hetero_pd.engine.spec.speculator import build_speculator
 from hetero_pd.engine.structured import GrammarCompiler
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
@@ -104,8 +104,11 @@ class LLMEngine(HiddenPrompts):
             role=config.role,
         )
         self.scheduler = Scheduler(sched_cfg, self.kv)
-        spec = config.speculative_config
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        draft_kv = (num_blocks, config.block_size, config.max_num_batched_tokens)
+        self.speculator = build_speculator(
+            config.speculative_config, self.max_model_len, self.model_path, draft_kv,
+            self.device, dtype,
+        )  # fmt: skip
         eos = self.decoder.eos_token_id  # the tokenizer's, besides the model config's
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | {int(e) for e in [eos] if e is not None}
         self.outputs = OutputBuilder(self.decoder)

@@ -1,4 +1,4 @@
-"""SpeculativeConfig: vLLM's `speculative_config` (the `ngram` method)."""
+"""SpeculativeConfig: vLLM's `speculative_config` (methods `ngram` and `draft_model`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 #: Proposals one step verifies per sequence, at most (acceptance is reported per position).
 MAX_SPECULATIVE_TOKENS = 64
 
@@ -18,18 +18,29 @@ class SpeculativeConfig:
     `ngram` (prompt lookup): the last n tokens of a sequence (n from `prompt_lookup_max`
     down to `prompt_lookup_min`) are looked up earlier in its prompt and output; the up to
     `num_speculative_tokens` tokens that followed their latest match are proposed.
+
+    `draft_model`: `model` (a folder or known name), a smaller model with the target's
+    tokenizer, proposes `num_speculative_tokens` tokens greedily (spec/draft.py).
     """
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(
                 f"speculative_config.method must be one of {METHODS}, got {self.method!r}"
             )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "speculative_config.model names the draft model of method draft_model, and "
+                f"only of it: got method {self.method!r} with model {self.model!r}"
+            )
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative_config.model must be a path or name, got {self.model!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
