@@ -62,6 +62,14 @@ def tiny_pd_stack(tiny_llama_dir: Path) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="session")
+def default_pd_stack(default_model_dir: Path) -> Iterator[Stack]:
+    """1 prefill + 1 decode worker of the default model, no API key: the structured-output
+    and embeddings files read it alike (deltas of the metrics, idle workers after)."""
+    with running_stack(deployment(default_model_dir)) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
 def chat_colocated_stack(chat_model: Path) -> Iterator[Stack]:
     """One colocated worker of the tiny chat model, API key SHARED_KEY."""
     dep = deployment(chat_model, workers=[{"role": "both"}], router={"api_keys": [SHARED_KEY]})

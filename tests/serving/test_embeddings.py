@@ -6,7 +6,6 @@ the prompt tokens; bad input is a 400 naming the field."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,8 @@ TEXTS = ["The capital of France is Paris.", "a", "Embeddings turn text into vect
 
 
 @pytest.fixture(scope="module")
-def stack(default_model_dir: Path) -> Iterator[Stack]:
-    with running_stack(deployment(default_model_dir)) as s:
-        yield s
+def stack(default_pd_stack: Stack) -> Stack:
+    return default_pd_stack
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import pydantic
 import pytest
 
 from hetero_pd import LLM, SamplingParams, StructuredOutputsParams
-from hetero_pd.deploy.testing import Stack, deployment, running_stack
+from hetero_pd.deploy.testing import Stack
 
 pytestmark = pytest.mark.slow
 DECISIONS = "hetero_pd_policy_decisions_total"
@@ -70,9 +69,8 @@ class Person(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def stack(default_model_dir: Path) -> Iterator[Stack]:
-    with running_stack(deployment(default_model_dir)) as s:
-        yield s
+def stack(default_pd_stack: Stack) -> Stack:
+    return default_pd_stack
 
 
 @pytest.fixture(scope="module")
