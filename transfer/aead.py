@@ -13,9 +13,11 @@ between hosts and leaves peers on one host in clear (they use shared memory anyw
 ``on`` always, ``off`` never, and one end's ``on`` against the other's ``off`` refuses the
 link. Each direction has its own key and a counter for nonces, so a nonce is never used
 twice under one key; a frame whose tag does not verify is dropped and counted
-(``bad_mac``), and its chunk is resent like any chunk that did not arrive whole. BEGIN, END
-and ACK carry block ids and counts, not KV: they travel in clear with a MAC under the
-session's control keys (:mod:`transfer.wire`), so one rewritten on the way is dropped.
+(``bad_mac``), and its chunk is resent like any chunk that did not arrive whole. The
+receiver takes each nonce once (:class:`transfer.replay.Window`): a sealed chunk sent
+again, byte for byte, is refused (``replay``). BEGIN, END and ACK carry block ids and
+counts, not KV: they travel in clear with a MAC under the session's control keys
+(:mod:`transfer.wire`), so one rewritten on the way is dropped.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from transfer import wire
 from transfer.messages import Begin
+from transfer.replay import Window
 
 NONCE_BYTES = 12
 TAG_BYTES = 16
@@ -67,6 +70,7 @@ class Sealer:
     def __init__(self, send_key: bytes, receive_key: bytes) -> None:
         self._send, self._receive = AESGCM(send_key), AESGCM(receive_key)
         self._count = 0
+        self._opened = Window()  # the peer's nonces taken (a counter: transfer.replay)
         self._pool: list[bytearray] = []
 
     def seal(self, aad: bytes, plaintext: bytes | memoryview) -> memoryview:
@@ -99,16 +103,27 @@ class Sealer:
             self._pool.append(buf)
         return buf
 
+    def fresh(self, sealed: memoryview) -> bool:
+        """Whether ``sealed``'s nonce was not taken yet (a replay is refused before the work
+        of opening it)."""
+        return self._opened.fresh(int.from_bytes(sealed[:NONCE_BYTES], "big"))
+
     def open_into(self, aad: bytes, sealed: memoryview, out: memoryview) -> None:
         """Decrypts ``sealed`` into ``out`` (``len(sealed) - OVERHEAD`` bytes); a
-        :class:`wire.FrameError` ("bad_mac") when it was not sealed by the peer for ``aad``."""
+        :class:`wire.FrameError`: "bad_mac" when it was not sealed by the peer for ``aad``,
+        "replay" when its nonce was taken before (a frame sent again)."""
         if sealed.nbytes != out.nbytes + OVERHEAD:
             raise wire.FrameError("bad_mac", "sealed body of the wrong length")
+        nonce = bytes(sealed[:NONCE_BYTES])
+        number = int.from_bytes(nonce, "big")
+        if not self._opened.fresh(number):
+            raise wire.FrameError("replay", "a sealed chunk received before")
         try:
-            nonce = bytes(sealed[:NONCE_BYTES])
             self._receive.decrypt_into(nonce, sealed[NONCE_BYTES:], aad, out)
         except InvalidTag:
             raise wire.FrameError("bad_mac", "a sealed chunk failed its tag") from None
+        if not self._opened.take(number):  # the same chunk opened twice at once
+            raise wire.FrameError("replay", "a sealed chunk received before")
 
     def open(self, aad: bytes, sealed: memoryview) -> memoryview:
         """The plaintext of ``sealed`` (a new buffer); see :meth:`open_into`."""

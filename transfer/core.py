@@ -305,6 +305,7 @@ class Core:
         if not wire.authentic(first.buffer, session.mac_receive):
             self.metrics.reject("bad_mac")  # altered on the way, or not from the peer
             return None
+        session.take(header)  # "replay": a frame of the session sent again
         return session
 
     def _route(self, msg: AnyMessage, session: Session, payload: memoryview | None) -> None:

@@ -1,12 +1,13 @@
 """The transfer plane's messages: one tagged, bounded ``msgspec.Struct`` per frame type.
 
-A frame header is a :class:`Header` ``{"v": VERSION, "sid": token, "m": message}`` whose
-``m`` is exactly one of the messages below, told apart by its tag ``t``. The decoder
-(:mod:`transfer.wire`) checks every type, bound and length in C before any code reads a
-field: unknown fields, wrong types (a bool is never an int), negative block ids, over-long
-strings and lists are refused as frames, never seen by a handler. What needs context to
-check (a region exists, block ids are in range, a chunk is where the plan puts it) is
-checked by the handlers, which can answer the peer with a status code.
+A frame header is a :class:`Header` ``{"v": VERSION, "sid": token, "m": message, "n":
+number}`` whose ``m`` is exactly one of the messages below, told apart by its tag ``t``
+(``n``: :mod:`transfer.replay`). The decoder (:mod:`transfer.wire`) checks every type, bound
+and length in C before any code reads a field: unknown fields, wrong types (a bool is never
+an int), negative block ids, over-long strings and lists are refused as frames, never seen
+by a handler. What needs context to check (a region exists, block ids are in range, a chunk
+is where the plan puts it) is checked by the handlers, which can answer the peer with a
+status code.
 
 Python names are long; the names on the wire stay as short as they always were::
 
@@ -27,7 +28,7 @@ from msgspec import Meta, field
 
 from transfer.errors import StatusCode, TransferError
 
-VERSION: Literal[5] = 5
+VERSION: Literal[6] = 6
 
 #: Engine ids and region names.
 Name = Annotated[str, Meta(max_length=256)]
@@ -322,9 +323,12 @@ class Header(_Struct, frozen=True, kw_only=True):
     """Every frame's header: the protocol version, the session token ("" while linking)
     and one message."""
 
-    v: Literal[5]
+    v: Literal[6]
     sid: Secret
     msg: AnyMessage = field(name="m")
+    #: This frame's number in its session and direction (1, 2, ...; 0 while linking): the
+    #: receiver takes each once (:mod:`transfer.replay`).
+    n: Epoch = 0
 
 
 def tag(msg: Message) -> str:

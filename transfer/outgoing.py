@@ -74,8 +74,9 @@ class OutTransfer:
     via_data: bool = False
     #: Our number for this transfer on the data channel (named by its BEGIN).
     stream: int = 0
-    #: The encoded BEGIN of the current attempt (resent in band before resent chunks).
-    begin: bytes = b""
+    #: The BEGIN of the current attempt (resent in band before resent chunks, each time as a
+    #: new frame: a frame sent twice is a replay, :mod:`transfer.replay`).
+    begin: Begin | None = None
     #: :func:`transfer.aead.begin_digest` of that BEGIN (sealed chunks are sealed under it).
     begin_digest: bytes = b""
     #: Bytes of frames viewing our source blocks still queued on the data channel.

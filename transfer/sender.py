@@ -121,9 +121,9 @@ class Sender:
         out.via_data = out.transport == "tcp" and self.outbox.has_data_channel(session)
         if out.via_data:
             out.stream = out.stream or next(self._streams)
-        out.begin = session.header(begin)
+        out.begin = begin
         out.begin_digest = aead.begin_digest(begin)
-        send_framing(self.outbox, out, "begin", out.begin)
+        send_framing(self.outbox, out, begin)
         out.phase = Phase.GRANT if direct else Phase.SEND
         out.attempt_until = now + self.config.ack_timeout_s + out.handle.nbytes / MIN_RATE
 
@@ -187,7 +187,7 @@ class Sender:
     def _send_end(self, out: OutTransfer, digests: list[int] | None) -> None:
         assert out.session is not None
         end = End(transfer_id=out.handle.transfer_id, num_chunks=len(out.chunks), digests=digests)
-        send_framing(self.outbox, out, "end", out.session.header(end))
+        send_framing(self.outbox, out, end)
         out.phase = Phase.ACK
         out.attempt_until = time.monotonic() + self.config.ack_timeout_s
 
@@ -250,8 +250,8 @@ class Sender:
         out.handle.attempts += 1
         out.queue = deque(bad)
         out.prepared.clear()
-        if out.via_data:  # the data connection may be new: name the stream again
-            send_framing(self.outbox, out, "begin", out.begin)
+        if out.via_data and out.begin is not None:  # the data connection may be new:
+            send_framing(self.outbox, out, out.begin)  # name the stream again
         out.phase = Phase.SEND
         out.attempt_until = time.monotonic() + self.config.ack_timeout_s
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,8 @@ import zmq
 
 from transfer import wire
 from transfer.aead import Sealer
-from transfer.messages import AnyMessage, Challenge, RegionInfo, RoleName
+from transfer.messages import AnyMessage, Challenge, Header, RegionInfo, RoleName, tag
+from transfer.replay import Window
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +87,19 @@ class Session:
     #: the session, the peer's every frame it sends.
     mac_send: bytes = b""
     mac_receive: bytes = b""
+    #: Numbers of the headers we send (1, 2, ...) and those the peer's we took: a frame
+    #: sent again in the session is refused (:mod:`transfer.replay`).
+    numbers: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    received: Window = field(default_factory=Window)
 
     def header(self, msg: AnyMessage) -> bytes:
-        """``msg`` as a sealed header of this session: its token and our MAC."""
-        return wire.encode(msg, self.token, self.mac_send)
+        """``msg`` as a sealed header of this session: its token, its number and our MAC."""
+        return wire.encode(msg, self.token, self.mac_send, next(self.numbers))
+
+    def take(self, header: Header) -> None:
+        """Takes the number of a header whose MAC verified; "replay" if it was taken."""
+        if not self.received.take(header.n):
+            raise wire.FrameError("replay", f"{tag(header.msg)} number {header.n} seen before")
 
     @property
     def outbound(self) -> bool:

@@ -61,10 +61,11 @@ class FrameError(Exception):
         self.reason = reason
 
 
-def encode(msg: AnyMessage, sid: bytes = b"", key: bytes = b"") -> bytes:
+def encode(msg: AnyMessage, sid: bytes = b"", key: bytes = b"", n: int = 0) -> bytes:
     """One sealed header carrying ``msg`` on session ``sid`` (empty while linking), its MAC
-    under ``key`` (the session's control key for this direction; none while linking)."""
-    packed = _encoder.encode(Header(v=VERSION, sid=sid, msg=msg))
+    under ``key`` (the session's control key for this direction; none while linking) and its
+    number ``n`` in the session (:mod:`transfer.replay`; 0 while linking)."""
+    packed = _encoder.encode(Header(v=VERSION, sid=sid, msg=msg, n=n))
     return seal(packed, _mac(key, packed) if key else _NO_MAC)
 
 

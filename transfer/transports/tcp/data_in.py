@@ -87,8 +87,8 @@ class DataIn:
         self._staging = bytearray(0)
         self._plain = bytearray(0)  # a sealed chunk, opened (when it cannot land directly)
         self._aad = b""  # the header of the sealed chunk being read
-        #: Where the sealed chunk being read opens: its blocks (and transfer), or None.
-        self._opens_into: tuple[memoryview, InTransfer] | None = None
+        #: The transfer of the sealed chunk being read (None: not sealed, or dropped).
+        self._sealed: InTransfer | None = None
 
     # ---- reading ------------------------------------------------------------------------
     def on_readable(self) -> None:
@@ -180,16 +180,15 @@ class DataIn:
         incoming = self.receiver.owned(self.session, transfer_id)
         if incoming is None:
             return
-        seq, tensor, lo, hi = frame.seq, frame.ti, frame.lo, frame.hi
-        size = frame.length - aead.OVERHEAD * frame.sealed
-        if not self.receiver.check_chunk(incoming, seq, tensor, lo, hi, size):
-            return
-        view = _destination(incoming, tensor, lo, hi)
-        if frame.sealed:  # read whole, then opened into the blocks (or scattered from staging)
+        if frame.sealed:  # read whole: its nonce is checked first, then the chunk (_open)
             self._body = self._buffer(frame.length)
             self._aad = bytes(self._head) + incoming.begin_digest
-            self._opens_into = None if view is None else (view, incoming)
+            self._sealed = incoming
             return
+        seq, tensor, lo, hi = frame.seq, frame.ti, frame.lo, frame.hi
+        if not self.receiver.check_chunk(incoming, seq, tensor, lo, hi, frame.length):
+            return
+        view = _destination(incoming, tensor, lo, hi)
         if view is None:
             self._body = self._buffer(frame.length)
             return
@@ -213,26 +212,10 @@ class DataIn:
             elif body is not None and self._direct is not None:
                 computed = self._running.value() if self._running is not None else None
                 self.receiver.landed(self._direct, frame.seq, body, digest, computed)
-            elif body is not None and frame.sealed and self._opens_into is not None:
-                self._open_into_blocks(frame.seq, body, *self._opens_into)
+            elif body is not None and self._sealed is not None:
+                self._open(frame, body, self._sealed)
             elif body is not None:
-                if frame.sealed:
-                    assert self.session is not None and self.session.sealer is not None
-                    if len(self._plain) < body.nbytes:
-                        self._plain = bytearray(body.nbytes)
-                    plain = memoryview(self._plain)[: body.nbytes - aead.OVERHEAD]
-                    self.session.sealer.open_into(self._aad, body, plain)
-                    body = plain
-                msg = Data(  # from a data-channel header, bounds checked by frames.unpack
-                    transfer_id=self.streams.get(frame.stream, ""),
-                    seq=frame.seq,
-                    tensor=frame.ti,
-                    lo=frame.lo,
-                    hi=frame.hi,
-                    digest=digest,
-                )
-                assert self.session is not None
-                self.receiver.on_data(self.session, msg, body, sealed=frame.sealed)
+                self._staged(frame, body, digest)
         except wire.FrameError as exc:
             self.metrics.reject(exc.reason)
         except Exception:  # never let one frame kill the I/O thread
@@ -240,7 +223,44 @@ class DataIn:
             self.metrics.internal_errors_total += 1
             self.metrics.reject("internal_error")
         finally:
-            self._body = self._direct = self._running = self._opens_into = None
+            self._body = self._direct = self._running = self._sealed = None
+
+    def _staged(
+        self, frame: FrameHeader, body: memoryview, digest: int | None, sealed: bool = False
+    ) -> None:
+        """A chunk read into staging (``sealed``: opened already), verified and scattered."""
+        msg = Data(  # from a data-channel header, bounds checked by frames.unpack
+            transfer_id=self.streams.get(frame.stream, ""),
+            seq=frame.seq,
+            tensor=frame.ti,
+            lo=frame.lo,
+            hi=frame.hi,
+            digest=digest,
+        )
+        assert self.session is not None
+        self.receiver.on_data(self.session, msg, body, sealed=sealed)
+
+    def _open(self, frame: FrameHeader, body: memoryview, incoming: InTransfer) -> None:
+        """A sealed chunk: refused if its nonce was taken before (a replay, checked before
+        the duplicate check, which would drop it quietly), else checked like any chunk and
+        opened into its blocks or, when it cannot land there, into a second buffer."""
+        sealer = self.session.sealer if self.session is not None else None
+        assert sealer is not None
+        if not sealer.fresh(body):
+            raise wire.FrameError("replay", "a sealed chunk received before")
+        seq, tensor, lo, hi = frame.seq, frame.ti, frame.lo, frame.hi
+        size = frame.length - aead.OVERHEAD
+        if not self.receiver.check_chunk(incoming, seq, tensor, lo, hi, size):
+            return
+        view = _destination(incoming, tensor, lo, hi)
+        if view is not None:
+            self._open_into_blocks(seq, body, view, incoming)
+            return
+        if len(self._plain) < body.nbytes:
+            self._plain = bytearray(body.nbytes)
+        plain = memoryview(self._plain)[:size]
+        sealer.open_into(self._aad, body, plain)
+        self._staged(frame, plain, None, sealed=True)
 
     def _open_into_blocks(
         self, seq: int, body: memoryview, view: memoryview, incoming: InTransfer
@@ -281,6 +301,7 @@ class DataIn:
             raise wire.FrameError("unauthenticated", f"{tag(msg)} on the data channel")
         if not wire.authentic(body, session.mac_receive):
             raise wire.FrameError("bad_mac", f"{tag(msg)} altered or forged")
+        session.take(header)
         if isinstance(msg, End):
             self.receiver.on_end(session, msg)
             return

@@ -22,7 +22,7 @@ import zmq
 
 from transfer import aead, checksum, kv_codec, layout
 from transfer.hashing import Hasher
-from transfer.messages import Data
+from transfer.messages import Begin, Data, End, tag
 from transfer.metrics import TransportMetrics
 from transfer.outbox import Outbox
 from transfer.outgoing import PUMP_BYTES, OutTransfer, Phase
@@ -115,11 +115,12 @@ def pump_stream(
     return not out.queue
 
 
-def send_framing(outbox: Outbox, out: OutTransfer, msg_type: str, header: bytes) -> None:
-    """BEGIN / END of ``out`` (``header``: encoded): in band on the data channel, in order
-    with the chunks they frame, or else on the link."""
+def send_framing(outbox: Outbox, out: OutTransfer, msg: Begin | End) -> None:
+    """BEGIN / END of ``out``: in band on the data channel, in order with the chunks they
+    frame, or else on the link; each time a new frame (a new number: transfer.replay)."""
     if out.session is None:
         return  # the session went away; the attempt timer decides
+    msg_type, header = tag(msg), out.session.header(msg)
     if out.via_data:
         frame = frames.message(out.stream, header)
         outbox.send(out.session, msg_type, frame, header, via_data=True)
