@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 from backends import paged_decode
 from hetero_pd import envs
-from hetero_pd.bench.machine import cpu_info
+from hetero_pd.bench.machine import cpu_info, take_turns
 from hetero_pd.models.attention import _decode_fused
 
 
@@ -82,14 +80,7 @@ def main() -> None:
             {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 2e-2}
         )
         torch.testing.assert_close(fn(), want, **tol, msg=f"{name} differs")
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for _ in range(args.rounds):
-        for name, fn in ways.items():
-            start = time.perf_counter()
-            for _ in range(args.calls):
-                fn()
-            times[name].append((time.perf_counter() - start) / args.calls * 1e3)
-    ms = {name: statistics.median(t) for name, t in times.items()}
+    ms = take_turns(ways, args.rounds, args.calls)
     kv_mb = 2 * n * ctx * kv_heads * dim * k.element_size() / 1e6
     for name, t in ms.items():
         print(f"{name:9s} {t:7.2f} ms per layer  ({kv_mb / t:.1f} GB/s of K/V)")

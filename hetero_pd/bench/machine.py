@@ -7,6 +7,9 @@ records this next to what it measured.
 from __future__ import annotations
 
 import os
+import statistics
+import time
+from collections.abc import Callable
 
 from backends.cpuinfo import cpu_flags, host_cpu_name
 
@@ -19,3 +22,16 @@ def cpu_info() -> dict[str, str]:
     flags = cpu_flags()
     features = " ".join(f for f in FEATURES if f in flags) or "none of " + ", ".join(FEATURES)
     return {"model": host_cpu_name(), "features": features, "cores": str(os.cpu_count())}
+
+
+def take_turns(ways: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
+    """Median ms per call of each way, the ways taking turns `rounds` times (`calls` calls
+    each per turn), so that a load that changes during the run weighs on all of them."""
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, fn in ways.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}

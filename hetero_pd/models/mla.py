@@ -28,7 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetero_pd.models.attention import AttentionMetadata
+from hetero_pd.models.attention import (
+    AttentionMetadata,
+    group_rows,
+    group_sdpa,
+    prefill_groups,
+    put_rows,
+)
 from hetero_pd.models.config import MLAConfig, ModelConfig
 from hetero_pd.models.llama import KVCache, Linear, RMSNorm
 from hetero_pd.models.parallel import SINGLE, Parallel
@@ -119,22 +125,13 @@ def mla_paged_attention(
     out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], m.v_head_dim)
     if nd:
         out[:nd] = _decode(q_nope[:nd], q_pe[:nd], cache, meta, kv_b, m)
-    for span in meta.prefills:
-        q = torch.cat((q_nope[span.start : span.end], q_pe[span.start : span.end]), dim=-1)
-        if span.context_slots is None:
-            k, v = _expand(rows[span.start : span.end], kv_b, m)
+    for g in prefill_groups(meta, q_nope.device):
+        q = torch.cat((group_rows(q_nope, g), group_rows(q_pe, g)), dim=-1)
+        if g.context_slots is None:
+            k, v = _expand(group_rows(rows, g), kv_b, m)
         else:
-            k, v = _expand(read_slots(cache, span.context_slots, meta.kv_layout), kv_b, m)
-        # 4-D [1, heads, tokens, dim], as paged_attention (3-D takes SDPA's math path).
-        op = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
-            scale=m.softmax_scale,
-        )
-        out[span.start : span.end] = op[0].transpose(0, 1)
+            k, v = _expand(read_slots(cache, g.context_slots, meta.kv_layout), kv_b, m)
+        put_rows(out, g, group_sdpa(q, k, v, g, m.softmax_scale))
     return out
 
 
