@@ -110,7 +110,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--speculative-config",
         type=json_object,
         default=None,
-        help='vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\': '
+        help='vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\': '
         "speculative decoding on the decode (or colocated) workers",
     )
     g.add_argument(

@@ -68,7 +68,8 @@ class WorkerSpec:
     #: each, the first given by `device`); the router sees one worker.
     tensor_parallel_size: int = opt(1, lo=1, hi=64)
     #: Speculative decoding on these workers (vLLM's `speculative_config` keys: method
-    #: ngram, num_speculative_tokens, prompt_lookup_min/max); decode or both workers only.
+    #: ngram or draft_model, num_speculative_tokens, prompt_lookup_min/max for ngram,
+    #: model (the draft's folder) for draft_model); decode or both workers only.
     speculative_config: dict[str, Any] | None = None
 
 

@@ -157,6 +157,7 @@ def _check_model(dep: Deployment, target: str, src: Source, warn: Warn) -> None:
     except ValueError as e:
         src.error("model", str(e))
         return
+    _check_drafts(dep, folder, src)
     if dep.edge is not None and dep.edge.split_layer >= cfg.num_layers:
         src.error(
             "edge.split_layer",
@@ -170,6 +171,22 @@ def _check_model(dep: Deployment, target: str, src: Source, warn: Warn) -> None:
             check_split(dep.model, dep.edge.split_layer, dep.edge.max_recovery)
         except (PrivacyProfileError, PrivacyFloorError) as e:
             src.error("edge.max_recovery", str(e))
+
+
+def _check_drafts(dep: Deployment, target: Path, src: Source) -> None:
+    """Each `draft_model` draft: a usable model folder with the target's tokenizer."""
+    from hetero_pd.engine.spec.config import SpeculativeConfig
+    from hetero_pd.engine.spec.draft import check_same_tokenizer
+    from hetero_pd.models.fetch import resolve_model
+
+    for i, w in enumerate(dep.workers):
+        spec = SpeculativeConfig.parse(w.speculative_config)
+        if spec is None or spec.model is None:
+            continue
+        try:
+            check_same_tokenizer(target, resolve_model(spec.model, fetch=False))
+        except (OSError, ValueError) as e:
+            src.error(f"workers[{i}].speculative_config.model", str(e))
 
 
 def _check_host_devices(dep: Deployment, src: Source) -> None:

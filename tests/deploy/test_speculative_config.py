@@ -3,6 +3,8 @@ on `serve MODEL`."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hetero_pd.deploy.launcher import worker_config
@@ -10,6 +12,7 @@ from hetero_pd.deploy.model_deployment import deployment_for_model
 from hetero_pd.deploy.serve import build_parser
 from hetero_pd.deploy.source import ConfigError
 from hetero_pd.deploy.testing import deployment
+from hetero_pd.deploy.validate import validate
 from hetero_pd.deploy.workers import expand_workers
 from hetero_pd.engine.spec.config import SpeculativeConfig
 from hetero_pd.serving.worker.config import WorkerConfig
@@ -57,3 +60,29 @@ def test_serve_model_puts_the_flag_on_the_decode_workers(default_model_dir: obje
     bad = parser.parse_args([model, "--speculative-config", '{"num_speculative_tokens": -1}'])
     with pytest.raises(ValueError, match=r"--speculative-config: .*>= 1"):
         deployment_for_model(model, bad)
+
+
+def test_a_draft_model_reaches_the_worker_and_a_foreign_one_is_named(
+    tiny_llama_dir: Path, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import TINY, _save_tiny
+
+    draft = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 2}
+    workers = [{"role": "prefill"}, {"role": "decode", "speculative_config": draft}]
+    dep = deployment(tiny_llama_dir, workers=workers)
+    validate(dep, "local", check_ports=False)
+    (decode,) = [w for w in expand_workers(dep.workers) if w.role == "decode"]
+    sent = WorkerConfig.from_json(worker_config(dep, decode, threads=1).to_json())
+    assert sent.engine.speculative_config == SpeculativeConfig(
+        2, "draft_model", model=draft["model"]
+    )
+    other = _save_tiny(
+        LlamaConfig(**{**TINY, "vocab_size": 256}), LlamaForCausalLM, tmp_path, tokenizer_dir, 3
+    )
+    workers[1]["speculative_config"] = {**draft, "model": str(other)}
+    with pytest.raises(ConfigError, match=r"workers\[1\]\.speculative_config\.model") as e:
+        validate(deployment(tiny_llama_dir, workers=workers), "local", check_ports=False)
+    assert f"{other}' has vocab_size 256 (target: 512)" in str(e.value)
+    assert str(tiny_llama_dir) in str(e.value)
