@@ -23,6 +23,7 @@ from typing import Any
 
 from backends.cpu import usable_cpus
 from hetero_pd import omp_wait_defaults, secrets
+from hetero_pd.deploy.forkserver import ForkedProcess, start_worker
 from hetero_pd.deploy.formats import worker_format
 from hetero_pd.deploy.schema import Deployment
 from hetero_pd.deploy.supervisor import Supervisor
@@ -39,7 +40,7 @@ log = logging.getLogger("hetero_pd.launcher")
 @dataclass(slots=True)
 class WorkerProcess:
     config: WorkerConfig
-    proc: asyncio.subprocess.Process
+    proc: asyncio.subprocess.Process | ForkedProcess
     address: str = ""
     pump: asyncio.Task[None] | None = None
 
@@ -137,7 +138,7 @@ class Launcher:
         configs = worker_configs(self.dep)
         try:
             for cfg in configs:
-                await self._spawn(replace(cfg, parent_pid=os.getpid()))
+                await self._spawn(cfg)
             await asyncio.gather(*(self._connect(wp) for wp in self.procs.values()))
         except BaseException:
             await self.stop()
@@ -145,13 +146,24 @@ class Launcher:
         self.supervisor.watch(list(self.procs))
 
     async def _spawn(self, cfg: WorkerConfig) -> None:
-        cmd = [sys.executable, "-m", "hetero_pd.serving.worker.main"]
+        """Starts worker `cfg`: `python -m hetero_pd.serving.worker.main`, or forked from
+        this process's fork server (supervisor.fork_server, hetero_pd/deploy/forkserver.py).
+        Either way it watches its parent's pid and stops when that parent is gone."""
         env = secrets.worker_environment(dict(os.environ), self.secret)
         # how idle OpenMP threads wait (hetero_pd/__init__.py; set in the environment so a
         # worker's log of it is true)
         omp_wait_defaults(env)
+        if self.dep.supervisor.fork_server:
+            forked, parent = await start_worker(
+                env, lambda pid: replace(cfg, parent_pid=pid).to_json(), (secrets.WORKER_ENV,)
+            )
+            self.procs[cfg.worker_id] = WorkerProcess(replace(cfg, parent_pid=parent), forked)
+            return
+        cfg = replace(cfg, parent_pid=os.getpid())
         proc = await asyncio.create_subprocess_exec(
-            *cmd,
+            sys.executable,
+            "-m",
+            "hetero_pd.serving.worker.main",
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             start_new_session=True,
