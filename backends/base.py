@@ -262,6 +262,12 @@ class Backend(ABC):
         portable path."""
         return False
 
+    def native_rms_norm(self, dtype: torch.dtype, kernel_dir: Path) -> bool:
+        """True when this backend runs RMSNorm in `dtype` through the kernel of
+        backends/rms_norm.py, built into and loaded from `kernel_dir` (a private folder);
+        False (the default) leaves it to torch's ops."""
+        return False
+
     def linear_kernel(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel | None:
         """A faster equivalent of `F.linear(x, weight, bias)` for inference, or None when plain
         `F.linear` is already the best this backend has (the default).

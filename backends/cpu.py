@@ -230,6 +230,13 @@ class CpuBackend(Backend):
 
         return paged_decode.available(kv_dtype, kernel_dir)
 
+    def native_rms_norm(self, dtype: torch.dtype, kernel_dir: Path) -> bool:
+        """The C kernel of backends/rms_norm.py (float32 and bfloat16), built on first use
+        into `kernel_dir`."""
+        from backends import rms_norm
+
+        return rms_norm.available(dtype, kernel_dir)
+
     def linear_kernel(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel | None:
         """float32: oneDNN's linear on a weight reordered once into its blocked layout.
 

@@ -12,40 +12,29 @@ transformers in bfloat16). Its scores take AVX-512 BF16 (`vdpbf16ps`) where /pro
 says the CPU has it, else the kernel's portable bf16 path (widened to float32 by a shift);
 `bf16_path()` names the one taken, and `decode(..., portable=True)` forces the portable one.
 
-It is built on first use with the machine's C compiler (`-march=native`, so it uses the
-vector units this CPU has; the AVX-512 BF16 path is compiled in by a target attribute on any
-x86-64 and called only where the CPU has it) into hetero-pd's cache, keyed by the source,
-the compile command, the compiler's version and the CPU's flags (a library built for one CPU
-is not loaded on another), in the folder the caller names (the engine's: `kernels/` under
-HETERO_PD_CACHE_DIR). No compiler, or a failed build: `available()` is False and attention
-takes the portable path (inductor's loops or SDPA), said in the log. The engine asks only
-where HETERO_PD_NATIVE_ATTENTION is not 0.
+It is built on first use and loaded by backends/native.py (the machine's compiler,
+`-march=native`, the AVX-512 BF16 path compiled in by a target attribute on any x86-64 and
+called only where the CPU has it; a library loaded only from a folder no one else may
+write). No compiler, or a failed build: `available()` is False and attention takes the
+portable path (inductor's loops or SDPA), said in the log. The engine asks only where
+HETERO_PD_NATIVE_ATTENTION is not 0.
 
 The op `hetero_pd::paged_decode` wraps `decode`, so a compiled step calls it as one opaque
-op. A cached library is loaded only when it and its folder are ours and no one else's to
-write.
+op.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shlex
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from backends import native
 from backends.cpuinfo import cpu_flags
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+SOURCE = native.CSRC / "paged_decode.c"
 #: The dtypes the kernel reads (q, K and V alike; float16 stays on the portable path).
 KV_DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEADS = 256  # the kernel's MAX_HEADS
@@ -58,64 +47,6 @@ _ERRORS = {
     -3: "no memory for the kernel's scratch",
     -4: "the bfloat16 path asked for is not compiled into the kernel",
 }
-
-
-def _compiler() -> list[str] | None:
-    """$CC (it may hold arguments, e.g. "ccache gcc"), else the first of cc, gcc, clang."""
-    cc = os.environ.get("CC")
-    if cc:
-        return shlex.split(cc)
-    found = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
-    return [found] if found else None
-
-
-def _command(cc: list[str], out: str) -> list[str]:
-    """The build command. OpenMP must be torch's own runtime (libgomp, already loaded by
-    torch), so that torch's thread count and spin policy govern the kernel's threads too:
-    gcc links it by default, clang must be told."""
-    version = _version(tuple(cc))
-    openmp = "-fopenmp=libgomp" if "clang" in version else "-fopenmp"
-    return [*cc, "-O3", "-march=native", openmp, "-fPIC", "-shared", str(SOURCE), "-o", out]
-
-
-@functools.cache
-def _version(cc: tuple[str, ...]) -> str:
-    try:
-        done = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return done.stdout
-
-
-def _build(cc: list[str], out: Path) -> None:
-    """Compiles the kernel into `out` (written beside it, then renamed: never half a file)."""
-    out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        cmd = _command(cc, tmp)
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-class UntrustedKernel(Exception):
-    """A cached kernel library another user could have written: it is not loaded."""
-
-
-def _check_private(path: Path) -> None:
-    """Loading a library runs its code: the file and its folder must be ours and writable
-    by no one else (a shared HETERO_PD_CACHE_DIR, e.g. a volume other pods mount, must not
-    let them plant one)."""
-    for p in (path.parent, path):
-        st = p.stat()
-        if st.st_uid != os.getuid() or st.st_mode & 0o022:
-            raise UntrustedKernel(
-                f"{p} is owned by uid {st.st_uid} with mode {st.st_mode & 0o777:o}: only "
-                f"uid {os.getuid()} may write it"
-            )
 
 
 def _load(path: Path) -> ctypes.CDLL:
@@ -147,36 +78,7 @@ def _use(path: Path) -> ctypes.CDLL:
 @functools.cache
 def _library(kernel_dir: Path) -> ctypes.CDLL | None:
     """The kernel built into (or found in) `kernel_dir`, loaded; None where it cannot be."""
-    cc = _compiler()
-    if cc is None:
-        log.warning("no C compiler (cc, gcc, clang or $CC): decode attention runs portable")
-        return None
-    key = hashlib.sha256(SOURCE.read_bytes())
-    for part in (" ".join(_command(cc, "OUT")), _version(tuple(cc)), " ".join(sorted(cpu_flags()))):
-        key.update(part.encode())
-    path = kernel_dir / f"paged_decode-{key.hexdigest()[:16]}.so"
-    try:
-        if path.exists():
-            _check_private(path)
-            try:
-                return _use(path)
-            except (OSError, AttributeError):  # damaged: build it again
-                path.unlink()
-        _build(cc, path)
-        _check_private(path)  # built in a folder others could write: swapped meanwhile?
-        return _use(path)
-    except UntrustedKernel as e:
-        log.warning("%s: decode attention runs portable", e)
-        return None
-    except (OSError, AttributeError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning(
-            "building the decode attention kernel in %s failed (%s): decode attention runs "
-            "portable (a writable HETERO_PD_CACHE_DIR and a working C compiler fix this)",
-            path.parent,
-            detail,
-        )
-        return None
+    return native.build(SOURCE, kernel_dir, "decode attention", _use)
 
 
 def available(kv_dtype: torch.dtype, kernel_dir: Path) -> bool:

@@ -60,6 +60,15 @@ def native_attention() -> bool:
     return os.environ.get(NATIVE_ATTENTION, "1").strip() != "0"
 
 
+NATIVE_NORM = "HETERO_PD_NATIVE_NORM"
+
+
+def native_norm() -> bool:
+    """$HETERO_PD_NATIVE_NORM: "0" keeps CPU RMSNorm on torch's ops instead of the C kernel
+    built on first use (backends/rms_norm.py)."""
+    return os.environ.get(NATIVE_NORM, "1").strip() != "0"
+
+
 def auto_dtype() -> str | None:
     """$HETERO_PD_AUTO_DTYPE: a dtype name that `dtype: auto` resolves to on every device,
     whatever the backend's probe would pick, so one machine reproduces another (the test
@@ -116,6 +125,7 @@ ENGINE_TUNING = (
     "HETERO_PD_NUM_THREADS",
     "HETERO_PD_ADAPTIVE_THREADS",
     "HETERO_PD_NATIVE_ATTENTION",
+    "HETERO_PD_NATIVE_NORM",
 )
 
 

@@ -23,35 +23,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define LANES 8
 #define MAX_HEADS 256
 #define AHEAD 4 /* context positions prefetched ahead */
 
-#if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 11 : __GNUC__ >= 10)
-#define HAVE_AVX512_BF16 1
-#include <immintrin.h>
-#define TARGET_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-#endif
-
-typedef uint16_t bf16;
-
-enum { PATH_PORTABLE = 0, PATH_AVX512_BF16 = 1 };
-
 /* Bit i set: path i is compiled into this library. */
-int paged_decode_paths(void) {
-#ifdef HAVE_AVX512_BF16
-    return (1 << PATH_PORTABLE) | (1 << PATH_AVX512_BF16);
-#else
-    return 1 << PATH_PORTABLE;
-#endif
-}
-
-static inline float bf16_to_f32(bf16 x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+int paged_decode_paths(void) { return bf16_paths_compiled(); }
 
 /* Round to nearest even, as torch does (a NaN stays a NaN). */
 static inline float round_to_bf16(float f) {

@@ -47,10 +47,13 @@ def rank_threads(config: EngineConfig, backend: Backend) -> int:
 
 
 def use_backend_kernels(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
-    """The device backend's linear and MoE kernels in `model`. Every tensor-parallel rank
+    """The device backend's norm, linear and MoE kernels in `model`. Every tensor-parallel rank
     takes the same ones: the ranks then compute their replicated parts (KV heads shared by
     ranks, MLA's latent) to the same bits, which the shared KV cache relies on (tp/kv.py)."""
     backend = backend_for(device)
+    kernel_dir = envs.compile_cache_dir() / "kernels"
+    if envs.native_norm() and backend.native_rms_norm(dtype, kernel_dir):
+        model.use_norm_kernel()
     model.use_linear_kernels(backend.linear_kernel)
     model.use_moe_kernel(backend.moe_kernel(dtype))
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends import LinearKernel, MoEKernel
+from backends import LinearKernel, MoEKernel, rms_norm
 from hetero_pd.models.attention import AttentionMetadata, paged_attention
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.moe import SparseMoE
@@ -76,15 +76,34 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm; with `native` (CausalLM.use_norm_kernel) by the CPU
+    kernel of backends/rms_norm.py, the same roundings in one pass and no float32 copy."""
+
+    native = False
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            if torch.compiler.is_compiling():
+                return rms_norm.rms_norm_op(x, self.weight, self.eps)
+            return rms_norm.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(s), s) for s = x + residual; x is the caller's own (it may hold s after)."""
+        if self.native:
+            if torch.compiler.is_compiling():
+                out, s = rms_norm.add_rms_norm_op(x, residual, self.weight, self.eps)
+                return out, s
+            return rms_norm.add_rms_norm(x, residual, self.weight, self.eps)
+        s = x.add_(residual)
+        return self(s), s
 
 
 class Attention(nn.Module):
@@ -184,8 +203,9 @@ class DecoderLayer(nn.Module):
         """cos, sin_signed: [num_tokens, 1, head_dim], see rotary.apply_rope_swapped."""
         # Residual adds in place into the sublayers' fresh outputs (never into x, which may
         # be the caller's hidden states).
-        x = self.self_attn(self.input_layernorm(x), cos, sin_signed, kv, meta).add_(x)
-        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+        a = self.self_attn(self.input_layernorm(x), cos, sin_signed, kv, meta)
+        h, x = self.post_attention_layernorm.add(a, x)
+        return self.mlp(h).add_(x)
 
 
 class CausalLM(nn.Module):
@@ -220,8 +240,13 @@ class CausalLM(nn.Module):
         """Decoder layer `index` (a family with other layers overrides this)."""
         return DecoderLayer(cfg, index, tp)
 
-    def init_rope(self, device: torch.device) -> None:
-        self.cos_sin = rope_table(self.cfg, self.max_positions).to(device)
+    def init_rope(self, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        """The rope table for every position, [max_positions, 2, head_dim]: cos and
+        `signed_sin(sin)`, cast once to the compute `dtype` (casting the float32 values per
+        step, as transformers does, gives the same bits; negating is exact)."""
+        cs = rope_table(self.cfg, self.max_positions)
+        cs[:, 1] = signed_sin(cs[:, 1])
+        self.cos_sin = cs.to(device=device, dtype=dtype)
 
     def use_linear_kernels(self, make: LinearKernelFactory) -> None:
         """Runs every linear layer through `make`'s kernels (e.g. `backend.linear_kernel`).
@@ -234,6 +259,13 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 tied = name == "lm_head" and self.cfg.tie_word_embeddings
                 module.use_kernel(make, keep_weight=tied)
+
+    def use_norm_kernel(self) -> None:
+        """Runs every RMSNorm through backends/rms_norm.py's kernel (call once its
+        `available` said yes for the model's dtype)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.native = True
 
     def use_moe_kernel(self, kernel: MoEKernel | None) -> None:
         """Runs every MoE layer's routed experts through `kernel` (e.g. the backend's
@@ -284,8 +316,8 @@ class CausalLM(nn.Module):
             if hidden_states is None:
                 raise ValueError(f"hidden_states are required when starting at layer {start_layer}")
             h = hidden_states
-        cs = self.cos_sin[positions].to(h.dtype)
-        cos, sin_signed = cs[:, 0:1, :], signed_sin(cs[:, 1:2, :])
+        cs = self.cos_sin[positions].to(h.dtype)  # a gather; cast only if h is another dtype
+        cos, sin_signed = cs[:, 0:1, :], cs[:, 1:2, :]
         step = self.compiled_layer if compiled and self.compiled_layer else run_layer
         if compiled and self.dynamic_batch:
             _mark_batch_dynamic(h, cos, sin_signed, meta.slot_mapping, meta.decode_slots)

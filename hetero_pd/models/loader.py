@@ -131,7 +131,7 @@ def load_model(
         )
     model.tie_weights()
     model.to(dtype)
-    model.init_rope(device)
+    model.init_rope(device, dtype)
     return model.eval()
 
 

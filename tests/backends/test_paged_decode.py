@@ -242,7 +242,7 @@ def test_no_working_compiler_means_the_portable_path_and_a_warning(
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     paged_decode._library.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="backends.paged_decode"):
+        with caplog.at_level(logging.WARNING, logger="backends.native"):
             assert not paged_decode.available(torch.float32, tmp_path / "kernels")
         assert "building the decode attention kernel in" in caplog.text
         assert "runs portable" in caplog.text
@@ -263,7 +263,7 @@ def test_a_kernel_others_could_write_is_not_loaded(
         assert paged_decode._library(kernels) is not None  # built here, private
         kernels.chmod(0o777)
         paged_decode._library.cache_clear()
-        with caplog.at_level(logging.WARNING, logger="backends.paged_decode"):
+        with caplog.at_level(logging.WARNING, logger="backends.native"):
             assert paged_decode._library(kernels) is None
         assert "mode 777: only uid" in caplog.text
         kernels.chmod(0o700)
@@ -287,7 +287,7 @@ def test_a_kernel_built_in_a_folder_others_could_write_is_not_loaded(
     kernels.chmod(0o777)
     paged_decode._library.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="backends.paged_decode"):
+        with caplog.at_level(logging.WARNING, logger="backends.native"):
             assert paged_decode._library(kernels) is None
         assert "mode 777: only uid" in caplog.text
     finally:

@@ -1,0 +1,133 @@
+"""Building and loading hetero-pd's small C kernels (backends/csrc/*.c) on this machine.
+
+A kernel is built on first use with the machine's C compiler (`-march=native`, so it uses
+the vector units this CPU has; paths for other instruction sets are compiled in by target
+attributes and called only where the CPU has them) into hetero-pd's cache, keyed by the
+source, the compile command, the compiler's version and the CPU's flags (a library built
+for one CPU is not loaded on another), in the folder the caller names (the engine's:
+`kernels/` under HETERO_PD_CACHE_DIR). A cached library is loaded only when it and its
+folder are ours and no one else's to write. No compiler, or a failed build: `build` gives
+None and says so in the log, and the caller runs its portable path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from backends.cpuinfo import cpu_flags
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+
+
+def compiler() -> list[str] | None:
+    """$CC (it may hold arguments, e.g. "ccache gcc"), else the first of cc, gcc, clang."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shlex.split(cc)
+    found = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    return [found] if found else None
+
+
+def command(cc: list[str], source: Path, out: str, flags: tuple[str, ...] = ()) -> list[str]:
+    """The build command. OpenMP must be torch's own runtime (libgomp, already loaded by
+    torch), so that torch's thread count and spin policy govern the kernel's threads too:
+    gcc links it by default, clang must be told."""
+    openmp = "-fopenmp=libgomp" if "clang" in version(tuple(cc)) else "-fopenmp"
+    return [*cc, "-O3", "-march=native", *flags, openmp, "-fPIC", "-shared", str(source), "-o", out]
+
+
+@functools.cache
+def version(cc: tuple[str, ...]) -> str:
+    try:
+        done = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout
+
+
+def _compile(cmd: Callable[[str], list[str]], out: Path) -> None:
+    """Compiles into `out` (written beside it, then renamed: never half a file)."""
+    out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run(cmd(tmp), check=True, capture_output=True, text=True, timeout=300)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class UntrustedKernel(Exception):
+    """A cached kernel library another user could have written: it is not loaded."""
+
+
+def check_private(path: Path) -> None:
+    """Loading a library runs its code: the file and its folder must be ours and writable
+    by no one else (a shared HETERO_PD_CACHE_DIR, e.g. a volume other pods mount, must not
+    let them plant one)."""
+    for p in (path.parent, path):
+        st = p.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise UntrustedKernel(
+                f"{p} is owned by uid {st.st_uid} with mode {st.st_mode & 0o777:o}: only "
+                f"uid {os.getuid()} may write it"
+            )
+
+
+def build(
+    source: Path,
+    kernel_dir: Path,
+    what: str,
+    load: Callable[[Path], ctypes.CDLL],
+    flags: tuple[str, ...] = (),
+) -> ctypes.CDLL | None:
+    """`source` built into (or found in) `kernel_dir` and loaded by `load` (which sets its
+    functions' types); None where it cannot be, with a warning naming `what` runs portable."""
+    cc = compiler()
+    if cc is None:
+        log.warning("no C compiler (cc, gcc, clang or $CC): %s runs portable", what)
+        return None
+    key = hashlib.sha256(source.read_bytes())
+    for header in sorted(CSRC.glob("*.h")):  # what the sources include
+        key.update(header.read_bytes())
+    cmd, flags_of_cpu = " ".join(command(cc, source, "OUT", flags)), " ".join(sorted(cpu_flags()))
+    for part in (cmd, version(tuple(cc)), flags_of_cpu):
+        key.update(part.encode())
+    path = kernel_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    try:
+        if path.exists():
+            check_private(path)
+            try:
+                return load(path)
+            except (OSError, AttributeError):  # damaged: build it again
+                path.unlink()
+        _compile(lambda out: command(cc, source, out, flags), path)
+        check_private(path)  # built in a folder others could write: swapped meanwhile?
+        return load(path)
+    except UntrustedKernel as e:
+        log.warning("%s: %s runs portable", e, what)
+        return None
+    except (OSError, AttributeError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning(
+            "building the %s kernel in %s failed (%s): %s runs portable (a writable "
+            "HETERO_PD_CACHE_DIR and a working C compiler fix this)",
+            what,
+            path.parent,
+            detail,
+            what,
+        )
+        return None
