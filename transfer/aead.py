@@ -23,7 +23,9 @@ counts, not KV: they travel in clear with a MAC under the session's control keys
 from __future__ import annotations
 
 import hashlib
+import itertools
 import sys
+import threading
 
 import msgspec
 from cryptography.exceptions import InvalidTag
@@ -65,21 +67,24 @@ POOL_BUFFERS = 8
 
 
 class Sealer:
-    """One session's keys: ``seal`` with ours (I/O thread), ``open_into`` with the peer's."""
+    """One session's keys: ``seal`` with ours, ``open_into`` with the peer's; both from any
+    thread (AES-GCM releases the GIL: chunks are sealed ahead on the hashing threads)."""
 
     def __init__(self, send_key: bytes, receive_key: bytes) -> None:
         self._send, self._receive = AESGCM(send_key), AESGCM(receive_key)
-        self._count = 0
+        self._count = itertools.count(1)  # nonces: next() is atomic under the GIL
         self._opened = Window()  # the peer's nonces taken (a counter: transfer.replay)
+        self._opening: set[int] = set()  # claimed, not taken yet (set ops are atomic)
         self._pool: list[bytearray] = []
+        self._pool_lock = threading.Lock()
 
     def seal(self, aad: bytes, plaintext: bytes | memoryview) -> memoryview:
         """``plaintext`` sealed: a fresh nonce, the ciphertext and the tag, in a buffer of
         the session's pool (the view keeps it from reuse until every view of it is gone)."""
-        self._count += 1
-        nonce = self._count.to_bytes(NONCE_BYTES, "big")
+        nonce = next(self._count).to_bytes(NONCE_BYTES, "big")
         size = NONCE_BYTES + len(plaintext) + TAG_BYTES
-        out = memoryview(self._buffer(size))[:size]
+        with self._pool_lock:  # taken and viewed at once: no other thread takes it too
+            out = memoryview(self._buffer(size))[:size]
         out[:NONCE_BYTES] = nonce
         self._send.encrypt_into(nonce, plaintext, aad, out[NONCE_BYTES:])
         return out
@@ -104,9 +109,15 @@ class Sealer:
         return buf
 
     def fresh(self, sealed: memoryview) -> bool:
-        """Whether ``sealed``'s nonce was not taken yet (a replay is refused before the work
-        of opening it)."""
-        return self._opened.fresh(int.from_bytes(sealed[:NONCE_BYTES], "big"))
+        """Whether ``sealed``'s nonce was neither taken nor claimed yet (a replay is refused
+        before the work of opening it)."""
+        number = int.from_bytes(sealed[:NONCE_BYTES], "big")
+        return number not in self._opening and self._opened.fresh(number)
+
+    def claim(self, sealed: memoryview) -> None:
+        """Marks ``sealed``'s nonce as being opened (on another thread): until
+        :meth:`open_into` has taken it, a copy is not :meth:`fresh` either."""
+        self._opening.add(int.from_bytes(sealed[:NONCE_BYTES], "big"))
 
     def open_into(self, aad: bytes, sealed: memoryview, out: memoryview) -> None:
         """Decrypts ``sealed`` into ``out`` (``len(sealed) - OVERHEAD`` bytes); a
@@ -116,14 +127,17 @@ class Sealer:
             raise wire.FrameError("bad_mac", "sealed body of the wrong length")
         nonce = bytes(sealed[:NONCE_BYTES])
         number = int.from_bytes(nonce, "big")
-        if not self._opened.fresh(number):
-            raise wire.FrameError("replay", "a sealed chunk received before")
         try:
-            self._receive.decrypt_into(nonce, sealed[NONCE_BYTES:], aad, out)
-        except InvalidTag:
-            raise wire.FrameError("bad_mac", "a sealed chunk failed its tag") from None
-        if not self._opened.take(number):  # the same chunk opened twice at once
-            raise wire.FrameError("replay", "a sealed chunk received before")
+            if not self._opened.fresh(number):
+                raise wire.FrameError("replay", "a sealed chunk received before")
+            try:
+                self._receive.decrypt_into(nonce, sealed[NONCE_BYTES:], aad, out)
+            except InvalidTag:
+                raise wire.FrameError("bad_mac", "a sealed chunk failed its tag") from None
+            if not self._opened.take(number):  # the same chunk opened twice at once
+                raise wire.FrameError("replay", "a sealed chunk received before")
+        finally:
+            self._opening.discard(number)  # taken now, or refused
 
     def open(self, aad: bytes, sealed: memoryview) -> memoryview:
         """The plaintext of ``sealed`` (a new buffer); see :meth:`open_into`."""

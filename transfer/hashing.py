@@ -59,14 +59,14 @@ class Hasher:
         """``fn(*args)`` on a helper thread (direct writes copy a second chunk there)."""
         return self._executor().submit(fn, *args)
 
-    def then(self, fut: Future[int], fn: Callable[[int | None], None]) -> None:
-        """Run ``fn(digest)`` on the I/O thread once ``fut`` is done (None if it failed): at
+    def then(self, fut: Future[T], fn: Callable[[T | None], None]) -> None:
+        """Run ``fn(result)`` on the I/O thread once ``fut`` is done (None if it failed): at
         once when it already is (callers are on the I/O thread)."""
         if fut.done():
             fn(None if fut.cancelled() or fut.exception() is not None else fut.result())
             return
 
-        def done(f: Future[int]) -> None:
+        def done(f: Future[T]) -> None:
             value = None if f.cancelled() or f.exception() is not None else f.result()
             with contextlib.suppress(TransferError):  # the engine closed meanwhile
                 self._deliver(lambda: fn(value))

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 import zmq
@@ -102,8 +102,9 @@ class OutTransfer:
     grant: int = 0
     #: Seconds one renewal extends the lease by (the lease it started with).
     lease_s: float = 0.0
-    #: Stream chunks ready to send: their bytes and (with checksums) their digest's future.
-    prepared: dict[int, tuple[memoryview, Future[int] | None]] = field(default_factory=dict)
+    #: Stream chunks ready to send: their bytes and (with checksums) their digest's future,
+    #: or (sealed) the future of their frame: header and sealed body (transports.tcp.stream).
+    prepared: dict[int, tuple[memoryview, Future[Any] | None]] = field(default_factory=dict)
     #: True while the next chunk waits for its digest (the hashing thread wakes the loop).
     waiting_digest: bool = False
     #: How stream chunks are encoded on the wire (named in BEGIN; direct writes: "none").

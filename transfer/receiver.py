@@ -56,7 +56,7 @@ class Receiver:
         #: Told the id of every transfer committed here (a pull we asked for may be done).
         self.on_committed: Callable[[str], None] = lambda transfer_id: None
         self._next_tick = 0.0
-        self.direct = DirectChecks(metrics, hasher, self._still_verifying, self._resume_end)
+        self.direct = DirectChecks(metrics, hasher, self.still_verifying, self.resume_end)
 
     # ---- replies ------------------------------------------------------------------------
     def _refuse(self, session: Session, transfer_id: str, err: TransferError) -> None:
@@ -252,21 +252,21 @@ class Receiver:
         incoming.verifying.add(seq)
 
         def verdict(value: int | None) -> None:
-            if not self._still_verifying(incoming, seq):
+            if not self.still_verifying(incoming, seq):
                 return
             if value == digest:
                 self._good(incoming, seq, nbytes)
             else:
                 self._bad(incoming, seq)
-            self._resume_end(incoming)
+            self.resume_end(incoming)
 
         self.hasher.then(self.hasher.submit_bytes(algo, data), verdict)
 
-    def _still_verifying(self, incoming: InTransfer, seq: int) -> bool:
+    def still_verifying(self, incoming: InTransfer, seq: int) -> bool:
         incoming.verifying.discard(seq)
         return self.active.get(incoming.transfer_id) is incoming
 
-    def _resume_end(self, incoming: InTransfer) -> None:
+    def resume_end(self, incoming: InTransfer) -> None:
         """Handle an END that waited for verifications, once none is left."""
         if not incoming.verifying and incoming.pending_end is not None:
             (session, msg), incoming.pending_end = incoming.pending_end, None

@@ -23,6 +23,9 @@ TRANSPORTS = {
     "shm": ("shm", {}, "direct"),
     "tcp": ("tcp", {}, "data"),  # the data channel
     "tcp-link": ("tcp", {"data_channel": False}, "data"),  # chunks as ZMQ frames
+    # sealed (transfer.aead): chunks sealed ahead and opened on the hashing threads
+    "tcp-sealed": ("tcp", {"encrypt": "on"}, "data"),
+    "tcp-link-sealed": ("tcp", {"data_channel": False, "encrypt": "on"}, "data"),
 }
 KINDS = ("drop", "delay", "duplicate", "reorder", "corrupt", "disconnect")
 #: Faults on control frames (nth=1), for every transport.

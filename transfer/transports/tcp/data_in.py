@@ -50,6 +50,8 @@ _SCRATCH = bytearray(1 << 20)
 #: A chunk landing in its blocks is read (and hashed) in pieces of at most this size, so
 #: each piece is hashed while it is still in this core's cache.
 HASH_PIECE = 1 << 20
+#: Staging buffers kept for sealed chunks (each opened on a hashing thread with its own).
+SPARE_BUFFERS = 4
 
 
 class DataIn:
@@ -86,6 +88,8 @@ class DataIn:
         self._running: checksum.Running | None = None
         self._staging = bytearray(0)
         self._plain = bytearray(0)  # a sealed chunk, opened (when it cannot land directly)
+        #: Staging buffers back from sealed chunks opened on the hashing threads.
+        self._spare: list[bytearray] = []
         self._aad = b""  # the header of the sealed chunk being read
         #: The transfer of the sealed chunk being read (None: not sealed, or dropped).
         self._sealed: InTransfer | None = None
@@ -266,17 +270,44 @@ class DataIn:
         self, seq: int, body: memoryview, view: memoryview, incoming: InTransfer
     ) -> None:
         """Opens a sealed chunk straight into its blocks, while the reservation owns them (a
-        failed tag leaves them uncommitted, the chunk not good: it is resent)."""
+        failed tag leaves them uncommitted, the chunk not good: it is resent), on a hashing
+        thread while this one reads the next chunk (AES-GCM releases the GIL): the staging
+        buffer goes with the job, and the chunk is verifying until it is done (an END
+        waits for it, a copy of it is a duplicate)."""
         sealer = self.session.sealer if self.session is not None else None
         assert sealer is not None
-        try:
-            self.ledger.write_if_current(
-                incoming.reservation, lambda: sealer.open_into(self._aad, body, view)
-            )
-        except TransferError as err:
-            self.receiver.reject_stale(incoming, err)
-            return
-        self.receiver.landed(incoming, seq, view, None, sealed=True)
+        staging, self._staging = self._staging, self._spare.pop() if self._spare else bytearray()
+        aad, reservation = self._aad, incoming.reservation
+        incoming.verifying.add(seq)
+        sealer.claim(body)
+
+        def job() -> Exception | bool:
+            try:
+                self.ledger.write_if_current(reservation, lambda: sealer.open_into(aad, body, view))
+            except Exception as exc:  # delivered to the I/O thread, counted there
+                return exc
+            return True
+
+        def opened(outcome: Exception | bool | None) -> None:  # the I/O thread
+            if len(self._spare) < SPARE_BUFFERS:
+                self._spare.append(staging)
+            if not self.receiver.still_verifying(incoming, seq) or outcome is None:
+                return  # the transfer ended meanwhile, or the engine closes
+            if isinstance(outcome, TransferError):
+                self.receiver.reject_stale(incoming, outcome)
+                return
+            if outcome is True:
+                self.receiver.landed(incoming, seq, view, None, sealed=True)
+            elif isinstance(outcome, wire.FrameError):
+                self.metrics.reject(outcome.reason)
+            else:
+                log.error("opening a sealed chunk failed", exc_info=outcome)
+                self.metrics.internal_errors_total += 1
+                self.metrics.reject("internal_error")
+            self.receiver.resume_end(incoming)
+
+        hasher = self.receiver.hasher
+        hasher.then(hasher.run(job), opened)
 
     def _on_preface(self, proof: bytes) -> None:
         if self.session is not None:

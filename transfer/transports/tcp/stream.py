@@ -8,7 +8,9 @@ bounded slice per call::
     queue ──> _prepare (gather, kv codec, digest a few chunks ahead on the hashing threads)
           ──> data channel: DATA header + body [+ trailer digest, hashed behind the kernel]
           └─> ZMQ link:     Data message + body (zero copy, tracked until ZMQ let go)
-    a sealed session (transfer.aead): the body sealed under the header (no digest: the tag)
+    a sealed session (transfer.aead): the body sealed under the header (no digest: the tag),
+    a few chunks ahead on the hashing threads (AES-GCM releases the GIL), so sealing the
+    next chunks overlaps sending this one instead of adding to it
     stop at PUMP_BYTES moved, WINDOW_BYTES in flight, or a digest not ready yet
 
 The direct counterpart is :mod:`transfer.transports.direct`.
@@ -17,6 +19,8 @@ The direct counterpart is :mod:`transfer.transports.direct`.
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Future
+from typing import Any
 
 import zmq
 
@@ -61,16 +65,17 @@ def pump_stream(
         if pending is not None and not pending.done():
             out.waiting_digest = True
             return False
-        digest = pending.result() if pending is not None else None
+        result = pending.result() if pending is not None else None
         del out.prepared[seq]
         chunk = out.chunks[seq]
-        if out.via_data and sealer is not None:
-            size = len(buf) + aead.OVERHEAD
-            place = (chunk.ti, chunk.lo, chunk.hi)
-            header = frames.data(out.stream, seq, *place, size, digest, sealed=True)
-            owner = None if outbox.faults_on else out
-            sealed = sealer.seal(header + out.begin_digest, buf)
-            sent = outbox.send(session, "data", header, sealed, via_data=True, owner=owner)
+        if sealer is not None:  # sealed ahead (_seal): the frame's header and sealed body
+            assert result is not None
+            header, sealed = result
+            if out.via_data:
+                owner = None if outbox.faults_on else out
+                sent = outbox.send(session, "data", header, sealed, via_data=True, owner=owner)
+            else:  # the DATA message is the sealed body's associated data
+                sent = outbox.send(session, "data", header, sealed)
         elif out.via_data:
             header = frames.data(
                 out.stream, seq, chunk.ti, chunk.lo, chunk.hi, len(buf), None, out.algo is not None
@@ -83,25 +88,12 @@ def pump_stream(
                 buf,
                 via_data=True,
                 owner=owner,
-                trailer=None if digest is None else frames.trailer(digest),
+                trailer=None if result is None else frames.trailer(result),
                 hash_with=None if trail is None else checksum.Running(trail),
             )
         else:
-            data = Data(
-                transfer_id=out.handle.transfer_id,
-                seq=seq,
-                tensor=chunk.ti,
-                lo=chunk.lo,
-                hi=chunk.hi,
-                digest=digest,
-            )
-            header = session.header(data)
-            if sealer is not None:  # the DATA message is the sealed body's associated data
-                sent = outbox.send(
-                    session, "data", header, sealer.seal(header + out.begin_digest, buf)
-                )
-            else:
-                sent = outbox.send(session, "data", header, buf, track=not outbox.faults_on)
+            header = session.header(_data(out, seq, result))
+            sent = outbox.send(session, "data", header, buf, track=not outbox.faults_on)
         if sent is False:
             out.prepared[seq] = (buf, pending)
             return False  # not connected (yet): the attempt timer decides
@@ -140,11 +132,40 @@ def _prepare(out: OutTransfer, hasher: Hasher, safe_views: bool, digests: bool) 
         if not safe_views and data.device.type == "cpu":
             data = data.clone()  # faults may send it later or twice: never a view
         buf = layout.as_bytes(kv_codec.to_wire(out.codec, data))  # digests cover these bytes
-        pending = None
-        if out.algo and digests:
+        pending: Future[Any] | None = None
+        if out.session is not None and out.session.sealer is not None:
+            pending = hasher.run(_seal, out, seq, buf)
+        elif out.algo and digests:
             pending = hasher.submit_bytes(out.algo, buf)
-            hasher.then(pending, lambda digest: _ready(out))
+        if pending is not None:
+            hasher.then(pending, lambda _: _ready(out))
         out.prepared[seq] = (buf, pending)
+
+
+def _seal(out: OutTransfer, seq: int, buf: memoryview) -> tuple[bytes, memoryview]:
+    """Chunk ``seq``'s frame in a sealed session (a hashing thread): its header (a data
+    channel header, or a DATA message on the link) and its body sealed under it."""
+    session = out.session
+    assert session is not None and session.sealer is not None
+    if out.via_data:
+        chunk = out.chunks[seq]
+        size = len(buf) + aead.OVERHEAD
+        header = frames.data(out.stream, seq, chunk.ti, chunk.lo, chunk.hi, size, None, sealed=True)
+    else:
+        header = session.header(_data(out, seq, None))
+    return header, session.sealer.seal(header + out.begin_digest, buf)
+
+
+def _data(out: OutTransfer, seq: int, digest: int | None) -> Data:
+    chunk = out.chunks[seq]
+    return Data(
+        transfer_id=out.handle.transfer_id,
+        seq=seq,
+        tensor=chunk.ti,
+        lo=chunk.lo,
+        hi=chunk.hi,
+        digest=digest,
+    )
 
 
 def _ready(out: OutTransfer) -> None:
