@@ -56,7 +56,7 @@ def _load(path: Path) -> ctypes.CDLL:
     fn.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
     bf16 = lib.paged_decode_bf16
-    bf16.argtypes = [*fn.argtypes, ctypes.c_int]
+    bf16.argtypes = [*fn.argtypes, ctypes.c_int, ptr]
     bf16.restype = ctypes.c_int
     lib.paged_decode_paths.argtypes = []
     lib.paged_decode_paths.restype = ctypes.c_int
@@ -109,13 +109,16 @@ def decode(
     mask: torch.Tensor,
     scale: float,
     portable: bool = False,
+    bf16_out: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its cached context.
 
     q [n, heads, dim]; k_flat, v_flat [num_slots, kv_heads, dim] (the cache's blocks as
     rows, layout nd, float32 or bfloat16; q is read in their dtype); slots [n * ctx] int64
     cache slots; mask [n * ctx] bool, True = attend. `portable` keeps bfloat16 off the
-    CPU's bf16 instructions (tests compare the paths). Returns [n, heads, dim] float32."""
+    CPU's bf16 instructions (tests compare the paths). Returns [n, heads, dim] float32, or
+    with `bf16_out` (bfloat16 K/V only) that rounded to bfloat16 by the kernel as it goes
+    (the same bits as `.to(torch.bfloat16)`, without a float32 output to cast)."""
     lib = _loaded
     if lib is None:
         raise RuntimeError("paged_decode called before available() loaded the kernel")
@@ -126,17 +129,19 @@ def decode(
     slots = slots.contiguous()
     mask = mask.contiguous()
     ctx = slots.numel() // n if n else 0
-    out = torch.empty((n, heads, dim), dtype=torch.float32)
     bf16 = k_flat.dtype == torch.bfloat16
+    if bf16_out and not bf16:
+        raise ValueError(f"paged_decode: a bfloat16 output needs bfloat16 K/V, got {k_flat.dtype}")
+    out = torch.empty((n, heads, dim), dtype=torch.bfloat16 if bf16_out else torch.float32)
     fn = lib.paged_decode_bf16 if bf16 else lib.paged_decode
-    extra = (PATHS[bf16_path(portable)],) if bf16 else ()
+    extra = (PATHS[bf16_path(portable)], out.data_ptr() if bf16_out else None) if bf16 else ()
     rc = fn(
         qk.data_ptr(),
         k_flat.data_ptr(),
         v_flat.data_ptr(),
         slots.data_ptr(),
         mask.data_ptr(),
-        out.data_ptr(),
+        None if bf16_out else out.data_ptr(),
         n,
         ctx,
         kv_heads,
@@ -196,5 +201,6 @@ paged_decode = torch.library.custom_op("hetero_pd::paged_decode", decode, mutate
 
 
 @paged_decode.register_fake
-def _(q, k_flat, v_flat, slots, mask, scale, portable=False):  # type: ignore[no-untyped-def]
-    return torch.empty(q.shape, dtype=torch.float32, device="cpu")
+def _(q, k_flat, v_flat, slots, mask, scale, portable=False, bf16_out=False):  # type: ignore[no-untyped-def]
+    dtype = torch.bfloat16 if bf16_out else torch.float32
+    return torch.empty(q.shape, dtype=dtype, device="cpu")

@@ -7,6 +7,7 @@
  *
  *   k, v:  [num_slots, kv_heads, head_dim] float32 (paged_decode) or bfloat16 (_bf16)
  *   q:     [n, kv_heads * group, head_dim] of K's dtype;  out: the same shape, float32
+ *          (bfloat16 caches may ask for it rounded to bfloat16 instead: out16)
  *   slots: [n, ctx] int64 cache slot of each context position; mask: [n, ctx] uint8 (1 = attend)
  *
  * bfloat16 accumulates in float32 and rounds the softmax's weights to bfloat16 before they
@@ -31,6 +32,12 @@
 
 /* Bit i set: path i is compiled into this library. */
 int paged_decode_paths(void) { return bf16_paths_compiled(); }
+
+static inline uint32_t as_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
 
 /* Round to nearest even, as torch does (a NaN stays a NaN). */
 static inline float round_to_bf16(float f) {
@@ -184,14 +191,17 @@ TARGET_BF16 static void seq_bf16_avx512(const seq_t *s) {
 
 /* The loop over sequences shared by both dtypes; `elem` is the byte size of q, K and V. */
 static int run(const void *q, const void *k, const void *v, const int64_t *slots,
-               const uint8_t *mask, float *out, int64_t n, int64_t ctx, int64_t kv_heads,
-               int64_t group, int64_t d, int64_t num_slots, float scale, int threads,
-               size_t elem, void (*seq)(const seq_t *)) {
+               const uint8_t *mask, float *out, bf16 *out16, int64_t n, int64_t ctx,
+               int64_t kv_heads, int64_t group, int64_t d, int64_t num_slots, float scale,
+               int threads, size_t elem, void (*seq)(const seq_t *)) {
     int64_t heads = kv_heads * group, width = kv_heads * d; /* width: one slot's K (or V) */
     if (heads > MAX_HEADS) return -2;
     if (n <= 0 || heads <= 0 || d <= 0) return 0;
     if (ctx <= 0) { /* nothing to attend to: zeros, as for a row with every position masked */
-        memset(out, 0, sizeof(float) * (size_t)(n * heads * d));
+        if (out16)
+            memset(out16, 0, sizeof(bf16) * (size_t)(n * heads * d));
+        else
+            memset(out, 0, sizeof(float) * (size_t)(n * heads * d));
         return 0;
     }
     for (int64_t t = 0; t < n * ctx; t++)
@@ -199,8 +209,9 @@ static int run(const void *q, const void *k, const void *v, const int64_t *slots
     if (threads < 1) threads = 1;
     int64_t kv_of[MAX_HEADS]; /* offset of query head j's KV head in a slot's row */
     for (int64_t j = 0; j < heads; j++) kv_of[j] = (j / group) * d;
-    /* Per thread: every query head's scores, a widened row and a widened query. */
-    int64_t per_thread = heads * ctx + width + heads * d;
+    /* Per thread: every query head's scores, a widened row and a widened query; with out16,
+     * the sequence's float32 output before it is rounded to bf16 there. */
+    int64_t per_thread = heads * ctx + width + heads * d + (out16 ? heads * d : 0);
     float *scratch = malloc(sizeof(float) * (size_t)(per_thread * threads));
     if (!scratch) return -3;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
@@ -210,7 +221,7 @@ static int run(const void *q, const void *k, const void *v, const int64_t *slots
             .q = (const char *)q + (size_t)(i * heads * d) * elem,
             .k = k,
             .v = v,
-            .out = out + i * heads * d,
+            .out = out16 ? mine + heads * ctx + width + heads * d : out + i * heads * d,
             .p = mine,
             .row = mine + heads * ctx,
             .qf = mine + heads * ctx + width,
@@ -224,6 +235,9 @@ static int run(const void *q, const void *k, const void *v, const int64_t *slots
             .scale = scale,
         };
         seq(&s);
+        if (out16)
+            for (int64_t c = 0; c < heads * d; c++)
+                out16[i * heads * d + c] = (bf16)(as_bits(round_to_bf16(s.out[c])) >> 16);
     }
     free(scratch);
     return 0;
@@ -232,14 +246,16 @@ static int run(const void *q, const void *k, const void *v, const int64_t *slots
 int paged_decode(const float *q, const float *k, const float *v, const int64_t *slots,
                  const uint8_t *mask, float *out, int64_t n, int64_t ctx, int64_t kv_heads,
                  int64_t group, int64_t d, int64_t num_slots, float scale, int threads) {
-    return run(q, k, v, slots, mask, out, n, ctx, kv_heads, group, d, num_slots, scale, threads,
-               sizeof(float), seq_f32);
+    return run(q, k, v, slots, mask, out, NULL, n, ctx, kv_heads, group, d, num_slots, scale,
+               threads, sizeof(float), seq_f32);
 }
 
+/* out16 not NULL: the output rounded to bfloat16 there (as torch's cast rounds it; out is
+ * not written), in the same pass: no float32 output for a separate cast to read back. */
 int paged_decode_bf16(const bf16 *q, const bf16 *k, const bf16 *v, const int64_t *slots,
                       const uint8_t *mask, float *out, int64_t n, int64_t ctx, int64_t kv_heads,
                       int64_t group, int64_t d, int64_t num_slots, float scale, int threads,
-                      int path) {
+                      int path, bf16 *out16) {
     void (*seq)(const seq_t *) = seq_bf16_portable;
     if (path == PATH_AVX512_BF16) {
 #ifdef HAVE_AVX512_BF16
@@ -250,6 +266,6 @@ int paged_decode_bf16(const bf16 *q, const bf16 *k, const bf16 *v, const int64_t
     } else if (path != PATH_PORTABLE) {
         return -4;
     }
-    return run(q, k, v, slots, mask, out, n, ctx, kv_heads, group, d, num_slots, scale, threads,
-               sizeof(bf16), seq);
+    return run(q, k, v, slots, mask, out, out16, n, ctx, kv_heads, group, d, num_slots, scale,
+               threads, sizeof(bf16), seq);
 }

@@ -193,7 +193,9 @@ def _decode(
             return _decode_fused(q, k_flat, v_flat, meta.decode_slots, meta.decode_mask, scale)
         # Compiled: the op (opaque to the compiler). Eager: the function behind it.
         kernel = paged_decode.paged_decode if torch.compiler.is_compiling() else paged_decode.decode
-        od = kernel(q, k_flat, v_flat, meta.decode_slots, meta.decode_mask.reshape(-1), scale)
+        mask = meta.decode_mask.reshape(-1)
+        bf16_out = q.dtype == k_flat.dtype == torch.bfloat16  # rounded in the kernel
+        od = kernel(q, k_flat, v_flat, meta.decode_slots, mask, scale, bf16_out=bf16_out)
         return od.to(q.dtype)
     nd, num_kv_heads, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
     # index_select on the flat cache is far cheaper than advanced indexing by block table.

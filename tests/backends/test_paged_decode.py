@@ -129,6 +129,23 @@ def test_bfloat16_equals_sdpa_within_a_rounding(
     assert torch.equal(attend(q, k, v, meta, native=True), fastest)
 
 
+@needs_kernel
+@pytest.mark.parametrize("portable", BF16_PATHS)
+def test_a_bfloat16_output_is_the_float32_one_rounded(portable: bool) -> None:
+    """`bf16_out` rounds in the kernel (the engine's bf16 steps take it: no float32 output
+    for a separate cast loop): the same bits as casting the float32 output; float32 K/V
+    cannot ask for it."""
+    q, k, v, meta = cache_and_batch(torch.bfloat16, 2, 3, [1, 17, 64, 130, 5])
+    assert meta.decode_slots is not None and meta.decode_mask is not None
+    args = (q, k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:]), meta.decode_slots)
+    mask = meta.decode_mask.reshape(-1)
+    got = paged_decode.decode(*args, mask, 0.125, portable=portable, bf16_out=True)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, paged_decode.decode(*args, mask, 0.125, portable=portable).bfloat16())
+    with pytest.raises(ValueError, match="bfloat16 output needs bfloat16 K/V"):
+        paged_decode.decode(*(t.float() for t in args[:3]), args[3], mask, 0.1, bf16_out=True)
+
+
 def reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> torch.Tensor:
