@@ -1,4 +1,5 @@
-"""`hetero-pd bench spec`: speculative decoding (ngram) against plain decoding, side by side.
+"""`hetero-pd bench spec`: speculative decoding (ngram or draft_model) against plain
+decoding, side by side.
 
 Two engines of one model in this process, one plain and one with `speculative_config`,
 run the same requests, `--concurrency` at a time, the two engines taking turns group by
@@ -13,6 +14,14 @@ Per workload and engine: output tok/s (output tokens over wall time), TPOT p50/p
 request, (last token - first token) / (tokens - 1)), and for the speculative engine the
 mean acceptance length (1 + accepted / drafts) and the acceptance rate; then the ratios
 spec / plain, and whether the two engines' outputs were identical token for token.
+
+`--method draft_model` proposes with a draft model (`--draft DIR`, else the model's first
+`--draft-layers` layers with its final norm and lm_head, built into a temporary folder),
+and each speculative engine's step time is split into proposing (the draft's passes) and
+the rest (verification: the target's forward pass over 1 + k tokens, sampling, scheduling).
+`--worst-case` adds a third engine whose draft is a random model of the vocabulary: its
+proposals are wrong, so that row is what rejected proposals cost (until the per-request
+back-off stops them), beside the same plain runs.
 """
 
 from __future__ import annotations
@@ -21,15 +30,18 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hetero_pd import envs
 from hetero_pd.bench.datasets import TokenizerText, random_requests
 from hetero_pd.bench.machine import cpu_info
 from hetero_pd.llm import LLM, chat_prompt_ids
-from hetero_pd.models.fetch import DEFAULT_MODEL
+from hetero_pd.models.draft_models import save_early_exit, save_random_draft
+from hetero_pd.models.fetch import DEFAULT_MODEL, resolve_model
 from hetero_pd.sampling_params import SamplingParams
 
 PARAGRAPHS = (
@@ -56,6 +68,10 @@ class Side:
     tokens: int = 0
     tpots: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
+    steps: int = 0
+
+    def reset(self) -> None:
+        self.elapsed_s, self.tokens, self.tpots, self.outputs, self.steps = 0.0, 0, [], [], 0
 
 
 def copy_prompts(llm: LLM, n: int) -> list[list[int]]:
@@ -81,6 +97,7 @@ def run_batch(
         engine.add_request(prompt, params, rid)
     outs: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
+        side.steps += 1
         for out in engine.step():
             now = time.perf_counter()
             first.setdefault(out.request_id, now)
@@ -106,43 +123,101 @@ def summary(side: Side) -> dict[str, Any]:
         "output_tok_s": round(side.tokens / side.elapsed_s, 2),
         "tpot_p50_ms": round(_pct(side.tpots, 50) * 1e3, 2),
         "tpot_p99_ms": round(_pct(side.tpots, 99) * 1e3, 2),
+        "step_ms": round(side.elapsed_s / max(side.steps, 1) * 1e3, 2),
+    }
+
+
+def _counts(side: Side) -> tuple[int, int, int, float]:
+    speculator = side.llm.engine.speculator
+    assert speculator is not None
+    s = speculator.stats
+    return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.propose_s
+
+
+def spec_summary(
+    plain: dict[str, Any], side: Side, before: tuple[int, int, int, float]
+) -> dict[str, Any]:
+    """A speculative side's numbers since `before` (its counts then), with its ratios."""
+    drafts, proposed, accepted, propose_s = (
+        a - b for a, b in zip(_counts(side), before, strict=True)
+    )
+    b = summary(side)
+    propose_ms = propose_s / max(side.steps, 1) * 1e3
+    return {
+        **b,
+        "drafts": drafts,
+        "draft_tokens": proposed,
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
+        "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
+        # a step's time: proposing, then the rest (verification, sampling, scheduling)
+        "propose_ms_per_step": round(propose_ms, 2),
+        "verify_ms_per_step": round(b["step_ms"] - propose_ms, 2),
+        "tok_s_ratio": round(b["output_tok_s"] / plain["output_tok_s"], 3),
+        "tpot_p50_ratio": round(b["tpot_p50_ms"] / plain["tpot_p50_ms"], 3),
     }
 
 
 def run_workload(
     plain: Side,
-    spec: Side,
+    specs: list[Side],
     prompts: list[list[int]],
     temperature: float,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    speculator = spec.llm.engine.speculator
-    assert speculator is not None
-    stats = speculator.stats
-    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    before = [_counts(side) for side in specs]
     step = args.concurrency
     for _ in range(args.rounds):  # side by side group by group: load drifts hit both alike
         for start in range(0, len(prompts), step):
-            for side in (plain, spec):
+            for side in (plain, *specs):
                 group = prompts[start : start + step]
                 run_batch(side, group, args.max_tokens, temperature, start)
-    drafts = stats.num_drafts - before[0]
-    proposed = stats.num_draft_tokens - before[1]
-    accepted = stats.num_accepted_tokens - before[2]
-    a, b = summary(plain), summary(spec)
-    return {
+    a = summary(plain)
+    rows = [spec_summary(a, side, b) for side, b in zip(specs, before, strict=True)]
+    result = {
         "plain": a,
-        "spec": {
-            **b,
-            "drafts": drafts,
-            "draft_tokens": proposed,
-            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
-            "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
-        },
-        "tok_s_ratio": round(b["output_tok_s"] / a["output_tok_s"], 3),
-        "tpot_p50_ratio": round(b["tpot_p50_ms"] / a["tpot_p50_ms"], 3),
-        "identical_outputs": plain.outputs == spec.outputs,
+        "spec": rows[0],
+        "tok_s_ratio": rows[0]["tok_s_ratio"],
+        "tpot_p50_ratio": rows[0]["tpot_p50_ratio"],
+        "identical_outputs": all(plain.outputs == side.outputs for side in specs),
     }
+    if len(rows) > 1:
+        result["worst"] = rows[1]
+    return result
+
+
+def spec_configs(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    """The speculative engines' configs: the method's, then the worst case's if asked."""
+    k = args.num_speculative_tokens
+    if args.method == "ngram":
+        main: dict[str, Any] = {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": args.prompt_lookup_min,
+            "prompt_lookup_max": args.prompt_lookup_max,
+        }
+    else:
+        draft = args.draft or str(
+            save_early_exit(resolve_model(args.model), work / "early-exit", args.draft_layers)
+        )
+        main = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    configs = [main]
+    if args.worst_case:
+        random = save_random_draft(resolve_model(args.model), work / "random-draft")
+        configs.append({"method": "draft_model", "model": str(random), "num_speculative_tokens": k})
+    return configs
+
+
+def _line(name: str, label: str, r: dict[str, Any], plain: dict[str, Any]) -> str:
+    line = (
+        f"{name:9s} {label:5s} plain {plain['output_tok_s']:7.1f} tok/s  spec "
+        f"{r['output_tok_s']:7.1f} tok/s  ratio {r['tok_s_ratio']:.3f}  "
+        f"TPOT p50 {plain['tpot_p50_ms']:.1f} -> {r['tpot_p50_ms']:.1f} ms  "
+        f"p99 {plain['tpot_p99_ms']:.1f} -> {r['tpot_p99_ms']:.1f} ms  "
+        f"acceptance length {r['mean_acceptance_length']:.2f}  "
+        f"step {plain['step_ms']:.1f} -> {r['step_ms']:.1f} ms "
+        f"(propose {r['propose_ms_per_step']:.1f} + verify {r['verify_ms_per_step']:.1f})"
+    )
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,19 +234,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--prompt-lookup-max", type=int, default=5)
     ap.add_argument("--workloads", default="copy,random,random-t1")
+    ap.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    ap.add_argument("--draft", default=None, help="draft_model: the draft's folder")
+    ap.add_argument(
+        "--draft-layers", type=int, default=4, help="draft_model without --draft: early exit"
+    )
+    ap.add_argument(
+        "--worst-case", action="store_true", help="also a random draft (proposals wrong)"
+    )
     args = ap.parse_args(argv)
     os.environ[envs.ADAPTIVE_THREADS] = "0"  # both engines at one thread count
-    spec_cfg = {
-        "method": "ngram",
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "prompt_lookup_min": args.prompt_lookup_min,
-        "prompt_lookup_max": args.prompt_lookup_max,
-    }
     common = {"dtype": args.dtype, "num_threads": args.threads}
-    plain = Side("plain", LLM(args.model, **common))
-    spec = Side("spec", LLM(args.model, speculative_config=spec_cfg, **common))
-    run_batch(plain, copy_prompts(plain.llm, 1), 8, 0.0)  # warm-up, not counted
-    run_batch(spec, copy_prompts(spec.llm, 1), 8, 0.0)
+    with tempfile.TemporaryDirectory(prefix="bench-spec-") as work:
+        configs = spec_configs(args, Path(work))
+        plain = Side("plain", LLM(args.model, **common))
+        specs = [
+            Side(name, LLM(args.model, speculative_config=cfg, **common))
+            for name, cfg in zip(("spec", "worst"), configs, strict=False)
+        ]
+    for side in (plain, *specs):
+        run_batch(side, copy_prompts(side.llm, 1), 8, 0.0)  # warm-up, not counted
 
     def random_prompts() -> list[list[int]]:
         source = TokenizerText(plain.llm.engine.model_path)
@@ -187,18 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     results: dict[str, Any] = {}
     for name in args.workloads.split(","):
-        for side in (plain, spec):
-            side.elapsed_s, side.tokens, side.tpots, side.outputs = 0.0, 0, [], []
+        for side in (plain, *specs):
+            side.reset()
         make, temperature = workloads[name]
-        results[name] = r = run_workload(plain, spec, make(), temperature, args)
-        print(
-            f"{name:9s} plain {r['plain']['output_tok_s']:7.1f} tok/s  spec "
-            f"{r['spec']['output_tok_s']:7.1f} tok/s  ratio {r['tok_s_ratio']:.3f}  "
-            f"TPOT p50 {r['plain']['tpot_p50_ms']:.1f} -> {r['spec']['tpot_p50_ms']:.1f} ms  "
-            f"p99 {r['plain']['tpot_p99_ms']:.1f} -> {r['spec']['tpot_p99_ms']:.1f} ms  "
-            f"acceptance length {r['spec']['mean_acceptance_length']:.2f}  "
-            f"identical {r['identical_outputs']}"
-        )
+        results[name] = r = run_workload(plain, specs, make(), temperature, args)
+        print(_line(name, "spec", r["spec"], r["plain"]))
+        if "worst" in r:
+            print(_line(name, "worst", r["worst"], r["plain"]))
+        print(f"{name:9s} outputs identical: {r['identical_outputs']}")
     config = dict(vars(args))
     print(json.dumps({"config": config, "results": results, "cpu": cpu_info()}))
     return 0

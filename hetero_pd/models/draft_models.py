@@ -49,7 +49,8 @@ def save_early_exit(src: Path, dest: Path, num_layers: int) -> Path:
 
 
 def save_random_draft(src: Path, dest: Path, seed: int = 0) -> Path:
-    """A two-layer Llama with random weights and `src`'s vocabulary and tokenizer."""
+    """A two-layer Llama with random weights and `src`'s vocabulary and tokenizer (its
+    own lm_head: proposals unrelated to the sequence)."""
     from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
     target = AutoConfig.from_pretrained(src)
@@ -64,7 +65,8 @@ def save_random_draft(src: Path, dest: Path, seed: int = 0) -> Path:
         bos_token_id=target.bos_token_id,
         eos_token_id=target.eos_token_id,
         pad_token_id=target.pad_token_id,
-        tie_word_embeddings=True,
+        # untied: a tied random model's argmax tends to repeat its input token
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     dest.mkdir(parents=True, exist_ok=True)
