@@ -1,7 +1,8 @@
 """Speculative sampling keeps the target distribution: on a tiny random model with an
 8-token vocabulary, thousands of samples of the 2nd and 3rd output tokens drawn with ngram
 proposals (about two thirds accepted) follow the exact distribution transformers computes
-(chi-square), as plain ones do. Accepting 30% of rejected proposals anyway fails it."""
+(chi-square), as plain ones do, and so do samples drawn with a draft model's proposals.
+Accepting 30% of rejected proposals anyway fails it."""
 
 from __future__ import annotations
 
@@ -68,21 +69,46 @@ def _chi2(pairs: list[tuple[int, int]], p: torch.Tensor) -> float:
     return float(((counts[cells] - expected[cells]) ** 2 / expected[cells]).sum())
 
 
-def _sample(path: Path, prompt: list[int], spec: bool) -> tuple[list[tuple[int, int]], LLM]:
-    options = {"speculative_config": {"num_speculative_tokens": 2, "prompt_lookup_min": 1}}
-    llm = LLM(str(path), dtype="float32", max_num_seqs=512, **(options if spec else {}))
+NGRAM = {"num_speculative_tokens": 2, "prompt_lookup_min": 1}
+
+
+def _sample(
+    path: Path, prompt: list[int], spec: dict[str, object] | None
+) -> tuple[list[tuple[int, int]], LLM]:
+    options = {"speculative_config": spec} if spec else {}
+    llm = LLM(str(path), dtype="float32", max_num_seqs=512, **options)
     params = SamplingParams(max_tokens=3, temperature=TEMPERATURE, top_k=TOP_K, ignore_eos=True)
     torch.manual_seed(0)
     outs = llm.generate([prompt] * SAMPLES, params)
     return [tuple(o.outputs[0].token_ids[1:]) for o in outs], llm  # type: ignore[misc]
 
 
-def test_sampled_pairs_follow_the_target_distribution(tiny_vocab_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def exact(tiny_vocab_dir: Path) -> torch.Tensor:
     p = _exact(tiny_vocab_dir, PROMPT)
-    plain, _ = _sample(tiny_vocab_dir, PROMPT, spec=False)
-    spec, llm = _sample(tiny_vocab_dir, PROMPT, spec=True)
+    plain, _ = _sample(tiny_vocab_dir, PROMPT, None)
+    assert _chi2(plain, p) < CHI2_LIMIT
+    return p
+
+
+def _check(path: Path, spec: dict[str, object], p: torch.Tensor) -> None:
+    pairs, llm = _sample(path, PROMPT, spec)
     stats = llm.engine.speculator.stats  # type: ignore[union-attr]
     assert stats.num_drafts > 0.5 * SAMPLES
     assert 0.2 * stats.num_drafts < stats.num_accepted_tokens < 0.8 * stats.num_drafts
-    assert _chi2(plain, p) < CHI2_LIMIT
-    assert _chi2(spec, p) < CHI2_LIMIT
+    assert _chi2(pairs, p) < CHI2_LIMIT
+
+
+def test_sampled_pairs_follow_the_target_distribution(
+    tiny_vocab_dir: Path, exact: torch.Tensor
+) -> None:
+    _check(tiny_vocab_dir, NGRAM, exact)
+
+
+def test_with_a_draft_model_too(tiny_vocab_dir: Path, exact: torch.Tensor, tmp_path: Path) -> None:
+    """The draft (the target's first layer, early exit) proposes its greedy tokens."""
+    from hetero_pd.models.draft_models import save_early_exit
+
+    draft = save_early_exit(tiny_vocab_dir, tmp_path, 1)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    _check(tiny_vocab_dir, spec, exact)
