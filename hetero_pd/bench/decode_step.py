@@ -8,7 +8,11 @@ like with like; the median per engine is printed, then the ratios (bf16 over flo
 off over on). The thread count is fixed (no thread governor) so that all four run alike; the
 last stdout line is one JSON object with the machine.
 
+With `--torch-norm` a fifth engine runs bfloat16 with torch's RMSNorm instead of the C
+kernel (backends/rms_norm.py), side by side with the others.
+
     hetero-pd bench decode-step [--batch 32] [--prompt-len 256] [--compile auto|on|off]
+                                [--torch-norm]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ CONFIGS = (
     ("bfloat16+kernel", "bfloat16", True),
     ("bfloat16-kernel", "bfloat16", False),
 )
+TORCH_NORM = "bfloat16+kernel,torch-norm"
 
 
 @dataclass(slots=True)
@@ -43,9 +48,12 @@ class Engine:
     step_ms: list[float] = field(default_factory=list)
 
 
-def start(name: str, dtype: str, kernel: bool, args: argparse.Namespace) -> Engine:
-    """An engine with every request prefilled and decoding."""
+def start(
+    name: str, dtype: str, kernel: bool, args: argparse.Namespace, norm: bool = True
+) -> Engine:
+    """An engine with every request prefilled and decoding (`norm`: the C RMSNorm kernel)."""
     os.environ[envs.NATIVE_ATTENTION] = "1" if kernel else "0"
+    os.environ[envs.NATIVE_NORM] = "1" if norm else "0"
     blocks = args.batch * -(-(args.prompt_len + args.rounds * args.steps + 8) // 16)
     llm = LLM(
         args.model,
@@ -79,9 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument(
+        "--torch-norm",
+        action="store_true",
+        help=f"a fifth engine, {TORCH_NORM}: bf16 with the attention kernel and torch's RMSNorm "
+        "(HETERO_PD_NATIVE_NORM=0), against bfloat16+kernel",
+    )
     args = ap.parse_args(argv)
-    os.environ[envs.ADAPTIVE_THREADS] = "0"  # one thread count for all four
+    os.environ[envs.ADAPTIVE_THREADS] = "0"  # one thread count for all engines
     engines = [start(name, dtype, kernel, args) for name, dtype, kernel in CONFIGS]
+    if args.torch_norm:
+        engines.append(start(TORCH_NORM, "bfloat16", True, args, norm=False))
     for _ in range(args.rounds):
         for e in engines:
             t0 = time.perf_counter()
@@ -98,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         "fp32_off_over_on": ms["float32-kernel"] / ms["float32+kernel"],
         "bf16_off_over_on": ms["bfloat16-kernel"] / ms["bfloat16+kernel"],
     }
+    if args.torch_norm:
+        ratios["bf16_torch_norm_over_c_norm"] = ms[TORCH_NORM] / ms["bfloat16+kernel"]
     for name, r in ratios.items():
         print(f"{name:26s} {r:.3f}")
     compiled = {e.name: e.llm.engine.runner.compiled_steps for e in engines}

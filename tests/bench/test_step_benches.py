@@ -22,20 +22,22 @@ def test_per_token_compares_both_ways(
     assert all(r > 0 for r in result["ratios"].values())
 
 
-def test_decode_step_runs_four_engines(
+def test_decode_step_runs_five_engines(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for name in ("HETERO_PD_NATIVE_ATTENTION", "HETERO_PD_ADAPTIVE_THREADS"):
+    names = ("HETERO_PD_NATIVE_ATTENTION", "HETERO_PD_NATIVE_NORM", "HETERO_PD_ADAPTIVE_THREADS")
+    for name in names:
         monkeypatch.setenv(name, "1")  # restored after: the bench sets them for its engines
     threads = torch.get_num_threads()
-    argv = ["--model", str(tiny_llama_dir), "--batch", "2", "--prompt-len", "8"]
+    argv = ["--model", str(tiny_llama_dir), "--batch", "2", "--prompt-len", "8", "--torch-norm"]
     try:
         assert decode_step.main([*argv, "--steps", "1", "--rounds", "1", "--compile", "off"]) == 0
     finally:
         torch.set_num_threads(threads)
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert set(result["ms_per_step"]) == {name for name, _, _ in decode_step.CONFIGS}
-    assert len(result["ratios"]) == 4 and result["cpu"]["model"]
+    names = {name for name, _, _ in decode_step.CONFIGS} | {decode_step.TORCH_NORM}
+    assert set(result["ms_per_step"]) == names
+    assert len(result["ratios"]) == 5 and result["cpu"]["model"]
 
 
 def test_profile_shares_sum_to_one(
