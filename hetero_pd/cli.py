@@ -132,10 +132,12 @@ def _passthrough(command: str, argv: list[str]) -> int:
         from hetero_pd.bench.migrate import main as run
     elif argv[:1] == ["spec"]:
         from hetero_pd.bench.spec import main as run
+    elif argv[:1] == ["rebalance"]:
+        from hetero_pd.bench.rebalance import main as run
     else:
         print(
             "usage: hetero-pd bench {offline,serve,pd,transfer,kv,routing,tp,moe,edge,edge-privacy,"
-            "per-token,grammar,decode-step,profile,migrate,spec} "
+            "per-token,grammar,decode-step,profile,migrate,spec,rebalance} "
             "[--help | options]"
         )
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
@@ -153,7 +155,8 @@ PASSTHROUGH = {
     "worker": "run one worker process (the launcher starts these)",
     "edge": "the device side: edge generate (a session from the shell) | edge plan (pick k)",
     "bench": "benchmarks: bench offline | serve | pd | transfer | kv [wire] | routing | tp | moe "
-    "| edge | edge-privacy | per-token | grammar | decode-step | profile | migrate | spec",
+    "| edge | edge-privacy | per-token | grammar | decode-step | profile | migrate | spec "
+    "| rebalance",
     "drill": "a deployment across hosts, proven in network namespaces: drill multihost",
 }
 
