@@ -119,7 +119,9 @@ async def serve(
             model_dir=Path(model_dir),
             write_timeout_s=dep.router.write_timeout_s,
             admin_keys=dep.router.admin_keys,
-            tools=ToolSettings(dep.router.tool_call_parser, dep.router.enable_auto_tool_choice),
+            tools=ToolSettings.for_tokenizer(
+                dep.router.tool_call_parser, dep.router.enable_auto_tool_choice, tokenizer
+            ),
             restart=launcher.restart_any if launcher is not None else None,
             remove=launcher.remove if launcher is not None else None,
         )

@@ -32,6 +32,19 @@ def stack(default_model_dir: Path) -> Iterator[Stack]:
         yield s
 
 
+def streamed_call(client: openai.OpenAI, kw: dict[str, Any]) -> str:
+    """The arguments of the one call of the streamed answer to `kw`, reassembled from its
+    deltas; the answer must end for tool calls."""
+    streamed, finish = "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            assert d.index == 0 and d.function is not None
+            streamed += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    return streamed
+
+
 def test_llama3_json_calls_whole_and_streamed_and_auto_refused(stack: Stack) -> None:
     client = openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0, timeout=120)
     kw: dict[str, Any] = dict(
@@ -44,13 +57,7 @@ def test_llama3_json_calls_whole_and_streamed_and_auto_refused(stack: Stack) -> 
     assert [c.function.name for c in calls] == ["add"]  # type: ignore[union-attr]
     arguments = calls[0].function.arguments  # type: ignore[union-attr]
     jsonschema.validate(json.loads(arguments), ADD)
-    streamed, finish = "", None
-    for chunk in client.chat.completions.create(stream=True, **kw):
-        for d in chunk.choices[0].delta.tool_calls or []:
-            assert d.index == 0 and d.function is not None
-            streamed += d.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
-    assert finish == "tool_calls" and streamed == arguments
+    assert streamed_call(client, kw) == arguments
     with pytest.raises(openai.BadRequestError, match="enable_auto_tool_choice") as info:
         client.chat.completions.create(**{**kw, "tool_choice": "auto"})
     assert info.value.body["param"] == "tool_choice"  # type: ignore[index]

@@ -38,14 +38,28 @@ class ToolSettings:
 
     parser: str = "hermes"
     auto: bool = True
+    #: The id of the format's marker when the tokenizer has it as one special token
+    #: (Mistral's ``[TOOL_CALLS]``): a forced call then starts with that token, as the
+    #: model writes it, not with its spelling in text tokens.
+    marker_id: int | None = None
+
+    @classmethod
+    def for_tokenizer(cls, parser: str, auto: bool, tokenizer: Any) -> ToolSettings:
+        marker = _MARKERS.get(parser)
+        if marker is None:
+            return cls(parser, auto)
+        added: dict[str, int] = getattr(tokenizer, "get_added_vocab", dict)()
+        return cls(parser, auto, added.get(marker))
 
 
 DEFAULT_TOOLS = ToolSettings()
+#: Markers that tokenizers of the format's models have as one special token.
+_MARKERS = {"mistral": "[TOOL_CALLS]"}
 #: A forced call as each format writes it (lark): one call, or one or more.
 _FORMATS = {
     "hermes": ('"<tool_call>\\n" body "\\n</tool_call>"', '"\\n"', "", ""),
     "llama3_json": ("body", '"; "', "", ""),
-    "mistral": ("body", '", "', '"[TOOL_CALLS][" ', ' "]"'),
+    "mistral": ("body", '", "', '"[TOOL_CALLS]" "[" ', ' "]"'),
 }
 
 
@@ -57,6 +71,7 @@ class ToolPlan:
     choice: str  # "auto", "required", or the name of the function that must be called
     parallel: bool = True
     parser: str = "hermes"  # the format calls are written and read in (tool_stream.PARSERS)
+    marker_id: int | None = None  # ToolSettings'
 
     @property
     def forced(self) -> bool:
@@ -85,6 +100,8 @@ class ToolPlan:
         # A named function is called once (OpenAI's forced function); "required": one or more.
         several = self.parallel and self.choice == "required"
         call, sep, before, after = _FORMATS[self.parser]
+        if self.marker_id is not None:
+            before = before.replace(json.dumps(_MARKERS[self.parser]), f"<[{self.marker_id}]>")
         calls = f"call ({sep} call)*" if several else "call"
         lark = f"start: {before}{calls}{after}\ncall: {call}\nbody: %json {json.dumps(schema)}\n"
         return StructuredOutputsParams(grammar=lark)
@@ -158,7 +175,7 @@ def parse_tools(
             f'{{"type": "function", "function": {{"name": one of {names}}}}}, got {show(choice)}',
             "tool_choice",
         )
-    return ToolPlan(checked, mode, parallel is not False, settings.parser)
+    return ToolPlan(checked, mode, parallel is not False, settings.parser, settings.marker_id)
 
 
 def _tool(tool: Any, i: int) -> dict[str, Any]:
