@@ -68,6 +68,9 @@ class TransferConfig:
     ack_timeout_s: float = 5.0
     #: Longest a direct (shared-memory) write grant stays valid.
     grant_s: float = 10.0
+    #: A peer's renewals keep one of our reservations or offers alive at most this long past
+    #: its making, so a peer that renews for ever cannot pin our blocks.
+    max_renewed_s: float = 600.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     #: Stream (TCP) chunks travel on a plain TCP data channel read straight into the
     #: destination blocks (False: as ZMQ frames on the link, one more copy on the receiver).
@@ -116,7 +119,7 @@ class TransferConfig:
             raise ValueError(
                 f"TransferConfig.encrypt must be auto, on or off, got {self.encrypt!r}"
             )
-        for name in ("link_timeout_s", "timeout_s", "lease_s", "ack_timeout_s"):
+        for name in ("link_timeout_s", "timeout_s", "lease_s", "ack_timeout_s", "max_renewed_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransferConfig.{name} must be > 0")
         if self.advertise_host and not valid_host(self.advertise_host):

@@ -262,6 +262,27 @@ def test_offer_lease_renewed_by_its_owner_and_its_reader(make_pair: Callable[...
     d.release("pull-held")
 
 
+def test_a_peer_cannot_pin_our_blocks_past_the_renewal_limit(
+    make_pair: Callable[..., Pair],
+) -> None:
+    """A writer renewing our reservation and a reader renewing our offer keep them alive at
+    most ``max_renewed_s`` past their making: a peer that renews for ever cannot pin our
+    blocks (issue 27: a worker's reports cannot pin another's blocks beyond a lease)."""
+    limit = {"max_renewed_s": 1.0}
+    p, d = make_pair(sender=limit, receiver=limit)
+    recv = d.reserve("pinned", DST, writer=p.engine_id, timeout_s=0.4)
+    held = p.offer("pinned-offer", SRC, reader=d.engine_id, lease_s=0.4)
+    assert recv.blocks is not None and held.blocks is not None
+    end = time.monotonic() + 4.0
+    while time.monotonic() < end and not (recv.done() and held.done()):
+        p.renew_remote(d.engine_id, recv.blocks)  # the writer's renewals
+        d.renew_remote(p.engine_id, held.blocks)  # the reader's
+        time.sleep(0.1)
+    assert recv.wait(0) is TransferState.TIMED_OUT
+    assert held.wait(0) is TransferState.TIMED_OUT
+    d.release("pinned")
+
+
 def test_two_threads_copy_only_while_the_grant_is_open(monkeypatch: pytest.MonkeyPatch) -> None:
     """Direct writes copy a slice's chunks on two threads (the I/O thread and a helper);
     each chunk starts only while the grant is open, and the chunks neither thread started
