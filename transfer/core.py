@@ -82,8 +82,8 @@ class Core:
         self.metrics = Metrics()
         self.loop = IOLoop(engine_id, self.metrics)
         self.regions: dict[str, KVRegion] = {}
-        self.ledger = Ledger(config.dedup_capacity)
-        self.offers = OfferBook()
+        self.ledger = Ledger(config.dedup_capacity, config.max_renewed_s)
+        self.offers = OfferBook(config.max_renewed_s)
         self.hasher = Hasher(engine_id, self.loop.call)
         injector = FaultInjector(config.faults) if config.faults else None
         self.router = self._listen(config)

@@ -44,6 +44,8 @@ class Reservation:
     writer: str | None = None
     #: Seconds a renewal extends the deadline by (the reservation's original timeout).
     timeout_s: float = 0.0
+    #: Latest deadline a peer's renewals can give it (TransferConfig.max_renewed_s).
+    renewable_until: float = float("inf")
     layers_done: set[int] = field(default_factory=set)
     alive: bool = True
 
@@ -52,7 +54,8 @@ class Ledger:
     """Reservations, epochs, grants and committed transfer ids (thread-safe: the lock is
     taken inside; callers that write blocks do it through :meth:`write_if_current`)."""
 
-    def __init__(self, dedup_capacity: int) -> None:
+    def __init__(self, dedup_capacity: int, max_renewed_s: float = float("inf")) -> None:
+        self._max_renewed_s = max_renewed_s
         self._lock = threading.RLock()
         self._owner: dict[str, np.ndarray] = {}
         self._fence: dict[str, np.ndarray] = {}
@@ -105,8 +108,10 @@ class Ledger:
             owner[ids] = epoch
             blocks = RemoteBlocks(request_id, epoch, tuple(block_ids), region.name)
             handle.blocks = blocks
-            timeout = max(deadline - time.monotonic(), 0.0)
+            now = time.monotonic()
+            timeout = max(deadline - now, 0.0)
             res = Reservation(blocks, handle, frozenset(layers), deadline, writer, timeout)
+            res.renewable_until = max(deadline, now + self._max_renewed_s)
             self._by_request[request_id] = res
             return res
 
@@ -205,7 +210,8 @@ class Ledger:
         """Push a live reservation's deadline to ``now + seconds`` (default: its timeout).
 
         With ``epoch`` and ``writer`` (a peer's renewal), only that epoch's reservation and
-        only for its writer; NOT_GRANTED for another writer. False if nothing is live.
+        only for its writer, and never past its ``renewable_until``; NOT_GRANTED for another
+        writer. False if nothing is live.
         """
         with self._lock:
             res = self._by_request.get(request_id)
@@ -217,7 +223,10 @@ class Ledger:
                 raise TransferError(
                     StatusCode.NOT_GRANTED, f"{writer!r} cannot renew {request_id!r}"
                 )
-            res.deadline = max(res.deadline, now + (seconds or res.timeout_s))
+            until = now + (seconds or res.timeout_s)
+            if writer is not None:  # a peer's renewal: never past the limit
+                until = min(until, res.renewable_until)
+            res.deadline = max(res.deadline, until)
             return True
 
     def kill(self, res: Reservation) -> None:

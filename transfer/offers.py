@@ -36,6 +36,8 @@ class Offer:
     handle: TransferHandle
     lease_s: float
     lease_until: float
+    #: Latest lease end a reader's renewals can give it (TransferConfig.max_renewed_s).
+    renewable_until: float = float("inf")
     #: Layers served and ACKed.
     served: set[int] = field(default_factory=set)
     #: Serving pushes in flight: transfer id -> (their handle, their layers).
@@ -47,7 +49,8 @@ class Offer:
 class OfferBook:
     """Live offers of one engine, by request id."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_renewed_s: float = float("inf")) -> None:
+        self._max_renewed_s = max_renewed_s
         self._lock = threading.Lock()
         self._epochs = EpochSource()
         self._by_request: dict[str, Offer] = {}
@@ -72,6 +75,7 @@ class OfferBook:
             ticket = RemoteBlocks(request_id, self._epochs.next(), tuple(block_ids), region)
             handle.blocks = ticket
             offer = Offer(ticket, reader, layers, handle, lease_s, now + lease_s)
+            offer.renewable_until = now + max(lease_s, self._max_renewed_s)
             self._by_request[request_id] = offer
             return offer
 
@@ -147,7 +151,8 @@ class OfferBook:
         reader: str | None = None,
     ) -> Offer | None:
         """Extend a live offer's lease (with ``epoch``/``reader``: a reader's renewal, which
-        must name the offer's epoch; NOT_GRANTED for another peer). The offer, or None."""
+        must name the offer's epoch and ends by ``renewable_until``; NOT_GRANTED for another
+        peer). The offer, or None."""
         with self._lock:
             offer = self._by_request.get(request_id)
             if offer is None or offer.ending is not None or now > offer.lease_until:
@@ -158,7 +163,10 @@ class OfferBook:
                 raise TransferError(
                     StatusCode.NOT_GRANTED, f"{reader!r} cannot renew {request_id!r}"
                 )
-            offer.lease_until = max(offer.lease_until, now + (seconds or offer.lease_s))
+            until = now + (seconds or offer.lease_s)
+            if reader is not None:  # a reader's renewal: never past the limit
+                until = min(until, offer.renewable_until)
+            offer.lease_until = max(offer.lease_until, until)
             return offer
 
     def expired(self, now: float) -> list[Offer]:
