@@ -1,5 +1,6 @@
 """`hetero-pd serve <model dir> --served-model-name ... --api-key ...` run as a user runs it
-(a subprocess), answering the official `openai` client."""
+(a subprocess), answering the official `openai` client: the tiny Llama, and a tiny
+DeepSeek-V3 (MLA + MoE, sharded safetensors) as a family other than Llama's."""
 
 from __future__ import annotations
 
@@ -18,11 +19,24 @@ from hetero_pd.deploy.testing import metric_value, serve_process
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 120.0
+#: (model, what `auto` resolves to): Llama in both dtypes; DeepSeek-V3 once, in bfloat16
+#: (what `auto` picks on a CPU with native bf16), to keep the test's time down.
+SERVED = [
+    pytest.param("tiny_llama_dir", "float32", id="llama-float32"),
+    pytest.param("tiny_llama_dir", "bfloat16", id="llama-bfloat16"),
+    pytest.param("tiny_deepseek_v3_dir", "bfloat16", id="mla-bfloat16"),
+]
 
 
 @pytest.fixture
-def served(tiny_llama_dir: Path, auto_dtype: str) -> Iterator[str]:
-    argv = [str(tiny_llama_dir), "--port", "0", "--served-model-name", "tiny", "tiny-2"]
+def model_dir(request: pytest.FixtureRequest, model_fixture: str) -> Path:
+    path: Path = request.getfixturevalue(model_fixture)
+    return path
+
+
+@pytest.fixture
+def served(model_dir: Path, auto_dtype: str) -> Iterator[str]:
+    argv = [str(model_dir), "--port", "0", "--served-model-name", "tiny", "tiny-2"]
     argv += ["--api-key", "k", "--kv-cache-gb", "0.02", "--max-model-len", "256"]
     env = {**os.environ, "HETERO_PD_API_KEY": "from-env", "PYTHONPATH": str(REPO)}
     with serve_process(argv, DEADLINE_S, env) as (proc, url):
@@ -33,10 +47,11 @@ def served(tiny_llama_dir: Path, auto_dtype: str) -> Iterator[str]:
 
 @pytest.mark.dtype  # `serve MODEL`'s workers and the reference both run `auto`
 @pytest.mark.timeout(300)
-def test_the_openai_client_talks_to_serve_model(served: str, tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize(("model_fixture", "auto_dtype"), SERVED, indirect=["auto_dtype"])
+def test_the_openai_client_talks_to_serve_model(served: str, model_dir: Path) -> None:
     client = openai.OpenAI(base_url=f"{served}/v1", api_key="k", max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == ["tiny", "tiny-2"]
-    expected = LLM(str(tiny_llama_dir), num_kv_blocks=16).generate(
+    expected = LLM(str(model_dir), num_kv_blocks=16).generate(
         "in the", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     )[0]
     for name in ("tiny", "tiny-2"):
@@ -55,7 +70,7 @@ def test_the_openai_client_talks_to_serve_model(served: str, tiny_llama_dir: Pat
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{served}/v1", api_key="wrong", max_retries=0).models.list()
     with pytest.raises(openai.NotFoundError):
-        client.completions.create(model=str(tiny_llama_dir), prompt="hi", max_tokens=1)
+        client.completions.create(model=str(model_dir), prompt="hi", max_tokens=1)
 
     req = urllib.request.Request(f"{served}/metrics", headers={"Authorization": "Bearer k"})
     with urllib.request.urlopen(req, timeout=30) as r:

@@ -1,6 +1,7 @@
 """Prefill on one engine, the prompt's KV over TCP through the int8 codec, decode on another:
 the decode engine's blocks hold exactly the codec's image of the prefill engine's, and its
-greedy tokens stay transformers' (the model's answers survive the codec)."""
+greedy tokens stay transformers' (the model's answers survive the codec). For K/V heads
+(Llama) and MLA's latent rows (DeepSeek-V3: one c_kv | k_pe row a token, one scale each)."""
 
 from __future__ import annotations
 
@@ -49,12 +50,12 @@ class Side:
 
 
 @pytest.fixture
-def pd_pair(tiny_llama_dir: Path) -> Iterator[Callable[[str], tuple[Side, Side]]]:
+def pd_pair() -> Iterator[Callable[[str, Path], tuple[Side, Side]]]:
     made: list[Side] = []
 
-    def build(codec: str) -> tuple[Side, Side]:
-        p = Side(f"prefill-{codec}", "prefill", tiny_llama_dir, codec)
-        d = Side(f"decode-{codec}", "decode", tiny_llama_dir, codec)
+    def build(codec: str, model: Path) -> tuple[Side, Side]:
+        p = Side(f"prefill-{codec}", "prefill", model, codec)
+        d = Side(f"decode-{codec}", "decode", model, codec)
         made.extend((p, d))
         p.transfer.link(d.transfer.engine_id, d.transfer.address)
         return p, d
@@ -90,12 +91,15 @@ def _disaggregated(p: Side, d: Side, max_tokens: int) -> tuple[list[int], list[i
     return tokens, src, list(dst)
 
 
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_deepseek_v3_dir"])
 def test_int8_kv_between_engines_keeps_the_greedy_tokens(
-    pd_pair: Callable[[str], tuple[Side, Side]],
-    tiny_llama_dir: Path,
+    model_fixture: str,
+    request: pytest.FixtureRequest,
+    pd_pair: Callable[[str, Path], tuple[Side, Side]],
     hf_greedy: Callable[..., list[int]],
 ) -> None:
-    p, d = pd_pair("int8")
+    model: Path = request.getfixturevalue(model_fixture)
+    p, d = pd_pair("int8", model)
     tokens, src, dst = _disaggregated(p, d, max_tokens=8)
     assert p.region is not None and d.region is not None
     shape = tuple(p.region.block_shape)
@@ -109,7 +113,7 @@ def test_int8_kv_between_engines_keeps_the_greedy_tokens(
     raw = len(src) * p.region.block_bytes * len(p.region.tensors)
     assert wire == len(encode(p.region.tensors[0][src])) * len(p.region.tensors)
     assert wire / raw == pytest.approx((1 + 4 / shape[-1]) / 4)  # int8 + a float32 per head
-    assert tokens == hf_greedy(tiny_llama_dir, PROMPT, 8)
+    assert tokens == hf_greedy(model, PROMPT, 8)
 
 
 def test_teacher_forced_agreement_of_int8_kv_on_a_tiny_model(tiny_llama_dir: Path) -> None:

@@ -1,6 +1,7 @@
 """The engine with KV tiers on a working set larger than its device KV: greedy tokens equal
 the engine without tiers and transformers, prefixes come back from host memory and the SSD
-(also after a restart, and as misses when a file is damaged), and no block leaks."""
+(also after a restart, and as misses when a file is damaged), and no block leaks. For K/V
+heads (Llama) and MLA's latent blocks (DeepSeek-V3: one tensor a layer, no heads)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import pytest
 
 from hetero_pd import LLM, SamplingParams
 from hetero_pd.engine.kv_tiers import KVTierStats
+from hetero_pd.models.config import ModelConfig
 
 Ref = Callable[[Path, list[int], int], list[int]]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-# 24 x 8 tokens of device KV; float32, which the tiers below are sized for (6144 bytes a block)
-DEVICE = dict(dtype="float32", block_size=8, num_kv_blocks=24, max_num_seqs=2)
+BLOCK_SIZE = 8
+# 24 x 8 tokens of device KV, float32 (4 bytes a value: the tiers below are sized in blocks)
+DEVICE = dict(dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=24, max_num_seqs=2)
 
 
 def workload(seed: int = 0) -> list[list[int]]:
@@ -46,16 +49,19 @@ def tier_stats(llm: LLM) -> KVTierStats:
     return stats
 
 
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_deepseek_v3_dir"])
 def test_tiers_match_no_tiers_and_transformers(
-    tiny_llama_dir: Path, tmp_path: Path, hf_greedy: Ref
+    model_fixture: str, request: pytest.FixtureRequest, tmp_path: Path, hf_greedy: Ref
 ) -> None:
+    model: Path = request.getfixturevalue(model_fixture)
+    block_bytes = BLOCK_SIZE * ModelConfig.from_dir(model).kv_bytes_per_token * 4
     prompts = workload()
-    off = LLM(str(tiny_llama_dir), **DEVICE)
+    off = LLM(str(model), **DEVICE)
     base, base_cached = serve(off, prompts)
     assert off.engine.kv_tier_stats() is None
     for prompt, got in zip(prompts[:6], base, strict=False):
-        assert got == hf_greedy(tiny_llama_dir, prompt, GREEDY.max_tokens)
-    dram = LLM(str(tiny_llama_dir), kv_cache_host_gb=0.01, **DEVICE)
+        assert got == hf_greedy(model, prompt, GREEDY.max_tokens)
+    dram = LLM(str(model), kv_cache_host_gb=0.01, **DEVICE)
     tokens, cached = serve(dram, prompts)
     assert tokens == base
     assert cached > base_cached, "host memory served prefixes the device had evicted"
@@ -63,8 +69,8 @@ def test_tiers_match_no_tiers_and_transformers(
     assert stats.host.hits > 0 and stats.disk is None
     dram.engine.close()
     # host memory for 20 blocks, the SSD for the rest
-    ssd_opts = dict(kv_cache_host_gb=20 * 6144 / 2**30, kv_cache_disk_gb=0.01)
-    ssd = LLM(str(tiny_llama_dir), kv_cache_disk_path=str(tmp_path), **ssd_opts, **DEVICE)
+    ssd_opts = dict(kv_cache_host_gb=20 * block_bytes / 2**30, kv_cache_disk_gb=0.01)
+    ssd = LLM(str(model), kv_cache_disk_path=str(tmp_path), **ssd_opts, **DEVICE)
     tokens, ssd_cached = serve(ssd, prompts)
     assert tokens == base
     stats = tier_stats(ssd)

@@ -6,7 +6,7 @@ bytes of one block (from the model's config), and the greedy text equals the eng
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ class Chat:
     def __init__(self, stack: Stack, model_dir: Path) -> None:
         assert stack.router is not None
         self.stack = stack
+        self.model_dir = model_dir
         self.block_size = stack.router.workers["decode-0"].info.block_size
         assert self.block_size == stack.router.workers["prefill-0"].info.block_size > 0
         cfg = ModelConfig.from_dir(model_dir)
@@ -59,25 +60,41 @@ class Chat:
         return r.choices[0].text, self.stack.metric(BYTES, transport="kv") - before
 
 
-def reference(tiny_reference: Any, prompt: list[int]) -> tuple[str, list[int]]:
-    out = tiny_reference.llm.generate([prompt], greedy())[0].outputs[0]
+def reference(ref: Any, prompt: list[int]) -> tuple[str, list[int]]:
+    out = ref.llm.generate([prompt], greedy())[0].outputs[0]
     return out.text, list(out.token_ids)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["whole", "layerwise"])
-def chat(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Iterator[Chat]:
+#: (model, layer-wise push): Llama both ways; a mixture of experts (Qwen3-MoE) and MLA
+#: (DeepSeek-V3: one latent tensor per layer, no heads, so its blocks have their own size)
+#: once each, MLA layer-wise, where a layer's tensors are pushed as they are computed.
+CHATS = [
+    pytest.param(("tiny_llama_dir", False), id="llama-whole"),
+    pytest.param(("tiny_llama_dir", True), id="llama-layerwise"),
+    pytest.param(("tiny_qwen3_moe_dir", False), id="moe-whole"),
+    pytest.param(("tiny_deepseek_v3_dir", True), id="mla-layerwise"),
+]
+
+
+@pytest.fixture(scope="module", params=CHATS)
+def chat(request: pytest.FixtureRequest) -> Iterator[Chat]:
+    model_fixture, layerwise = request.param
+    model_dir: Path = request.getfixturevalue(model_fixture)
     # least_loaded: the router does not count the decode worker's prefix as computed, so
     # every long prompt goes through the prefill worker (the path under test).
-    transfer = {"layerwise": True, "transports": ["shm"]} if request.param else {}
-    dep = deployment(tiny_llama_dir, router={"policy": "least_loaded"}, transfer=transfer)
+    transfer = {"layerwise": True, "transports": ["shm"]} if layerwise else {}
+    dep = deployment(model_dir, router={"policy": "least_loaded"}, transfer=transfer)
     with running_stack(dep) as stack:
-        yield Chat(stack, tiny_llama_dir)
+        yield Chat(stack, model_dir)
 
 
-def test_multi_turn_chat_transfers_only_the_new_suffix(chat: Chat, tiny_reference: Any) -> None:
+def test_multi_turn_chat_transfers_only_the_new_suffix(
+    chat: Chat, reference_for: Callable[[Path], Any]
+) -> None:
+    ref = reference_for(chat.model_dir)
     bs = chat.block_size
     turn1, more, other = random_prompts([120, 60, 100], seed=71)
-    text1, out1 = reference(tiny_reference, turn1)
+    text1, out1 = reference(ref, turn1)
     got, nbytes = chat.complete(turn1)
     assert got == text1
     assert nbytes == chat.blocks(len(turn1)) * chat.block_bytes, "no prefix: the whole prompt"
@@ -88,19 +105,19 @@ def test_multi_turn_chat_transfers_only_the_new_suffix(chat: Chat, tiny_referenc
     cached = (len(turn1) + len(out1) - 1) // bs * bs
     assert 0 < cached < len(turn2)
     got, nbytes = chat.complete(turn2)
-    assert got == reference(tiny_reference, turn2)[0]
+    assert got == reference(ref, turn2)[0]
     suffix_bytes = chat.blocks(len(turn2) - cached) * chat.block_bytes
     assert nbytes == suffix_bytes < chat.blocks(len(turn2)) * chat.block_bytes
 
     # Every full block cached: the last token's block is still sent (its logits are needed).
     same = turn2[: len(turn2) // bs * bs]
     got, nbytes = chat.complete(same)
-    assert got == reference(tiny_reference, same)[0]
+    assert got == reference(ref, same)[0]
     assert nbytes == chat.block_bytes
 
     # An unrelated prompt shares nothing: everything is sent, as before.
     got, nbytes = chat.complete(other)
-    assert got == reference(tiny_reference, other)[0]
+    assert got == reference(ref, other)[0]
     assert nbytes == chat.blocks(len(other)) * chat.block_bytes
     assert chat.stack.metric(DECISIONS, decision="disaggregated") == 4
     assert chat.stack.metric(DECISIONS, decision="recompute") == 0
