@@ -81,6 +81,7 @@ def test_greedy_output_is_the_plain_one_with_either_draft(
             assert 0 < accepted < drafted
 
 
+@pytest.mark.slow
 def test_the_default_model_as_its_own_draft_is_nearly_always_accepted(
     default_model_dir: Path,
 ) -> None:
