@@ -1,8 +1,10 @@
 """Speculative decoding with a draft model (`draft_model`) in the engine: greedy and seeded
 output equal to the plain engine's with an early-exit draft (the target's first layers,
-partly accepted) and a random one (nearly all rejected); the draft's proposals are its
-own greedy continuation of the sequence as the target kept it (its KV rolled back past
-rejected proposals); a draft of another vocabulary is a named error."""
+partly accepted), a random one (nearly all rejected) and the default model as its own
+draft (nearly all accepted while its KV keeps in step with the target's sequence); the
+draft's proposals are its own greedy continuation of the sequence as the target kept it
+(its KV rolled back past rejected proposals); a draft of another vocabulary is a named
+error."""
 
 from __future__ import annotations
 
@@ -77,6 +79,24 @@ def test_greedy_output_is_the_plain_one_with_either_draft(
         assert drafted > 20
         if llm is early:  # partly right: runs accepted and proposals rejected
             assert 0 < accepted < drafted
+
+
+@pytest.mark.slow
+def test_the_default_model_as_its_own_draft_is_nearly_always_accepted(
+    default_model_dir: Path,
+) -> None:
+    """The draft is the target, so only a draft whose KV or positions drift from the
+    target's sequence (stale KV after a step, an off-by-one) proposes what the target rejects."""
+    prompts = ["Name three colors.", "Write a haiku about the sea."]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    options = {"block_size": 16, "num_kv_blocks": 32, "max_model_len": 256}
+    want = _tokens(_llm(default_model_dir, **options).generate(prompts, params))
+    llm = _llm(default_model_dir, default_model_dir, **options)
+    assert _tokens(llm.generate(prompts, params)) == want
+    llm.engine.check_integrity()
+    drafted, accepted = _stats(llm)
+    assert drafted >= 2 * K * 3  # several verified runs of K per prompt
+    assert accepted >= 0.95 * drafted
 
 
 def test_seeded_sampling_is_the_plain_one(plain: LLM, early: LLM) -> None:

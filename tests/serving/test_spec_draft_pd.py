@@ -1,13 +1,15 @@
 """`draft_model` speculation on the decode worker of a prefill + decode stack with the
-default model and a real draft (its first 4 layers, final norm and lm_head), through the
-official openai client: greedy text equals the single-process plain engine's for a prompt
-computed on the decode worker and one handed off by the prefill worker (whose draft KV the
-decode worker computes itself); the decode worker's spec_decode counters count the drafts."""
+default model, through the official openai client, with three drafts: an early exit (its
+first 4 layers, final norm and lm_head: partly accepted), a random model of its vocabulary
+(nearly all rejected) and the default model itself (nearly all accepted). Greedy text and
+the logprobs of its tokens equal the single-process plain engine's for a prompt computed
+on the decode worker and one handed off by the prefill worker (whose draft KV the decode
+worker computes itself); the decode worker's spec_decode counters count the drafts."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -15,43 +17,82 @@ import pytest
 
 from hetero_pd import LLM, SamplingParams
 from hetero_pd.deploy.testing import Stack, deployment, running_stack
-from hetero_pd.models.draft_models import save_early_exit
+from hetero_pd.models.draft_models import save_early_exit, save_random_draft
 
 pytestmark = pytest.mark.slow
 SHORT = "Name three colors."  # computed on the decode worker
 LONG = "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 8  # handed off
 MAX_TOKENS = 12
+TOL = 1e-4
+
+#: draft name -> the draft's folder, built from the target's into a fresh folder
+DRAFTS: dict[str, Callable[[Path, Path], Path]] = {
+    "early_exit": lambda target, dest: save_early_exit(target, dest, 4),
+    "random": save_random_draft,
+    "self": lambda target, dest: target,
+}
+#: draft name -> bounds of accepted / drafted tokens: the draft that is the target proposes
+#: its tokens only while its KV keeps in step with the target's sequence
+ACCEPTANCE = {"early_exit": (0.0, 1.0), "random": (0.0, 0.25), "self": (0.95, 1.0)}
 
 
 @pytest.fixture(scope="module")
-def stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    draft = save_early_exit(default_model_dir, tmp_path_factory.mktemp("draft"), 4)
-    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+def want(default_model_dir: Path) -> list[tuple[str, list[float]]]:
+    """The plain engine's text and token logprobs for SHORT and LONG."""
+    llm = LLM(str(default_model_dir), dtype="float32", num_kv_blocks=64, max_model_len=1024)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    out = []
+    for o in llm.generate([SHORT, LONG], params):
+        (c,) = o.outputs
+        assert c.logprobs is not None
+        out.append((c.text, [e[t].logprob for e, t in zip(c.logprobs, c.token_ids, strict=True)]))
+    return out
+
+
+@pytest.fixture(scope="module", params=list(DRAFTS))
+def draft(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def stack(
+    draft: str, default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    folder = DRAFTS[draft](default_model_dir, tmp_path_factory.mktemp("draft"))
+    spec = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3}
     workers = [{"role": "prefill"}, {"role": "decode", "speculative_config": spec}]
     dep = deployment(default_model_dir, workers=workers, engine={"num_kv_blocks": 128})
     with running_stack(dep) as s:
         yield s
 
 
-def test_served_greedy_text_is_the_plain_engines(stack: Stack, default_model_dir: Path) -> None:
-    llm = LLM(str(default_model_dir), dtype="float32", num_kv_blocks=64, max_model_len=1024)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    want = [o.outputs[0].text for o in llm.generate([SHORT, LONG], params)]
-    del llm
+def test_served_greedy_text_and_logprobs_are_the_plain_engines(
+    stack: Stack, draft: str, want: list[tuple[str, list[float]]]
+) -> None:
     client = openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0, timeout=300)
 
-    def drafts() -> float:
-        return stack.metric("vllm:spec_decode_num_drafts_total", worker="decode-0")
+    def counts() -> tuple[float, float]:
+        drafted = stack.metric("vllm:spec_decode_num_draft_tokens_total", worker="decode-0")
+        accepted = stack.metric("vllm:spec_decode_num_accepted_tokens_total", worker="decode-0")
+        return drafted, accepted
 
-    for prompt, text in zip([SHORT, LONG], want, strict=True):
-        before = drafts()
+    for prompt, (text, logprobs) in zip([SHORT, LONG], want, strict=True):
+        before = counts()[0]
         r = client.completions.create(
             model=stack.dep.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-            extra_body={"ignore_eos": True},
+            logprobs=1, extra_body={"ignore_eos": True},
         )  # fmt: skip
-        assert r.choices[0].text == text and text.strip()
+        (choice,) = r.choices
+        assert choice.text == text and text.strip()
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+        got = choice.logprobs.token_logprobs
+        assert len(got) == len(logprobs)
+        assert all(abs(g - w) < TOL for g, w in zip(got, logprobs, strict=True)), (got, logprobs)
         deadline = time.monotonic() + 20
-        while drafts() == before and time.monotonic() < deadline:
+        while counts()[0] == before and time.monotonic() < deadline:
             time.sleep(0.2)  # the decode worker's next heartbeat carries its counts
-        assert drafts() > before  # this request, handed off or not, was drafted for
+        assert counts()[0] > before  # this request, handed off or not, was drafted for
     stack.wait_idle()
+    drafted, accepted = counts()
+    low, high = ACCEPTANCE[draft]
+    assert low * drafted <= accepted <= high * drafted, (drafted, accepted)
