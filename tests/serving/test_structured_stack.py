@@ -7,8 +7,9 @@ cannot enforce is a 400. On both stacks: ``parse()`` with a pydantic model answe
 varied prompts with schema-valid objects, regex and choice hold from the first token,
 ``tool_choice`` "required" and a named function always yield a call whose arguments
 validate against the function's schema, streamed calls arrive piece by piece (id and name,
-then fragments of the arguments) and reassemble to the non-streamed one. "none" answers
-in text, and a conversation carrying calls and tool results back is accepted."""
+then fragments of the arguments) and reassemble to the non-streamed one, and under "auto"
+a call the model writes by itself is read back as a call. "none" answers in text, and a
+conversation carrying calls and tool results back is accepted."""
 
 from __future__ import annotations
 
@@ -99,6 +100,18 @@ PET_PROMPTS = [
     PAD + "My neighbour's bird sings every morning.",
     PAD + "Which pet would suit a small flat?",
     PAD + "Summarise the context above.",
+]
+#: Earlier turns in which the model called get_weather (as Hermes' format renders it): asked
+#: again, the default model writes a call of its own, greedy and unconstrained.
+PARIS = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+}
+ASK_AGAIN: list[Any] = [
+    *ASK,
+    {"role": "assistant", "content": None, "tool_calls": [PARIS]},
+    {"role": "user", "content": "What is the weather like in London today?"},
 ]
 T = TypeVar("T")
 R = TypeVar("R")
@@ -287,6 +300,19 @@ def test_streamed_calls_reassemble_to_the_whole_call(any_stack: Stack) -> None:
     assert [calls[i] for i in sorted(calls)] == [
         {"name": c.function.name, "arguments": c.function.arguments} for c in whole
     ]
+
+
+def test_auto_reads_the_call_the_model_writes(any_stack: Stack) -> None:
+    """No grammar under "auto": the model writes `<tool_call>` JSON by itself, greedy, and
+    the answer's text is read into a call (a broken reader leaves it text, finish "stop")."""
+    kw: dict[str, Any] = dict(
+        model=any_stack.dep.model, messages=ASK_AGAIN, tools=TOOLS, tool_choice="auto",
+        max_tokens=60, temperature=0,
+    )  # fmt: skip
+    choice = _client(any_stack).chat.completions.create(**kw).choices[0]
+    calls = _valid_calls(choice, set(SCHEMAS))
+    assert [c.function.name for c in calls] == ["get_weather"] and choice.message.content is None
+    any_stack.wait_idle()
 
 
 def test_none_answers_in_text_and_tool_results_go_back(stack: Stack, client: openai.OpenAI) -> None:
