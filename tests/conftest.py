@@ -50,7 +50,12 @@ def auto_dtype(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 #: Session-scoped stacks that several test files only read (tests/serving/conftest.py), and
 #: the files whose tests take them: `make test` (`--dist loadfile`) runs those files in one
 #: process, so that each stack starts once (`pytest_xdist_make_scheduler` below).
-SHARED_STACKS = ("tiny_pd_stack", "chat_colocated_stack", "default_pd_stack")
+SHARED_STACKS = (
+    "tiny_pd_stack",
+    "chat_colocated_stack",
+    "default_pd_stack",
+    "default_colocated_stack",
+)
 SHARED_STACK_FILES = frozenset(
     f"tests/serving/{name}.py"
     for name in (

@@ -70,6 +70,14 @@ def default_pd_stack(default_model_dir: Path) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="session")
+def default_colocated_stack(default_model_dir: Path) -> Iterator[Stack]:
+    """One colocated worker of the default model, no API key: default_pd_stack's
+    counterpart, read alike (deltas of the metrics, idle workers after)."""
+    with running_stack(deployment(default_model_dir, workers=[{"role": "both"}])) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
 def chat_colocated_stack(chat_model: Path) -> Iterator[Stack]:
     """One colocated worker of the tiny chat model, API key SHARED_KEY."""
     dep = deployment(chat_model, workers=[{"role": "both"}], router={"api_keys": [SHARED_KEY]})

@@ -1,20 +1,24 @@
-"""Structured outputs and tool calls through a served 1P1D stack of the default model, with
-the official openai client: a constraint holds across the prefill -> decode hand-off (the
-prefill worker samples the first token under it, the decode worker resumes the grammar),
-with the single-process engine's greedy text, for prompts prefilled on the decode worker
-and on the prefill worker alike; a constraint the server cannot enforce is a 400.
+"""Structured outputs and tool calls through served stacks of the default model (1P1D and
+one colocated worker), with the official openai client: a constraint holds across the
+prefill -> decode hand-off (the prefill worker samples the first token under it, the decode
+worker resumes the grammar), with the single-process engine's greedy text, for prompts
+prefilled on the decode worker and on the prefill worker alike; a constraint the server
+cannot enforce is a 400. On both stacks: ``parse()`` with a pydantic model answers 20
+varied prompts with schema-valid objects, regex and choice hold from the first token,
 ``tool_choice`` "required" and a named function always yield a call whose arguments
 validate against the function's schema, streamed calls arrive piece by piece (id and name,
-then fragments of the arguments) and reassemble to the non-streamed one,
-"none" answers in text, and a conversation carrying calls and tool results back is
-accepted."""
+then fragments of the arguments) and reassemble to the non-streamed one, and under "auto"
+a call the model writes by itself is read back as a call. "none" answers in text, and a
+conversation carrying calls and tool results back is accepted."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import jsonschema
 import openai
@@ -63,9 +67,64 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 LONG_ASK = [{"role": "user", "content": "I am planning a trip. " * 6 + ASK[0]["content"]}]
 
 
-class Person(pydantic.BaseModel):
-    name: str
-    age: int
+class Pet(pydantic.BaseModel):
+    """What parse() asks for: a short string, an enum, a bounded integer and a boolean, so
+    that the grammar ends every answer within a few dozen tokens."""
+
+    name: str = pydantic.Field(max_length=12)
+    species: Literal["cat", "dog", "bird", "fish", "horse", "rabbit"]
+    age: int = pydantic.Field(ge=0, le=40)
+    indoor: bool
+
+
+#: Pets to describe, and prompts with nothing to do with pets, in several languages; the
+#: PAD ones are prefilled on the prefill worker of the 1P1D stack.
+PET_PROMPTS = [
+    "Invent a pet.",
+    "Describe a dog called Rex who is 3 years old and lives indoors.",
+    "My cat Luna is 12 and never goes outside.",
+    "A parrot named Kiwi, age 40, kept in a cage in the kitchen.",
+    "Tell me about a goldfish.",
+    "Un chien qui s'appelle Max, cinq ans, vit dehors.",
+    "Ein Kaninchen namens Hoppel, zwei Jahre alt.",
+    "Horse: Thunder, 15 years, stable outside.",
+    "json please",
+    "What is the capital of France?",
+    "Write a poem about the sea.",
+    "1 2 3 4 5",
+    "The oldest rabbit in the world.",
+    "A pet with a long name: Sir Fluffington the Third of Bakersfield.",
+    "A newborn puppy, -1 years old.",
+    "Give me an animal that swims.",
+    PAD + "A pet for the people of the town.",
+    PAD + "My neighbour's bird sings every morning.",
+    PAD + "Which pet would suit a small flat?",
+    PAD + "Summarise the context above.",
+]
+#: Earlier turns in which the model called get_weather (as Hermes' format renders it): asked
+#: again, the default model writes a call of its own, greedy and unconstrained.
+PARIS = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+}
+ASK_AGAIN: list[Any] = [
+    *ASK,
+    {"role": "assistant", "content": None, "tool_calls": [PARIS]},
+    {"role": "user", "content": "What is the weather like in London today?"},
+]
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def side_by_side(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """`fn` of each item, the requests in flight together (the engine batches them)."""
+    with ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+def _client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +134,17 @@ def stack(default_pd_stack: Stack) -> Stack:
 
 @pytest.fixture(scope="module")
 def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0, timeout=120)
+    return _client(stack)
+
+
+SHARED = {"1P1D": "default_pd_stack", "colocated": "default_colocated_stack"}
+
+
+@pytest.fixture(scope="module", params=list(SHARED))
+def any_stack(request: pytest.FixtureRequest) -> Stack:
+    """Each shared stack of the default model in turn: 1P1D, then one colocated worker."""
+    stack: Stack = request.getfixturevalue(SHARED[request.param])
+    return stack
 
 
 def test_json_schema_across_the_handoff_equals_the_engine(
@@ -102,18 +171,21 @@ def test_json_schema_across_the_handoff_equals_the_engine(
     assert stack.metric(DECISIONS, decision="disaggregated") == before + 1
 
 
-def test_parse_with_a_pydantic_model_and_streamed_json_schema(
-    stack: Stack, client: openai.OpenAI
-) -> None:
-    for content in ("Invent a person.", PAD + "Invent a person."):
-        done = client.chat.completions.parse(
-            model=stack.dep.model, messages=[{"role": "user", "content": content}],
-            response_format=Person, max_tokens=40, temperature=0,
-        )  # fmt: skip
-        parsed = done.choices[0].message.parsed
-        assert isinstance(parsed, Person), done.choices[0].message.content
+def test_parse_with_a_pydantic_model_and_streamed_json_schema(any_stack: Stack) -> None:
+    client, schema = _client(any_stack), Pet.model_json_schema()
+
+    def parse(content: str) -> Any:
+        return client.chat.completions.parse(
+            model=any_stack.dep.model, messages=[{"role": "user", "content": content}],
+            response_format=Pet, max_tokens=48, temperature=0,
+        ).choices[0]  # fmt: skip
+
+    for choice in side_by_side(parse, PET_PROMPTS):
+        assert choice.finish_reason == "stop", choice
+        assert isinstance(choice.message.parsed, Pet), choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), schema)
     stream = client.chat.completions.create(
-        model=stack.dep.model, messages=[{"role": "user", "content": PAD + "A person:"}],
+        model=any_stack.dep.model, messages=[{"role": "user", "content": PAD + "A person:"}],
         max_tokens=40, temperature=0.8, seed=5, stream=True,
         response_format={"type": "json_schema",
                          "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}},
@@ -122,26 +194,34 @@ def test_parse_with_a_pydantic_model_and_streamed_json_schema(
     jsonschema.validate(json.loads(text), SCHEMA)
 
 
-def test_regex_and_choice_hold_from_the_first_token(stack: Stack, client: openai.OpenAI) -> None:
+def test_regex_and_choice_hold_from_the_first_token(any_stack: Stack) -> None:
     """Choices the model would never start with unconstrained: the first token, sampled on
-    the prefill worker for the long prompt, is already under the constraint."""
-    choices = ["zebra crossing", "yak butter"]
-    for prompt in ("Hello", PAD + "Hello"):
-        for extra, check in (
-            ({"guided_choice": choices}, lambda t: t in choices),
-            (
-                {"guided_regex": r"[0-9]{3}-[A-Z]{2}"},
-                lambda t: re.fullmatch(r"[0-9]{3}-[A-Z]{2}", t),
-            ),
-        ):
-            for n in (1, 2):
-                r = client.completions.create(
-                    model=stack.dep.model, prompt=prompt, max_tokens=12, n=n, temperature=1.0,
-                    seed=3, extra_body=extra,
-                )  # fmt: skip
-                for c in r.choices:
-                    assert check(c.text), (extra, c.text)
-                    assert c.finish_reason == "stop"
+    the prefill worker for the long prompt on 1P1D, is already under the constraint."""
+    client, choices, pattern = (
+        _client(any_stack),
+        ["zebra crossing", "yak butter"],
+        r"[0-9]{3}-[A-Z]{2}",
+    )
+    cases = [
+        (prompt, extra, n)
+        for prompt in ("Hello", PAD + "Hello")
+        for extra in ({"guided_choice": choices}, {"guided_regex": pattern})
+        for n in (1, 2)
+    ]
+
+    def complete(case: tuple[str, dict[str, Any], int]) -> Any:
+        prompt, extra, n = case
+        return client.completions.create(
+            model=any_stack.dep.model, prompt=prompt, max_tokens=12, n=n, temperature=1.0,
+            seed=3, extra_body=extra,
+        )  # fmt: skip
+
+    for (_, extra, n), r in zip(cases, side_by_side(complete, cases), strict=True):
+        assert len(r.choices) == n
+        for c in r.choices:
+            ok = c.text in choices if "guided_choice" in extra else re.fullmatch(pattern, c.text)
+            assert ok, (extra, c.text)
+            assert c.finish_reason == "stop"
 
 
 def test_constraints_the_server_cannot_enforce_are_400s(
@@ -174,25 +254,30 @@ def _valid_calls(choice: Any, names: set[str]) -> list[Any]:
     return calls
 
 
-def test_required_and_named_always_call_with_valid_arguments(
-    stack: Stack, client: openai.OpenAI
-) -> None:
-    for messages, temperature in ((ASK, 0.0), (LONG_ASK, 1.0)):
-        r = client.chat.completions.create(
-            model=stack.dep.model, messages=messages, tools=TOOLS, tool_choice="required",
+def test_required_and_named_always_call_with_valid_arguments(any_stack: Stack) -> None:
+    client = _client(any_stack)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    cases: list[tuple[list[Any], Any, float]] = [
+        (ASK, "required", 0.0), (LONG_ASK, "required", 1.0), (LONG_ASK, named, 0.0)
+    ]  # fmt: skip
+
+    def ask(case: tuple[list[Any], Any, float]) -> Any:
+        messages, tool_choice, temperature = case
+        return client.chat.completions.create(
+            model=any_stack.dep.model, messages=messages, tools=TOOLS, tool_choice=tool_choice,
             max_tokens=80, temperature=temperature, seed=1, parallel_tool_calls=False,
-        )  # fmt: skip
-        assert len(_valid_calls(r.choices[0], set(SCHEMAS))) == 1
-    named = client.chat.completions.create(
-        model=stack.dep.model, messages=LONG_ASK, tools=TOOLS, max_tokens=80,
-        tool_choice={"type": "function", "function": {"name": "get_time"}},
-    )  # fmt: skip
-    assert [c.function.name for c in _valid_calls(named.choices[0], {"get_time"})] == ["get_time"]
+        ).choices[0]  # fmt: skip
+
+    required, long_required, by_name = side_by_side(ask, cases)
+    assert len(_valid_calls(required, set(SCHEMAS))) == 1
+    assert len(_valid_calls(long_required, set(SCHEMAS))) == 1
+    assert [c.function.name for c in _valid_calls(by_name, {"get_time"})] == ["get_time"]
 
 
-def test_streamed_calls_reassemble_to_the_whole_call(stack: Stack, client: openai.OpenAI) -> None:
+def test_streamed_calls_reassemble_to_the_whole_call(any_stack: Stack) -> None:
+    client = _client(any_stack)
     kw: dict[str, Any] = dict(
-        model=stack.dep.model, messages=ASK, tools=TOOLS, tool_choice="required",
+        model=any_stack.dep.model, messages=ASK, tools=TOOLS, tool_choice="required",
         max_tokens=80, temperature=0, parallel_tool_calls=False,
     )  # fmt: skip
     whole = _valid_calls(client.chat.completions.create(**kw).choices[0], set(SCHEMAS))
@@ -215,6 +300,19 @@ def test_streamed_calls_reassemble_to_the_whole_call(stack: Stack, client: opena
     assert [calls[i] for i in sorted(calls)] == [
         {"name": c.function.name, "arguments": c.function.arguments} for c in whole
     ]
+
+
+def test_auto_reads_the_call_the_model_writes(any_stack: Stack) -> None:
+    """No grammar under "auto": the model writes `<tool_call>` JSON by itself, greedy, and
+    the answer's text is read into a call (a broken reader leaves it text, finish "stop")."""
+    kw: dict[str, Any] = dict(
+        model=any_stack.dep.model, messages=ASK_AGAIN, tools=TOOLS, tool_choice="auto",
+        max_tokens=60, temperature=0,
+    )  # fmt: skip
+    choice = _client(any_stack).chat.completions.create(**kw).choices[0]
+    calls = _valid_calls(choice, set(SCHEMAS))
+    assert [c.function.name for c in calls] == ["get_weather"] and choice.message.content is None
+    any_stack.wait_idle()
 
 
 def test_none_answers_in_text_and_tool_results_go_back(stack: Stack, client: openai.OpenAI) -> None:
