@@ -7,6 +7,7 @@ head slice per block."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -133,3 +134,24 @@ def prefill_counter(stack: Stack, transport: str, name: str, at_least: int) -> i
             return got
         assert time.monotonic() < deadline, f"prefill-0 {transport} {name}: {got} < {at_least}"
         time.sleep(0.05)
+
+
+def test_bench_tp_handoff_reports_writes_and_rate(
+    tiny_qwen3_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`hetero-pd bench tp --handoff` at toy sizes: TP 2 -> 1 makes the writes of TP 1 -> 1,
+    each request's KV in one chunk per layer's K and V (3 blocks of 16 tokens per tensor)."""
+    from hetero_pd.bench.tp import main
+
+    args = [str(tiny_qwen3_dir), "--no-timing", "--handoff", "--requests", "2"]
+    assert main([*args, "--prompt-tokens", "40", "--transport", "shm"]) == 0
+    (row,) = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    kv, cfg = row["kv_handoff"], ModelConfig.from_dir(tiny_qwen3_dir)
+    assert (kv["transport"], kv["requests"], kv["prompt_tokens"]) == ("shm", 2, 40)
+    want = tp1_writes(cfg, 3, math.prod(cfg.kv_block_shape(16)) * 4)
+    assert want == cfg.num_layers * 2
+    for side in ("tp1_to_tp1", "tp2_to_tp1"):
+        assert kv[side]["writes_per_request"] == want
+        assert kv[side]["kv_bytes_per_request"] == 3 * 16 * cfg.kv_bytes_per_token * 4
+        assert kv[side]["bytes_per_s"] > 0
+    assert kv["writes_ratio"] == 1.0
