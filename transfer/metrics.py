@@ -22,6 +22,9 @@ class TransportMetrics:
 
     bytes_sent_total: int = 0
     bytes_received_total: int = 0
+    #: Writes (sender side): chunks sent as one frame (``tcp``) or copied into the peer's
+    #: blocks (direct), each a run of whole blocks of one KV tensor; a resend counts again.
+    chunks_sent_total: int = 0
     transfers_started_total: int = 0
     transfers_done_total: int = 0
     transfers_failed_total: int = 0

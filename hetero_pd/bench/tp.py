@@ -3,7 +3,9 @@
 For each model folder: the weight bytes each rank holds at TP 1 and TP 2 (from the shapes
 each rank's shard has: parallel.shard_config), and the median decode step time of one
 engine at TP 1 on `--threads` threads against TP 2 with `--threads / 2` threads per rank
-(the same cores either way). Prints one JSON line per model, with the CPU it ran on.
+(the same cores either way). With `--handoff`, also the KV hand-off from prefill at TP 2
+to decode at TP 1 against TP 1 -> TP 1: writes per request and bytes/s (bench/tp_handoff.py).
+Prints one JSON line per model, with the CPU it ran on.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from hetero_pd.bench import tp_handoff
 from hetero_pd.bench.machine import cpu_info
 from hetero_pd.llm import LLM
 from hetero_pd.models.config import ModelConfig
@@ -66,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="threads in all (TP 2: half each)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--no-timing", action="store_true", help="weight bytes only")
+    p.add_argument("--no-timing", action="store_true", help="no decode step timing")
+    p.add_argument("--handoff", action="store_true", help="KV hand-off TP 2 -> 1 vs 1 -> 1")
+    p.add_argument("--transport", choices=["tcp", "shm"], default="tcp")
+    p.add_argument("--requests", type=int, default=8, help="hand-offs measured (--handoff)")
+    p.add_argument("--prompt-tokens", type=int, default=256)
     args = p.parse_args(argv)
     for model in args.models:
         cfg = ModelConfig.from_dir(Path(model))
@@ -85,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                 decode_step_ms(model, 2, half, args.batch, args.steps), 2
             )
             row["threads"] = {"tp1": args.threads, "tp2_per_rank": half}
+        if args.handoff:
+            row["kv_handoff"] = tp_handoff.compare(
+                Path(model), args.transport, args.requests, args.prompt_tokens
+            )
         print(json.dumps({**row, "cpu": cpu_info()}), flush=True)
     return 0
 

@@ -17,9 +17,11 @@ import pytest
 
 from backends import get_backend
 from hetero_pd import LLM, SamplingParams
+from hetero_pd.deploy.cluster import pod_worker_config
 from hetero_pd.deploy.k8s import render
 from hetero_pd.deploy.model_deployment import deployment_for_model
 from hetero_pd.deploy.schema import ConfigError, parse_deployment, parse_text
+from hetero_pd.deploy.sections import DEVICE_RESOURCES
 from hetero_pd.deploy.serve import build_parser
 from hetero_pd.deploy.testing import deployment, random_prompts, running_stack
 from hetero_pd.deploy.validate import validate_file
@@ -53,6 +55,36 @@ def test_a_tp_worker_takes_consecutive_devices() -> None:
     pods = [m for m in manifests if m["kind"] == "StatefulSet"]
     limits = pods[0]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == 2
+
+
+@pytest.mark.parametrize(
+    ("kind", "resource", "selector"),
+    [
+        ("cuda", "nvidia.com/gpu", {"nvidia.com/gpu.present": "true"}),
+        ("npu", "huawei.com/Ascend910", {"accelerator": "ascend-910b"}),
+    ],
+)
+def test_a_tp_pod_requests_all_its_devices(
+    kind: str, resource: str, selector: dict[str, str]
+) -> None:
+    """Each pod of a TP 2 worker asks the device plugin for two devices (requests and
+    limits alike: extended resources must not be overcommitted), lands on a node that has
+    them, and its worker runs its ranks on the pod's devices 0 and 1."""
+    text = (
+        f"model: m\nworkers:\n- {{role: both, device: {kind}, count: 2, tensor_parallel_size: 2}}\n"
+    )
+    dep = parse_text(text)
+    (pods,) = [m for m in render(dep) if m["kind"] == "StatefulSet"]
+    assert pods["spec"]["replicas"] == 2
+    spec = pods["spec"]["template"]["spec"]
+    resources = spec["containers"][0]["resources"]
+    assert resources["requests"][resource] == resources["limits"][resource] == 2
+    assert set(DEVICE_RESOURCES.values()) & set(resources["limits"]) == {resource}
+    assert spec["nodeSelector"] == selector
+    assert {"key": resource, "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    for worker_id in ("both-0", "both-1"):  # each pod sees its own two devices from 0
+        cfg = pod_worker_config(dep, worker_id, "", "10.1.2.3")
+        assert (cfg.engine.device, cfg.engine.tensor_parallel_size) == (f"{kind}:0", 2)
 
 
 @pytest.mark.parametrize(

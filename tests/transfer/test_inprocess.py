@@ -177,3 +177,19 @@ def test_the_reservation_is_done_before_the_sender_hears_so(
     assert h.wait(10) is TransferState.DONE, h.error
     assert recv.state is TransferState.DONE  # no wait: it must already be
     d.release("order")
+
+
+@pytest.mark.parametrize("transport", ["local", "tcp"])
+def test_writes_are_counted_one_per_chunk(
+    pair: tuple[TransferEngine, TransferEngine], transport: str
+) -> None:
+    """chunks_sent_total counts a transfer's writes: 6 blocks of 1 KiB in chunks of at most
+    4 KiB are 2 chunks (3 blocks each) per tensor, 8 over the 2 layers' K and V."""
+    p, d = pair
+    d.register_region(KVRegion.allocate("kv", 2, 16, (16, 2, 8)))
+    recv = d.reserve("w", [9, 2, 3, 4, 5, 11])
+    assert recv.blocks is not None
+    h = p.push_blocks("d-local", [0, 1, 2, 3, 4, 5], recv.blocks, transport=transport)
+    assert h.wait(5) is TransferState.DONE, h.error
+    counters = p.metrics().transport(transport)
+    assert (counters.chunks_sent_total, counters.bytes_sent_total) == (8, 6 * 1024 * 4)

@@ -72,6 +72,7 @@ def pump_direct(
     if helper is not None and injector is None and len(out.queue) > 1 and out.on_cpu:
         done, nbytes = _copy_in_two(out, helper)
         counters.bytes_sent_total += nbytes
+        counters.chunks_sent_total += len(done)
         if done and out.algo:
             landed(done)  # one LANDED for the slice: its chunks are all copied by now
     elif not _pump_one_by_one(out, injector, counters, drop, landed):
@@ -148,6 +149,7 @@ def _pump_one_by_one(
         done.append(seq)
         moved += nbytes
         counters.bytes_sent_total += nbytes
+        counters.chunks_sent_total += 1
         unreported += nbytes
         if unreported >= LANDED_BYTES and out.algo:  # verified while still in the L3 cache
             landed(done)

@@ -124,6 +124,7 @@ class TransportCounters(Value, kw_only=True, frozen=True):
 
     bytes_sent_total: Count = 0
     bytes_received_total: Count = 0
+    chunks_sent_total: Count = 0
     transfers_started_total: Count = 0
     transfers_done_total: Count = 0
     transfers_failed_total: Count = 0

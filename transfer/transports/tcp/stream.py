@@ -102,6 +102,7 @@ def pump_stream(
         out.queue.popleft()
         moved += len(buf)
         counters.bytes_sent_total += len(buf)
+        counters.chunks_sent_total += 1
         if out.phase is not Phase.SEND:
             return False  # the session went away under a fault; the attempt timer decides
     return not out.queue
