@@ -1,22 +1,30 @@
-"""`hetero-pd bench edge`: the edge split against the unsplit stack, on loopback, in one run.
+"""`hetero-pd bench edge`: an edge mode against the unsplit stack, on loopback, in one run.
 
 1. The split planner is fed measured numbers: the device's runtime timed end to end
    (`profile_runtime`), every cloud layer timed (`profile_layers`), the loopback link probed
    (`measure_link`); it prints its table and predicts TTFT and TPOT for the chosen k.
 2. An unsplit deployment (1 prefill + 1 decode worker, whole model) serves the prompts as
-   token ids over /v1/completions (streamed); then a split one (the same workers running
-   layers [k, L)) serves them to an EdgeClient that runs layers [0, k) in this process.
+   token ids over /v1/completions (streamed); then a second one serves them to an EdgeClient
+   that runs layers [0, k) in this process, in `--mode`:
+   - split: the workers run layers [k, L); the device runs its layers on every generated
+     token too, so each token costs a device <-> cloud round trip. Over TLS to the edge
+     listener.
+   - prompt_only: whole-model workers; the device runs its layers on the prompt only and
+     sends their KV with it, the cloud decodes alone (no bytes per generated token). In
+     clear on the API's port: whole-model deployments have no edge listener (README).
    Requests go one at a time: this measures latency, not throughput.
 3. It reports bytes the device put on the wire per prompt and per generated token, TTFT and
    TPOT of both, and the planner's raw prediction error against each measurement. The
    planner prices layers and the link only; the serving path (router, ZMQ hops, the KV
    hand-off) is not in its model, so its error includes that cost. The unsplit run's
    measured-minus-predicted gap is printed as the serving path's cost, for information:
-   it is never used to correct a prediction with the same run's measurement.
+   it is never used to correct a prediction with the same run's measurement. The planner
+   models split mode only: with --mode prompt_only its split prediction is printed for
+   comparison and no planner error is computed against the prompt_only run.
 
-TTFT is from sending (for the split run: from the call, which tokenizes and runs the
+TTFT is from sending (for the edge run: from the call, which tokenizes and runs the
 device's layers first) to the first token; TPOT is, for both, (last token - first token) /
-(tokens - 1), with tokens counted by the server (unsplit) or the device (split).
+(tokens - 1), with tokens counted by the server (unsplit) or the device (edge).
 
 The last stdout line is one JSON object.
 """
@@ -46,9 +54,11 @@ from hetero_pd.bench.client import build_payload, send_request
 from hetero_pd.bench.datasets import BenchRequest
 from hetero_pd.bench.edge_agreement import CloudReference
 from hetero_pd.bench.link_shaping import LINKS, LinkSpec, via
+from hetero_pd.deploy.schema import Deployment
 from hetero_pd.deploy.testing import deployment, running_stack
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
+from hetero_pd.serving.api.edge_protocol import MODES
 
 PROG = "hetero-pd bench edge"
 TOPICS = (
@@ -67,6 +77,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--split", type=int, default=4, help="split layer k (default 4)")
+    p.add_argument(
+        "--mode",
+        default="split",
+        choices=MODES,
+        help="split: a round trip per generated token; prompt_only: the device's layers on the "
+        "prompt only, whole-model workers decode alone (sends early KV: see edge-privacy)",
+    )
     p.add_argument("--codec", default="float16", choices=CODECS)
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--prompt-words", type=int, default=60, help="words per prompt (about)")
@@ -141,7 +158,7 @@ async def unsplit_run(
     return out
 
 
-async def split_run(
+async def edge_run(
     url: str,
     model: str,
     model_dir: Path,
@@ -149,7 +166,8 @@ async def split_run(
     ids: list[list[int]],
     ca_file: Path | None = None,
 ) -> list[dict[str, float]]:
-    """The split sessions, over TLS to the edge listener (`ca_file`: its certificate)."""
+    """The edge sessions in `args.mode`: over TLS to the edge listener (`ca_file`: its
+    certificate), or in clear to the API's port when `ca_file` is None."""
     runtime = EdgeRuntime(model_dir, args.split)
     out = []
     for prompt in ids:
@@ -162,11 +180,14 @@ async def split_run(
             codec=args.codec,
             runtime=runtime,
             tap=_counter(sent),
+            mode=args.mode,
             ca_file=ca_file,
+            plaintext=ca_file is None,
         )
         done = await client.complete(prompt, max_tokens=args.max_tokens, ignore_eos=True)
         t = done.token_times_s
         timing = _timing(t[0], t[-1], len(done.token_ids), sent[0])
+        # prompt_only: the start message is all the device sends, so 0 per token.
         timing["bytes_per_token"] = statistics.mean(sent[1:]) if len(sent) > 1 else 0.0
         out.append(timing)
     return out
@@ -209,6 +230,17 @@ def _mean(rows: list[dict[str, float]], key: str) -> float:
     return statistics.mean(r[key] for r in rows)
 
 
+def edge_deployment(
+    model_dir: Path, args: argparse.Namespace, router: dict[str, Any], engine: dict[str, Any]
+) -> Deployment:
+    """The deployment `args.mode` talks to: split workers behind the TLS edge listener, or
+    (prompt_only) whole-model workers, which have no edge listener."""
+    if args.mode == "prompt_only":
+        return deployment(model_dir, router=router, engine=engine)
+    edge = {"split_layer": args.split, "codec": args.codec}
+    return deployment(model_dir, router=router, engine=engine, edge=edge)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -226,13 +258,19 @@ def main(argv: list[str] | None = None) -> int:
     warmup = [runtime.tokenize("Warming up: " + prompts(1, args.prompt_words)[0][::-1])]
     print(
         f"workload: {len(ids)} prompts of ~{prompt_len} tokens, {args.max_tokens} new tokens "
-        f"each, one at a time; split k={args.split} of {cfg.num_layers} layers, codec "
+        f"each, one at a time; {args.mode} k={args.split} of {cfg.num_layers} layers, codec "
         f"{args.codec}; workers 1P1D, {args.threads} thread(s) each; link: "
         f"{spec.describe() if spec else 'loopback'}",
         flush=True,
     )
     chosen, unsplit_pred, table, inputs = plan(model_dir, args, prompt_len, runtime, spec)
     print(table, flush=True)
+    if args.mode != "split":
+        print(
+            f"(the planner models split mode, a round trip per generated token; this run is "
+            f"{args.mode}: its numbers are printed beside the split prediction, not scored)",
+            flush=True,
+        )
     engine = {"num_threads": args.threads, "max_model_len": min(2048, cfg.max_position_embeddings)}
     router = {"local_prefill_max_tokens": 0}  # every prompt through the KV hand-off
     with (
@@ -241,26 +279,29 @@ def main(argv: list[str] | None = None) -> int:
     ):
         asyncio.run(unsplit_run(url, stack.dep.model, warmup, 2))
         unsplit = asyncio.run(unsplit_run(url, stack.dep.model, ids, args.max_tokens))
-    edge = {"split_layer": args.split, "codec": args.codec}
-    dep = deployment(model_dir, router=router, engine=engine, edge=edge)
-    with running_stack(dep) as stack, via(stack.edge_url, spec) as url:
-        ca = stack.edge_ca
-        asyncio.run(split_run(url, stack.dep.model, model_dir, args, warmup, ca))
-        split = asyncio.run(split_run(url, stack.dep.model, model_dir, args, ids, ca))
+    with running_stack(edge_deployment(model_dir, args, router, engine)) as stack:
+        ca = stack.edge_ca  # None: no edge listener, in clear to the API's port
+        with via(stack.edge_url or stack.url, spec) as url:
+            asyncio.run(edge_run(url, stack.dep.model, model_dir, args, warmup, ca))
+            edged = asyncio.run(edge_run(url, stack.dep.model, model_dir, args, ids, ca))
     agreement = codec_agreement(model_dir, args.split, args.codec, ids)
+    mode = args.mode
     m = {
         "unsplit_ttft": _mean(unsplit, "ttft_s"),
         "unsplit_tpot": _mean(unsplit, "tpot_s"),
-        "split_ttft": _mean(split, "ttft_s"),
-        "split_tpot": _mean(split, "tpot_s"),
+        "edge_ttft": _mean(edged, "ttft_s"),
+        "edge_tpot": _mean(edged, "tpot_s"),
     }
     # Raw errors: the planner's predictions against this run, corrected with nothing from it.
-    err_ttft = error_pct(chosen.ttft_s, m["split_ttft"])
-    err_tpot = error_pct(chosen.tpot_s, m["split_tpot"])
+    errors = {
+        "ttft": error_pct(chosen.ttft_s, m["edge_ttft"]),
+        "tpot": error_pct(chosen.tpot_s, m["edge_tpot"]),
+    }
     err_unsplit_ttft = error_pct(unsplit_pred.ttft_s, m["unsplit_ttft"])
     err_unsplit_tpot = error_pct(unsplit_pred.tpot_s, m["unsplit_tpot"])
     serve_ttft = m["unsplit_ttft"] - unsplit_pred.ttft_s  # for information only
     serve_tpot = m["unsplit_tpot"] - unsplit_pred.tpot_s
+    ratios = {n: m[f"edge_{n}"] / m[f"unsplit_{n}"] for n in ("ttft", "tpot")}
     ms = 1e3
     print(
         f"unsplit: TTFT {m['unsplit_ttft'] * ms:.1f} ms, TPOT {m['unsplit_tpot'] * ms:.1f} ms; "
@@ -268,45 +309,58 @@ def main(argv: list[str] | None = None) -> int:
         f"{err_unsplit_ttft:.1f}% / {err_unsplit_tpot:.1f}% (the serving path, which the "
         f"planner does not model, took {serve_ttft * ms:.1f} / {serve_tpot * ms:.1f} ms)"
     )
+    predicted = f"{chosen.ttft_s * ms:.1f} / {chosen.tpot_s * ms:.1f} ms"
+    if mode == "split":
+        verdict = f"planner {predicted}: error {errors['ttft']:.1f}% / {errors['tpot']:.1f}%"
+    else:  # the planner's model has a round trip per token: not this mode's cost
+        verdict = f"the planner models split mode only (its split prediction: {predicted})"
+        errors = {}
     print(
-        f"split k={args.split}: TTFT {m['split_ttft'] * ms:.1f} ms, TPOT "
-        f"{m['split_tpot'] * ms:.1f} ms; planner {chosen.ttft_s * ms:.1f} / "
-        f"{chosen.tpot_s * ms:.1f} ms: error {err_ttft:.1f}% / {err_tpot:.1f}%"
+        f"{mode} k={args.split}: TTFT {m['edge_ttft'] * ms:.1f} ms, TPOT "
+        f"{m['edge_tpot'] * ms:.1f} ms ({ratios['ttft']:.2f}x / {ratios['tpot']:.2f}x "
+        f"unsplit); {verdict}"
     )
-    bytes_prompt = _mean(split, "prompt_bytes")
-    bytes_token = _mean(split, "bytes_per_token")
+    bytes_prompt = _mean(edged, "prompt_bytes")
+    bytes_token = _mean(edged, "bytes_per_token")
+    what = "hidden states" if mode == "split" else f"hidden states and layers [0, {args.split})' KV"
     print(
-        f"device -> cloud: {bytes_prompt:.0f} B per prompt ({bytes_prompt / prompt_len:.0f} B per "
+        f"device -> cloud ({'TLS, edge listener' if ca else 'in clear, the API port'}): "
+        f"{bytes_prompt:.0f} B per prompt of {what} ({bytes_prompt / prompt_len:.0f} B per "
         f"prompt token), {bytes_token:.0f} B per generated token; the unsplit request body "
         f"was {_mean(unsplit, 'prompt_bytes'):.0f} B of JSON token ids"
     )
     print(
         f"codec {args.codec}: greedy next-token agreement with the unsplit model over "
-        f"{sum(len(i) for i in ids)} prompt positions (teacher-forced): {agreement * 100:.2f}%"
+        f"{sum(len(i) for i in ids)} prompt positions (teacher-forced, hidden states only): "
+        f"{agreement * 100:.2f}%"
     )
     result = {
         "model": args.model,
+        "mode": mode,
         "split_layer": args.split,
         "codec": args.codec,
         "link": args.link,
+        "tls": ca is not None,
         "num_prompts": len(ids),
         "prompt_tokens": prompt_len,
         "max_tokens": args.max_tokens,
-        "split_tokens": round(sum(r["tokens"] for r in split)),
+        f"{mode}_tokens": round(sum(r["tokens"] for r in edged)),
         "unsplit_tokens": round(sum(r["tokens"] for r in unsplit)),
         "bytes_per_prompt": round(bytes_prompt),
         "bytes_per_token": round(bytes_token),
-        "split_ttft_ms": round(m["split_ttft"] * ms, 2),
+        f"{mode}_ttft_ms": round(m["edge_ttft"] * ms, 2),
         "unsplit_ttft_ms": round(m["unsplit_ttft"] * ms, 2),
-        "split_tpot_ms": round(m["split_tpot"] * ms, 2),
+        f"{mode}_tpot_ms": round(m["edge_tpot"] * ms, 2),
         "unsplit_tpot_ms": round(m["unsplit_tpot"] * ms, 2),
+        "ttft_vs_unsplit": round(ratios["ttft"], 3),
+        "tpot_vs_unsplit": round(ratios["tpot"], 3),
+        "predicted_mode": "split",  # predicted_ttft/tpot_ms are the split mode's, always
         "predicted_ttft_ms": round(chosen.ttft_s * ms, 2),
         "predicted_tpot_ms": round(chosen.tpot_s * ms, 2),
         "predicted_unsplit_ttft_ms": round(unsplit_pred.ttft_s * ms, 2),
         "predicted_unsplit_tpot_ms": round(unsplit_pred.tpot_s * ms, 2),
-        "planner_ttft_error_pct": round(err_ttft, 1),
-        "planner_tpot_error_pct": round(err_tpot, 1),
-        "planner_error_pct": round(max(err_ttft, err_tpot), 1),
+        **{f"planner_{n}_error_pct": round(e, 1) for n, e in errors.items()},
+        **({"planner_error_pct": round(max(errors.values()), 1)} if errors else {}),
         "planner_unsplit_ttft_error_pct": round(err_unsplit_ttft, 1),
         "planner_unsplit_tpot_error_pct": round(err_unsplit_tpot, 1),
         "serving_path_ttft_ms": round(serve_ttft * ms, 2),

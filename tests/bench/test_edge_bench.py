@@ -27,6 +27,7 @@ def test_bench_edge_smoke(text_llama_dir: Path, capsys: pytest.CaptureFixture[st
     res = json.loads(out.strip().splitlines()[-1])
 
     assert (res["split_layer"], res["codec"], res["num_prompts"]) == (1, "int8", 2)
+    assert res["mode"] == "split" and res["tls"]
     assert res["link"] == "lan" and "link: 1000 Mbit/s, 0.5 ms RTT, 0% loss" in out
     assert res["split_tokens"] == res["unsplit_tokens"] == 2 * 4  # EOS never stops them
     for side in ("split", "unsplit"):
@@ -39,3 +40,20 @@ def test_bench_edge_smoke(text_llama_dir: Path, capsys: pytest.CaptureFixture[st
     assert res["bytes_per_prompt"] > 0 and res["bytes_per_token"] > 0
     assert 0 <= res["codec_token_agreement_pct"] <= 100
     assert "serving path" in out
+
+
+def test_bench_edge_prompt_only(text_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", str(text_llama_dir), "--split", "1", "--mode", "prompt_only"]
+    argv += ["--num-prompts", "1", "--prompt-words", "10", "--max-tokens", "4"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    res = json.loads(out.strip().splitlines()[-1])
+
+    assert (res["mode"], res["tls"]) == ("prompt_only", False)  # whole-model: no edge listener
+    assert res["prompt_only_tokens"] == res["unsplit_tokens"] == 4
+    assert res["prompt_only_tpot_ms"] > 0 and "split_tpot_ms" not in res
+    # Hidden states and early KV with the prompt, then nothing: the cloud decodes alone.
+    assert res["bytes_per_prompt"] > 0 and res["bytes_per_token"] == 0
+    # The planner's prediction is the split mode's: shown, never scored against this run.
+    assert res["predicted_mode"] == "split" and "planner_tpot_error_pct" not in res
+    assert "the planner models split mode" in out
