@@ -1,0 +1,67 @@
+"""A request that finishes on its decode worker while the router asks to move it.
+
+The router learns that a request ended from its last output, which can still be queued when
+a drain sends MigrateOut for it: the worker refuses ("it is not decoding here"). That is not
+a failed migration, nothing needed moving. Found with forked workers, whose fast restarts let
+a rolling restart's drain meet requests finishing in that window (8 counted as failed)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from hetero_pd.serving.control import migration as M
+from hetero_pd.serving.router.migration import Migration, Migrator
+from hetero_pd.serving.worker.migration import Migrations
+from transfer import RemoteBlocks
+
+
+def test_the_source_says_a_request_it_no_longer_decodes_is_not_here() -> None:
+    sent: list[tuple[bytes, Any]] = []
+    engine = SimpleNamespace(config=SimpleNamespace(start_layer=0, block_size=16))
+    book = Migrations(
+        engine,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        lambda owner, msg: sent.append((owner, msg)),
+        requests={},
+        children={},
+        drop=lambda req: None,
+        timeout_s=1.0,
+    )
+    blocks = RemoteBlocks("gone", 1, (0, 1), "kv")
+    msg = M.MigrateOut(
+        rid="gone", dest_worker="decode-1", dest_address="127.0.0.1:1", dest_blocks=blocks
+    )
+    book.start_out(b"router", msg)
+    [(owner, failed)] = sent
+    assert owner == b"router" and isinstance(failed, M.MigrateFailed)
+    assert failed.not_here and "not decoding here" in failed.message
+    assert not book.active
+
+
+def test_a_drain_does_not_count_a_request_that_ended_as_a_failed_move() -> None:
+    """evacuate moves what decodes on the worker; a move refused as not_here is looked at
+    again (here: the request is gone by then) and is in neither the moved nor the failed."""
+    streams = {"r1": SimpleNamespace(decode=SimpleNamespace(id="d0"), decoding=True,
+                                     migratable=True, dest=None)}  # fmt: skip
+    source = SimpleNamespace(gone=False, inflight=set())
+    calls: list[str] = []
+
+    class OneWorker(Migrator):
+        def destination(self, source: Any, dest_id: str | None) -> Any:
+            return None  # some other decode worker would take it
+
+        async def migrate(
+            self, rid: str, dest_id: str | None = None, precopy: bool = True, reason: str = ""
+        ) -> Migration:
+            calls.append(rid)
+            streams.pop(rid)  # its last output reached the router meanwhile
+            return Migration(rid, "d0", "d1", False, "copy: refused", not_here=True)
+
+    migrator = OneWorker.__new__(OneWorker)
+    migrator.streams = streams  # type: ignore[assignment]
+    migrator.workers = {"d0": source}  # type: ignore[dict-item]
+    done = asyncio.run(migrator.evacuate("d0", timeout_s=5.0))
+    assert calls == ["r1"]
+    assert done == []
