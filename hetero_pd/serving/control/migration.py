@@ -120,8 +120,13 @@ class MigrateCancel(Envelope, tag="migrate_cancel", kw_only=True, frozen=True):
 
 
 class MigrateFailed(Envelope, tag="migrate_failed", kw_only=True, frozen=True):
+    """Source or destination -> router: the migration cannot go on. `not_here`: the source
+    does not decode the request now (it finished, or its KV is still arriving), so nothing
+    was started and nothing needs moving yet."""
+
     rid: Rid
     message: Message
+    not_here: bool = False
 
 
 FromWorker = MigrateReady | MigrateState | Migrated | MigrateFailed

@@ -75,6 +75,20 @@ class Migration:
     bytes: int = 0
     rounds: int = 0
     tokens: int = 0  # the request's tokens (prompt and generated) when it moved
+    #: The source did not decode it when asked (it had finished, or its KV was still
+    #: arriving): nothing moved, and nothing failed.
+    not_here: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a migration step got no answer it wanted (`not_here`: see Migration)."""
+
+    text: str
+    not_here: bool = False
+
+    def __str__(self) -> str:
+        return self.text
 
 
 @dataclass(slots=True)
@@ -157,7 +171,8 @@ class Migrator:
             dest.try_send(P.Abort(rid=rid))
             source.try_send(M.MigrateCancel(rid=rid))
             self.metrics.migration("aborted")
-            log.warning("request %s stays on %s: %s", rid, source.id, result.reason)
+            if not result.not_here:
+                log.warning("request %s stays on %s: %s", rid, source.id, result.reason)
         return result
 
     async def _run(
@@ -174,8 +189,11 @@ class Migrator:
         choices = sorted(stream.running)
         room = min(tokens + HEADROOM_TOKENS, dest.info.max_model_len - 1)
 
-        def failed(reason: str) -> Migration:
-            return Migration(rid, source.id, dest.id, False, reason, total_s=elapsed())
+        def failed(reason: str | Refusal) -> Migration:
+            not_here = isinstance(reason, Refusal) and reason.not_here
+            return Migration(
+                rid, source.id, dest.id, False, str(reason), total_s=elapsed(), not_here=not_here
+            )
 
         def elapsed() -> float:
             return time.monotonic() - started
@@ -208,7 +226,7 @@ class Migrator:
         )
         state = await self._answer(inbox, {source.id, dest.id}, (M.MigrateState,))
         if not isinstance(state, M.MigrateState):
-            return failed(f"copy: {state}")
+            return failed(Refusal(f"copy: {state}", isinstance(state, Refusal) and state.not_here))
         handed = time.monotonic()
         stream.handing_over, stream.stage = True, "handing over"
         dest.send(M.MigrateResume(rid=rid, states=state.states))
@@ -237,7 +255,7 @@ class Migrator:
             if isinstance(msg, WorkerGone):
                 return f"worker {worker_id} died"
             if isinstance(msg, M.MigrateFailed):
-                return f"{worker_id} refused: {msg.message}"
+                return Refusal(f"{worker_id} refused: {msg.message}", msg.not_here)
 
     async def drain(self, worker_id: str, timeout_s: float = 300.0) -> list[Migration]:
         """Moves every request decoding on `worker_id` to other workers and keeps new ones
@@ -260,7 +278,9 @@ class Migrator:
         async def move(rid: str) -> Migration | None:
             async with limit:
                 try:
-                    return await self.migrate(rid, reason=reason)
+                    result = await self.migrate(rid, reason=reason)
+                    # finished there meanwhile, or not decoding yet: looked at again next turn
+                    return None if result.not_here else result
                 except ValueError as e:
                     if rid in self.streams and self.streams[rid].decode.id == worker_id:
                         log.warning("drain %s: %s", worker_id, e)

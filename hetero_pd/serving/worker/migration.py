@@ -38,6 +38,7 @@ SMALL_ROUND_BLOCKS = 1
 MAX_ROUNDS = 8
 #: Phases in which a request decodes here and may leave.
 DECODING = (Phase.RUNNING, Phase.LANDED, Phase.FALLBACK)
+NOT_DECODING = "it is not decoding here"
 
 
 @dataclass(slots=True)
@@ -98,8 +99,9 @@ class Migrations:
     def start_out(self, owner: bytes, msg: M.MigrateOut) -> None:
         req = self.requests.get(msg.rid)
         parts: list[_Part] = []
-        if req is None or req.owner != owner or req.phase not in DECODING:
-            problem: str | None = "it is not decoding here"
+        not_here = req is None or req.owner != owner or req.phase not in DECODING
+        if req is None or not_here:
+            problem: str | None = NOT_DECODING
         elif self.engine.config.start_layer:
             problem = "a split (edge) request does not migrate"
         elif msg.rid in self._out:
@@ -113,7 +115,9 @@ class Migrations:
             except (ValueError, TransferError) as e:
                 problem = str(e)
         if problem is not None:
-            self.send(owner, M.MigrateFailed(rid=msg.rid, message=f"request {msg.rid}: {problem}"))
+            not_here = not_here or problem == NOT_DECODING  # its completions all finished
+            text = f"request {msg.rid}: {problem}"
+            self.send(owner, M.MigrateFailed(rid=msg.rid, message=text, not_here=not_here))
             return
         self._out[msg.rid] = _Out(owner, msg.dest_worker, msg.dest_blocks, parts, msg.precopy)
         self._advance(msg.rid)
@@ -141,7 +145,7 @@ class Migrations:
                 return f"{share} blocks cannot hold the KV of completion {index}"
             share_ids = dest[c * share : (c + 1) * share]
             parts.append(_Part(running[index], index, share_ids, preemptions=now[2]))
-        return None if parts else "it is not decoding here"
+        return None if parts else NOT_DECODING
 
     def _finished(self, rid: str, index: int) -> bool:
         req = self.requests.get(rid)
