@@ -77,6 +77,19 @@ def auto_dtype() -> str | None:
     return env or None
 
 
+FORK_SERVER = "HETERO_PD_FORK_SERVER"
+
+
+def fork_server() -> bool:
+    """$HETERO_PD_FORK_SERVER: "1" forks the workers of a deployment that does not set
+    `supervisor.fork_server` from a fork server (hetero_pd/deploy/forkserver.py; the test
+    suite sets it), "0" or unset starts them as `python -m` processes."""
+    env = os.environ.get(FORK_SERVER, "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{FORK_SERVER} must be '0' or '1', got {env!r}")
+    return env == "1"
+
+
 def deployment_secret(environ: Mapping[str, str] | None = None) -> str:
     """$HETERO_PD_SECRET: the deployment secret (never on a command line); "" when unset."""
     return (os.environ if environ is None else environ).get("HETERO_PD_SECRET", "")

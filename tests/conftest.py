@@ -18,6 +18,9 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 # Engines run eager unless a test asks for `compile="on"`: compiling takes a minute or more,
 # so only the tests that check the compiled step pay for it (workers inherit this too).
 os.environ.setdefault("HETERO_PD_COMPILE", "off")
+# Workers fork from a process that imported torch once (deploy/forkserver.py), ~2.9 s of CPU
+# less per start; tests of an exec'd worker's /proc/<pid>/environ say `fork_server: false`.
+os.environ.setdefault("HETERO_PD_FORK_SERVER", "1")
 
 
 def _flags_dtype() -> str:

@@ -22,10 +22,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from backends.cpu import usable_cpus
-from hetero_pd import omp_wait_defaults, secrets
+from hetero_pd import envs, omp_wait_defaults, secrets
 from hetero_pd.deploy.forkserver import ForkedProcess, start_worker
 from hetero_pd.deploy.formats import worker_format
 from hetero_pd.deploy.schema import Deployment
+from hetero_pd.deploy.sections import SupervisorSpec
 from hetero_pd.deploy.supervisor import Supervisor
 from hetero_pd.deploy.workers import WorkerInstance, expand_workers
 from hetero_pd.models.fetch import resolve_model
@@ -114,6 +115,12 @@ def worker_config(
     )
 
 
+def forks(spec: SupervisorSpec) -> bool:
+    """Whether workers are forked from the fork server: `supervisor.fork_server` where the
+    deployment says, else $HETERO_PD_FORK_SERVER (the test suite's default)."""
+    return envs.fork_server() if spec.fork_server is None else spec.fork_server
+
+
 class Launcher:
     """Starts the workers, then supervises them (`hetero_pd.deploy.supervisor`): a worker
     that exits is taken out of rotation at once and restarted with backoff."""
@@ -153,7 +160,7 @@ class Launcher:
         # how idle OpenMP threads wait (hetero_pd/__init__.py; set in the environment so a
         # worker's log of it is true)
         omp_wait_defaults(env)
-        if self.dep.supervisor.fork_server:
+        if forks(self.dep.supervisor):
             forked, parent = await start_worker(
                 env, lambda pid: replace(cfg, parent_pid=pid).to_json(), (secrets.WORKER_ENV,)
             )

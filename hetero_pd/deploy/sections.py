@@ -325,8 +325,10 @@ class SupervisorSpec:
     backoff_max_s: float = opt(30.0, lo=0.0)
     ready_timeout_s: float = opt(300.0, lo=1.0)
     stop_grace_s: float = opt(10.0, lo=0.0)
-    fork_server: bool = opt(
-        False, doc="fork workers from one process that imported torch once (deploy/forkserver.py)"
+    fork_server: bool | None = opt(
+        None,
+        doc="fork workers from one process that imported torch once (deploy/forkserver.py); "
+        "unset: $HETERO_PD_FORK_SERVER, off when that is unset too",
     )
     hang_timeout_s: float = opt(
         20.0, lo=0.5, doc="a live process silent this long (stopped, deadlocked) is restarted"

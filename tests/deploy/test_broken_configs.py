@@ -230,6 +230,14 @@ CASES = [
         "pd.prefill_device",
         "write a bare 'npu'",
     ),
+    (
+        "fork_server neither true nor false (unset: the environment decides)",
+        HEAD + PD + "supervisor:\n  fork_server: sometimes\n",
+        "local",
+        7,
+        "supervisor.fork_server",
+        "must be true or false, got str 'sometimes'",
+    ),
 ]
 
 

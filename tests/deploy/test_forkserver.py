@@ -17,8 +17,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from hetero_pd import LLM, SamplingParams, secrets
+from hetero_pd import LLM, SamplingParams, envs, secrets
 from hetero_pd.deploy import forkserver
+from hetero_pd.deploy.launcher import forks
 from hetero_pd.deploy.status import fetch_health
 from hetero_pd.deploy.testing import deployment, running_stack, serve_process
 
@@ -54,12 +55,49 @@ def _fds(pid: int) -> dict[int, str]:
     return out
 
 
-def test_forked_workers_serve_exit_and_restart_as_spawned_ones(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("setting", "env", "expected"),
+    [
+        (None, "1", True),
+        (None, "0", False),
+        (None, "", False),
+        (None, None, False),
+        (False, "1", False),  # what a deployment says wins
+        (True, "0", True),
+        (True, None, True),
+    ],
+)
+def test_the_deployment_decides_and_the_variable_only_where_it_is_silent(
+    monkeypatch: pytest.MonkeyPatch, setting: bool | None, env: str | None, expected: bool
+) -> None:
+    if env is None:
+        monkeypatch.delenv(envs.FORK_SERVER, raising=False)
+    else:
+        monkeypatch.setenv(envs.FORK_SERVER, env)
+    supervisor = {} if setting is None else {"fork_server": setting}
+    dep = deployment("m", supervisor=supervisor)
+    assert dep.supervisor.fork_server is setting
+    assert forks(dep.supervisor) is expected
+
+
+def test_a_fork_server_variable_other_than_0_or_1_is_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(envs.FORK_SERVER, "yes")
+    with pytest.raises(ValueError, match="HETERO_PD_FORK_SERVER must be '0' or '1', got 'yes'"):
+        forks(deployment("m").supervisor)
+
+
+def test_forked_workers_serve_exit_and_restart_as_spawned_ones(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forked because the variable says so: the deployment does not."""
+    monkeypatch.setenv(envs.FORK_SERVER, "1")
     params = SamplingParams(temperature=0, max_tokens=8)
     llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, num_threads=1)
     expected = llm.generate([PROMPT], params)[0].outputs[0].text
     del llm
-    dep = deployment(tiny_llama_dir, supervisor={"fork_server": True, "backoff_s": 0.1})
+    dep = deployment(tiny_llama_dir, supervisor={"backoff_s": 0.1})
     with running_stack(dep) as s:
         assert s.launcher is not None
         client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0, timeout=60)

@@ -205,11 +205,12 @@ def test_status_table() -> None:
 def test_a_stopped_worker_is_killed_restarted_and_routed_around(tiny_llama_dir: Path) -> None:
     """SIGSTOP the prefill worker: the router takes it out of rotation (prompts are then
     prefilled on the decode worker), the supervisor sees a live process that stopped
-    talking, kills it and starts a new one, which rejoins."""
+    talking, kills it and starts a new one, which rejoins. On `python -m` workers, which the
+    launcher reaps itself (test_forkserver covers restarts through the fork server)."""
     dep = deployment(
         tiny_llama_dir,
         router={"heartbeat_timeout_s": 1.0, "local_prefill_max_tokens": 0},
-        supervisor={"hang_timeout_s": 3.0, "backoff_s": 0.1},
+        supervisor={"hang_timeout_s": 3.0, "backoff_s": 0.1, "fork_server": False},
     )
     with running_stack(dep) as stack:
         assert stack.router is not None and stack.launcher is not None

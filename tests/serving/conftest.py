@@ -55,8 +55,12 @@ SHARED_KEY = "k"
 def tiny_pd_stack(tiny_llama_dir: Path) -> Iterator[Stack]:
     """1 prefill + 1 decode worker of the tiny Llama, API key SHARED_KEY. Its users assert
     deltas of the metrics and leave the workers idle (`wait_idle`), never counts since the
-    start: other files' requests may come before theirs."""
-    dep = deployment(tiny_llama_dir, router={"api_keys": [SHARED_KEY]})
+    start: other files' requests may come before theirs. Its workers are `python -m` ones
+    (`fork_server: false`): test_control_plane reads their /proc/<pid>/environ and cmdline,
+    and every file that reads this stack keeps the exec'd path serving."""
+    dep = deployment(
+        tiny_llama_dir, router={"api_keys": [SHARED_KEY]}, supervisor={"fork_server": False}
+    )
     with running_stack(dep) as s:
         yield s
 

@@ -35,9 +35,15 @@ DECISIONS = "hetero_pd_policy_decisions_total"
 LATE_BEGIN = [{"kind": "delay", "msg_type": "begin", "nth": 1, "count": 10**9, "delay_s": 0.5}]
 
 
+#: Room on one decode worker for all 32 chats of the rolling restart (9 blocks of 16 tokens
+#: each, 288): while the other decode worker drains, every one of them may still be decoding.
+ROOM_FOR_ALL = {"num_kv_blocks": 320}
+
+
 @pytest.fixture(scope="module")
 def stack(default_model_dir: Path) -> Iterator[Stack]:
-    with running_stack(deployment(default_model_dir, workers=ONE_P_TWO_D)) as s:
+    dep = deployment(default_model_dir, workers=ONE_P_TWO_D, engine=ROOM_FOR_ALL)
+    with running_stack(dep) as s:
         yield s
 
 
