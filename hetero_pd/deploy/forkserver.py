@@ -39,10 +39,12 @@ from collections.abc import Callable
 
 import msgspec
 
-#: Variables that native libraries (OpenMP, MKL, OpenBLAS, torch, CUDA) or the interpreter
-#: read when they load: a fork server serves only requests whose values equal its own.
+#: Variables that native libraries (OpenMP, MKL, OpenBLAS, torch, CUDA), the interpreter or
+#: our modules (transfer.hashing's HETERO_PD_HASH_INLINE_BYTES) read when they load: a fork
+#: server serves only requests whose values equal its own.
 LOAD_TIME_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA_",
-                      "LD_", "PYTHON", "MALLOC_", "DNNL_", "ONEDNN_")  # fmt: skip
+                      "LD_", "PYTHON", "MALLOC_", "DNNL_", "ONEDNN_",
+                      "HETERO_PD_HASH_")  # fmt: skip
 _STATUS = struct.Struct("<i")
 _MAX_MESSAGE = 1 << 20
 
