@@ -1,8 +1,9 @@
 """A transfer engine in a child process, driven over a pipe: for tests and the benchmark.
 
 The child starts from its :class:`~transfer.config.TransferConfig` and :class:`RegionSpec`
-(process arguments); after that the control channel carries msgpack bytes (plain values
-through msgspec, never pickles) and typed answers (:class:`Outcome`, :class:`PeerCounts`).
+(process arguments); after that the control channel carries msgpack bytes, never pickles:
+typed commands (tagged msgspec Structs, one per operation, decoded as the ``Command`` union
+and dispatched by ``match``) and typed answers (:class:`Outcome`, :class:`PeerCounts`).
 The child owns one engine and one region filled with deterministic data; :class:`PeerProcess`
 is the parent's handle to it and always kills the child on exit.
 """
@@ -10,8 +11,10 @@ is the parent's handle to it and always kills the child on exit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import multiprocessing as mp
+from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -20,9 +23,8 @@ import msgspec
 import torch
 
 from transfer import layout
-from transfer.config import RetryPolicy, TransferConfig
+from transfer.config import TransferConfig
 from transfer.engine import TransferEngine
-from transfer.faults import FaultPlan, FaultRule
 from transfer.handle import RemoteBlocks, TransferHandle
 from transfer.metrics import TransferMetrics
 from transfer.region import KVRegion, parse_dtype
@@ -77,20 +79,20 @@ def blocks_digest(region: KVRegion, ids: list[int], layers: tuple[int, int] | No
     return h.hexdigest()
 
 
-def make_config(spec: dict[str, Any]) -> TransferConfig:
-    """TransferConfig from plain values (faults as a list of rule dicts)."""
-    spec = dict(spec)
-    faults = spec.pop("faults", None)
-    retry = spec.pop("retry", None)
-    if "secret" in spec and isinstance(spec["secret"], str):
-        spec["secret"] = spec["secret"].encode()
-    if "transports" in spec:
-        spec["transports"] = tuple(spec["transports"])
-    if faults:
-        spec["faults"] = FaultPlan(tuple(FaultRule(**r) for r in faults))
-    if retry:
-        spec["retry"] = RetryPolicy(**retry)
-    return TransferConfig(**spec)
+def make_config(spec: Mapping[str, object]) -> TransferConfig:
+    """TransferConfig from plain values (faults as a list of rule dicts, retry as a dict);
+    an unknown key is a TypeError naming it, a bad value TransferConfig's own error."""
+    unknown = sorted(set(spec) - {f.name for f in dataclasses.fields(TransferConfig)})
+    if unknown:
+        raise TypeError(f"make_config: unknown TransferConfig field(s) {unknown}")
+    values = dict(spec)
+    if isinstance(values.get("secret"), str):
+        values["secret"] = str(values["secret"]).encode()
+    if values.get("faults"):
+        values["faults"] = {"rules": values["faults"]}
+    else:
+        values.pop("faults", None)
+    return msgspec.convert(values, TransferConfig, strict=False)
 
 
 def _outcome(h: TransferHandle) -> Outcome:
@@ -117,8 +119,8 @@ def _serve(conn: Connection, engine_id: str, config: TransferConfig, region: Reg
     )
     try:
         while True:
-            cmd = msgspec.msgpack.decode(conn.recv_bytes())
-            if cmd["op"] == "stop":
+            cmd = msgspec.msgpack.decode(conn.recv_bytes(), type=Command)
+            if isinstance(cmd, Stop):
                 break
             try:
                 out = _command(engine, reg, handles, cmd)
@@ -133,65 +135,111 @@ def _serve(conn: Connection, engine_id: str, config: TransferConfig, region: Reg
         engine.close()
 
 
+class _Command(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
+    """One request from the parent to the child engine (`PeerProcess.call(op, **fields)`)."""
+
+
+class Link(_Command, tag="link"):
+    peer: str
+    address: str
+
+
+class Reserve(_Command, tag="reserve"):
+    rid: str
+    ids: list[int]
+    timeout: float | None = None
+    writer: str | None = None
+
+
+class Release(_Command, tag="release"):
+    rid: str
+
+
+class Offer(_Command, tag="offer"):
+    rid: str
+    ids: list[int]
+    reader: str
+    layers: tuple[int, int] | None = None
+    lease_s: float | None = None
+
+
+class Wait(_Command, tag="wait"):
+    rid: str
+    timeout: float
+
+
+class Push(_Command, tag="push"):
+    peer: str
+    src: list[int]
+    dst: RemoteBlocks
+    transport: str | None = None
+
+
+class Digest(_Command, tag="digest"):
+    ids: list[int]
+    layers: tuple[int, int] | None = None
+
+
+class Zero(_Command, tag="zero"):
+    pass
+
+
+class Counts(_Command, tag="counts"):
+    pass
+
+
+class Stop(_Command, tag="stop"):
+    pass
+
+
+Command = Link | Reserve | Offer | Release | Wait | Push | Digest | Zero | Counts | Stop
+_COMMANDS: dict[str, type[_Command]] = {
+    c.__struct_config__.tag: c  # type: ignore[misc]
+    for c in (Link, Reserve, Offer, Release, Wait, Push, Digest, Zero, Counts, Stop)
+}
+
+
 def _command(
-    engine: TransferEngine, reg: KVRegion, handles: dict[str, TransferHandle], cmd: dict[str, Any]
-) -> Any:
-    op = cmd.pop("op")
-    out: Any = None
-    if op == "link":
-        engine.link(cmd["peer"], cmd["address"])
-    elif op == "reserve":
-        h = engine.reserve(
-            cmd["rid"], cmd["ids"], timeout_s=cmd.get("timeout"), writer=cmd.get("writer")
-        )
-        handles[cmd["rid"]] = h
-        assert h.blocks is not None
-        out = h.blocks.to_wire()
-    elif op == "offer":
-        lay = cmd.get("layers")
-        h = engine.offer(
-            cmd["rid"],
-            cmd["ids"],
-            reader=cmd["reader"],
-            layers=tuple(lay) if lay else None,
-            lease_s=cmd.get("lease_s"),
-        )
-        handles[f"offer/{cmd['rid']}"] = h
-        assert h.blocks is not None
-        out = h.blocks.to_wire()
-    elif op == "withdraw":
-        engine.withdraw(cmd["rid"])
-    elif op == "wait":
-        h = handles[cmd["rid"]]
-        h.wait(cmd["timeout"])
-        out = _outcome(h)
-    elif op == "release":
-        engine.release(cmd["rid"])
-    elif op == "push":
-        dst = RemoteBlocks.from_wire(cmd.pop("dst"))
-        lay = cmd.pop("layers", None)
-        h = engine.push_blocks(
-            cmd.pop("peer"), cmd.pop("src"), dst, layers=tuple(lay) if lay else None, **cmd
-        )
-        handles[h.transfer_id] = h
-        out = h.transfer_id
-    elif op == "wait_push":
-        h = handles[cmd["xid"]]
-        h.wait(cmd["timeout"])
-        out = _outcome(h)
-    elif op == "digest":
-        out = blocks_digest(reg, cmd["ids"], tuple(cmd["layers"]) if cmd.get("layers") else None)
-    elif op == "zero":
-        for t in reg.tensors:
-            t.zero_()
-    elif op == "counts":
-        engine.check_integrity()
-        out = PeerCounts(
-            held=sum(engine.held_blocks().values()),
-            reserved=sum(engine.reserved_blocks().values()),
-            metrics=engine.metrics(),
-        )
-    return out
+    engine: TransferEngine, reg: KVRegion, handles: dict[str, TransferHandle], cmd: Command
+) -> object:
+    match cmd:
+        case Link(peer=peer, address=address):
+            engine.link(peer, address)
+        case Reserve():
+            h = engine.reserve(cmd.rid, cmd.ids, timeout_s=cmd.timeout, writer=cmd.writer)
+            handles[cmd.rid] = h
+            assert h.blocks is not None
+            return h.blocks.to_wire()
+        case Offer():
+            h = engine.offer(
+                cmd.rid, cmd.ids, reader=cmd.reader, layers=cmd.layers, lease_s=cmd.lease_s
+            )
+            handles[f"offer/{cmd.rid}"] = h
+            assert h.blocks is not None
+            return h.blocks.to_wire()
+        case Wait():
+            h = handles[cmd.rid]
+            h.wait(cmd.timeout)
+            return _outcome(h)
+        case Release(rid=rid):
+            engine.release(rid)
+        case Push():
+            h = engine.push_blocks(cmd.peer, cmd.src, cmd.dst, transport=cmd.transport)
+            handles[h.transfer_id] = h
+            return h.transfer_id
+        case Digest():
+            return blocks_digest(reg, cmd.ids, cmd.layers)
+        case Zero():
+            for t in reg.tensors:
+                t.zero_()
+        case Counts():
+            engine.check_integrity()
+            return PeerCounts(
+                held=sum(engine.held_blocks().values()),
+                reserved=sum(engine.reserved_blocks().values()),
+                metrics=engine.metrics(),
+            )
+    return None
 
 
 class PeerProcess:
@@ -226,7 +274,8 @@ class PeerProcess:
 
     def call(self, op: str, call_timeout: float = 30.0, **kwargs: Any) -> Any:
         """Run one command in the child and return its result (its errors re-raised here)."""
-        self._conn.send_bytes(msgspec.msgpack.encode({"op": op, **kwargs}))
+        command = msgspec.convert(kwargs, _COMMANDS[op])  # a bad field fails here
+        self._conn.send_bytes(msgspec.msgpack.encode(command))
         reply = self._recv(call_timeout)
         if not reply["ok"]:
             raise RuntimeError(f"peer {self.engine_id}: {op} failed: {reply['error']}")
@@ -250,7 +299,7 @@ class PeerProcess:
         """Stop the child gracefully, killing it if it does not exit quickly."""
         if self.process.is_alive():
             with contextlib.suppress(OSError):
-                self._conn.send_bytes(msgspec.msgpack.encode({"op": "stop"}))
+                self._conn.send_bytes(msgspec.msgpack.encode(Stop()))
             self.process.join(5)
         self.kill()
         self._conn.close()
