@@ -9,6 +9,7 @@ import torch
 
 from backends import cpu, cpuinfo, get_backend
 from backends.cpu import CpuBackend
+from backends.cpuinfo import cpu_flags
 
 HOST = torch.device("cpu")
 
@@ -144,5 +145,41 @@ def test_linear_kernel_equals_f_linear(backend: CpuBackend, rows: int, with_bias
         torch.testing.assert_close(kernel(x), expected, rtol=0, atol=1e-5)
 
 
-def test_no_linear_kernel_for_bfloat16(backend: CpuBackend) -> None:
-    assert backend.linear_kernel(torch.zeros(4, 4, dtype=torch.bfloat16), None) is None
+@pytest.mark.parametrize("flags", [frozenset({"avx512_bf16"}), frozenset({"amx_bf16"})])
+def test_a_bfloat16_linear_kernel_only_with_amx(
+    backend: CpuBackend, flags: frozenset[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bfloat16 weights get the packed kernel where the CPU has AMX (1.6x F.linear at a decode
+    step's rows there), F.linear elsewhere (no faster on AVX-512 BF16 alone); float16 never."""
+    import backends.cpu
+
+    monkeypatch.setattr(backends.cpu, "cpu_flags", lambda: flags)
+    assert backend.linear_kernel(torch.zeros(4, 4, dtype=torch.float16), None) is None
+    kernel = backend.linear_kernel(torch.zeros(4, 4, dtype=torch.bfloat16), None)
+    amx = "amx_bf16" in flags and torch.backends.mkldnn.is_available()
+    assert (kernel is not None) == amx
+
+
+@pytest.mark.skipif(
+    "amx_bf16" not in cpu_flags() or not torch.backends.mkldnn.is_available(),
+    reason="the bfloat16 kernel runs where the CPU has AMX",
+)
+@pytest.mark.parametrize("rows", [1, 16, 64, 300])
+def test_bfloat16_linear_kernel_equals_f_linear_within_a_rounding(
+    backend: CpuBackend, rows: int
+) -> None:
+    """Both accumulate in float32 and round the output once to bfloat16: at most one bf16
+    step apart from float32 math over the same bf16 values, as F.linear is."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(96, 64, generator=gen).bfloat16()
+    bias = torch.randn(96, generator=gen).bfloat16()
+    kernel = backend.linear_kernel(weight, bias)
+    assert kernel is not None
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    exact = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    with torch.inference_mode():
+        got = kernel(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    torch.testing.assert_close(got.float(), exact, rtol=1.6e-2, atol=2e-2)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=1.6e-2,
+                               atol=2e-2)  # fmt: skip
