@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import Collection
@@ -149,6 +150,12 @@ def _cpu_quota_in(group: Path) -> float | None:
         return None
 
 
+@functools.cache
+def amx_bf16() -> bool:
+    """The CPU has AMX for bfloat16 (read once: `linear_kernel` asks for every weight)."""
+    return "amx_bf16" in cpu_flags()
+
+
 class CpuBackend(Backend):
     """The host. Copies are synchronous, there are no streams or events, and host buffers
     are ordinary (unpinned) memory: pinning needs an accelerator runtime."""
@@ -250,9 +257,7 @@ class CpuBackend(Backend):
         """
         if not torch.backends.mkldnn.is_available():
             return None
-        if weight.dtype != torch.float32 and not (
-            weight.dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()
-        ):
+        if weight.dtype != torch.float32 and not (weight.dtype == torch.bfloat16 and amx_bf16()):
             return None
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         b = None if bias is None else bias.detach()

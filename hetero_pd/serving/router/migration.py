@@ -189,10 +189,9 @@ class Migrator:
         choices = sorted(stream.running)
         room = min(tokens + HEADROOM_TOKENS, dest.info.max_model_len - 1)
 
-        def failed(reason: str | Refusal) -> Migration:
-            not_here = isinstance(reason, Refusal) and reason.not_here
+        def failed(reason: str, not_here: bool = False) -> Migration:
             return Migration(
-                rid, source.id, dest.id, False, str(reason), total_s=elapsed(), not_here=not_here
+                rid, source.id, dest.id, False, reason, total_s=elapsed(), not_here=not_here
             )
 
         def elapsed() -> float:
@@ -226,7 +225,7 @@ class Migrator:
         )
         state = await self._answer(inbox, {source.id, dest.id}, (M.MigrateState,))
         if not isinstance(state, M.MigrateState):
-            return failed(Refusal(f"copy: {state}", isinstance(state, Refusal) and state.not_here))
+            return failed(f"copy: {state}", isinstance(state, Refusal) and state.not_here)
         handed = time.monotonic()
         stream.handing_over, stream.stage = True, "handing over"
         dest.send(M.MigrateResume(rid=rid, states=state.states))

@@ -99,8 +99,7 @@ class Migrations:
     def start_out(self, owner: bytes, msg: M.MigrateOut) -> None:
         req = self.requests.get(msg.rid)
         parts: list[_Part] = []
-        not_here = req is None or req.owner != owner or req.phase not in DECODING
-        if req is None or not_here:
+        if req is None or req.owner != owner or req.phase not in DECODING:
             problem: str | None = NOT_DECODING
         elif self.engine.config.start_layer:
             problem = "a split (edge) request does not migrate"
@@ -115,8 +114,8 @@ class Migrations:
             except (ValueError, TransferError) as e:
                 problem = str(e)
         if problem is not None:
-            not_here = not_here or problem == NOT_DECODING  # its completions all finished
             text = f"request {msg.rid}: {problem}"
+            not_here = problem == NOT_DECODING  # finished (or all its completions), or not yet
             self.send(owner, M.MigrateFailed(rid=msg.rid, message=text, not_here=not_here))
             return
         self._out[msg.rid] = _Out(owner, msg.dest_worker, msg.dest_blocks, parts, msg.precopy)
