@@ -65,3 +65,29 @@ def test_a_drain_does_not_count_a_request_that_ended_as_a_failed_move() -> None:
     done = asyncio.run(migrator.evacuate("d0", timeout_s=5.0))
     assert calls == ["r1"]
     assert done == []
+
+
+def test_a_source_that_always_says_not_here_holds_a_drain_no_longer_than_its_timeout() -> None:
+    """A worker answering every MigrateOut with not_here (a hostile or broken one) keeps its
+    requests, as a refusal would: the drain looks again each turn and ends at its timeout,
+    with nothing recorded as moved or failed."""
+    streams = {"r1": SimpleNamespace(decode=SimpleNamespace(id="d0"), decoding=True,
+                                     migratable=True, dest=None)}  # fmt: skip
+    asked: list[str] = []
+
+    class Liar(Migrator):
+        def destination(self, source: Any, dest_id: str | None) -> Any:
+            return None
+
+        async def migrate(
+            self, rid: str, dest_id: str | None = None, precopy: bool = True, reason: str = ""
+        ) -> Migration:
+            asked.append(rid)
+            return Migration(rid, "d0", "d1", False, "copy: refused", not_here=True)
+
+    migrator = Liar.__new__(Liar)
+    migrator.streams = streams  # type: ignore[assignment]
+    migrator.workers = {"d0": SimpleNamespace(gone=False, inflight=set())}  # type: ignore[dict-item]
+    done = asyncio.run(asyncio.wait_for(migrator.evacuate("d0", timeout_s=0.5), 10))
+    assert done == []
+    assert len(asked) >= 2  # looked at again, turn after turn, until the timeout
