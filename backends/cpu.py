@@ -156,6 +156,18 @@ def amx_bf16() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel:
+    """oneDNN's linear over `weight` reordered once into its blocked layout (bfloat16 needs
+    AVX-512 BW/VL/DQ or AVX-NE-CONVERT in the CPU)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    b = None if bias is None else bias.detach()
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+    return linear
+
+
 class CpuBackend(Backend):
     """The host. Copies are synchronous, there are no streams or events, and host buffers
     are ordinary (unpinned) memory: pinning needs an accelerator runtime."""
@@ -259,13 +271,7 @@ class CpuBackend(Backend):
             return None
         if weight.dtype != torch.float32 and not (weight.dtype == torch.bfloat16 and amx_bf16()):
             return None
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        b = None if bias is None else bias.detach()
-
-        def linear(x: torch.Tensor) -> torch.Tensor:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-
-        return linear
+        return packed_linear(weight, bias)
 
     def profile_threads(self) -> int:
         """torch's intra-op thread count."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -150,14 +151,27 @@ def test_a_bfloat16_linear_kernel_only_with_amx(
     backend: CpuBackend, flags: frozenset[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bfloat16 weights get the packed kernel where the CPU has AMX (1.6x F.linear at a decode
-    step's rows there), F.linear elsewhere (no faster on AVX-512 BF16 alone); float16 never."""
+    step's rows there), F.linear elsewhere (no faster on AVX-512 BF16 alone); float16 never.
+    The flags are injected, and so is the packing where this CPU cannot reorder bfloat16
+    weights (oneDNN needs AVX-512 BW/VL/DQ for it): a fake standing in for an AMX CPU, which
+    records what it packed."""
     import backends.cpu
 
     monkeypatch.setattr(backends.cpu, "amx_bf16", lambda: "amx_bf16" in flags)
+    packed: list[torch.dtype] = []
+    fake = not {"avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
+    if fake:
+
+        def fake_packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+            packed.append(weight.dtype)
+            return torch.nn.functional.linear
+
+        monkeypatch.setattr(backends.cpu, "packed_linear", fake_packed_linear)
     assert backend.linear_kernel(torch.zeros(4, 4, dtype=torch.float16), None) is None
     kernel = backend.linear_kernel(torch.zeros(4, 4, dtype=torch.bfloat16), None)
     amx = "amx_bf16" in flags and torch.backends.mkldnn.is_available()
     assert (kernel is not None) == amx
+    assert packed == ([torch.bfloat16] if fake and amx else [])
 
 
 @pytest.mark.skipif(
