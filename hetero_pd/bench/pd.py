@@ -8,6 +8,11 @@ worker's in every mode: in pd mode the prefill worker's or the decode worker's, 
 not the same thing. So the whole run is repeated once per placement (`--router-cpus`,
 default: each worker core in turn) and every placement is reported: a control run.
 
+By default the run is short (a few minutes on 2 cores): a small workload, two seeds, and the
+placement where interference shows, the router on the decode worker's core. `--long` is the
+full run (~30 minutes there): larger prompts, three seeds, every placement. Any flag given
+overrides the preset's value.
+
 Each deployment runs every seed (`--seeds`) through warm-up, isolated, alone and mixed
 phases with prompts of their own (see `hetero_pd.bench.pd_run`). Reported per placement
 and mode, with the median and spread over seeds:
@@ -62,9 +67,45 @@ def pin_process(cpus: list[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
 
 
-def router_placements(given: list[str], cpus: list[int]) -> list[list[int]]:
-    """The `--router-cpus` placements, or one per worker core: a control run each."""
-    return [_ints(c) for c in given] or [[c] for c in sorted(set(cpus[:2]))]
+def router_placements(given: list[str], cpus: list[int], every: bool = True) -> list[list[int]]:
+    """The `--router-cpus` placements; else one per worker core (a control run each), or
+    with `every` False only the decode worker's core (pd mode's second worker), where the
+    router and client compete with decode steps."""
+    if given:
+        return [_ints(c) for c in given]
+    cores = sorted(set(cpus[:2]))
+    return [[c] for c in cores] if every else [[cpus[:2][-1]]]
+
+
+#: What `--long` and the default (short) run measure, flag by flag; a flag given wins.
+PRESETS: dict[str, dict[str, Any]] = {
+    "short": {
+        "num_short": 6,
+        "num_long": 2,
+        "short_input_len": 32,
+        "short_output_len": 16,
+        "long_input_len": 256,
+        "long_output_len": 8,
+        "isolated_short": 1,
+        "isolated_long": 1,
+        "rate": 0.5,
+        "rates": "0.5,1",
+        "seeds": "0,1",
+    },
+    "long": {
+        "num_short": 16,
+        "num_long": 4,
+        "short_input_len": 64,
+        "short_output_len": 64,
+        "long_input_len": 1024,
+        "long_output_len": 16,
+        "isolated_short": 2,
+        "isolated_long": 2,
+        "rate": 1.0,
+        "rates": "0.5,1,2",
+        "seeds": "0,1,2",
+    },
+}
 
 
 def deployment(args: argparse.Namespace, mode: str, cpus: list[int]) -> Deployment:
@@ -94,20 +135,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="float32", help="the deployment's dtype (auto, float32, ...)")
-    p.add_argument("--num-short", type=int, default=16)
-    p.add_argument("--num-long", type=int, default=4)
-    p.add_argument("--short-input-len", type=int, default=64)
-    p.add_argument("--short-output-len", type=int, default=64)
-    p.add_argument("--long-input-len", type=int, default=1024)
-    p.add_argument("--long-output-len", type=int, default=16)
-    p.add_argument("--isolated-short", type=int, default=2, help="per seed, one at a time")
-    p.add_argument("--isolated-long", type=int, default=2, help="per seed, one at a time")
-    p.add_argument("--rate", type=float, default=1.0, help="req/s (Poisson) of alone/mixed")
-    p.add_argument("--rates", default="0.5,1,2", help="the sweep (--rate is added to it)")
+    p.add_argument(
+        "--long",
+        action="store_true",
+        help="the full run: PRESETS['long'] and every router placement (default: the short one)",
+    )
+    p.add_argument("--num-short", type=int)
+    p.add_argument("--num-long", type=int)
+    p.add_argument("--short-input-len", type=int)
+    p.add_argument("--short-output-len", type=int)
+    p.add_argument("--long-input-len", type=int)
+    p.add_argument("--long-output-len", type=int)
+    p.add_argument("--isolated-short", type=int, help="per seed, one at a time")
+    p.add_argument("--isolated-long", type=int, help="per seed, one at a time")
+    p.add_argument("--rate", type=float, help="req/s (Poisson) of alone/mixed")
+    p.add_argument("--rates", help="the sweep (--rate is added to it)")
     p.add_argument("--slo-ttft-ms", type=float, default=8000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
     p.add_argument("--slo-scales", default="1.5,2,2.5,3,4,5")
-    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--seeds")
     p.add_argument("--modes", default="pd,colocated")
     p.add_argument("--cpus", default="", help="two core ids to pin workers to (default: 0,1)")
     p.add_argument(
@@ -121,6 +167,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--background-load", type=int, default=0, metavar="N", help="busy processes")
     p.add_argument("--result-json", help="write every run's requests and metrics here")
     args = p.parse_args(argv)
+    for name, value in PRESETS["long" if args.long else "short"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     args.modes = [m for m in args.modes.split(",") if m]
     bad = sorted(set(args.modes) - set(MODES))
     if bad or not args.modes:
@@ -144,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     allowed = sorted(os.sched_getaffinity(0))
     cpus = _ints(args.cpus) or allowed[:2]
-    placements = router_placements(args.router_cpus, cpus)
+    placements = router_placements(args.router_cpus, cpus, every=args.long)
     spec = WorkloadSpec(
         num_short=args.num_short,
         num_long=args.num_long,

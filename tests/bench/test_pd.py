@@ -23,6 +23,20 @@ def test_every_worker_core_gets_a_placement_of_the_router() -> None:
     assert router_placements([], [0, 1]) == [[0], [1]]
     assert router_placements([], [3]) == [[3]]
     assert router_placements(["2", "0,1"], [0, 1]) == [[2], [0, 1]]
+    # The short run: the router beside the decode worker (pd mode's second core) only.
+    assert router_placements([], [4, 7], every=False) == [[7]]
+    assert router_placements([], [3], every=False) == [[3]]
+    assert router_placements(["2"], [0, 1], every=False) == [[2]]
+
+
+def test_the_default_run_is_the_short_preset_and_long_the_full_one() -> None:
+    short, full = parse_args(["--model", "m"]), parse_args(["--model", "m", "--long"])
+    assert (short.num_short, short.long_input_len, short.seeds) == (6, 256, [0, 1])
+    assert (full.num_short, full.long_input_len, full.seeds) == (16, 1024, [0, 1, 2])
+    assert full.rates == (0.5, 1.0, 2.0) and short.rates == (0.5, 1.0)
+    # A flag given wins over either preset.
+    given = parse_args(["--model", "m", "--long", "--num-short", "3", "--rate", "4"])
+    assert (given.num_short, given.num_long, given.rates) == (3, 4, (0.5, 1.0, 2.0, 4.0))
 
 
 def test_pinning_reaches_threads_started_before_it() -> None:
