@@ -21,11 +21,13 @@ from typing import Any
 
 import msgspec
 import torch
+import zmq
 
-from transfer import layout
+from transfer import auth, layout, wire
 from transfer.config import TransferConfig
 from transfer.engine import TransferEngine
 from transfer.handle import RemoteBlocks, TransferHandle
+from transfer.messages import About, Auth, Challenge, Hello, Message
 from transfer.metrics import TransferMetrics
 from transfer.region import KVRegion, parse_dtype
 
@@ -93,6 +95,31 @@ def make_config(spec: Mapping[str, object]) -> TransferConfig:
     else:
         values.pop("faults", None)
     return msgspec.convert(values, TransferConfig, strict=False)
+
+
+def hostile_link(address: str, claimed: str, secret: bytes, timeout_s: float = 5.0) -> Message:
+    """What a hostile process gets for a handshake with the engine at ``address``: a HELLO
+    as engine ``claimed``, then an AUTH proven under ``secret`` (even when the CHALLENGE's
+    own proof showed another secret); the listener's last answer (ERROR, or WELCOME)."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        nonce = auth.new_nonce()
+        sock.send(wire.encode(Hello(engine_id=claimed, role="prefill", nonce=nonce)))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no answer to HELLO from {address}")
+        answer = wire.decode(sock.recv(), 1).msg
+        if not isinstance(answer, Challenge):
+            return answer
+        proof = auth.client_proof(secret, nonce, answer.nonce, claimed, answer.engine_id)
+        about = About(host="127.0.0.1", pid=1, data_address="", regions=[], fingerprint="")
+        sock.send(wire.encode(Auth(proof=proof, about=about)))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no answer to AUTH from {address}")
+        return wire.decode(sock.recv(), 1).msg
+    finally:
+        sock.close()
 
 
 def _outcome(h: TransferHandle) -> Outcome:
