@@ -171,6 +171,11 @@ class Link(_Command, tag="link"):
     address: str
 
 
+class Trust(_Command, tag="trust"):
+    peer: str
+    secret: bytes
+
+
 class Reserve(_Command, tag="reserve"):
     rid: str
     ids: list[int]
@@ -219,10 +224,10 @@ class Stop(_Command, tag="stop"):
     pass
 
 
-Command = Link | Reserve | Offer | Release | Wait | Push | Digest | Zero | Counts | Stop
+Command = Link | Trust | Reserve | Offer | Release | Wait | Push | Digest | Zero | Counts | Stop
 _COMMANDS: dict[str, type[_Command]] = {
     c.__struct_config__.tag: c  # type: ignore[misc]
-    for c in (Link, Reserve, Offer, Release, Wait, Push, Digest, Zero, Counts, Stop)
+    for c in (Link, Trust, Reserve, Offer, Release, Wait, Push, Digest, Zero, Counts, Stop)
 }
 
 
@@ -232,6 +237,8 @@ def _command(
     match cmd:
         case Link(peer=peer, address=address):
             engine.link(peer, address)
+        case Trust(peer=peer, secret=secret):
+            engine.trust(peer, secret)
         case Reserve():
             h = engine.reserve(cmd.rid, cmd.ids, timeout_s=cmd.timeout, writer=cmd.writer)
             handles[cmd.rid] = h

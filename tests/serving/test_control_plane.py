@@ -166,10 +166,6 @@ def test_a_worker_cannot_act_as_the_router(stack: Stack) -> None:
     stack.wait_idle()
 
 
-@pytest.mark.xfail(
-    reason="issue 27: a worker's transfer identity is not bound to a key of its own yet",
-    strict=True,
-)
 def test_a_worker_cannot_link_as_another_worker(stack: Stack) -> None:
     """A compromised worker (prefill-0: the credential in its environment, and the pair key
     the router gave it for decode-0) poses as prefill-1, a worker decode-0 was told to take

@@ -9,7 +9,6 @@ import time
 import typing
 from typing import Any
 
-import pytest
 import zmq.asyncio
 
 from hetero_pd import SamplingParams, secrets
@@ -21,10 +20,6 @@ from hetero_pd.serving.control.server import ControlServer
 from hetero_pd.serving.router.worker_client import WorkerClient
 from transfer import RemoteBlocks
 
-pytestmark = pytest.mark.xfail(
-    reason="issue 27: a worker's transfer identity is not bound to a key of its own yet",
-    strict=True,
-)
 PARAMS = P.WireParams.of(SamplingParams(max_tokens=4))
 BLOCKS = RemoteBlocks("r", 1, (0, 1), "kv")
 PULL = V.PrefixSource(peer="holder", address="tcp://127.0.0.1:1", blocks=BLOCKS, tokens=32)

@@ -25,10 +25,6 @@ from transfer.testing import PeerProcess, blocks_digest, fill, hostile_link, mak
 
 from .conftest import FAST, REGION
 
-pytestmark = pytest.mark.xfail(
-    reason="issue 27: a worker's transfer identity is not bound to a key of its own yet",
-    strict=True,
-)
 #: What a router would hold (the deployment secret); engines only get their pair keys.
 ROOT = b"r" * 32
 PER_PEER = {**FAST, "secret": "", "per_peer_secrets": True}
@@ -182,7 +178,7 @@ def test_per_peer_secrets_are_configured_apart_from_the_shared_one() -> None:
     finally:
         shared.close()
     per_peer = TransferEngine(
-        "pp", "both", TransferConfig(host="0.0.0.0", per_peer_secrets=True, require_secret=True)
+        "pp", "both", TransferConfig(per_peer_secrets=True, require_secret=True)
     )
     try:
         with pytest.raises(TransferError) as info:
