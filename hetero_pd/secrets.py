@@ -6,14 +6,21 @@ generates a random one when none is set; on a cluster `hetero-pd render k8s` put
 Secret. Workers never see it: they get a worker credential (`HETERO_PD_WORKER_KEY`), from
 which the router's key cannot be derived, so a compromised worker cannot act as the router.
 
-    secret ─┬─ "control/router" ─> the router's CURVE key pair        (router only)
-            └─ "worker" ─> worker material                            (HETERO_PD_WORKER_KEY,
-                  ├─ "control/worker" ─> the workers' CURVE key pair    with the router's
-                  ├─ "transfer"       ─> transfer engine links          public key)
-                  └─ "kv-disk"        ─> MACs of the SSD KV tier's files
+    secret ─┬─ "control/router" ─> the router's CURVE key pair       (router only)
+            ├─ "transfer/pairs" ─> the pair root                      (router only)
+            │     └─ "transfer/pair/<A>/<B>" ─> the link key of        (A and B only: the
+            │          workers A and B (A < B)                          router sends it)
+            └─ "worker" ─> worker material                            (HETERO_PD_WORKER_KEY:
+                  ├─ "control/worker" ─> the workers' CURVE key pair    every worker's, with
+                  └─ "kv-disk"        ─> MACs of the SSD KV tier's files  the router's public key)
 
 Each step is HMAC-SHA256 (`derive`), so a key of one purpose never serves another and no
-key reveals the one it came from.
+key reveals the one it came from. Every worker holds the same worker material (on
+Kubernetes all worker pods mount one Secret), so nothing that derives from it can tell
+workers apart; a worker's transfer identity rests on the pair keys instead: the router
+sends worker A the key of (A, B) over the CurveZMQ control channel before it asks A to
+move KV with B (`PeerKeys`), and A's transfer engine links with B only under it. Holding
+A's material and every key A was given, a process still cannot link as B to anyone.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ WORKER_ENV = "HETERO_PD_WORKER_KEY"
 #: Fewer bytes than this is not a secret anyone should rely on.
 MIN_BYTES = 16
 _CREDENTIAL_TAG = "hpdw1"
+#: What a worker derives from its material. Transfer links are not among them: their keys
+#: are per pair of workers (`pair_key`), from the router.
+WORKER_PURPOSES = ("control/worker", "kv-disk")
 
 
 class SecretError(ValueError):
@@ -80,6 +90,18 @@ def curve_keypair(key: bytes) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret), secret
 
 
+def pair_root(secret: bytes) -> bytes:
+    """The root of the workers' pair keys: only a holder of the deployment secret has it."""
+    return derive(check(secret), "transfer/pairs")
+
+
+def pair_key(root: bytes, a: str, b: str) -> bytes:
+    """The transfer link key of workers `a` and `b` (either order; `root`: `pair_root`).
+    The first id's length is part of the purpose, so no two pairs of ids share a key."""
+    lo, hi = sorted((a, b))
+    return derive(root, f"transfer/pair/{len(lo)}:{lo}/{hi}")
+
+
 def router_keypair(secret: bytes) -> tuple[bytes, bytes]:
     """The router's CURVE key pair: only a holder of the deployment secret has it."""
     return curve_keypair(derive(check(secret), "control/router"))
@@ -98,7 +120,10 @@ class WorkerCredential:
         return cls(derive(check(secret), "worker"), router_keypair(secret)[0])
 
     def key(self, purpose: str) -> bytes:
-        """A worker key: "control/worker", "transfer" or "kv-disk"."""
+        """A worker key: "control/worker" or "kv-disk" (no other: every worker holds the
+        same material, so a key from it can never say which worker holds it)."""
+        if purpose not in WORKER_PURPOSES:
+            raise SecretError(f"no worker key for {purpose!r}: only {WORKER_PURPOSES}")
         return derive(self.material, purpose)
 
     def text(self) -> str:

@@ -20,6 +20,13 @@ and a MAC under the session's control key of its direction (:func:`control_keys`
 altered on the way, or made by anyone who did not take part in the handshake, is dropped.
 Neither side ever sends the secret. An empty secret still runs the exchange (so both sides
 must agree on it) but offers no protection; use it on a trusted loopback only.
+
+Which secret a link is proven with is :class:`PeerSecrets`' answer for the peer's claimed
+id (HELLO's, or the one we dial): the one shared secret (``TransferConfig.secret``), or with
+``per_peer_secrets`` the secret given for that id alone (:meth:`TransferEngine.trust
+<transfer.engine.TransferEngine.trust>`; the serving layer's pair keys, which only the two
+ends and the router hold). An id with none is refused at once (AUTH_FAILED, counted
+``unknown_peer``), so holding one peer's secret never lets a process link as another id.
 """
 
 from __future__ import annotations
@@ -32,6 +39,54 @@ import secrets
 from transfer.errors import StatusCode, TransferError
 
 NONCE_BYTES = 16
+#: The shortest per-peer secret :meth:`PeerSecrets.add` takes.
+MIN_PEER_SECRET_BYTES = 16
+
+
+def unknown_peer(peer_id: str) -> TransferError:
+    """Why a link with ``peer_id`` is refused when we hold no secret for it."""
+    return TransferError(
+        StatusCode.AUTH_FAILED, f"no link secret for engine {peer_id!r}: it may not link here"
+    )
+
+
+class PeerSecrets:
+    """The secret each peer's link is proven with.
+
+    Shared (``per_peer`` False): ``shared`` for every peer id. Per peer: only the secret
+    :meth:`add` gave for that id; an id with none links with nobody (:meth:`secret_for`
+    None), whatever it presents. Written from any thread (a dict item is set atomically),
+    read by the I/O thread.
+    """
+
+    def __init__(self, shared: bytes, per_peer: bool) -> None:
+        self._shared, self.per_peer = shared, per_peer
+        self._by_peer: dict[str, bytes] = {}
+
+    def secret_for(self, peer_id: str) -> bytes | None:
+        """The secret a link with ``peer_id`` is proven with, or None: refuse it."""
+        if not self.per_peer:
+            return self._shared
+        return self._by_peer.get(peer_id)
+
+    def add(self, peer_id: str, secret: bytes) -> None:
+        """Link with ``peer_id`` under ``secret`` from now on (per-peer mode only)."""
+        if not self.per_peer:
+            raise TransferError(
+                StatusCode.PARAM_INVALID,
+                "a secret per peer needs TransferConfig.per_peer_secrets (this engine links "
+                "with its one shared secret)",
+            )
+        if not peer_id or len(secret) < MIN_PEER_SECRET_BYTES:
+            raise TransferError(
+                StatusCode.PARAM_INVALID,
+                f"a peer secret needs a peer id and at least {MIN_PEER_SECRET_BYTES} bytes",
+            )
+        self._by_peer[peer_id] = bytes(secret)
+
+    def known(self) -> list[str]:
+        """The peer ids this engine may link with (per-peer mode), sorted."""
+        return sorted(self._by_peer)
 
 
 def new_nonce() -> bytes:

@@ -41,9 +41,11 @@ class RetryPolicy:
 class TransferConfig:
     """Settings of one :class:`~transfer.engine.TransferEngine`.
 
-    Deadlines are in seconds. ``secret`` is the deployment's shared secret: peers prove they
+    Deadlines are in seconds. ``secret`` is the secret every peer shares: peers prove they
     know it when linking (HMAC challenge both ways); an empty secret disables the check and
-    must only be used on a trusted loopback.
+    must only be used on a trusted loopback. With ``per_peer_secrets`` each peer proves
+    instead the secret given for its own id (:meth:`TransferEngine.trust
+    <transfer.engine.TransferEngine.trust>`), and ``secret`` must be empty.
     """
 
     host: str = "127.0.0.1"
@@ -53,6 +55,11 @@ class TransferConfig:
     #: when that is a wildcard, peers use the host they dialled to reach our link.
     advertise_host: str = ""
     secret: bytes = b""
+    #: Link only with peers whose own secret this engine was given (``TransferEngine.trust``,
+    #: by engine id: the serving layer's pair keys, handed out by the router), each proven
+    #: under its own; any other id is refused at its HELLO (AUTH_FAILED, counted
+    #: ``unknown_peer``), so a process holding one peer's secret cannot link as another.
+    per_peer_secrets: bool = False
     #: What makes this engine's KV interchangeable with a peer's (opaque; the serving layer
     #: puts in its model's weights + tokenizer fingerprint). Exchanged after authentication:
     #: a link between two engines that both set one and differ is refused (PARAM_INVALID,
@@ -104,7 +111,7 @@ class TransferConfig:
     faults: FaultPlan | None = None
     #: The engine refuses to start with an empty ``secret`` unless ``host`` is loopback-only
     #: (:func:`transfer.auth.check_secret`; checked by ``TransferEngine``, not here, so a
-    #: config serialised without its secret still loads).
+    #: config serialised without its secret still loads). Met by ``per_peer_secrets``.
     require_secret: bool = False
 
     def checksums_on(self, direct: bool) -> bool:
@@ -126,6 +133,11 @@ class TransferConfig:
             raise ValueError(
                 f"TransferConfig.advertise_host {self.advertise_host!r}: a host name or "
                 "address without a port"
+            )
+        if self.per_peer_secrets and self.secret:
+            raise ValueError(
+                "TransferConfig: per_peer_secrets takes each peer's secret from "
+                "TransferEngine.trust; leave secret empty"
             )
         check_codec(self.kv_codec, "TransferConfig.kv_codec")
         unknown = set(self.transports) - {"local", "cuda_ipc", "shm", "tcp"}

@@ -48,7 +48,7 @@ class TransferEngine:
         self.engine_id = engine_id
         self.role = Role(role)
         self.config = config or TransferConfig()
-        if self.config.require_secret:
+        if self.config.require_secret and not self.config.per_peer_secrets:
             check_secret(self.config.host, self.config.secret)
         self._core = Core(engine_id, self.role, self.config)
         self._loop = self._core.loop
@@ -66,6 +66,11 @@ class TransferEngine:
         return self._core.me.data_address
 
     # ---- links --------------------------------------------------------------------------
+    def trust(self, peer_id: str, secret: bytes) -> None:
+        """Link with ``peer_id`` under ``secret``, which only it and we hold (``per_peer_secrets``;
+        :class:`~transfer.auth.PeerSecrets`): ids never trusted are refused (AUTH_FAILED)."""
+        self._core.linker.secrets.add(peer_id, secret)
+
     def link(self, peer_id: str, address: str, timeout: float | None = None) -> None:
         """Connect and authenticate to ``peer_id`` listening at ``address``.
 
@@ -97,7 +102,6 @@ class TransferEngine:
         except TransferError as exc:
             fut.set_exception(exc)
             return fut
-
         self._loop.call(lambda: linker.connect(peer_id, address, fut))
         return fut
 
@@ -171,11 +175,9 @@ class TransferEngine:
         return handle
 
     def release(self, request_id: str) -> float:
-        """Free a reservation (after use, timeout or abort); late writes are refused.
-
-        Returns seconds until its blocks may be reused: 0.0, unless a direct (shared-memory)
-        writer still holds a grant on them.
-        """
+        """Free a reservation (after use, timeout or abort); late writes are refused. Returns
+        seconds until its blocks may be reused: 0.0, unless a direct (shared-memory) writer
+        still holds a grant on them."""
         core = self._core
         reservation, wait = core.ledger.release(request_id)
         if reservation is not None:
@@ -308,10 +310,8 @@ class TransferEngine:
         return handle
 
     def withdraw(self, request_id: str) -> None:
-        """End our offer for ``request_id``: later pulls are refused, pulls in flight stop.
-
-        The offer's handle turns CANCELLED once nothing reads its blocks any more.
-        """
+        """End our offer for ``request_id``: later pulls are refused, pulls in flight stop;
+        the offer's handle turns CANCELLED once nothing reads its blocks any more."""
         pulls = self._core.pulls
         self._loop.call(lambda: pulls.withdraw(request_id))
 

@@ -44,7 +44,7 @@ def about(me: Identity, regions: list[RegionInfo], config: TransferConfig) -> Ab
 
 @dataclass(frozen=True, slots=True)
 class Keys:
-    """A session's keys, all from the secret and both handshake nonces (never sent)."""
+    """A session's keys, all from the link's secret and both handshake nonces (never sent)."""
 
     #: Seals KV chunks when both ends agree to (:func:`aead.agree`), else None.
     sealer: aead.Sealer | None
@@ -54,17 +54,22 @@ class Keys:
 
 
 def keys(
-    config: TransferConfig, me: Identity, theirs: About, peer: Hello | Challenge, mine: bytes
+    config: TransferConfig,
+    secret: bytes,
+    me: Identity,
+    theirs: About,
+    peer: Hello | Challenge,
+    mine: bytes,
 ) -> Keys:
-    """The session's keys. ``peer``: its HELLO (we listen) or CHALLENGE (we dialled);
-    ``mine``: our nonce."""
+    """The session's keys, from the secret this peer's link was proven with. ``peer``: its
+    HELLO (we listen) or CHALLENGE (we dialled); ``mine``: our nonce."""
     dialler = isinstance(peer, Challenge)
     nonce_c, nonce_s = (mine, peer.nonce) if dialler else (peer.nonce, mine)
     ids = (me.engine_id, peer.engine_id) if dialler else (peer.engine_id, me.engine_id)
-    ours, theirs_mac = auth.control_keys(config.secret, nonce_c, nonce_s, *ids)
+    ours, theirs_mac = auth.control_keys(secret, nonce_c, nonce_s, *ids)
     sealer = None
     if aead.agree(config.encrypt, theirs.encrypt, theirs.host == me.host):
-        c2s, s2c = auth.session_keys(config.secret, nonce_c, nonce_s, *ids)
+        c2s, s2c = auth.session_keys(secret, nonce_c, nonce_s, *ids)
         sealer = aead.Sealer(c2s, s2c) if dialler else aead.Sealer(s2c, c2s)
     if not dialler:
         ours, theirs_mac = theirs_mac, ours

@@ -40,8 +40,8 @@ from transfer.session import Identity, Link, Session
 
 log = logging.getLogger(__name__)
 
-#: Handshakes in progress on the listening side, at most (oldest evicted).
 Frames = list[zmq.Frame]
+Waiter = concurrent.futures.Future[None]
 
 
 class Linker:
@@ -57,13 +57,8 @@ class Linker:
         describe_regions: Callable[[], list[RegionInfo]],
         deliver: Callable[[Frames, Link], None],
     ) -> None:
-        self.me, self.config, self.loop, self.outbox, self.metrics = (
-            me,
-            config,
-            loop,
-            outbox,
-            metrics,
-        )
+        self.me, self.config, self.loop = me, config, loop
+        self.outbox, self.metrics = outbox, metrics
         self._describe_regions, self._deliver = describe_regions, deliver
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._links: dict[zmq.Socket[bytes], Link] = {}
@@ -71,6 +66,8 @@ class Linker:
         self._inbound: dict[str, Session] = {}
         self._by_identity: dict[bytes, Session] = {}
         self._pending = handshake.PendingHellos()
+        #: The secret each peer's link is proven with (one shared, or one per peer id).
+        self.secrets = auth.PeerSecrets(config.secret, config.per_peer_secrets)
         #: Where each peer listens, as last told (link, link_async, set_peer_address).
         self.addresses: dict[str, str] = {}
         self.on_linked: list[Callable[[Session], None]] = []
@@ -106,9 +103,7 @@ class Linker:
         return None
 
     # ---- opening links ------------------------------------------------------------------
-    def connect(
-        self, peer_id: str, address: str, waiter: concurrent.futures.Future[None] | None = None
-    ) -> None:
+    def connect(self, peer_id: str, address: str, waiter: Waiter | None = None) -> None:
         """Start (or join) a handshake with ``peer_id`` at ``address``, where relinks go too."""
         self.addresses[peer_id] = address
         for link in self._links.values():
@@ -120,6 +115,11 @@ class Linker:
         linked = current is not None and current.alive and current.link is not None
         if linked and waiter is not None and current.link.address == address:  # type: ignore[union-attr]
             waiter.set_result(None)
+            return
+        if self.secrets.secret_for(peer_id) is None:  # we may not link with it: say nothing
+            self.metrics.auth_failures_total += 1
+            self.metrics.link_failures_total += 1
+            self._publish_failure(peer_id, auth.unknown_peer(peer_id), waiter)
             return
         sock: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
         for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, RECEIVE_HWM)):
@@ -136,9 +136,7 @@ class Linker:
                 else TransferError(StatusCode.LINK_FAILED, f"cannot connect to {address!r}: {exc}")
             )
             self.metrics.link_failures_total += 1
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(err)
-            self._publish_failure(peer_id, err)
+            self._publish_failure(peer_id, err, waiter)
             return
         link = Link(peer_id, address, sock, auth.new_nonce())
         if waiter is not None:
@@ -206,7 +204,9 @@ class Linker:
         link.waiters.clear()
         self._publish_failure(link.peer_id, err)
 
-    def _publish_failure(self, peer_id: str, err: TransferError) -> None:
+    def _publish_failure(self, peer_id: str, err: TransferError, w: Waiter | None = None) -> None:
+        if w is not None and not w.done():
+            w.set_exception(err)
         for listener in self.on_link_failed:
             listener(peer_id, err)
 
@@ -246,12 +246,16 @@ class Linker:
             self.relink(session)
 
     def _on_hello(self, identity: bytes, msg: Hello, peer_ip: str) -> None:
+        secret = self.secrets.secret_for(msg.engine_id)
+        if secret is None:  # an id we hold no secret for: nobody may link as it
+            self.metrics.auth_failures_total += 1
+            self.metrics.reject("unknown_peer")
+            self._reply(identity, wire.encode(Error.of("", auth.unknown_peer(msg.engine_id))))
+            return
         server_nonce = auth.new_nonce()
         self._pending.add(identity, msg, server_nonce, peer_ip)
         me = self.me
-        proof = auth.server_proof(
-            self.config.secret, msg.nonce, server_nonce, msg.engine_id, me.engine_id
-        )
+        proof = auth.server_proof(secret, msg.nonce, server_nonce, msg.engine_id, me.engine_id)
         reply = Challenge(engine_id=me.engine_id, role=me.role, nonce=server_nonce, proof=proof)
         self._reply(identity, wire.encode(reply))
 
@@ -259,9 +263,10 @@ class Linker:
         if link.session is not None or link.peer_hello is not None:
             self.metrics.reject("unexpected_handshake")
             return
-        secret, me = self.config.secret, self.me.engine_id
-        expected = auth.server_proof(secret, link.nonce, msg.nonce, me, msg.engine_id)
-        if not auth.verify(expected, msg.proof):
+        me = self.me.engine_id
+        secret = self.secrets.secret_for(link.peer_id or msg.engine_id)
+        expected = auth.server_proof(secret or b"", link.nonce, msg.nonce, me, msg.engine_id)
+        if secret is None or not auth.verify(expected, msg.proof):
             self.metrics.auth_failures_total += 1
             self._fail_link(link, StatusCode.AUTH_FAILED, "peer failed to prove the secret")
             return
@@ -269,7 +274,7 @@ class Linker:
             found = f"expected engine {link.peer_id!r}, found {msg.engine_id!r}"
             self._fail_link(link, StatusCode.LINK_FAILED, found)
             return
-        link.peer_hello = msg
+        link.peer_hello, link.secret = msg, secret
         proof = auth.client_proof(secret, link.nonce, msg.nonce, me, msg.engine_id)
         # the peer proved the secret: only now say who we are and what we hold
         link.socket.send(wire.encode(Auth(proof=proof, about=self._about_me())), zmq.NOBLOCK)
@@ -280,10 +285,11 @@ class Linker:
             self.metrics.reject("unexpected_handshake")
             return
         hello, server_nonce = pending
+        secret = self.secrets.secret_for(hello.engine_id)
         expected = auth.client_proof(
-            self.config.secret, hello.nonce, server_nonce, hello.engine_id, self.me.engine_id
+            secret or b"", hello.nonce, server_nonce, hello.engine_id, self.me.engine_id
         )
-        if not auth.verify(expected, msg.proof):
+        if secret is None or not auth.verify(expected, msg.proof):
             self.metrics.auth_failures_total += 1
             self.metrics.reject("auth_failed")
             self._refuse(identity, StatusCode.AUTH_FAILED, "the link secrets differ")
@@ -300,7 +306,7 @@ class Linker:
             log.error("%s", refused[1])
             self._refuse(identity, StatusCode.PARAM_INVALID, refused[1])
             return
-        keys = handshake.keys(self.config, self.me, msg.about, hello, server_nonce)
+        keys = handshake.keys(self.config, secret, self.me, msg.about, hello, server_nonce)
         token = auth.new_nonce()
         session = handshake.new_session(
             hello, msg.about, token, data_address, keys, identity=identity
@@ -330,7 +336,7 @@ class Linker:
             self.metrics.reject(refused[0])
             self._fail_link(link, StatusCode.PARAM_INVALID, refused[1])
             return
-        keys = handshake.keys(self.config, self.me, msg.about, hello, link.nonce)
+        keys = handshake.keys(self.config, link.secret, self.me, msg.about, hello, link.nonce)
         session = handshake.new_session(hello, msg.about, msg.token, data_address, keys, link=link)
         link.session = session
         old = self._outbound.get(session.peer_id)

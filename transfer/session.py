@@ -51,8 +51,9 @@ class Link:
     nonce: bytes
     waiters: list[concurrent.futures.Future[None]] = field(default_factory=list)
     session: Session | None = None
-    #: The listening side's CHALLENGE, once it proved the secret.
+    #: The listening side's CHALLENGE, once it proved the secret (this link's: ``secret``).
     peer_hello: Challenge | None = None
+    secret: bytes = b""
 
 
 @dataclass(slots=True, eq=False)

@@ -21,11 +21,13 @@ from typing import Any
 
 import msgspec
 import torch
+import zmq
 
-from transfer import layout
+from transfer import auth, layout, wire
 from transfer.config import TransferConfig
 from transfer.engine import TransferEngine
 from transfer.handle import RemoteBlocks, TransferHandle
+from transfer.messages import About, Auth, Challenge, Hello, Message
 from transfer.metrics import TransferMetrics
 from transfer.region import KVRegion, parse_dtype
 
@@ -95,6 +97,31 @@ def make_config(spec: Mapping[str, object]) -> TransferConfig:
     return msgspec.convert(values, TransferConfig, strict=False)
 
 
+def hostile_link(address: str, claimed: str, secret: bytes, timeout_s: float = 5.0) -> Message:
+    """What a hostile process gets for a handshake with the engine at ``address``: a HELLO
+    as engine ``claimed``, then an AUTH proven under ``secret`` (even when the CHALLENGE's
+    own proof showed another secret); the listener's last answer (ERROR, or WELCOME)."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        nonce = auth.new_nonce()
+        sock.send(wire.encode(Hello(engine_id=claimed, role="prefill", nonce=nonce)))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no answer to HELLO from {address}")
+        answer = wire.decode(sock.recv(), 1).msg
+        if not isinstance(answer, Challenge):
+            return answer
+        proof = auth.client_proof(secret, nonce, answer.nonce, claimed, answer.engine_id)
+        about = About(host="127.0.0.1", pid=1, data_address="", regions=[], fingerprint="")
+        sock.send(wire.encode(Auth(proof=proof, about=about)))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no answer to AUTH from {address}")
+        return wire.decode(sock.recv(), 1).msg
+    finally:
+        sock.close()
+
+
 def _outcome(h: TransferHandle) -> Outcome:
     code = h.error.code.name if h.error else None
     return Outcome(h.state.value, code, h.released, h.attempts)
@@ -142,6 +169,11 @@ class _Command(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
 class Link(_Command, tag="link"):
     peer: str
     address: str
+
+
+class Trust(_Command, tag="trust"):
+    peer: str
+    secret: bytes
 
 
 class Reserve(_Command, tag="reserve"):
@@ -192,10 +224,10 @@ class Stop(_Command, tag="stop"):
     pass
 
 
-Command = Link | Reserve | Offer | Release | Wait | Push | Digest | Zero | Counts | Stop
+Command = Link | Trust | Reserve | Offer | Release | Wait | Push | Digest | Zero | Counts | Stop
 _COMMANDS: dict[str, type[_Command]] = {
     c.__struct_config__.tag: c  # type: ignore[misc]
-    for c in (Link, Reserve, Offer, Release, Wait, Push, Digest, Zero, Counts, Stop)
+    for c in (Link, Trust, Reserve, Offer, Release, Wait, Push, Digest, Zero, Counts, Stop)
 }
 
 
@@ -205,6 +237,8 @@ def _command(
     match cmd:
         case Link(peer=peer, address=address):
             engine.link(peer, address)
+        case Trust(peer=peer, secret=secret):
+            engine.trust(peer, secret)
         case Reserve():
             h = engine.reserve(cmd.rid, cmd.ids, timeout_s=cmd.timeout, writer=cmd.writer)
             handles[cmd.rid] = h

@@ -229,8 +229,8 @@ class TransferSpec:
         self, worker_id: str, host: str, port: int, data_port: int = 0
     ) -> TransferConfig:
         """Worker `worker_id`'s transfer engine config, listening on `host`:`port` (its data
-        channel on `data_port`, 0: any); its secret comes from the worker's credential
-        (`hetero_pd.secrets`), never from here."""
+        channel on `data_port`, 0: any); it links only under the pair keys the router sends
+        the worker (`hetero_pd.serving.worker.config.transfer_config`), never a key from here."""
         rules = self.faults.get(worker_id, ())
         return TransferConfig(
             host=host,

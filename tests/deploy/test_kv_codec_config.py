@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from hetero_pd import secrets
 from hetero_pd.deploy.launcher import worker_configs
 from hetero_pd.deploy.schema import parse_text
 from hetero_pd.deploy.source import ConfigError
@@ -18,7 +17,7 @@ def test_kv_codec_reaches_every_workers_transfer_engine() -> None:
     configs = worker_configs(dep)
     assert [c.transfer.kv_codec for c in configs] == ["int8", "int8"]
     again = WorkerConfig.from_json(configs[0].to_json())  # how a worker process receives it
-    deployed = transfer_config(again, secrets.WorkerCredential.of(secrets.generate().encode()))
+    deployed = transfer_config(again)
     assert deployed.kv_codec == "int8"
     assert worker_configs(parse_text(YAML))[0].transfer.kv_codec == "none"  # the default
 

@@ -22,7 +22,19 @@ from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import values as V
 from hetero_pd.serving.control.auth import RouterKeys, WorkerKeys, secure_client
 from hetero_pd.serving.control.server import ControlServer
-from transfer import RemoteBlocks
+from transfer import (
+    KVRegion,
+    RemoteBlocks,
+    StatusCode,
+    TransferConfig,
+    TransferEngine,
+    TransferError,
+    TransferState,
+)
+from transfer.messages import Error as LinkRefused
+from transfer.testing import hostile_link
+
+from .test_transfer_grants import SecondRouter
 
 PARAMS = P.WireParams.of(SamplingParams(max_tokens=4))
 
@@ -151,6 +163,66 @@ def test_a_worker_cannot_act_as_the_router(stack: Stack) -> None:
     after = heartbeat_after(stack, "decode-0", time.monotonic())
     assert after.frames_rejected >= before.frames_rejected + 1
     assert after.free_blocks == before.free_blocks and after.waiting == after.running == 0
+    stack.wait_idle()
+
+
+def test_a_worker_cannot_link_as_another_worker(stack: Stack) -> None:
+    """A compromised worker (prefill-0: the credential in its environment, and the pair key
+    the router gave it for decode-0) poses as prefill-1, a worker decode-0 was told to take
+    KV from: with whatever key it holds, decode-0 refuses its transfer handshake
+    (AUTH_FAILED, counted in decode-0's heartbeat), so it never reaches the blocks reserved
+    for prefill-1. The shared key every worker's material gives links with no one."""
+    assert stack.launcher is not None and stack.router is not None
+    env = _environ(stack.launcher.pids()["prefill-0"])
+    credential = secrets.WorkerCredential.parse(env[secrets.WORKER_ENV])
+    shared = secrets.derive(credential.material, "transfer")  # what every worker held
+    decode = stack.router.workers["decode-0"]
+    address = decode.info.transfer_address
+    before = heartbeat_after(stack, "decode-0", time.monotonic())
+    refused = hostile_link(address, "prefill-1", shared)
+    assert isinstance(refused, LinkRefused) and refused.status is StatusCode.AUTH_FAILED
+    keys = RouterKeys.from_secret(stack.launcher.secret)
+    held = [shared, keys.link_key("prefill-0", "decode-0")]
+    router = SecondRouter(decode.address, stack.launcher.secret)
+    try:  # decode-0 now holds prefill-1's pair key, and blocks only prefill-1 may write
+        prompt = list(range(1, 40))
+        keyed = P.PeerKeys(
+            keys=[P.PeerKey(peer="prefill-1", key=keys.link_key("decode-0", "prefill-1"))]
+        )
+        router.sock.send(P.worker_codec().encode(keyed))
+        reserve = P.Reserve(rid="for-p1", prompt_ids=prompt, params=PARAMS, writer="prefill-1")
+        dest = router.ask(reserve, P.Reserved).blocks
+        for key in held:
+            refused = hostile_link(address, "prefill-1", key)
+            assert isinstance(refused, LinkRefused), refused
+            assert refused.status is StatusCode.AUTH_FAILED, refused
+            insider = TransferEngine(
+                "prefill-1",
+                "prefill",
+                TransferConfig(
+                    per_peer_secrets=True, transports=("tcp",), link_timeout_s=2.0, timeout_s=4.0
+                ),
+            )
+            try:
+                insider.register_region(KVRegion.allocate("kv", 1, decode.info.num_blocks, (4,)))
+                insider.trust("decode-0", key)
+                with pytest.raises(TransferError) as info:
+                    insider.link("decode-0", address)
+                assert info.value.code is StatusCode.AUTH_FAILED
+                push = insider.push_blocks("decode-0", list(dest.block_ids), dest, transport="tcp")
+                assert push.wait(10) is TransferState.FAILED
+            finally:
+                insider.close()
+        router.sock.send(P.worker_codec().encode(P.Abort(rid="for-p1")))
+    finally:
+        router.close()
+    after = heartbeat_after(stack, "decode-0", time.monotonic())
+    assert after.transfer_auth_failures >= before.transfer_auth_failures + 1 + len(held)
+    for name, counters in after.transfer.items():
+        assert (
+            counters.transfers_received_total
+            == before.transfer.get(name, V.TransportCounters()).transfers_received_total
+        ), name
     stack.wait_idle()
 
 

@@ -1,6 +1,6 @@
 """The transfer engine's guarantees, end to end through serving: a decode worker's reserved
-blocks take writes only from the prefill worker the router chose for them (another engine
-holding the deployment's transfer key is refused with NOT_GRANTED), and a decode worker
+blocks take writes only from the prefill worker the router chose for them (another worker
+that links with its own pair key is refused with NOT_GRANTED), and a decode worker
 restarted on new ports by the supervisor gets the next prompt's KV at once, without waiting
 out a transfer timeout."""
 
@@ -15,7 +15,6 @@ import msgspec
 import torch
 import zmq
 
-from hetero_pd import secrets
 from hetero_pd.deploy.testing import Stack, deployment, random_prompts, running_stack, wait_gone
 from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control.auth import RouterKeys, secure_client
@@ -72,9 +71,9 @@ class SecondRouter:
 def test_only_the_chosen_prefill_worker_writes_reserved_blocks(
     tiny_llama_dir: Path, tiny_reference: Any
 ) -> None:
-    """Blocks reserved for prefill-0's push refuse an in-process engine that links to the
-    decode worker with the deployment's transfer key (the key every worker holds), over
-    TCP and shared memory alike; the decode worker commits nothing from it, and the
+    """Blocks reserved for prefill-0's push refuse another worker of the deployment,
+    prefill-1 (an in-process engine the router gave its pair key with decode-0, so it links),
+    over TCP and shared memory alike; the decode worker commits nothing from it, and the
     deployment's own disaggregated requests still land there."""
     dep = deployment(tiny_llama_dir)
     prompt = random_prompts([60], seed=5)[0]
@@ -83,7 +82,11 @@ def test_only_the_chosen_prefill_worker_writes_reserved_blocks(
         decode = stack.router.workers["decode-0"]
         secret = stack.launcher.secret
         router = SecondRouter(decode.address, secret)
+        keys = RouterKeys.from_secret(secret)
         try:
+            pair = keys.link_key("decode-0", "prefill-1")
+            introduce = P.PeerKeys(keys=[P.PeerKey(peer="prefill-1", key=pair)])
+            router.sock.send(P.worker_codec().encode(introduce))
             reserved = router.ask(
                 P.Reserve(
                     rid="granted",
@@ -94,11 +97,13 @@ def test_only_the_chosen_prefill_worker_writes_reserved_blocks(
                 P.Reserved,
             )
             dest = reserved.blocks
-            key = secrets.WorkerCredential.of(secret).key("transfer")
             intruder = TransferEngine(
-                "prefill-1", "prefill", TransferConfig(secret=key, transports=("shm", "tcp"))
+                "prefill-1",
+                "prefill",
+                TransferConfig(per_peer_secrets=True, transports=("shm", "tcp")),
             )
             try:
+                intruder.trust("decode-0", pair)
                 info = decode.info
                 region = KVRegion.allocate(
                     "kv", 3, info.num_blocks, (info.block_size, 2, 16), torch.float32

@@ -120,11 +120,11 @@ def test_no_request_goes_to_a_worker_whose_transfer_engine_is_dead() -> None:
         worker.thread.join(5)
 
 
-def test_a_worker_advertises_its_host_for_transfers_and_derives_their_key() -> None:
+def test_a_worker_advertises_its_host_for_transfers_and_links_only_under_pair_keys() -> None:
     """Bound to 0.0.0.0 (a pod), a worker's transfer engine advertises the worker's
-    reachable name for its link and data channel, and links only with the key derived
-    from the worker's credential, never the deployment secret itself (an empty key never
-    starts)"""
+    reachable name for its link and data channel, and links only under the pair keys the
+    router gives it: nothing from the worker's credential (every worker holds the same)
+    nor the deployment secret, and no secret it shares with every peer"""
     from hetero_pd.config import EngineConfig
     from hetero_pd.serving.worker.config import WorkerConfig, transfer_config
     from transfer import TransferConfig
@@ -138,12 +138,13 @@ def test_a_worker_advertises_its_host_for_transfers_and_derives_their_key() -> N
         host="0.0.0.0",
         advertise_host="decode-0.pd.svc",
     )
-    credential = secrets.WorkerCredential.of(secret)
-    t = transfer_config(cfg, credential)
+    t = transfer_config(cfg)
     assert t.advertise_host == "decode-0.pd.svc" and t.require_secret
-    assert t.secret == credential.key("transfer")
-    assert t.secret not in (secret, secrets.derive(secret, "transfer"))
+    assert t.per_peer_secrets and t.secret == b""
+    credential = secrets.WorkerCredential.of(secret)
+    with pytest.raises(secrets.SecretError, match="transfer"):
+        credential.key("transfer")
     own = replace(cfg, transfer=TransferConfig(host="0.0.0.0", advertise_host="10.0.0.7"))
-    assert transfer_config(own, credential).advertise_host == "10.0.0.7"
+    assert transfer_config(own).advertise_host == "10.0.0.7"
     with pytest.raises(secrets.SecretError):
         secrets.WorkerCredential.of(b"")

@@ -7,14 +7,15 @@ workers'.
                                                              ZAP: client key == the router's?
                                                              else refused
 
-The router's key pair derives from the deployment secret, which only the router holds; the
-workers' from their credential (`hetero_pd.secrets.WorkerCredential`), which cannot give
-the router's. So a process with a worker's key material (a compromised worker) cannot
-complete the router's handshake with another worker, and a peer without keys (a bare
-DEALER, a CURVE client with another key, a replayed capture) never gets a frame to the
-worker's code; each such attempt is counted. CurveZMQ also encrypts and authenticates every
-frame after the handshake, with per-message nonces, so frames can be neither read, altered
-nor replayed on the wire.
+The router's key pair derives from the deployment secret, which only the router holds (as
+does the root of the workers' transfer pair keys: `RouterKeys.link_key`, handed to each
+worker in `PeerKeys`); the workers' from their credential
+(`hetero_pd.secrets.WorkerCredential`), which cannot give the router's. So a process with
+a worker's key material (a compromised worker) cannot complete the router's handshake with
+another worker, and a peer without keys (a bare DEALER, a CURVE client with another key, a
+replayed capture) never gets a frame to the worker's code; each such attempt is counted.
+CurveZMQ also encrypts and authenticates every frame after the handshake, with per-message
+nonces, so frames can be neither read, altered nor replayed on the wire.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from typing import Any
 import zmq
 from zmq.utils import monitor, z85
 
-from hetero_pd.secrets import WorkerCredential, curve_keypair, router_keypair
+from hetero_pd.secrets import (
+    WorkerCredential,
+    curve_keypair,
+    pair_key,
+    pair_root,
+    router_keypair,
+)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DOMAIN = b"hetero-pd"
@@ -60,16 +67,23 @@ class WorkerKeys:
 
 @dataclass(frozen=True, slots=True)
 class RouterKeys:
-    """The router's control keys: its own key pair and the workers' public key."""
+    """The router's control keys (its own key pair and the workers' public key) and the
+    root of the workers' transfer pair keys, which it hands out (`link_key`)."""
 
     server_public: bytes
     client_public: bytes
     client_secret: bytes
+    pair_root: bytes
 
     @classmethod
     def from_secret(cls, secret: bytes) -> RouterKeys:
         public, private = router_keypair(secret)
-        return cls(WorkerKeys.from_secret(secret).server_public, public, private)
+        server = WorkerKeys.from_secret(secret).server_public
+        return cls(server, public, private, pair_root(secret))
+
+    def link_key(self, worker: str, peer: str) -> bytes:
+        """The key `worker`'s transfer engine links with `peer`'s under (and only it)."""
+        return pair_key(self.pair_root, worker, peer)
 
 
 def limit(sock: Any) -> None:

@@ -1,8 +1,8 @@
 """The control protocol between the router and its workers: every message a declared type.
 
-    router --(Hello | Generate | Reserve | Prefill | Hidden | KvReady | KvFailed | Abort
-              | Check | Shutdown | SwitchRole | OfferPrefix | Embed | MigrateIn | MigrateOut
-              | MigrateResume | MigrateCancel)--> worker
+    router --(Hello | PeerKeys | Generate | Reserve | Prefill | Hidden | KvReady | KvFailed
+              | Abort | Check | Shutdown | SwitchRole | OfferPrefix | Embed | MigrateIn
+              | MigrateOut | MigrateResume | MigrateCancel)--> worker
     worker --(Ready | Heartbeat | Output | Reserved | KvFallback | PrefillDone | Error
               | Integrity | Bye | PrefixOffered | Embedded | MigrateReady | MigrateState | Migrated
               | MigrateFailed)--> router
@@ -14,6 +14,10 @@ exactly one of these `msgspec.Struct`s: unknown fields, wrong types, out-of-rang
 over-long strings and lists are refused with a `MessageError` naming the field, before any
 object is built from it, so a frame can never grow the receiver's memory past a bound of
 its own size (no `Any`, no free-form maps). Never pickle.
+
+A message that asks a worker to move KV with other workers (`named_peers`) follows a
+`PeerKeys` naming them, on the same socket: the keys its transfer engine links with each of
+them under, which only the router can make (hetero_pd/secrets.py).
 
 Errors travel as an `ErrorCode` (a wire number; recoverable or not), with the transfer
 engine's `StatusCode` number beside it when a KV transfer failed.
@@ -54,6 +58,7 @@ from hetero_pd.serving.control.values import (
     Rid,
     Text,
     TransferStats,
+    Value,
     WorkerInfo,
     WorkerLoad,
 )
@@ -67,9 +72,27 @@ MAX_EMBED_INPUTS = 2048
 _Msg = Envelope
 
 
+#: Most peers one PeerKeys names (a message names at most two).
+MAX_PEER_KEYS = 64
+
+
 # -- router -> worker ------------------------------------------------------------------------
 class Hello(_Msg, tag="hello", kw_only=True, frozen=True):
     pass
+
+
+class PeerKey(Value, kw_only=True, frozen=True):
+    peer: Annotated[str, Meta(min_length=1, max_length=256)]
+    #: `RouterKeys.link_key(worker, peer)`: HMAC-SHA256 from a root only the router holds.
+    key: Annotated[bytes, Meta(min_length=32, max_length=32)]
+
+
+class PeerKeys(_Msg, tag="peer_keys", kw_only=True, frozen=True):
+    """The keys this worker's transfer engine links with each `peer` under (and with no
+    one else: a peer id it was never given is refused at link time), sent ahead of every
+    message that names those peers (`named_peers`), so a restarted worker has them too."""
+
+    keys: Annotated[list[PeerKey], Meta(min_length=1, max_length=MAX_PEER_KEYS)]
 
 
 class Generate(_Msg, tag="generate", kw_only=True, frozen=True):
@@ -270,6 +293,7 @@ class Bye(_Msg, tag="bye", kw_only=True, frozen=True):
 
 ToWorker = (
     Hello
+    | PeerKeys
     | Generate
     | Reserve
     | Prefill
@@ -306,6 +330,22 @@ ToRouter = (
 )
 #: Messages that start a request on a worker.
 RequestStart = Generate | Reserve | Prefill
+
+
+def named_peers(msg: msgspec.Struct) -> list[str]:
+    """The workers (transfer engine ids) `msg` asks its worker to move KV with, or to let
+    move KV with it: the ones whose keys a PeerKeys ahead of it carries."""
+    peers: list[str] = []
+    match msg:
+        case Reserve() | M.MigrateIn():
+            peers.append(msg.writer)
+        case Prefill() | M.MigrateOut():
+            peers.append(msg.dest_worker)
+        case OfferPrefix():
+            peers.append(msg.reader)
+    if isinstance(msg, Generate | Prefill) and msg.pull is not None:
+        peers.append(msg.pull.peer)
+    return list(dict.fromkeys(peers))
 
 
 class Codec:

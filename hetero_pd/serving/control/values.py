@@ -167,6 +167,8 @@ class WorkerLoad(Value, kw_only=True, frozen=True):
     frames_rejected: Count = 0
     #: The transfer engine's I/O thread is alive.
     transfer_healthy: bool = True
+    #: Transfer links refused so far (failed proofs, peer ids without a pair key).
+    transfer_auth_failures: Count = 0
     #: Faults the transfer engine injected into its frames (tests and drills only).
     transfer_faults_injected: Count = 0
     #: The transfer engine's counters by transport (local, shm, tcp, ...).

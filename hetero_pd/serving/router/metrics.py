@@ -142,6 +142,12 @@ class ServingMetrics:
             "Control frames a worker refused so far: failed authentication or not a message.",
             *labels,
         )
+        self.transfer_refused = gauge(
+            PREFIX + "worker_transfer_auth_failures",
+            "Transfer links a worker refused so far: a failed proof, or a peer id it holds "
+            "no pair key for.",
+            *labels,
+        )
         self._workers: dict[str, _WorkerLoad] = {}
 
         self.transfer_bytes = counter("kv_transfer_bytes", "KV bytes moved.", "transport")
@@ -244,6 +250,7 @@ class ServingMetrics:
         kv_usage: float,
         up: bool,
         rejected: int = 0,
+        transfer_refused: int = 0,
     ) -> None:
         """Publish a worker's latest load report (replaces its series if its role changed)."""
         old = self._workers.get(worker)
@@ -257,6 +264,7 @@ class ServingMetrics:
         self.kv_usage.labels(*key).set(kv_usage)
         self.up.labels(*key).set(1 if up else 0)
         self.rejected.labels(*key).set(rejected)
+        self.transfer_refused.labels(*key).set(transfer_refused)
         self._publish_totals()
 
     def remove_worker(self, worker: str) -> None:
@@ -265,7 +273,8 @@ class ServingMetrics:
         old = self._workers.pop(worker, None)
         if old is None:
             return
-        for g in (self.queue_depth, self.running, self.kv_usage, self.up, self.rejected):
+        gauges = (self.queue_depth, self.running, self.kv_usage, self.up, self.rejected)
+        for g in (*gauges, self.transfer_refused):
             g.remove(self.model_name, worker, old.role)
         self._publish_totals()
 

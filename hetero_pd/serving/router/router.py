@@ -236,7 +236,14 @@ class Router:
             load = w.load
             queued = load.waiting + load.remote
             self.metrics.set_worker(
-                w.id, w.role, queued, load.running, load.kv_usage, w.alive, load.frames_rejected
+                w.id,
+                w.role,
+                queued,
+                load.running,
+                load.kv_usage,
+                w.alive,
+                load.frames_rejected,
+                load.transfer_auth_failures,
             )
             self.metrics.spec_decode.set(w.id, load.spec_decode)
 

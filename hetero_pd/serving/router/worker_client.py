@@ -56,6 +56,7 @@ class WorkerClient:
         self.on_message = on_message
         self.on_dead = on_dead
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.keys = keys
         self.sock: Any = ctx.socket(zmq.DEALER)
         secure_client(self.sock, keys)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -116,8 +117,14 @@ class WorkerClient:
             raise RuntimeError(f"worker {self.id} answered as {self.role}, not {role}")
 
     def send(self, msg: msgspec.Struct) -> None:
-        """Raises WorkerUnreachable when the worker's pipe is full (it is not reading)."""
+        """Sends `msg`, after the keys the worker's transfer engine needs for the peers it
+        names (PeerKeys; see `P.named_peers`). Raises WorkerUnreachable when the worker's
+        pipe is full (it is not reading)."""
+        peers = [p for p in P.named_peers(msg) if p != self.id]
         try:
+            if peers:
+                keys = [P.PeerKey(peer=p, key=self.keys.link_key(self.id, p)) for p in peers]
+                self.sock.send(self.encoder.encode(P.PeerKeys(keys=keys)), zmq.NOBLOCK)
             self.sock.send(self.encoder.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             raise WorkerUnreachable(f"worker {self.id} is not reading its control socket") from None

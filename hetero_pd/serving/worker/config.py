@@ -6,7 +6,6 @@ from dataclasses import dataclass, field, replace
 
 import msgspec
 
-from hetero_pd import secrets
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.scheduler import Role
 from transfer import TransferConfig
@@ -15,7 +14,8 @@ from transfer import TransferConfig
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """One worker: its engine's and its transfer engine's configs as they are, plus where
-    it listens. Serialised without the transfer secret (that comes from the environment)."""
+    it listens. Serialised without a transfer secret (a worker's transfer engine links only
+    under the pair keys the router sends it: `transfer_config`)."""
 
     worker_id: str
     role: Role
@@ -43,17 +43,18 @@ class WorkerConfig:
         return msgspec.json.decode(data, type=cls)
 
 
-def transfer_config(
-    cfg: WorkerConfig, credential: secrets.WorkerCredential, fingerprint: str = ""
-) -> TransferConfig:
-    """The transfer engine's config as deployed, with the transfer key derived from the
-    worker's credential (so an empty key never starts), the worker's advertised host for
-    its link and data channel unless the transfer section names its own, and the model's
-    fingerprint (weights + tokenizer: a worker of another model is refused at link time)."""
+def transfer_config(cfg: WorkerConfig, fingerprint: str = "") -> TransferConfig:
+    """The transfer engine's config as deployed: it links only with the peers whose pair
+    key the router gave it (`per_peer_secrets`; PeerKeys), never under anything the
+    worker's credential derives (every worker holds the same), the worker's advertised host
+    for its link and data channel unless the transfer section names its own, and the
+    model's fingerprint (weights + tokenizer: a worker of another model is refused at link
+    time)."""
     t = cfg.transfer
     return replace(
         t,
-        secret=credential.key("transfer"),
+        secret=b"",
+        per_peer_secrets=True,
         require_secret=True,
         advertise_host=t.advertise_host or cfg.advertise_host,
         fingerprint=fingerprint or t.fingerprint,

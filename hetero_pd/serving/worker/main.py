@@ -1,8 +1,8 @@
 """A worker process: one engine on one device, its control endpoint, the transfer engine
 wired to its KV cache.
 
-    router --(Hello | Generate | Reserve | Prefill | Hidden | KvReady | KvFailed | Abort
-              | Check | Shutdown | SwitchRole | OfferPrefix | Migrate*)--> worker
+    router --(Hello | PeerKeys | Generate | Reserve | Prefill | Hidden | KvReady | KvFailed
+              | Abort | Check | Shutdown | SwitchRole | OfferPrefix | Migrate*)--> worker
     worker --(Ready | Heartbeat | Output | Reserved | KvFallback | PrefillDone | Error
               | Integrity | Bye | PrefixOffered | Migrate*)--> router
 
@@ -64,7 +64,7 @@ class Worker:
         #: Weights + tokenizer: prefill and decode compare it when they link.
         self.model_fingerprint: str = model_fingerprint(resolve_model(cfg.engine.model))
         self.transfer: TransferEngine = TransferEngine(
-            cfg.worker_id, cfg.role, transfer_config(cfg, credential, self.model_fingerprint)
+            cfg.worker_id, cfg.role, transfer_config(cfg, self.model_fingerprint)
         )
         self.region: KVRegion | None = None
         self.engine: LLMEngine = LLMEngine(
@@ -199,6 +199,9 @@ class Worker:
                 self.control.send(ident, P.Ready(worker=self.id, role=self.role, info=self.info()))
             case P.Check():
                 self.control.send(ident, self._integrity())
+            case P.PeerKeys(keys=keys):
+                for key in keys:  # ahead of the message that names these peers
+                    self.transfer.trust(key.peer, key.key)
             case P.Generate() | P.Reserve() | P.Prefill():
                 if self.draining or self.switch_to is not None:
                     message = f"worker {self.id} is draining"
@@ -284,6 +287,7 @@ class Worker:
             kv_fallbacks=self.book.kv_fallbacks,
             frames_rejected=self.control.rejected,
             transfer_healthy=self.transfer.healthy(),
+            transfer_auth_failures=transfer.auth_failures_total,
             transfer_faults_injected=transfer.faults_injected_total,
             transfer={
                 name: V.TransportCounters.of(counters)
