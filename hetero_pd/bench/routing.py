@@ -113,9 +113,9 @@ async def run_turns(url: str, model: str, args: Any) -> tuple[list[RequestResult
 async def fresh_heartbeats(router: Router, timeout_s: float = 10.0) -> None:
     """Until every worker's heartbeat has arrived since the call: sent after the worker's
     last output (one socket keeps their order), its load counts every request."""
-    before = {w.id: w.load for w in router.workers.values()}
+    before = {w.worker_id: w.load for w in router.workers.values()}
     deadline = time.monotonic() + timeout_s
-    while any(w.load is before[w.id] for w in router.workers.values()):
+    while any(w.load is before[w.worker_id] for w in router.workers.values()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"no heartbeat from every worker within {timeout_s} s")
         await asyncio.sleep(0.02)
@@ -139,7 +139,7 @@ def run_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
             out["wall_s"] = time.perf_counter() - start
             await fresh_heartbeats(router)
             out["results"], out["metrics"] = results, metrics
-            out["loads"] = {w.id: w.load for w in router.workers.values()}
+            out["loads"] = {w.worker_id: w.load for w in router.workers.values()}
         finally:
             stop.set()
 

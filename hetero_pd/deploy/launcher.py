@@ -247,7 +247,7 @@ class Launcher:
     async def remove(self, worker_id: str, timeout_s: float = 300.0) -> dict[str, Any]:
         """Scale-down: `worker_id` leaves for good once its requests moved (as `restart`,
         without the fresh process). Raises ValueError for the last decode-capable worker."""
-        others = [w for w in self.router.live("decode", "both") if w.id != worker_id]
+        others = [w for w in self.router.live("decode", "both") if w.worker_id != worker_id]
         client = self.router.workers.get(worker_id)
         if client is not None and client.role in ("decode", "both") and not others:
             raise ValueError(f"{worker_id} is the last decode-capable worker")

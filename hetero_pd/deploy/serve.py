@@ -211,7 +211,9 @@ def deployment_secret(dep: Deployment, generate: bool) -> bytes:
 
 def _controller(dep: Deployment, router: Router, launcher: Launcher | None) -> RoleController:
     def loads() -> list[WorkerLoad]:
-        return [WorkerLoad.of(w.id, w.role, w.load) for w in router.live("prefill", "decode")]
+        return [
+            WorkerLoad.of(w.worker_id, w.role, w.load) for w in router.live("prefill", "decode")
+        ]
 
     switch = router.switch_role if launcher is None else launcher.switch_role
     return RoleController(loads, switch, dep.supervisor, dep.engine.max_num_batched_tokens)
@@ -230,7 +232,8 @@ def _banner(name: str) -> Callable[[str, Launcher, Router], None]:
     def show(url: str, launcher: Launcher, router: Router) -> None:
         pids = launcher.pids()
         roles = ", ".join(
-            f"{w.id} on {w.info.device} (pid {pids[w.id]})" for w in router.workers.values()
+            f"{w.worker_id} on {w.info.device} (pid {pids[w.worker_id]})"
+            for w in router.workers.values()
         )
         auth = " -H 'Authorization: Bearer $KEY'" if launcher.dep.router.api_keys else ""
         print(

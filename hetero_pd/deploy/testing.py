@@ -189,7 +189,9 @@ class Stack:
         """`check_integrity()` of every worker still in the deployment."""
         assert self.router is not None
         workers = [w for w in self.router.workers.values() if not w.gone]
-        return {w.id: msgspec.structs.asdict(self.call(w.check_integrity())) for w in workers}
+        return {
+            w.worker_id: msgspec.structs.asdict(self.call(w.check_integrity())) for w in workers
+        }
 
     def wait_idle(self, timeout_s: float = 20.0) -> dict[str, dict[str, Any]]:
         """Polls every live worker until its block pool is consistent, idle and empty."""

@@ -59,7 +59,7 @@ def test_a_worker_switches_between_prefill_and_decode(
         assert router is not None
         stack.call(router.switch_role("prefill-1", "decode"), 60)
         assert router.workers["prefill-1"].role == "decode"
-        assert {w.id for w in router.live("decode")} == {"decode-0", "prefill-1"}
+        assert {w.worker_id for w in router.live("decode")} == {"decode-0", "prefill-1"}
         assert [_generate(stack, p) for p in prompts] == before  # same greedy answers
         with pytest.raises(ValueError, match="last prefill worker"):
             stack.call(router.switch_role("prefill-0", "decode"))

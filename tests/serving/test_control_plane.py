@@ -56,7 +56,7 @@ def intruder_frames() -> list[bytes]:
                 rid="p",
                 prompt_ids=[1, 2, 3],
                 params=PARAMS,
-                dest_worker="decode-0",
+                dest_worker_id="decode-0",
                 dest_address="tcp://127.0.0.1:1",
                 dest_blocks=blocks,
             )
@@ -82,7 +82,7 @@ def heartbeat_after(stack: Stack, worker: str, since: float) -> V.WorkerLoad:
 
 def test_an_outsider_is_neither_answered_nor_obeyed(stack: Stack) -> None:
     assert stack.router is not None
-    workers = {w.id: w.address for w in stack.router.workers.values()}
+    workers = {w.worker_id: w.address for w in stack.router.workers.values()}
     start = time.monotonic()
     before = {worker_id: heartbeat_after(stack, worker_id, start) for worker_id in workers}
     wrong = RouterKeys.from_secret(secrets.generate().encode())

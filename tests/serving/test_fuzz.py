@@ -86,7 +86,7 @@ def control_seeds(rng: random.Random) -> list[bytes]:
             rid=rid,
             prompt_ids=[1, 2],
             params=params,
-            dest_worker="decode-0",
+            dest_worker_id="decode-0",
             dest_address="tcp://127.0.0.1:9",
             dest_blocks=blocks,
         ),

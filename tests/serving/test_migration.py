@@ -176,12 +176,12 @@ def test_destination_killed_mid_copy_leaves_request_on_source(default_model_dir:
                 assert time.monotonic() < deadline, "the copy never started"
                 time.sleep(0.005)
             assert stream.dest is not None
-            victim = stack.pids[stream.dest.id]
+            victim = stack.pids[stream.dest.worker_id]
             os.kill(victim, signal.SIGKILL)
             assert not wait_gone([victim], 10)
             result = migration.result(60)
             got = run.result(120)
-        assert not result.ok and result.source == stream.decode.id
+        assert not result.ok and result.source == stream.decode.worker_id
         assert got == reference
         assert stack.metric(MIGRATIONS, stage="aborted") == 1
         assert stack.integrity()[result.source]["ok"]
@@ -189,7 +189,7 @@ def test_destination_killed_mid_copy_leaves_request_on_source(default_model_dir:
 
 def streams_on(stack: Stack, worker: str) -> int:
     assert stack.router is not None
-    return sum(s.decoding and s.decode.id == worker for s in stack.router.streams.values())
+    return sum(s.decoding and s.decode.worker_id == worker for s in stack.router.streams.values())
 
 
 def wait_decoding(stack: Stack, worker: str, runs: list[Future[Any]]) -> None:

@@ -31,7 +31,7 @@ def test_the_source_says_a_request_it_no_longer_decodes_is_not_here() -> None:
     )
     blocks = RemoteBlocks("gone", 1, (0, 1), "kv")
     msg = M.MigrateOut(
-        rid="gone", dest_worker="decode-1", dest_address="127.0.0.1:1", dest_blocks=blocks
+        rid="gone", dest_worker_id="decode-1", dest_address="127.0.0.1:1", dest_blocks=blocks
     )
     book.start_out(b"router", msg)
     [(owner, failed)] = sent
@@ -43,7 +43,7 @@ def test_the_source_says_a_request_it_no_longer_decodes_is_not_here() -> None:
 def test_a_drain_does_not_count_a_request_that_ended_as_a_failed_move() -> None:
     """evacuate moves what decodes on the worker; a move refused as not_here is looked at
     again (here: the request is gone by then) and is in neither the moved nor the failed."""
-    streams = {"r1": SimpleNamespace(decode=SimpleNamespace(id="d0"), decoding=True,
+    streams = {"r1": SimpleNamespace(decode=SimpleNamespace(worker_id="d0"), decoding=True,
                                      migratable=True, dest=None)}  # fmt: skip
     source = SimpleNamespace(gone=False, inflight=set())
     calls: list[str] = []
@@ -71,7 +71,7 @@ def test_a_source_that_always_says_not_here_holds_a_drain_no_longer_than_its_tim
     """A worker answering every MigrateOut with not_here (a hostile or broken one) keeps its
     requests, as a refusal would: the drain looks again each turn and ends at its timeout,
     with nothing recorded as moved or failed."""
-    streams = {"r1": SimpleNamespace(decode=SimpleNamespace(id="d0"), decoding=True,
+    streams = {"r1": SimpleNamespace(decode=SimpleNamespace(worker_id="d0"), decoding=True,
                                      migratable=True, dest=None)}  # fmt: skip
     asked: list[str] = []
 

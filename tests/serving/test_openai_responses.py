@@ -175,8 +175,8 @@ async def _with_client(
     runner: web.AppRunner | None = None
     client: openai.AsyncOpenAI | None = None
     try:
-        await router.add_worker(w.id, w.address, 30)
-        info = router.workers[w.id].info
+        await router.add_worker(w.worker_id, w.address, 30)
+        info = router.workers[w.worker_id].info
         state = ApiState(
             router,
             load_tokenizer(model_dir),

@@ -24,7 +24,7 @@ PARAMS = P.WireParams.of(SamplingParams(max_tokens=4))
 BLOCKS = RemoteBlocks("r", 1, (0, 1), "kv")
 PULL = V.PrefixSource(peer="holder", address="tcp://127.0.0.1:1", blocks=BLOCKS, tokens=32)
 #: Fields of a router -> worker message that name another worker.
-PEER_FIELDS = {"writer", "reader", "dest_worker", "pull"}
+PEER_FIELDS = {"writer", "reader", "dest_worker_id", "pull"}
 
 
 def _messages() -> dict[type[Any], tuple[Any, list[str]]]:
@@ -34,10 +34,10 @@ def _messages() -> dict[type[Any], tuple[Any, list[str]]]:
     return {
         P.Generate: (P.Generate(**fields, pull=PULL), ["holder"]),
         P.Reserve: (P.Reserve(**fields, writer="p"), ["p"]),
-        P.Prefill: (P.Prefill(**fields, **prefill, dest_worker="d", pull=PULL), ["d", "holder"]),
+        P.Prefill: (P.Prefill(**fields, **prefill, dest_worker_id="d", pull=PULL), ["d", "holder"]),
         P.OfferPrefix: (P.OfferPrefix(rid="r", prompt_ids=[1], reader="d", lease_s=1.0), ["d"]),
         M.MigrateIn: (M.MigrateIn(**fields, writer="a", num_tokens=2), ["a"]),
-        M.MigrateOut: (M.MigrateOut(rid="r", dest_worker="b", **prefill), ["b"]),
+        M.MigrateOut: (M.MigrateOut(rid="r", dest_worker_id="b", **prefill), ["b"]),
     }
 
 

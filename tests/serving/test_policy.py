@@ -29,7 +29,7 @@ def worker(
     held = HeldBlocks()
     held.report(V.CachedBlocks.of(1, prompt_block_hashes(list(holds), 4)))
     return SimpleNamespace(
-        id=worker_id,
+        worker_id=worker_id,
         load=load,
         info=V.WorkerInfo(block_size=4, num_blocks=100),
         held=held,
@@ -50,14 +50,14 @@ def test_round_robin_takes_turns_per_candidate_set() -> None:
     d = [worker("d0")]
     picks = []
     for _ in range(4):
-        picks.append(chooser.pick(d)[0].id)  # the decode pick must not advance prefill's turn
-        picks.append(chooser.pick(p)[0].id)
+        picks.append(chooser.pick(d)[0].worker_id)  # the decode pick must not advance prefill's turn
+        picks.append(chooser.pick(p)[0].worker_id)
     assert picks == ["d0", "p0", "d0", "p1", "d0", "p0", "d0", "p1"]
 
 
 def test_least_loaded_takes_the_smallest_backlog() -> None:
     chooser = Chooser(RoutingConfig(policy="least_loaded"))
-    assert chooser.pick([worker("a", 500), worker("b", 20), worker("c", 90)])[0].id == "b"
+    assert chooser.pick([worker("a", 500), worker("b", 20), worker("c", 90)])[0].worker_id == "b"
 
 
 def test_prefix_aware_prefers_the_worker_holding_the_prefix_unless_much_busier() -> None:

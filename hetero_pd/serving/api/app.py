@@ -98,7 +98,7 @@ async def _health(request: web.Request) -> web.Response:
     body: dict[str, Any] = {"status": "ok" if ok else "unavailable"}
     if _authorized(request, state):
         body["workers"] = {
-            w.id: {
+            w.worker_id: {
                 "role": w.role,
                 "device": w.info.device,
                 "dtype": {"name": w.info.dtype, "reason": w.info.dtype_reason},
@@ -107,7 +107,7 @@ async def _health(request: web.Request) -> web.Response:
                 "load": {
                     k: v for k, v in msgspec.structs.asdict(w.load).items() if k != "transfer"
                 },
-                **router.supervision_of(w.id),
+                **router.supervision_of(w.worker_id),
             }
             for w in router.workers.values()
         }

@@ -83,7 +83,7 @@ class MigrateOut(Envelope, tag="migrate_out", kw_only=True, frozen=True):
     `choices[c]` into block i of its c-th equal share), then pause it and send its state."""
 
     rid: Rid
-    dest_worker: Name
+    dest_worker_id: Name
     dest_address: Name
     dest_blocks: RemoteBlocks
     #: False: no pre-copy, every block moves while the request is paused (stop-and-copy,

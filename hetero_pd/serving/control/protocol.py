@@ -125,7 +125,7 @@ class Prefill(_Msg, tag="prefill", kw_only=True, frozen=True):
     params: WireParams
     priority: Annotated[int, Meta(ge=-(2**31), lt=2**31)] = 0
     edge: EdgePrompt | None = None
-    dest_worker: Name
+    dest_worker_id: Name
     dest_address: Name
     dest_blocks: RemoteBlocks
     #: The first prompt tokens whose KV the decode worker already holds (Reserved's
@@ -340,7 +340,7 @@ def named_peers(msg: msgspec.Struct) -> list[str]:
         case Reserve() | M.MigrateIn():
             peers.append(msg.writer)
         case Prefill() | M.MigrateOut():
-            peers.append(msg.dest_worker)
+            peers.append(msg.dest_worker_id)
         case OfferPrefix():
             peers.append(msg.reader)
     if isinstance(msg, Generate | Prefill) and msg.pull is not None:

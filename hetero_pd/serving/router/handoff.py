@@ -162,13 +162,13 @@ class Handoff:
             live = self.live("prefill", split_layer=self.layer)
             # Another prefill worker if there is one, else the same one again; never a dead
             # one (nothing would ever answer for it).
-            candidates = [w for w in live if w.id not in tried] or live
+            candidates = [w for w in live if w.worker_id not in tried] or live
             if not candidates:
                 break
             # The prefill worker is chosen first: the reservation names it as the one
             # writer of its blocks.
             worker, worker_cached = chooser.pick(candidates, self.prompt_ids)
-            tried.add(worker.id)
+            tried.add(worker.worker_id)
             # Charged before the first await: requests arriving together must see each
             # other's prompts in the backlog, or each would find the prefill worker idle.
             self._charge(worker, self.prompt_len)
@@ -183,7 +183,7 @@ class Handoff:
                 worker,
                 P.Prefill(
                     **{**self._fields(), "params": self.prefill_params},
-                    dest_worker=decode.id,
+                    dest_worker_id=decode.worker_id,
                     dest_address=decode.info.transfer_address,
                     dest_blocks=blocks,
                     skip_tokens=cached_tokens,
@@ -207,10 +207,12 @@ class Handoff:
                 return decode, None
             worker.try_send(P.Abort(rid=rid))  # e.g. after a timeout: stop computing
             if isinstance(outcome, DecodeAnswered):
-                log.warning("request %s: %s gave up waiting for the KV", rid, decode.id)
+                log.warning("request %s: %s gave up waiting for the KV", rid, decode.worker_id)
                 self.metrics.decision("recompute")
                 return decode, outcome.output
-            log.warning("request %s: prefill on %s failed: %s", rid, worker.id, outcome.message)
+            log.warning(
+                "request %s: prefill on %s failed: %s", rid, worker.worker_id, outcome.message
+            )
             self.metrics.transfer_failure(outcome.reason)
             policy = self.cfg.failure_policy
             if policy == "fail":
@@ -235,10 +237,10 @@ class Handoff:
     def _charge(self, worker: WorkerClient, tokens: int) -> None:
         self._settle(worker)
         worker.pending_tokens += tokens
-        self._charged[worker.id] = (worker, tokens)
+        self._charged[worker.worker_id] = (worker, tokens)
 
     def _settle(self, worker: WorkerClient) -> None:
-        charged = self._charged.pop(worker.id, None)
+        charged = self._charged.pop(worker.worker_id, None)
         if charged is not None:
             worker.pending_tokens -= charged[1]
 
@@ -277,13 +279,13 @@ class Handoff:
             and block_size > 0
             and block_size == writer.info.block_size
         )
-        reserve = P.Reserve(**self._fields(), writer=writer.id, reuse_prefix=reuse)
+        reserve = P.Reserve(**self._fields(), writer=writer.worker_id, reuse_prefix=reuse)
         while True:
             self._send(decode, reserve)
             while True:
                 left = max(deadline - time.monotonic(), 0.01)
                 worker_id, msg = await next_message(self.queue, left, self.rid)
-                if worker_id != decode.id:
+                if worker_id != decode.worker_id:
                     continue
                 if isinstance(msg, WorkerGone):
                     raise RouterError(503, f"decode worker {worker_id} died", "worker_died")
@@ -317,21 +319,24 @@ class Handoff:
             return None
         lease_s = cfg.prefix_pull_timeout_s + OFFER_TIMEOUT_S
         offer = P.OfferPrefix(
-            rid=self.rid, prompt_ids=self.prompt_ids[:tokens], reader=reader.id, lease_s=lease_s
+            rid=self.rid,
+            prompt_ids=self.prompt_ids[:tokens],
+            reader=reader.worker_id,
+            lease_s=lease_s,
         )
         try:
             holder.send(offer)
         except WorkerUnreachable:
             return None
-        reply = await answer_from(self.queue, holder.id, P.PrefixOffered, OFFER_TIMEOUT_S)
+        reply = await answer_from(self.queue, holder.worker_id, P.PrefixOffered, OFFER_TIMEOUT_S)
         if reply is None or reply.blocks is None or reply.tokens <= cached:
             return None
         if reply.tokens > tokens or reply.tokens != len(reply.blocks.block_ids) * bs:
-            log.warning("request %s: %s offered %s", self.rid, holder.id, reply)
+            log.warning("request %s: %s offered %s", self.rid, holder.worker_id, reply)
             return None
         self.metrics.decision("prefix_pull")
         return V.PrefixSource(
-            peer=holder.id,
+            peer=holder.worker_id,
             address=holder.info.transfer_address,
             blocks=reply.blocks,
             tokens=reply.tokens,
@@ -359,7 +364,7 @@ class Handoff:
                 worker_id, msg = await get_within(self.queue, left)
             except TimeoutError:
                 return PrefillFailed("TIMEOUT", "no prefill result")
-            if worker_id == decode.id:
+            if worker_id == decode.worker_id:
                 match msg:
                     case WorkerGone():
                         raise RouterError(503, f"decode worker {worker_id} died", "worker_died")
@@ -368,7 +373,7 @@ class Handoff:
                     case P.Output():
                         return DecodeAnswered(msg)
                 continue
-            if worker_id != prefill.id:
+            if worker_id != prefill.worker_id:
                 continue
             match msg:
                 case WorkerGone():

@@ -55,7 +55,7 @@ class Stream:
 
     def switch(self, worker_id: str) -> bool:
         """The destination says it decodes the request now: its outputs are the stream."""
-        if self.dest is None or self.dest.id != worker_id:
+        if self.dest is None or self.dest.worker_id != worker_id:
             return False
         self.decode, self.dest, self.handing_over, self.stage = self.dest, None, False, ""
         return True
@@ -118,13 +118,13 @@ class Migrator:
             w
             for w in self.live()
             if w is not source
-            and w.id not in self.draining
+            and w.worker_id not in self.draining
             and w.info.block_size == source.info.block_size
             and w.info.model == source.info.model
             and not w.start_layer
         ]
         if dest_id is not None:
-            ok = [w for w in ok if w.id == dest_id]
+            ok = [w for w in ok if w.worker_id == dest_id]
         if not ok:
             where = dest_id or "any other decode worker"
             raise ValueError(f"no live decode worker to move to ({where} is not one)")
@@ -158,7 +158,7 @@ class Migrator:
         try:
             result = await self._run(stream, source, dest, inbox, started, precopy)
         except WorkerUnreachable as e:
-            result = Migration(rid, source.id, dest.id, False, str(e))
+            result = Migration(rid, source.worker_id, dest.worker_id, False, str(e))
         finally:
             self.inboxes.pop(rid, None)
         if result.ok:
@@ -172,7 +172,7 @@ class Migrator:
             source.try_send(M.MigrateCancel(rid=rid))
             self.metrics.migration("aborted")
             if not result.not_here:
-                log.warning("request %s stays on %s: %s", rid, source.id, result.reason)
+                log.warning("request %s stays on %s: %s", rid, source.worker_id, result.reason)
         return result
 
     async def _run(
@@ -191,7 +191,13 @@ class Migrator:
 
         def failed(reason: str, not_here: bool = False) -> Migration:
             return Migration(
-                rid, source.id, dest.id, False, reason, total_s=elapsed(), not_here=not_here
+                rid,
+                source.worker_id,
+                dest.worker_id,
+                False,
+                reason,
+                total_s=elapsed(),
+                not_here=not_here,
             )
 
         def elapsed() -> float:
@@ -204,39 +210,48 @@ class Migrator:
                 prompt_ids=stream.prompt_ids,
                 params=stream.params,
                 priority=stream.priority,
-                writer=source.id,
+                writer=source.worker_id,
                 num_tokens=room,
                 choices=choices,
             )
         )
-        reply = await self._answer(inbox, {dest.id}, (M.MigrateReady,))
+        reply = await self._answer(inbox, {dest.worker_id}, (M.MigrateReady,))
         if not isinstance(reply, M.MigrateReady):
-            return failed(f"{dest.id}: {reply}")
+            return failed(f"{dest.worker_id}: {reply}")
         stream.stage = "copying"
         source.send(
             M.MigrateOut(
                 rid=rid,
-                dest_worker=dest.id,
+                dest_worker_id=dest.worker_id,
                 dest_address=dest.info.transfer_address,
                 dest_blocks=reply.blocks,
                 precopy=precopy,
                 choices=choices,
             )
         )
-        state = await self._answer(inbox, {source.id, dest.id}, (M.MigrateState,))
+        state = await self._answer(inbox, {source.worker_id, dest.worker_id}, (M.MigrateState,))
         if not isinstance(state, M.MigrateState):
             return failed(f"copy: {state}", isinstance(state, Refusal) and state.not_here)
         handed = time.monotonic()
         stream.handing_over, stream.stage = True, "handing over"
         dest.send(M.MigrateResume(rid=rid, states=state.states))
-        done = await self._answer(inbox, {dest.id}, (M.Migrated,))
+        done = await self._answer(inbox, {dest.worker_id}, (M.Migrated,))
         if not isinstance(done, M.Migrated):
             return failed(f"hand-over: {done}")
         pause = state.paused_s + (time.monotonic() - handed)
         source.try_send(P.Abort(rid=rid))  # frees the paused request there
         moved = len(stream.prompt_ids) + max(len(s.output_ids) for s in state.states)
         return Migration(
-            rid, source.id, dest.id, True, "", pause, elapsed(), state.bytes, state.rounds, moved
+            rid,
+            source.worker_id,
+            dest.worker_id,
+            True,
+            "",
+            pause,
+            elapsed(),
+            state.bytes,
+            state.rounds,
+            moved,
         )
 
     async def _answer(self, inbox: Inbox, workers: set[str], wanted: tuple[type, ...]) -> Any:
@@ -281,7 +296,7 @@ class Migrator:
                     # finished there meanwhile, or not decoding yet: looked at again next turn
                     return None if result.not_here else result
                 except ValueError as e:
-                    if rid in self.streams and self.streams[rid].decode.id == worker_id:
+                    if rid in self.streams and self.streams[rid].decode.worker_id == worker_id:
                         log.warning("drain %s: %s", worker_id, e)
                     return None
 
@@ -316,7 +331,7 @@ class Migrator:
     def on_worker(self, worker_id: str) -> list[str]:
         """Requests on `worker_id`: streaming from it, or on their way to it."""
         worker = self.workers.get(worker_id)
-        streaming = [rid for rid, s in self.streams.items() if s.decode.id == worker_id]
+        streaming = [rid for rid, s in self.streams.items() if s.decode.worker_id == worker_id]
         arriving = [r for r in worker.inflight if r not in self.streams] if worker else []
         return streaming + arriving
 

@@ -79,7 +79,7 @@ class Chooser:
             raise LookupError("no live worker")
         policy = self.cfg.policy
         if policy == "round_robin":
-            counter = self._rr.setdefault(tuple(w.id for w in candidates), itertools.count())
+            counter = self._rr.setdefault(tuple(w.worker_id for w in candidates), itertools.count())
             return candidates[next(counter) % len(candidates)], 0
         least = min(candidates, key=lambda w: w.load_score)
         if policy == "least_loaded" or not prompt_ids:

@@ -66,9 +66,9 @@ class Rebalancer:
         ready = [
             w
             for w in self.live()
-            if w.id not in self.migrator.draining
+            if w.worker_id not in self.migrator.draining
             and not w.start_layer
-            and self._cooling.get(w.id, 0.0) <= now
+            and self._cooling.get(w.worker_id, 0.0) <= now
         ]
         loaded = [w for w in ready if w.load.kv_usage > self.cfg.high]
         for source in sorted(loaded, key=lambda w: -w.load.kv_usage):
@@ -113,12 +113,12 @@ class Rebalancer:
             return []
         log.info(
             "rebalancing: %s (KV %.0f%%) -> %s (KV %.0f%%), %d request(s)",
-            source.id, 100 * source.load.kv_usage, dest.id, 100 * dest.load.kv_usage,
+            source.worker_id, 100 * source.load.kv_usage, dest.worker_id, 100 * dest.load.kv_usage,
             len(streams),
         )  # fmt: skip
         until = time.monotonic() + self.cfg.cooldown_s
-        self._cooling[source.id] = self._cooling[dest.id] = until
-        results = await asyncio.gather(*(self._move(s.rid, dest.id) for s in streams))
+        self._cooling[source.worker_id] = self._cooling[dest.worker_id] = until
+        results = await asyncio.gather(*(self._move(s.rid, dest.worker_id) for s in streams))
         done = [r for r in results if r is not None]
         self.moved += sum(r.ok for r in done)
         return done

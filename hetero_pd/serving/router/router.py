@@ -149,8 +149,8 @@ class Router:
             for w in self.workers.values()
             if w.alive
             and w.role in roles
-            and w.id not in self._switching
-            and w.id not in self.migrator.draining
+            and w.worker_id not in self._switching
+            and w.worker_id not in self.migrator.draining
             and (split_layer is None or w.start_layer == split_layer)
         ]
 
@@ -173,7 +173,7 @@ class Router:
             raise ValueError(f"{worker_id} ({client.role}) cannot switch to {role!r}")
         if client.role == role:
             return
-        remaining = [w for w in self.live(client.role) if w.id != worker_id]
+        remaining = [w for w in self.live(client.role) if w.worker_id != worker_id]
         if not remaining:
             raise ValueError(f"{worker_id} is the last {client.role} worker")
         self._switching.add(worker_id)
@@ -204,39 +204,39 @@ class Router:
             self._evacuate(client)
             return
         if isinstance(msg, M.MigrateReady | M.MigrateState | M.MigrateFailed | M.Migrated):
-            self.migrator.deliver(client.id, msg)
+            self.migrator.deliver(client.worker_id, msg)
             if not isinstance(msg, M.Migrated):  # Migrated switches the stream as well
                 return
         queue = self.queues.get(getattr(msg, "rid", ""))
         if queue is not None:
-            queue.put_nowait((client.id, msg))
+            queue.put_nowait((client.worker_id, msg))
 
     def _evacuate(self, client: WorkerClient) -> None:
         """A decode worker drains of its own accord (told to stop: SIGTERM, a Kubernetes
         pod's termination): its decoding requests move to the other decode workers before
         it exits, so stopping a pod needs no operator key in it. A drain the router runs
         itself (admin, restart, role switch) moves them already."""
-        if client.role not in ("decode", "both") or client.id in self.migrator.draining:
+        if client.role not in ("decode", "both") or client.worker_id in self.migrator.draining:
             return
-        log.info("worker %s is stopping: moving its requests", client.id)
-        task = asyncio.create_task(self.migrator.evacuate(client.id, reason="shutdown"))
+        log.info("worker %s is stopping: moving its requests", client.worker_id)
+        task = asyncio.create_task(self.migrator.evacuate(client.worker_id, reason="shutdown"))
         self._evacuations.add(task)
         task.add_done_callback(self._evacuations.discard)
 
     def _on_dead(self, client: WorkerClient) -> None:
-        self.migrator.deliver(client.id, WorkerGone(client.id))
+        self.migrator.deliver(client.worker_id, WorkerGone(client.worker_id))
         for rid in list(client.inflight):
             queue = self.queues.get(rid)
             if queue is not None:
-                queue.put_nowait((client.id, WorkerGone(client.id)))
-        self.metrics.set_worker(client.id, client.role, 0, 0, 0.0, False)
+                queue.put_nowait((client.worker_id, WorkerGone(client.worker_id)))
+        self.metrics.set_worker(client.worker_id, client.role, 0, 0, 0.0, False)
 
     def refresh_metrics(self) -> None:
         for w in self.workers.values():
             load = w.load
             queued = load.waiting + load.remote
             self.metrics.set_worker(
-                w.id,
+                w.worker_id,
                 w.role,
                 queued,
                 load.running,
@@ -245,7 +245,7 @@ class Router:
                 load.frames_rejected,
                 load.transfer_auth_failures,
             )
-            self.metrics.spec_decode.set(w.id, load.spec_decode)
+            self.metrics.spec_decode.set(w.worker_id, load.spec_decode)
 
     # -- requests ------------------------------------------------------------------------
     async def generate(
@@ -286,12 +286,12 @@ class Router:
             expected = 0
             while True:
                 if early is not None:
-                    worker_id, msg, early = decode.id, early, None
+                    worker_id, msg, early = decode.worker_id, early, None
                 else:
                     worker_id, msg = await next_message(queue, self.cfg.token_timeout_s, rid)
                 if isinstance(msg, M.Migrated) and stream.switch(worker_id):
                     decode = stream.decode  # its outputs follow on the same socket
-                if worker_id != decode.id:
+                if worker_id != decode.worker_id:
                     continue
                 match msg:
                     case WorkerGone() if stream.handing_over:
@@ -345,11 +345,11 @@ class Router:
             while True:
                 worker_id, msg = await next_message(queue, self.cfg.prefill_timeout_s, rid)
                 match msg:
-                    case P.Embedded() if worker_id == worker.id:
+                    case P.Embedded() if worker_id == worker.worker_id:
                         return msg.dim, msg.vectors
-                    case P.Error() if worker_id == worker.id:
+                    case P.Error() if worker_id == worker.worker_id:
                         raise worker_error(msg)
-                    case WorkerGone() if worker_id == worker.id:
+                    case WorkerGone() if worker_id == worker.worker_id:
                         raise RouterError(
                             503, f"worker {worker_id} died mid-request", "worker_died"
                         )

@@ -51,7 +51,7 @@ class WorkerClient:
         on_dead: Callable[[WorkerClient], None],
         heartbeat_timeout_s: float = 3.0,
     ) -> None:
-        self.id = worker_id
+        self.worker_id = worker_id
         self.address = address
         self.on_message = on_message
         self.on_dead = on_dead
@@ -91,7 +91,7 @@ class WorkerClient:
             await asyncio.wait_for(self._ready.wait(), timeout_s)
         except TimeoutError:
             raise TimeoutError(
-                f"worker {self.id} at {self.address} did not answer within {timeout_s}s"
+                f"worker {self.worker_id} at {self.address} did not answer within {timeout_s}s"
             ) from None
 
     async def close(self) -> None:
@@ -109,25 +109,27 @@ class WorkerClient:
         try:
             await asyncio.wait_for(self._ready.wait(), timeout_s)
         except TimeoutError:
-            message = f"worker {self.id} did not switch to {role} within {timeout_s}s"
+            message = f"worker {self.worker_id} did not switch to {role} within {timeout_s}s"
             raise TimeoutError(message) from None
         finally:
             self._ready.set()  # never leave a later start() waiting on this switch
         if self.role != role:
-            raise RuntimeError(f"worker {self.id} answered as {self.role}, not {role}")
+            raise RuntimeError(f"worker {self.worker_id} answered as {self.role}, not {role}")
 
     def send(self, msg: msgspec.Struct) -> None:
         """Sends `msg`, after the keys the worker's transfer engine needs for the peers it
         names (PeerKeys; see `P.named_peers`). Raises WorkerUnreachable when the worker's
         pipe is full (it is not reading)."""
-        peers = [p for p in P.named_peers(msg) if p != self.id]
+        peers = [p for p in P.named_peers(msg) if p != self.worker_id]
         try:
             if peers:
-                keys = [P.PeerKey(peer=p, key=self.keys.link_key(self.id, p)) for p in peers]
+                keys = [P.PeerKey(peer=p, key=self.keys.link_key(self.worker_id, p)) for p in peers]
                 self.sock.send(self.encoder.encode(P.PeerKeys(keys=keys)), zmq.NOBLOCK)
             self.sock.send(self.encoder.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
-            raise WorkerUnreachable(f"worker {self.id} is not reading its control socket") from None
+            raise WorkerUnreachable(
+                f"worker {self.worker_id} is not reading its control socket"
+            ) from None
 
     def try_send(self, msg: msgspec.Struct) -> None:
         """`send` for messages whose loss only delays cleanup (aborts): logged, not raised."""
@@ -148,7 +150,9 @@ class WorkerClient:
             await self.check_integrity(timeout_s)
             return True
         except (TimeoutError, WorkerUnreachable) as e:
-            log.warning("worker %s did not confirm the router's last messages: %s", self.id, e)
+            log.warning(
+                "worker %s did not confirm the router's last messages: %s", self.worker_id, e
+            )
             return False
 
     @property
@@ -172,7 +176,7 @@ class WorkerClient:
                 msg = self.codec.decode(frame.buffer)
             except V.MessageError as e:
                 self.invalid_frames += 1
-                log.warning("worker %s: bad frame: %s", self.id, e)
+                log.warning("worker %s: bad frame: %s", self.worker_id, e)
                 continue
             self.last_seen = time.monotonic()
             match msg:
@@ -203,7 +207,7 @@ class WorkerClient:
             if self.alive and silent > self.heartbeat_timeout_s:
                 self._mark_dead(f"no heartbeat for {silent:.1f}s")
             elif self._came_back(silent):
-                log.info("worker %s is back", self.id)
+                log.info("worker %s is back", self.worker_id)
                 self.alive = True
             elif not self.alive and self._ready.is_set() and silent > self.heartbeat_timeout_s:
                 # Marked down: greet it again now and then; a restarted process at the same
@@ -229,7 +233,7 @@ class WorkerClient:
 
     def _mark_dead(self, why: str) -> None:
         if self.alive or self.inflight:
-            log.warning("worker %s out of rotation: %s", self.id, why)
+            log.warning("worker %s out of rotation: %s", self.worker_id, why)
         self.alive = False
         self.dead_at = time.monotonic()
         self.held.clear()

@@ -101,7 +101,7 @@ def push_target(
     # The router's current view of the peer: a no-op while unchanged; a decode worker
     # restarted elsewhere is re-linked at once. Never blocks the worker's loop.
     try:
-        transfer.set_peer_address(msg.dest_worker, msg.dest_address)
+        transfer.set_peer_address(msg.dest_worker_id, msg.dest_address)
     except TransferError as e:
         raise RequestError.of_transfer(e) from None
     return msg.dest_blocks, skip // bs

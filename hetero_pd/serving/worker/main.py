@@ -60,7 +60,7 @@ def ready_address(line: str | bytes) -> str:
 class Worker:
     def __init__(self, cfg: WorkerConfig, credential: secrets.WorkerCredential) -> None:
         self.cfg = cfg
-        self.id = cfg.worker_id
+        self.worker_id = cfg.worker_id
         #: Weights + tokenizer: prefill and decode compare it when they link.
         self.model_fingerprint: str = model_fingerprint(resolve_model(cfg.engine.model))
         self.transfer: TransferEngine = TransferEngine(
@@ -77,7 +77,7 @@ class Worker:
         self.control: ControlServer = ControlServer(cfg.host, cfg.port, WorkerKeys.of(credential))
         self.address: str = self._advertised(f"tcp://{cfg.host}:{self.control.port}")
         self.book: RequestBook = RequestBook(
-            self.id, self.engine, self.transfer, self.control.send, cfg.remote_kv_timeout_s
+            self.worker_id, self.engine, self.transfer, self.control.send, cfg.remote_kv_timeout_s
         )
         self.embeds: EmbedQueue = EmbedQueue(self.engine.config.max_num_batched_tokens)
         self.role: Role = cfg.role
@@ -167,7 +167,7 @@ class Worker:
                 break
             if self.switch_to is not None and not self.book.busy and not self.book.fencing:
                 self._switch_role(self.switch_to)
-        self.control.broadcast(P.Bye(worker=self.id))
+        self.control.broadcast(P.Bye(worker=self.worker_id))
         self.control.flush()
 
     def _poll_ms(self) -> int:
@@ -183,9 +183,11 @@ class Worker:
         try:
             self._handle(ident, msg)
         except Exception as e:
-            log.exception("%s: %s failed", self.id, type(msg).__name__)
+            log.exception("%s: %s failed", self.worker_id, type(msg).__name__)
             rid = getattr(msg, "rid", "")
-            message = f"worker {self.id}: {type(msg).__name__} failed: {type(e).__name__}: {e}"
+            message = (
+                f"worker {self.worker_id}: {type(msg).__name__} failed: {type(e).__name__}: {e}"
+            )
             self.control.send(ident, P.Error(rid=rid, code=V.ErrorCode.INTERNAL, message=message))
             if rid:
                 try:
@@ -196,7 +198,9 @@ class Worker:
     def _handle(self, ident: bytes, msg: Any) -> None:
         match msg:
             case P.Hello():
-                self.control.send(ident, P.Ready(worker=self.id, role=self.role, info=self.info()))
+                self.control.send(
+                    ident, P.Ready(worker=self.worker_id, role=self.role, info=self.info())
+                )
             case P.Check():
                 self.control.send(ident, self._integrity())
             case P.PeerKeys(keys=keys):
@@ -204,7 +208,7 @@ class Worker:
                     self.transfer.trust(key.peer, key.key)
             case P.Generate() | P.Reserve() | P.Prefill():
                 if self.draining or self.switch_to is not None:
-                    message = f"worker {self.id} is draining"
+                    message = f"worker {self.worker_id} is draining"
                     self.control.send(
                         ident, P.Error(rid=msg.rid, code=V.ErrorCode.DRAINING, message=message)
                     )
@@ -227,7 +231,7 @@ class Worker:
                 self.book.abort(ident, msg.rid)
             case M.MigrateIn():
                 if self.draining or self.switch_to is not None or self.role == "prefill":
-                    why = f"request {msg.rid}: worker {self.id} takes no migration now"
+                    why = f"request {msg.rid}: worker {self.worker_id} takes no migration now"
                     self.control.send(ident, M.MigrateFailed(rid=msg.rid, message=why))
                 else:
                     self.book.migrations.start_in(ident, msg)
@@ -239,7 +243,7 @@ class Worker:
                 self.book.migrations.cancel(ident, msg.rid)
             case P.SwitchRole(role=role):
                 if self.role == "both":
-                    message = f"{self.id} (both) cannot switch to {role}"
+                    message = f"{self.worker_id} (both) cannot switch to {role}"
                     self.control.send(
                         ident, P.Error(rid="", code=V.ErrorCode.BAD_REQUEST, message=message)
                     )
@@ -253,8 +257,8 @@ class Worker:
         """Drained (nothing in flight): now serve as `role`, and say so with a new Ready."""
         self.engine.switch_role(role)
         self.role, self.switch_to = role, None
-        log.info("%s now serves as %s", self.id, role)
-        self.control.broadcast(P.Ready(worker=self.id, role=role, info=self.info()))
+        log.info("%s now serves as %s", self.worker_id, role)
+        self.control.broadcast(P.Ready(worker=self.worker_id, role=role, info=self.info()))
 
     def _layer_hook(self, out: SchedulerOutput) -> Callable[[int], None]:
         """Runs after every layer of a step: layer-wise KV pushes, and heartbeats, so that a
@@ -299,20 +303,22 @@ class Worker:
             prefix_pull_failures=self.book.pulls.failed,
             spec_decode=spec_decode_counts(self.engine),
         )
-        beat = P.Heartbeat(worker=self.id, load=report, cached=self._cache_report(now))
+        beat = P.Heartbeat(worker=self.worker_id, load=report, cached=self._cache_report(now))
         self.control.broadcast(beat, only_idle=True)
         if not report.transfer_healthy and self.fault is None:
             # Its I/O thread is gone for good: finish what needs no transfer, then exit so
             # the supervisor (or Kubernetes) starts a worker that can move KV again.
             self.fault = f"transfer engine stopped ({self.transfer.health().error})"
-            log.error("%s: %s; draining, then exiting to be restarted", self.id, self.fault)
+            log.error("%s: %s; draining, then exiting to be restarted", self.worker_id, self.fault)
             self.draining = True
         self.book.pushes.renew_reservations()
         self.control.flush()
         if self.cfg.alive_file:
             Path(self.cfg.alive_file).touch()
         if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
-            log.error("%s: its launcher (pid %s) is gone; stopping", self.id, self.cfg.parent_pid)
+            log.error(
+                "%s: its launcher (pid %s) is gone; stopping", self.worker_id, self.cfg.parent_pid
+            )
             self.draining = self.stopped = True
 
     def _cache_report(self, now: float) -> V.CachedBlocks | None:
@@ -356,7 +362,7 @@ def run(cfg: WorkerConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    ready = msgspec.json.encode({"worker": worker.id, "info": worker.info()}).decode()
+    ready = msgspec.json.encode({"worker": worker.worker_id, "info": worker.info()}).decode()
     print(f"{READY_LINE} {ready}", flush=True)
     try:
         worker.serve_forever()

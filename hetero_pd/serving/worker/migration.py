@@ -110,7 +110,7 @@ class Migrations:
         if problem is None:
             try:
                 check_endpoint(msg.dest_address)
-                self.transfer.set_peer_address(msg.dest_worker, msg.dest_address)
+                self.transfer.set_peer_address(msg.dest_worker_id, msg.dest_address)
             except (ValueError, TransferError) as e:
                 problem = str(e)
         if problem is not None:
@@ -118,7 +118,7 @@ class Migrations:
             not_here = problem == NOT_DECODING  # finished (or all its completions), or not yet
             self.send(owner, M.MigrateFailed(rid=msg.rid, message=text, not_here=not_here))
             return
-        self._out[msg.rid] = _Out(owner, msg.dest_worker, msg.dest_blocks, parts, msg.precopy)
+        self._out[msg.rid] = _Out(owner, msg.dest_worker_id, msg.dest_blocks, parts, msg.precopy)
         self._advance(msg.rid)
 
     def _parts(self, req: WorkerRequest, msg: M.MigrateOut, parts: list[_Part]) -> str | None:

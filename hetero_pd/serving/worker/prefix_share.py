@@ -95,7 +95,7 @@ class PrefixPulls:
     """Puller side: requests waiting for their prefix KV, and the counts a heartbeat sends."""
 
     def __init__(self, worker_id: str, engine: LLMEngine, transfer: TransferEngine) -> None:
-        self.id, self.engine, self.transfer = worker_id, engine, transfer
+        self.worker_id, self.engine, self.transfer = worker_id, engine, transfer
         self._pulls: dict[str, _Pull] = {}
         self._fenced: list[tuple[float, list[int]]] = []  # (free after, blocks)
         self.done = self.tokens = self.failed = 0
@@ -125,7 +125,7 @@ class PrefixPulls:
                 f"request {msg.rid}: a prefix pull of {src.tokens} tokens must be whole blocks "
                 f"of {bs} below the prompt's {len(prompt)} tokens (and not for an edge prompt)"
             )
-        if len(src.blocks.block_ids) != wanted or src.peer == self.id:
+        if len(src.blocks.block_ids) != wanted or src.peer == self.worker_id:
             raise ValueError(f"request {msg.rid}: the prefix offer of {src.peer} is malformed")
         pinned = self.kv.pin_prefix(prompt, wanted)
         first = len(pinned)
@@ -190,7 +190,7 @@ class PrefixPulls:
         """The pull failed (`why`) or was cancelled (None): the request computes its
         prefix; the taken blocks are freed once no writer can touch them (fence)."""
         if why is not None:
-            log.warning("%s: request %s: prefix pull failed (%s); computing it", self.id,
+            log.warning("%s: request %s: prefix pull failed (%s); computing it", self.worker_id,
                         pull.msg.rid, why)  # fmt: skip
             self.failed += 1
         wait = self.transfer.release(offer_id(pull.msg.rid))

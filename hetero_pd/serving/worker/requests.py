@@ -59,7 +59,7 @@ class RequestBook:
         remote_kv_timeout_s: float,
         layerwise: bool = False,
     ) -> None:
-        self.id = worker_id
+        self.worker_id = worker_id
         self.engine = engine
         self.transfer = transfer
         self.send = send
@@ -116,7 +116,7 @@ class RequestBook:
                 )
             if old is not None or msg.rid in self.pulls:
                 raise RequestError(V.ErrorCode.BAD_REQUEST, f"request {msg.rid} is running")
-            admission.check_role(self.id, self.engine, msg)
+            admission.check_role(self.worker_id, self.engine, msg)
             if isinstance(msg, P.Reserve) or not self.pulls.begin(owner, msg, self._resume):
                 self._open(owner, msg)
 
@@ -144,7 +144,7 @@ class RequestBook:
         elif isinstance(msg, P.Prefill):
             self._prefill(owner, msg, first)
         else:
-            admission.add(self.engine, self.id, msg, first)
+            admission.add(self.engine, self.worker_id, msg, first)
             self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.RUNNING)
         if fanout is not None:
             req = self.requests[msg.rid]
@@ -153,7 +153,7 @@ class RequestBook:
     def _reserve(self, owner: bytes, msg: P.Reserve, params: Any) -> None:
         timeout_s = self.remote_kv_timeout_s
         handle, reply = admission.reserve(
-            self.engine, self.transfer, self.id, msg, params, timeout_s
+            self.engine, self.transfer, self.worker_id, msg, params, timeout_s
         )
         self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.RESERVED, handle=handle)
         self.send(owner, reply)
@@ -161,8 +161,8 @@ class RequestBook:
     def _prefill(self, owner: bytes, msg: P.Prefill, params: Any) -> None:
         check_endpoint(msg.dest_address)
         dest, skip_blocks = admission.push_target(self.engine, self.transfer, msg)
-        admission.add(self.engine, self.id, msg, params)
-        self.pushes.expect(msg.rid, msg.dest_worker, dest, skip_blocks)
+        admission.add(self.engine, self.worker_id, msg, params)
+        self.pushes.expect(msg.rid, msg.dest_worker_id, dest, skip_blocks)
         self.requests[msg.rid] = WorkerRequest(msg.rid, owner, Phase.PREFILLING)
 
     # -- messages about running requests -------------------------------------------------
@@ -178,7 +178,9 @@ class RequestBook:
         assert req.handle is not None
         if req.handle.state is not TransferState.DONE:
             # The sender saw an ACK we never gave for this epoch: never trust those blocks.
-            log.warning("%s: request %s: KV not whole at kv_ready; computing it", self.id, req.rid)
+            log.warning(
+                "%s: request %s: KV not whole at kv_ready; computing it", self.worker_id, req.rid
+            )
             self.send(req.owner, P.KvFallback(rid=req.rid))
             self._fall_back(req)
             return
