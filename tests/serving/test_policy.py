@@ -50,7 +50,8 @@ def test_round_robin_takes_turns_per_candidate_set() -> None:
     d = [worker("d0")]
     picks = []
     for _ in range(4):
-        picks.append(chooser.pick(d)[0].worker_id)  # the decode pick must not advance prefill's turn
+        # the decode pick must not advance prefill's turn
+        picks.append(chooser.pick(d)[0].worker_id)
         picks.append(chooser.pick(p)[0].worker_id)
     assert picks == ["d0", "p0", "d0", "p1", "d0", "p0", "d0", "p1"]
 
