@@ -1,0 +1,68 @@
+"""A request body costs the router what a valid value of each field needs, on every route
+(issue 27: a request's cost bounded before Python walks it): 16 MiB of integers is refused
+without a Python object made per element, counted in memory, not seconds (the router's
+process traced while the app answers it)."""
+
+from __future__ import annotations
+
+import asyncio
+import tracemalloc
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from hetero_pd import secrets
+from hetero_pd.serving.api.app import create_app
+from hetero_pd.serving.api.state import ApiState
+from hetero_pd.serving.control.auth import RouterKeys
+from hetero_pd.serving.router.router import Router, RouterConfig
+
+#: A body of 16 MiB (the API's limit) less what the rest of a request needs.
+INTS = b"[" + b"1," * (8 * 2**20 - 256) + b"1]"
+#: What the app may hold at once for one such body: the body as read, a copy or two (aiohttp
+#: reads into a bytearray, then makes bytes). A list of its 8 million elements alone is 64 MiB.
+PEAK_BYTES = 4 * len(INTS)
+
+
+class Tokenizer:
+    """Only what the refusals below read: the vocabulary's size."""
+
+    def __len__(self) -> int:
+        return 100
+
+
+async def _answer(path: str, raw: bytes) -> tuple[int, dict[str, Any], int]:
+    router = Router(RouterConfig(), RouterKeys.from_secret(secrets.generate().encode()))
+    try:
+        state = ApiState(router, Tokenizer(), ["m"], 64, 100)
+        async with TestClient(TestServer(create_app(state))) as client:
+            tracemalloc.start()
+            try:
+                resp = await client.post(path, data=raw)
+                answer = await resp.json()
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            return resp.status, answer, peak
+    finally:
+        await router.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", b'{"model": "m", "prompt": %s}', "prompt"),
+        ("/tokenize", b'{"prompt": %s}', "prompt"),
+        ("/detokenize", b'{"tokens": %s}', "tokens"),
+        ("/v1/embeddings", b'{"model": "m", "input": %s}', "input[0]"),
+    ],
+)
+def test_16_mib_of_integers_is_refused_without_an_object_per_element(
+    path: str, body: bytes, param: str
+) -> None:
+    raw = body % INTS
+    status, answer, peak = asyncio.run(asyncio.wait_for(_answer(path, raw), 100))
+    assert (status, answer["error"]["param"]) == (400, param), answer
+    assert peak < PEAK_BYTES, f"{peak / 2**20:.0f} MiB held for a {len(raw) / 2**20:.0f} MiB body"
