@@ -10,6 +10,8 @@ within what a valid value of it needs:
 - ``messages``: at most ``MAX_MESSAGES``, each with at most ``MAX_CONTENT_PARTS`` parts;
 - ``tokens`` (/detokenize): counted by their commas against ``max_model_len`` (no request
   makes more text);
+- ``input`` (/v1/embeddings): a string; token ids, counted as a prompt's are; or a batch of
+  at most ``MAX_EMBED_INPUTS``, each counted alike;
 - every other field: at most ``SMALL_FIELD_BYTES`` of JSON (``stop`` and ``logit_bias``
   somewhat more, what their most entries of the longest kind take).
 
@@ -40,9 +42,14 @@ from hetero_pd.serving.api.protocol import UNSUPPORTED
 from hetero_pd.serving.api.structured import FIELDS as STRUCTURED_FIELDS
 from hetero_pd.serving.api.tokens import too_many_ids
 from hetero_pd.serving.api.tools import FIELDS as TOOL_FIELDS
-from hetero_pd.serving.control.sampling import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from hetero_pd.serving.control.sampling import (
+    MAX_EMBED_INPUTS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+)
 
-BodyKind = Literal["completion", "chat", "tokenize", "detokenize"]
+BodyKind = Literal["completion", "chat", "tokenize", "detokenize", "embedding"]
 
 #: Most JSON one plain field (a number, a flag, a name, an unsupported feature) may take.
 SMALL_FIELD_BYTES = 64 * 1024
@@ -86,6 +93,8 @@ _SMALL_FIELDS = (
     "add_special_tokens",
     "add_generation_prompt",
     "return_token_strs",
+    "encoding_format",
+    "dimensions",
     *UNSUPPORTED,
     *STRUCTURED_FIELDS,
     *TOOL_FIELDS,
@@ -97,7 +106,7 @@ def _raw_fields(name: str, *fields: str) -> type[msgspec.Struct]:
     return msgspec.defstruct(name, [(f, msgspec.Raw, msgspec.UNSET) for f in fields])
 
 
-_Body = _raw_fields("_Body", *_SMALL_FIELDS, "prompt", "messages", "tokens")
+_Body = _raw_fields("_Body", *_SMALL_FIELDS, "prompt", "messages", "tokens", "input")
 _Message = _raw_fields("_Message", "role", "content", "tool_calls")
 _Part = _raw_fields("_Part", "type", "text")
 Scalar = str | int | float | bool | None
@@ -106,9 +115,9 @@ _FIRST = re.compile(rb"\s*(.)", re.S)
 
 def decode_body(raw: bytes, kind: BodyKind, max_prompt_ids: int) -> dict[str, Any]:
     """The fields of a request body that `kind`'s parser reads, each decoded within its bound
-    (``max_prompt_ids``: the most token ids one completion prompt, or one /detokenize, can
-    have). 400 when the body is not a JSON object, or a field is larger than any valid value
-    of it."""
+    (``max_prompt_ids``: the most token ids one completion prompt, one /detokenize or one
+    embeddings input can have). 400 when the body is not a JSON object, or a field is larger
+    than any valid value of it."""
     body = _top(raw)
     out: dict[str, Any] = {}
     for name in _SMALL_FIELDS:
@@ -124,6 +133,8 @@ def decode_body(raw: bytes, kind: BodyKind, max_prompt_ids: int) -> dict[str, An
         out["messages"] = _messages(body.messages)
     if kind == "detokenize" and body.tokens is not msgspec.UNSET:
         out["tokens"] = _ids(body.tokens, "tokens", max_prompt_ids, too_many_ids)
+    if kind == "embedding" and body.input is not msgspec.UNSET:
+        out["input"] = _input(body.input, max_prompt_ids)
     return out
 
 
@@ -214,6 +225,37 @@ def _too_long_prompt(max_model_len: int) -> Any:
         )
 
     return error
+
+
+def _input(raw: msgspec.Raw, max_ids: int) -> Any:
+    """An embeddings input: a string, token ids, or a batch of strings or of id lists."""
+    if _first(raw) != b"[":
+        return _text(raw, "input")
+    if _second(raw) not in (b'"', b"["):  # one list of token ids: the first input
+        return _ids(raw, "input", max_ids, _too_long_input(0))
+    items = _bounded(raw, MAX_EMBED_INPUTS, "input", "items")
+    return [
+        _ids(item, f"input[{i}]", max_ids, _too_long_input(i))
+        if _first(item) == b"["
+        else _text(item, f"input[{i}]")
+        for i, item in enumerate(items)
+    ]
+
+
+def _too_long_input(i: int) -> Any:
+    def error(count: int, limit: int) -> APIError:
+        return too_long_input(f"input[{i}]", f"{count} tokens", limit)
+
+    return error
+
+
+def too_long_input(where: str, size: str, limit: int) -> APIError:
+    """400: an embeddings input (``where``) longer than the model's context."""
+    return bad_request(
+        f"'{where}' has {size}, more than this model's context ({limit} tokens)",
+        where,
+        "context_length_exceeded",
+    )
 
 
 def _messages(raw: msgspec.Raw) -> Any:

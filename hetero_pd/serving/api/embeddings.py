@@ -22,16 +22,16 @@ import base64
 import uuid
 from typing import Any
 
-import msgspec
 import numpy as np
 from aiohttp import web
 
 from hetero_pd.serving.api import errors
+from hetero_pd.serving.api.bodies import decode_body, too_long_input
 from hetero_pd.serving.api.errors import bad_request
 from hetero_pd.serving.api.fields import show
 from hetero_pd.serving.api.state import ApiState, state_of
 from hetero_pd.serving.api.tokens import check_model
-from hetero_pd.serving.control.protocol import MAX_EMBED_INPUTS
+from hetero_pd.serving.control.sampling import MAX_EMBED_INPUTS
 
 FORMATS = ("float", "base64")
 
@@ -75,12 +75,7 @@ async def embeddings(request: web.Request) -> web.Response:
 
 def parse(state: ApiState, raw: bytes) -> tuple[dict[str, Any], list[Any]]:
     """The body's fields and its inputs, checked but not tokenized (tokenizer thread)."""
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as e:
-        raise bad_request(f"The request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"The request body must be a JSON object, got {type(body).__name__}")
+    body = decode_body(raw, "embedding", state.max_model_len)
     check_model(body, state.model_names)
     fmt = body.get("encoding_format")
     if fmt is not None and fmt not in FORMATS:
@@ -122,7 +117,7 @@ def _ids(state: ApiState, item: str | list[Any], i: int) -> list[int]:
         if not item:
             raise bad_request(f"'{where}' is an empty string: there is nothing to embed", where)
         if state.max_prompt_chars and len(item) > state.max_prompt_chars:
-            raise _too_long(where, f"{len(item)} characters", state.max_model_len)
+            raise too_long_input(where, f"{len(item)} characters", state.max_model_len)
         ids = list(state.tokenizer.encode(item))
     else:
         size = len(state.tokenizer)
@@ -136,13 +131,5 @@ def _ids(state: ApiState, item: str | list[Any], i: int) -> list[int]:
             )
         ids = item
     if len(ids) > state.max_model_len:
-        raise _too_long(where, f"{len(ids)} tokens", state.max_model_len)
+        raise too_long_input(where, f"{len(ids)} tokens", state.max_model_len)
     return ids
-
-
-def _too_long(where: str, size: str, limit: int) -> errors.APIError:
-    return bad_request(
-        f"'{where}' has {size}, more than this model's context ({limit} tokens)",
-        where,
-        "context_length_exceeded",
-    )
