@@ -1,7 +1,9 @@
 """A request body costs the router what a valid value of each field needs, on every route
 (issue 27: a request's cost bounded before Python walks it): 16 MiB of integers is refused
 without a Python object made per element, counted in memory, not seconds (the router's
-process traced while the app answers it)."""
+process traced while the app answers it); and a large body is decoded outside the router's
+process, whose GIL the decoder would hold for tens of milliseconds per body (`bench
+hostile` measures what /health waits meanwhile)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import asyncio
 import tracemalloc
 from typing import Any
 
+import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -49,16 +52,16 @@ async def _answer(path: str, raw: bytes) -> tuple[int, dict[str, Any], int]:
         await router.close()
 
 
+ROUTES = [
+    ("/v1/completions", b'{"model": "m", "prompt": %s}', "prompt"),
+    ("/tokenize", b'{"prompt": %s}', "prompt"),
+    ("/detokenize", b'{"tokens": %s}', "tokens"),
+    ("/v1/embeddings", b'{"model": "m", "input": %s}', "input[0]"),
+]
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("path", "body", "param"),
-    [
-        ("/v1/completions", b'{"model": "m", "prompt": %s}', "prompt"),
-        ("/tokenize", b'{"prompt": %s}', "prompt"),
-        ("/detokenize", b'{"tokens": %s}', "tokens"),
-        ("/v1/embeddings", b'{"model": "m", "input": %s}', "input[0]"),
-    ],
-)
+@pytest.mark.parametrize(("path", "body", "param"), ROUTES)
 def test_16_mib_of_integers_is_refused_without_an_object_per_element(
     path: str, body: bytes, param: str
 ) -> None:
@@ -66,3 +69,23 @@ def test_16_mib_of_integers_is_refused_without_an_object_per_element(
     status, answer, peak = asyncio.run(asyncio.wait_for(_answer(path, raw), 100))
     assert (status, answer["error"]["param"]) == (400, param), answer
     assert peak < PEAK_BYTES, f"{peak / 2**20:.0f} MiB held for a {len(raw) / 2**20:.0f} MiB body"
+
+
+@pytest.mark.timeout(120)
+def test_a_large_body_is_decoded_outside_the_routers_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each route's answer is the same 400 naming the field, and no JSON decode in this
+    process (the router's) ever reads a megabyte: the spy sees only small decodes."""
+    seen: list[int] = []
+    decode = msgspec.json.decode
+
+    def spy(buf: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(len(buf))
+        return decode(buf, *args, **kwargs)
+
+    monkeypatch.setattr(msgspec.json, "decode", spy)
+    for path, body, param in ROUTES:
+        status, answer, _ = asyncio.run(asyncio.wait_for(_answer(path, body % INTS), 100))
+        assert (status, answer["error"]["param"]) == (400, param), answer
+    assert max(seen, default=0) < 2**20, sorted(seen)[-5:]
