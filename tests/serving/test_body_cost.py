@@ -8,6 +8,7 @@ hostile` measures what /health waits meanwhile)."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import tracemalloc
 from typing import Any
 
@@ -89,3 +90,30 @@ def test_a_large_body_is_decoded_outside_the_routers_process(
         status, answer, _ = asyncio.run(asyncio.wait_for(_answer(path, body % INTS), 100))
         assert (status, answer["error"]["param"]) == (400, param), answer
     assert max(seen, default=0) < 2**20, sorted(seen)[-5:]
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_decoder_process_is_replaced() -> None:
+    """The decoder process killed (an operator, the OOM killer) between two large bodies:
+    the second is decoded by a new one, with the same answer."""
+
+    async def scenario() -> list[tuple[int, Any]]:
+        router = Router(RouterConfig(), RouterKeys.from_secret(secrets.generate().encode()))
+        raw = b'{"tokens": %s}' % INTS
+        seen = []
+        try:
+            state = ApiState(router, Tokenizer(), ["m"], 64, 100)
+            async with TestClient(TestServer(create_app(state))) as client:
+                for _ in range(2):
+                    before = set(multiprocessing.active_children())
+                    resp = await client.post("/detokenize", data=raw)
+                    seen.append((resp.status, (await resp.json())["error"]["param"]))
+                    for child in set(multiprocessing.active_children()) - before:
+                        child.kill()
+                        child.join(10)
+                    assert set(multiprocessing.active_children()) <= before
+        finally:
+            await router.close()
+        return seen
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 100)) == [(400, "tokens")] * 2

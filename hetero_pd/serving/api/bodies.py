@@ -20,7 +20,8 @@ bounded list is decoded into an array-like struct with one optional field per al
 element, which stops at the first element past them. So no field costs more than its
 largest valid value, and the whole decode is a few passes over the bytes in C: 30-90 ms for
 16 MiB of integers on a shared 2-core machine (the Python walk this replaced took 4.7-10 s).
-msgspec holds the GIL while it decodes, so that is also the longest the event loop waits.
+msgspec holds the GIL while it decodes, so bodies larger than a few hundred KiB are decoded
+in a process of their own (`body_process`), and the event loop never waits for one.
 
 The result is the plain dict the field parsers (`fields`, `protocol`, `sampling`,
 `tokens`) read, with only the fields the client sent; they check each value and name it.
@@ -106,6 +107,10 @@ def _raw_fields(name: str, *fields: str) -> type[msgspec.Struct]:
     return msgspec.defstruct(name, [(f, msgspec.Raw, msgspec.UNSET) for f in fields])
 
 
+#: A request body as the tokenizer thread gets it: the raw bytes (decoded there), or the
+#: fields already decoded in the decoder process (`body_process`, for large bodies).
+Body = bytes | dict[str, Any]
+
 _Body = _raw_fields("_Body", *_SMALL_FIELDS, "prompt", "messages", "tokens", "input")
 _Message = _raw_fields("_Message", "role", "content", "tool_calls")
 _Part = _raw_fields("_Part", "type", "text")
@@ -136,6 +141,12 @@ def decode_body(raw: bytes, kind: BodyKind, max_prompt_ids: int) -> dict[str, An
     if kind == "embedding" and body.input is not msgspec.UNSET:
         out["input"] = _input(body.input, max_prompt_ids)
     return out
+
+
+def fields_of(body: Body, kind: BodyKind, max_prompt_ids: int) -> dict[str, Any]:
+    """The decoded fields of ``body``: `decode_body` of raw bytes, or the fields the decoder
+    process already decoded (with the same ``kind`` and bound)."""
+    return body if isinstance(body, dict) else decode_body(body, kind, max_prompt_ids)
 
 
 def _top(raw: bytes) -> Any:

@@ -26,7 +26,7 @@ import numpy as np
 from aiohttp import web
 
 from hetero_pd.serving.api import errors
-from hetero_pd.serving.api.bodies import decode_body, too_long_input
+from hetero_pd.serving.api.bodies import Body, fields_of, too_long_input
 from hetero_pd.serving.api.errors import bad_request
 from hetero_pd.serving.api.fields import show
 from hetero_pd.serving.api.state import ApiState, state_of
@@ -39,9 +39,9 @@ FORMATS = ("float", "base64")
 async def embeddings(request: web.Request) -> web.Response:
     state = state_of(request)
     key = errors.check_api_key(request.headers, state.api_keys)
-    raw = await request.read()
+    prepared = await state.bodies.prepare(await request.read(), "embedding", state.max_model_len)
     loop = asyncio.get_running_loop()
-    body, items = await loop.run_in_executor(state.tokenize_pool, parse, state, raw)
+    body, items = await loop.run_in_executor(state.tokenize_pool, parse, state, prepared)
     # Admitted like completions, before the tokenizer spends time on it: each input holds a
     # slot, a large batch at most its key's whole share (it then runs alone for that key).
     admission = state.router.admission
@@ -73,9 +73,9 @@ async def embeddings(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data, "model": model, "usage": usage})
 
 
-def parse(state: ApiState, raw: bytes) -> tuple[dict[str, Any], list[Any]]:
+def parse(state: ApiState, prepared: Body) -> tuple[dict[str, Any], list[Any]]:
     """The body's fields and its inputs, checked but not tokenized (tokenizer thread)."""
-    body = decode_body(raw, "embedding", state.max_model_len)
+    body = fields_of(prepared, "embedding", state.max_model_len)
     check_model(body, state.model_names)
     fmt = body.get("encoding_format")
     if fmt is not None and fmt not in FORMATS:
