@@ -6,8 +6,8 @@ runs alone in its process; this process sends the hostile bodies, one at a time,
 third process probes ``GET /health`` back to back (a new connection each time, as a load
 balancer's probe does), so neither the client nor the prober shares the router's GIL. The
 bodies are the ones the hostile-API tests send (`shapes`): 16 MiB of integers on five
-routes, a 20,000-message chat, megabyte and 16 MiB text prompts, a stop-string flood, JSON
-nested 200,000 deep, and the four 16 MiB bodies at once.
+routes, a 20,000-message chat, megabyte and 16 MiB text prompts, a stop-string flood, 16 MiB
+of one key repeated, JSON nested 200,000 deep, and four 16 MiB bodies at once.
 
 Each round sends every shape to every server in turn (servers and shapes taking turns, so a
 load that changes during the run weighs on all of them), with an idle window first. Per
@@ -86,6 +86,10 @@ def shapes(model: str) -> list[Shape]:
         Shape(
             "completions-16MB-stops",
             (("/v1/completions", b'{"model": %s, "prompt": "hi", "stop": %s}' % (m, stops)),),
+        ),
+        Shape(
+            "completions-16MiB-one-key",
+            (("/v1/completions", _prompt(m, b'"hi"' + b', "n": 1' * (16 * 2**20 // 8 - 64))),),
         ),
         Shape(
             "completions-nested-200k",
