@@ -1,5 +1,6 @@
-"""backends/native.py loads the very file it checked (issue 27, low: the check was
-stat-then-load, so a file swapped in between was loaded unchecked)."""
+"""Compiled code is run only from where no one else writes (issue 27, low): backends/native.py
+loads the very file it checked (the check was stat-then-load, so a file swapped in between
+was loaded unchecked), and inductor's cache folder is ours and private."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from backends import native
+from backends.compiler import use_cache_dir
 
 needs_cc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
 
@@ -45,3 +47,23 @@ def test_the_library_loaded_is_the_one_checked(tmp_path: Path) -> None:
     lib = native.build(_source(tmp_path, 1), kernels, "test kernel", load)
     assert lib is not None and loaded
     assert lib.which() == 1, f"the swapped library was loaded from {loaded[0]}"
+
+
+def test_inductor_code_is_kept_only_in_a_private_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inductor unpickles and runs what its cache holds: our folder for it is made private,
+    and one others may write is refused (the engine then runs eager, as for a kernel), not
+    handed to inductor (issue 27, low: the inductor cache had no check at all)."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    fresh = tmp_path / "fresh" / "inductor"
+    use_cache_dir(fresh)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(fresh)
+    assert fresh.stat().st_mode & 0o777 == 0o700
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    shared = tmp_path / "shared" / "inductor"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    with pytest.raises(native.UntrustedKernel, match="mode 777"):
+        use_cache_dir(shared)
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(shared)
