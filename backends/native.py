@@ -102,6 +102,12 @@ def check_private(path: Path) -> Path:
     return opened
 
 
+def check_private_folder(path: Path) -> None:
+    """`UntrustedKernel` unless the folder ``path`` is ours and no one else's to write (what
+    is created in it is then ours alone to create)."""
+    _check_owner(path, path.stat())
+
+
 def _check_owner(path: Path, st: os.stat_result) -> None:
     if st.st_uid != os.getuid() or st.st_mode & 0o022:
         raise UntrustedKernel(
