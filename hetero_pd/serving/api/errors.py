@@ -31,10 +31,6 @@ class APIError(Exception):
         self.param = param
         self.code = code
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Raised in the body decoder's process and re-raised here: rebuilt from every field.
-        return (type(self), (self.status, self.message, self.type, self.param, self.code))
-
     def to_json(self) -> dict[str, Any]:
         """The response body, in OpenAI's error shape."""
         return {
