@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -59,6 +60,7 @@ class BodyDecoder:
 
     def __init__(self) -> None:
         self._child: subprocess.Popen[bytes] | None = None
+        self._closed = False
         # The pipe's blocking reads and writes, one body at a time.
         self._io = ThreadPoolExecutor(1, thread_name_prefix="hetero-pd-bodies")
 
@@ -96,6 +98,8 @@ class BodyDecoder:
         return fields
 
     def _ask(self, raw: bytes, kind: BodyKind, max_ids: int) -> dict[str, Any]:
+        if self._closed:  # the app is stopping: start no child it would not stop
+            raise APIError(503, "the API is stopping", "server_error")
         child = self._child or self._start()
         assert child.stdin is not None and child.stdout is not None
         head = msgspec.msgpack.encode([kind, max_ids])
@@ -128,6 +132,7 @@ class BodyDecoder:
                     pipe.close()
 
     def close(self) -> None:
+        self._closed = True
         self._io.shutdown(wait=False, cancel_futures=True)
         self._stop()
 
@@ -150,7 +155,9 @@ def _read(fd: int, n: int) -> bytes:
 
 
 def main() -> None:
-    """The child: decodes one framed body after another until its stdin ends."""
+    """The child: decodes one framed body after another until its stdin ends (when the router
+    stops it, or ends itself)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the router's whole group
     replies = os.dup(1)
     os.dup2(2, 1)  # anything printed goes to stderr, not into the replies
     while True:
