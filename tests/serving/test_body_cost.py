@@ -116,3 +116,22 @@ def test_a_killed_decoder_process_is_replaced() -> None:
         return seen
 
     assert asyncio.run(asyncio.wait_for(scenario(), 100)) == [(400, "tokens")] * 2
+
+
+@pytest.mark.timeout(120)
+def test_an_admin_body_is_refused_by_its_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/admin/* bodies name a worker and a timeout: 16 MiB of one key repeated (~170 ms of
+    msgspec, on the event loop for these routes) is refused by its length, never decoded. A
+    deployment without keys lets anyone reach these routes."""
+    seen: list[int] = []
+    decode = msgspec.json.decode
+
+    def spy(buf: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(len(buf))
+        return decode(buf, *args, **kwargs)
+
+    monkeypatch.setattr(msgspec.json, "decode", spy)
+    raw = b'{"worker": "decode-0"' + b', "timeout_s": 1' * (len(INTS) // 16) + b"}"
+    status, answer, _ = asyncio.run(asyncio.wait_for(_answer("/admin/drain", raw), 100))
+    assert status == 413 and "at most" in answer["error"]["message"], answer
+    assert max(seen, default=0) < 2**20, sorted(seen)[-5:]
