@@ -102,9 +102,10 @@ def _prompt(model: bytes, prompt: bytes) -> bytes:
     return b'{"model": %s, "prompt": %s, "max_tokens": 1}' % (model, prompt)
 
 
-def probe(url: str, stop: Any, out: Connection) -> None:
-    """The prober process: GET /health back to back until `stop` is set; sends back
-    (start, seconds, status) of each, start on the system-wide monotonic clock."""
+def probe(url: str, ready: Any, stop: Any, out: Connection) -> None:
+    """The prober process: GET /health back to back until `stop` is set (`ready` set once the
+    first is answered); sends back (start, seconds, status) of each, start on the
+    system-wide monotonic clock."""
     parts = urlsplit(url)
     got: list[tuple[float, float, int]] = []
     while not stop.is_set():
@@ -120,6 +121,8 @@ def probe(url: str, stop: Any, out: Connection) -> None:
         finally:
             conn.close()
         got.append((start, time.monotonic() - start, status))
+        if status:
+            ready.set()
     out.send(got)
     out.close()
 
@@ -183,14 +186,18 @@ def run(targets: dict[str, str], shape_list: list[Shape], rounds: int) -> dict[s
     probes: dict[str, list[tuple[float, float, int]]] = {}
     with contextlib.ExitStack() as stack:
         stops, pipes, procs = {}, {}, {}
+        ready = {name: ctx.Event() for name in targets}
         for name, url in targets.items():
             stops[name] = ctx.Event()
             pipes[name], child = ctx.Pipe(duplex=False)
-            procs[name] = ctx.Process(target=probe, args=(url, stops[name], child), daemon=True)
+            args = (url, ready[name], stops[name], child)
+            procs[name] = ctx.Process(target=probe, args=args, daemon=True)
             procs[name].start()
             stack.callback(procs[name].join, 30)
             stack.callback(stops[name].set)
-        time.sleep(1.0)  # every prober running before the first window
+        for name in targets:  # every prober answered before the first window
+            if not ready[name].wait(120):
+                raise RuntimeError(f"the /health prober of {name} got no answer in 120 s")
         for r in range(rounds):
             for name, url in targets.items():
                 start = time.monotonic()
