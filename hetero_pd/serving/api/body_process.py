@@ -1,10 +1,11 @@
 """Large request bodies decoded in a process of their own, so that the router's GIL is free.
 
-msgspec holds the GIL while it decodes (`bodies`): one 16 MiB body is one C call of 40-60 ms
-on a shared 2-core EPYC, longer when the OS preempts the thread holding it, and bodies that
-arrive together decoded back to back, so the event loop waited their sum (235 ms for four,
-measured by ``hetero-pd bench hostile``) before it could answer /health, stream a token or
-read a heartbeat. A body larger than ``INLINE_BYTES`` is therefore decoded
+msgspec holds the GIL while it decodes (`bodies`): one 16 MiB body is one C call of 40-80 ms
+on a shared 2-core EPYC (of one key repeated, ~170 ms), longer when the OS preempts the
+thread holding it, and bodies that arrive together decoded back to back, so the event loop
+waited their sum (a /health probe up to 245 ms with four, ``hetero-pd bench hostile``,
+docs/BENCHMARKS.md section 18) before it could answer /health, stream a token or read a
+heartbeat. A body larger than ``INLINE_BYTES`` is therefore decoded
 (`bodies.decode_body`, with every bound it checks) in a child process: the router's process
 writes the bytes to a pipe (the GIL released while it writes) and reads back the decoded
 fields or the 400. Smaller bodies, nearly all of them, are decoded on the tokenizer thread
