@@ -20,6 +20,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from backends import native
 from backends.errors import BackendUnavailableError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -51,11 +52,15 @@ def use_cache_dir(path: Path) -> None:
     """Keep inductor's generated code in `path` (unless the user set TORCHINDUCTOR_CACHE_DIR),
     so the next start loads it instead of compiling again. Inductor writes its default
     (/tmp/torchinductor_USER) into the variable the first time it looks, which is not the
-    user's choice."""
+    user's choice. Inductor unpickles and runs what its cache holds, so `path` is made ours
+    and private (0700), and one that is not ours, or others may write, is refused
+    (`native.UntrustedKernel`), as a kernel library is."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        native.check_private_folder(path)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
 
 

@@ -6,8 +6,11 @@ attributes and called only where the CPU has them) into hetero-pd's cache, keyed
 source, the compile command, the compiler's version and the CPU's flags (a library built
 for one CPU is not loaded on another), in the folder the caller names (the engine's:
 `kernels/` under HETERO_PD_CACHE_DIR). A cached library is loaded only when it and its
-folder are ours and no one else's to write. No compiler, or a failed build: `build` gives
-None and says so in the log, and the caller runs its portable path.
+folder are ours and no one else's to write, and the file loaded is the one checked: it is
+opened, checked through its descriptor and loaded through that descriptor's /proc name, so
+a file renamed into its place after the check is never the one run. No compiler, or a
+failed build: `build` gives None and says so in the log, and the caller runs its portable
+path.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ from backends.cpuinfo import cpu_flags
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
+#: Descriptors of the kernel files loaded through /proc/self/fd: kept open for the process's
+#: life, because dlopen recognises a library it already loaded by its name, and a closed
+#: descriptor's number (its name) would come back for another file.
+_LOADED: list[int] = []
 
 
 def compiler() -> list[str] | None:
@@ -74,17 +81,39 @@ class UntrustedKernel(Exception):
     """A cached kernel library another user could have written: it is not loaded."""
 
 
-def check_private(path: Path) -> None:
+def check_private(path: Path) -> Path:
     """Loading a library runs its code: the file and its folder must be ours and writable
     by no one else (a shared HETERO_PD_CACHE_DIR, e.g. a volume other pods mount, must not
-    let them plant one)."""
-    for p in (path.parent, path):
-        st = p.stat()
-        if st.st_uid != os.getuid() or st.st_mode & 0o022:
-            raise UntrustedKernel(
-                f"{p} is owned by uid {st.st_uid} with mode {st.st_mode & 0o777:o}: only "
-                f"uid {os.getuid()} may write it"
-            )
+    let them plant one). Gives the name to load: the file checked, opened (not following
+    a link) and named by its descriptor, so what is loaded is what was checked whatever
+    ``path`` names by then (``path`` itself where there is no /proc)."""
+    _check_owner(path.parent, path.parent.stat())
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _check_owner(path, os.fstat(fd))
+        opened = Path(f"/proc/self/fd/{fd}")
+        if not opened.exists():
+            os.close(fd)
+            return path
+    except BaseException:
+        os.close(fd)
+        raise
+    _LOADED.append(fd)
+    return opened
+
+
+def check_private_folder(path: Path) -> None:
+    """`UntrustedKernel` unless the folder ``path`` is ours and no one else's to write (what
+    is created in it is then ours alone to create)."""
+    _check_owner(path, path.stat())
+
+
+def _check_owner(path: Path, st: os.stat_result) -> None:
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise UntrustedKernel(
+            f"{path} is owned by uid {st.st_uid} with mode {st.st_mode & 0o777:o}: only "
+            f"uid {os.getuid()} may write it"
+        )
 
 
 def build(
@@ -109,14 +138,13 @@ def build(
     path = kernel_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     try:
         if path.exists():
-            check_private(path)
+            checked = check_private(path)
             try:
-                return load(path)
+                return load(checked)
             except (OSError, AttributeError):  # damaged: build it again
                 path.unlink()
         _compile(lambda out: command(cc, source, out, flags), path)
-        check_private(path)  # built in a folder others could write: swapped meanwhile?
-        return load(path)
+        return load(check_private(path))  # built in a folder others could write?
     except UntrustedKernel as e:
         log.warning("%s: %s runs portable", e, what)
         return None

@@ -134,10 +134,12 @@ def _passthrough(command: str, argv: list[str]) -> int:
         from hetero_pd.bench.spec import main as run
     elif argv[:1] == ["rebalance"]:
         from hetero_pd.bench.rebalance import main as run
+    elif argv[:1] == ["hostile"]:
+        from hetero_pd.bench.hostile import main as run
     else:
         print(
             "usage: hetero-pd bench {offline,serve,pd,transfer,kv,routing,tp,moe,edge,edge-privacy,"
-            "per-token,grammar,decode-step,profile,migrate,spec,rebalance} "
+            "per-token,grammar,decode-step,profile,migrate,spec,rebalance,hostile} "
             "[--help | options]"
         )
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
@@ -156,7 +158,7 @@ PASSTHROUGH = {
     "edge": "the device side: edge generate (a session from the shell) | edge plan (pick k)",
     "bench": "benchmarks: bench offline | serve | pd | transfer | kv [wire] | routing | tp | moe "
     "| edge | edge-privacy | per-token | grammar | decode-step | profile | migrate | spec "
-    "| rebalance",
+    "| rebalance | hostile",
     "drill": "a deployment across hosts, proven in network namespaces: drill multihost",
 }
 

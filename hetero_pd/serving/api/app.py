@@ -22,7 +22,7 @@ from aiohttp import web
 from hetero_pd import __version__
 from hetero_pd.serving.api import admin, embeddings, errors, generate, responses
 from hetero_pd.serving.api import tokens as openai_tokenize
-from hetero_pd.serving.api.bodies import decode_body
+from hetero_pd.serving.api.bodies import Body, fields_of
 from hetero_pd.serving.api.edge_protocol import PATH as EDGE_PATH
 from hetero_pd.serving.api.edge_session import EdgeSettings, serve_session
 from hetero_pd.serving.api.state import STATE, ApiState, api_error, error_response, state_of
@@ -54,7 +54,12 @@ def create_app(state: ApiState) -> web.Application:
     app.router.add_post("/detokenize", _detokenize_route)
     app.router.add_get(EDGE_PATH, _edge_session_here)
     admin.add_routes(app)
+    app.on_cleanup.append(_close_bodies)
     return app
+
+
+async def _close_bodies(app: web.Application) -> None:
+    app[STATE].bodies.close()
 
 
 @web.middleware
@@ -138,9 +143,9 @@ async def _version(request: web.Request) -> web.Response:
 async def _tokenize_route(request: web.Request) -> web.Response:
     state = state_of(request)
     errors.check_api_key(request.headers, state.api_keys)
-    raw = await request.read()
+    body = await state.bodies.prepare(await request.read(), "tokenize", state.max_model_len)
     answer = await asyncio.get_running_loop().run_in_executor(
-        state.tokenize_pool, _tokenize, state, raw
+        state.tokenize_pool, _tokenize, state, body
     )
     return web.json_response(answer)
 
@@ -148,24 +153,24 @@ async def _tokenize_route(request: web.Request) -> web.Response:
 async def _detokenize_route(request: web.Request) -> web.Response:
     state = state_of(request)
     errors.check_api_key(request.headers, state.api_keys)
-    raw = await request.read()
+    body = await state.bodies.prepare(await request.read(), "detokenize", state.max_model_len)
     answer = await asyncio.get_running_loop().run_in_executor(
-        state.tokenize_pool, _detokenize, state, raw
+        state.tokenize_pool, _detokenize, state, body
     )
     return web.json_response(answer)
 
 
-# The body is decoded on the tokenizer thread too, bounded as for completions (`bodies`).
-def _tokenize(state: ApiState, raw: bytes) -> dict[str, Any]:
-    body = decode_body(raw, "tokenize", state.max_model_len)
+# A small body is decoded on the tokenizer thread too, bounded as for completions (`bodies`).
+def _tokenize(state: ApiState, body: Body) -> dict[str, Any]:
+    b = fields_of(body, "tokenize", state.max_model_len)
     return openai_tokenize.tokenize(
-        state.tokenizer, body, state.model_names, state.max_model_len, state.max_prompt_chars
+        state.tokenizer, b, state.model_names, state.max_model_len, state.max_prompt_chars
     )
 
 
-def _detokenize(state: ApiState, raw: bytes) -> dict[str, str]:
-    body = decode_body(raw, "detokenize", state.max_model_len)
-    return openai_tokenize.detokenize(state.tokenizer, body, state.model_names, state.max_model_len)
+def _detokenize(state: ApiState, body: Body) -> dict[str, str]:
+    b = fields_of(body, "detokenize", state.max_model_len)
+    return openai_tokenize.detokenize(state.tokenizer, b, state.model_names, state.max_model_len)
 
 
 async def _edge_session_here(request: web.Request) -> web.StreamResponse:

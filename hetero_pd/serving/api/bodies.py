@@ -10,6 +10,8 @@ within what a valid value of it needs:
 - ``messages``: at most ``MAX_MESSAGES``, each with at most ``MAX_CONTENT_PARTS`` parts;
 - ``tokens`` (/detokenize): counted by their commas against ``max_model_len`` (no request
   makes more text);
+- ``input`` (/v1/embeddings): a string; token ids, counted as a prompt's are; or a batch of
+  at most ``MAX_EMBED_INPUTS``, each counted alike;
 - every other field: at most ``SMALL_FIELD_BYTES`` of JSON (``stop`` and ``logit_bias``
   somewhat more, what their most entries of the longest kind take).
 
@@ -18,7 +20,8 @@ bounded list is decoded into an array-like struct with one optional field per al
 element, which stops at the first element past them. So no field costs more than its
 largest valid value, and the whole decode is a few passes over the bytes in C: 30-90 ms for
 16 MiB of integers on a shared 2-core machine (the Python walk this replaced took 4.7-10 s).
-msgspec holds the GIL while it decodes, so that is also the longest the event loop waits.
+msgspec holds the GIL while it decodes, so bodies larger than a few hundred KiB are decoded
+in a process of their own (`body_process`), and the event loop never waits for one.
 
 The result is the plain dict the field parsers (`fields`, `protocol`, `sampling`,
 `tokens`) read, with only the fields the client sent; they check each value and name it.
@@ -40,9 +43,14 @@ from hetero_pd.serving.api.protocol import UNSUPPORTED
 from hetero_pd.serving.api.structured import FIELDS as STRUCTURED_FIELDS
 from hetero_pd.serving.api.tokens import too_many_ids
 from hetero_pd.serving.api.tools import FIELDS as TOOL_FIELDS
-from hetero_pd.serving.control.sampling import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from hetero_pd.serving.control.sampling import (
+    MAX_EMBED_INPUTS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+)
 
-BodyKind = Literal["completion", "chat", "tokenize", "detokenize"]
+BodyKind = Literal["completion", "chat", "tokenize", "detokenize", "embedding"]
 
 #: Most JSON one plain field (a number, a flag, a name, an unsupported feature) may take.
 SMALL_FIELD_BYTES = 64 * 1024
@@ -86,6 +94,8 @@ _SMALL_FIELDS = (
     "add_special_tokens",
     "add_generation_prompt",
     "return_token_strs",
+    "encoding_format",
+    "dimensions",
     *UNSUPPORTED,
     *STRUCTURED_FIELDS,
     *TOOL_FIELDS,
@@ -97,7 +107,11 @@ def _raw_fields(name: str, *fields: str) -> type[msgspec.Struct]:
     return msgspec.defstruct(name, [(f, msgspec.Raw, msgspec.UNSET) for f in fields])
 
 
-_Body = _raw_fields("_Body", *_SMALL_FIELDS, "prompt", "messages", "tokens")
+#: A request body as the tokenizer thread gets it: the raw bytes (decoded there), or the
+#: fields already decoded in the decoder process (`body_process`, for large bodies).
+Body = bytes | dict[str, Any]
+
+_Body = _raw_fields("_Body", *_SMALL_FIELDS, "prompt", "messages", "tokens", "input")
 _Message = _raw_fields("_Message", "role", "content", "tool_calls")
 _Part = _raw_fields("_Part", "type", "text")
 Scalar = str | int | float | bool | None
@@ -106,9 +120,9 @@ _FIRST = re.compile(rb"\s*(.)", re.S)
 
 def decode_body(raw: bytes, kind: BodyKind, max_prompt_ids: int) -> dict[str, Any]:
     """The fields of a request body that `kind`'s parser reads, each decoded within its bound
-    (``max_prompt_ids``: the most token ids one completion prompt, or one /detokenize, can
-    have). 400 when the body is not a JSON object, or a field is larger than any valid value
-    of it."""
+    (``max_prompt_ids``: the most token ids one completion prompt, one /detokenize or one
+    embeddings input can have). 400 when the body is not a JSON object, or a field is larger
+    than any valid value of it."""
     body = _top(raw)
     out: dict[str, Any] = {}
     for name in _SMALL_FIELDS:
@@ -124,7 +138,15 @@ def decode_body(raw: bytes, kind: BodyKind, max_prompt_ids: int) -> dict[str, An
         out["messages"] = _messages(body.messages)
     if kind == "detokenize" and body.tokens is not msgspec.UNSET:
         out["tokens"] = _ids(body.tokens, "tokens", max_prompt_ids, too_many_ids)
+    if kind == "embedding" and body.input is not msgspec.UNSET:
+        out["input"] = _input(body.input, max_prompt_ids)
     return out
+
+
+def fields_of(body: Body, kind: BodyKind, max_prompt_ids: int) -> dict[str, Any]:
+    """The decoded fields of ``body``: `decode_body` of raw bytes, or the fields the decoder
+    process already decoded (with the same ``kind`` and bound)."""
+    return body if isinstance(body, dict) else decode_body(body, kind, max_prompt_ids)
 
 
 def _top(raw: bytes) -> Any:
@@ -214,6 +236,37 @@ def _too_long_prompt(max_model_len: int) -> Any:
         )
 
     return error
+
+
+def _input(raw: msgspec.Raw, max_ids: int) -> Any:
+    """An embeddings input: a string, token ids, or a batch of strings or of id lists."""
+    if _first(raw) != b"[":
+        return _text(raw, "input")
+    if _second(raw) not in (b'"', b"["):  # one list of token ids: the first input
+        return _ids(raw, "input", max_ids, _too_long_input(0))
+    items = _bounded(raw, MAX_EMBED_INPUTS, "input", "items")
+    return [
+        _ids(item, f"input[{i}]", max_ids, _too_long_input(i))
+        if _first(item) == b"["
+        else _text(item, f"input[{i}]")
+        for i, item in enumerate(items)
+    ]
+
+
+def _too_long_input(i: int) -> Any:
+    def error(count: int, limit: int) -> APIError:
+        return too_long_input(f"input[{i}]", f"{count} tokens", limit)
+
+    return error
+
+
+def too_long_input(where: str, size: str, limit: int) -> APIError:
+    """400: an embeddings input (``where``) longer than the model's context."""
+    return bad_request(
+        f"'{where}' has {size}, more than this model's context ({limit} tokens)",
+        where,
+        "context_length_exceeded",
+    )
 
 
 def _messages(raw: msgspec.Raw) -> Any:

@@ -22,16 +22,16 @@ import base64
 import uuid
 from typing import Any
 
-import msgspec
 import numpy as np
 from aiohttp import web
 
 from hetero_pd.serving.api import errors
+from hetero_pd.serving.api.bodies import Body, fields_of, too_long_input
 from hetero_pd.serving.api.errors import bad_request
 from hetero_pd.serving.api.fields import show
 from hetero_pd.serving.api.state import ApiState, state_of
 from hetero_pd.serving.api.tokens import check_model
-from hetero_pd.serving.control.protocol import MAX_EMBED_INPUTS
+from hetero_pd.serving.control.sampling import MAX_EMBED_INPUTS
 
 FORMATS = ("float", "base64")
 
@@ -39,9 +39,9 @@ FORMATS = ("float", "base64")
 async def embeddings(request: web.Request) -> web.Response:
     state = state_of(request)
     key = errors.check_api_key(request.headers, state.api_keys)
-    raw = await request.read()
+    prepared = await state.bodies.prepare(await request.read(), "embedding", state.max_model_len)
     loop = asyncio.get_running_loop()
-    body, items = await loop.run_in_executor(state.tokenize_pool, parse, state, raw)
+    body, items = await loop.run_in_executor(state.tokenize_pool, parse, state, prepared)
     # Admitted like completions, before the tokenizer spends time on it: each input holds a
     # slot, a large batch at most its key's whole share (it then runs alone for that key).
     admission = state.router.admission
@@ -73,14 +73,9 @@ async def embeddings(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data, "model": model, "usage": usage})
 
 
-def parse(state: ApiState, raw: bytes) -> tuple[dict[str, Any], list[Any]]:
+def parse(state: ApiState, prepared: Body) -> tuple[dict[str, Any], list[Any]]:
     """The body's fields and its inputs, checked but not tokenized (tokenizer thread)."""
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as e:
-        raise bad_request(f"The request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"The request body must be a JSON object, got {type(body).__name__}")
+    body = fields_of(prepared, "embedding", state.max_model_len)
     check_model(body, state.model_names)
     fmt = body.get("encoding_format")
     if fmt is not None and fmt not in FORMATS:
@@ -122,7 +117,7 @@ def _ids(state: ApiState, item: str | list[Any], i: int) -> list[int]:
         if not item:
             raise bad_request(f"'{where}' is an empty string: there is nothing to embed", where)
         if state.max_prompt_chars and len(item) > state.max_prompt_chars:
-            raise _too_long(where, f"{len(item)} characters", state.max_model_len)
+            raise too_long_input(where, f"{len(item)} characters", state.max_model_len)
         ids = list(state.tokenizer.encode(item))
     else:
         size = len(state.tokenizer)
@@ -136,13 +131,5 @@ def _ids(state: ApiState, item: str | list[Any], i: int) -> list[int]:
             )
         ids = item
     if len(ids) > state.max_model_len:
-        raise _too_long(where, f"{len(ids)} tokens", state.max_model_len)
+        raise too_long_input(where, f"{len(ids)} tokens", state.max_model_len)
     return ids
-
-
-def _too_long(where: str, size: str, limit: int) -> errors.APIError:
-    return bad_request(
-        f"'{where}' has {size}, more than this model's context ({limit} tokens)",
-        where,
-        "context_length_exceeded",
-    )

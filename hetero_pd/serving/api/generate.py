@@ -17,7 +17,7 @@ from aiohttp import web
 
 from hetero_pd.serving.api import errors, responses
 from hetero_pd.serving.api import protocol as oai
-from hetero_pd.serving.api.bodies import BodyKind, decode_body
+from hetero_pd.serving.api.bodies import Body, BodyKind, fields_of
 from hetero_pd.serving.api.choices import Answer, Batch
 from hetero_pd.serving.api.edge_protocol import PATH as EDGE_PATH
 from hetero_pd.serving.api.request import GenerateRequest
@@ -105,13 +105,14 @@ def _check_chars(state: ApiState, chars: int, param: str) -> None:
 
 def _parse(
     state: ApiState,
-    body: bytes,
+    body: Body,
     kind: BodyKind,
     parse: Callable[[Any], GenerateRequest],
     key: str,
 ) -> GenerateRequest:
-    """Decodes (bounded) and validates a request, on the tokenizer thread."""
-    req = parse(decode_body(body, kind, state.max_model_len))
+    """Decodes (bounded, unless the decoder process did) and validates a request, on the
+    tokenizer thread."""
+    req = parse(fields_of(body, kind, state.max_model_len))
     if req.model not in state.model_names:
         raise errors.model_not_found(req.model)
     oai.check_sampling_limits(req.params, state.vocab_size)
@@ -161,7 +162,7 @@ async def _generate(
 ) -> web.StreamResponse:
     state = state_of(request)
     key = errors.check_api_key(request.headers, state.api_keys)
-    body = await request.read()
+    raw = await request.read()
     split = state.router.split_info()
     if split is not None:
         raise errors.bad_request(
@@ -169,6 +170,7 @@ async def _generate(
             f"devices: connect with the edge client SDK (edge.EdgeClient) at {EDGE_PATH}",
             code="edge_only",
         )
+    body = await state.bodies.prepare(raw, kind, state.max_model_len)
     loop = asyncio.get_running_loop()
     req = await loop.run_in_executor(state.tokenize_pool, _parse, state, body, kind, parse, key)
     # Admitted before the tokenizer spends time on it; the slots come back however it ends.

@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from hetero_pd.serving.api import errors
+from hetero_pd.serving.api.body_process import BodyDecoder
 from hetero_pd.serving.api.tools import DEFAULT_TOOLS, ToolSettings
 from hetero_pd.serving.router.router import Router, RouterError
 
@@ -45,6 +46,9 @@ class ApiState:
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="hetero-pd-tokenize")
     )
+    #: Decodes the bodies too large to decode on the tokenizer thread without holding the
+    #: GIL long (`body_process`); `create_app` closes it with the app.
+    bodies: BodyDecoder = field(default_factory=BodyDecoder)
     #: Characters a prompt may have before it cannot fit in max_model_len tokens whatever
     #: the text (set from the tokenizer's longest token); 0 = not known.
     max_prompt_chars: int = 0

@@ -18,7 +18,6 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from hetero_pd.engine.structured import GrammarError, check_grammar
 from hetero_pd.serving.api.errors import bad_request
 from hetero_pd.serving.api.fields import show
 from hetero_pd.structured_outputs import KINDS, StructuredOutputsParams
@@ -131,6 +130,10 @@ def _make(param: str, kwargs: dict[str, Any]) -> StructuredOutputsParams:
 
 @functools.lru_cache(maxsize=512)
 def _compile_error(kind: str, spec: str) -> str:
+    # Imported here: the body decoder's process imports this module for FIELDS alone, and
+    # the grammar engine brings torch (seconds, hundreds of MB) with it.
+    from hetero_pd.engine.structured import GrammarError, check_grammar
+
     try:
         check_grammar(StructuredOutputsParams.from_key(kind, spec))
     except GrammarError as e:

@@ -33,6 +33,7 @@ from msgspec import Meta
 from hetero_pd.engine.scheduler import Role
 from hetero_pd.serving.control import migration as M
 from hetero_pd.serving.control.sampling import (
+    MAX_EMBED_INPUTS,
     MAX_STOP_CHARS,
     Position,
     Positions,
@@ -65,8 +66,6 @@ from hetero_pd.serving.control.values import (
 from transfer import RemoteBlocks
 
 VERSION: Literal[2] = 2
-#: Most inputs one Embed carries (OpenAI takes up to 2048 per request).
-MAX_EMBED_INPUTS = 2048
 
 
 _Msg = Envelope

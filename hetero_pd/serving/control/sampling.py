@@ -20,6 +20,9 @@ from hetero_pd.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGPROBS, MAX_N, Sam
 from hetero_pd.structured_outputs import MAX_SPEC_BYTES, StructuredOutputsParams
 
 MAX_TOKENS = 1 << 20
+#: Most inputs one Embed carries (OpenAI takes up to 2048 per request); here beside the
+#: other limits the API's body decoder reads, in a module that does not import torch.
+MAX_EMBED_INPUTS = 2048
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 #: Most `logit_bias` entries one request may carry.

@@ -1,0 +1,183 @@
+"""Large request bodies decoded in a process of their own, so that the router's GIL is free.
+
+msgspec holds the GIL while it decodes (`bodies`): one 16 MiB body is one C call of 40-80 ms
+on a shared 2-core EPYC (of one key repeated, ~170 ms), longer when the OS preempts the
+thread holding it, and bodies that arrive together decoded back to back, so the event loop
+waited their sum (a /health probe up to 245 ms with four, ``hetero-pd bench hostile``,
+docs/BENCHMARKS.md section 18) before it could answer /health, stream a token or read a
+heartbeat. A body larger than ``INLINE_BYTES`` is therefore decoded
+(`bodies.decode_body`, with every bound it checks) in a child process: the router's process
+writes the bytes to a pipe (the GIL released while it writes) and reads back the decoded
+fields or the 400. Smaller bodies, nearly all of them, are decoded on the tokenizer thread
+with the rest of the request's parsing (well under a millisecond), with no round trip.
+
+    request.read() ──> ≤ INLINE_BYTES: raw bytes ───────────────> tokenizer thread: decode_body
+                   └─> larger: child process: decode_body ──fields──> tokenizer thread
+
+The child runs `main` here (it imports `bodies` and msgspec: not torch, nor the script that
+started the router), started with the first large body and reused. Frames on its stdin: a
+header (head length, body length), the head ``[kind, max_ids]`` in msgpack, the body; on its
+stdout: a length, then msgpack ``{"fields": ...}``, ``{"error": [status, message, type,
+param, code]}`` or ``{"failed": text}``. One body at a time (a flood of them costs the host
+one core at most); a child that dies is replaced, and the body it held decoded once more by
+its replacement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import struct
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from hetero_pd.serving.api.bodies import Body, BodyKind, decode_body
+from hetero_pd.serving.api.errors import APIError
+
+log = logging.getLogger("hetero_pd.api")
+
+#: Bodies up to this size are decoded on the tokenizer thread (about 1 ms of msgspec for a
+#: body of integers this large); larger ones in the child process.
+INLINE_BYTES = 256 * 1024
+_REQUEST = struct.Struct("!II")  # head length, body length
+_REPLY = struct.Struct("!I")  # reply length
+_ROOT = Path(__file__).resolve().parents[3]  # the folder holding the hetero_pd package
+
+
+class ChildEnded(Exception):
+    """The decoding process ended (killed, or out of memory) before it answered."""
+
+
+class BodyDecoder:
+    """Decodes the bodies larger than ``INLINE_BYTES`` in a child process; `close()` stops
+    it. ``pid``: the child's, while one runs."""
+
+    def __init__(self) -> None:
+        self._child: subprocess.Popen[bytes] | None = None
+        self._closed = False
+        # The pipe's blocking reads and writes, one body at a time.
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="hetero-pd-bodies")
+
+    @property
+    def pid(self) -> int | None:
+        return self._child.pid if self._child is not None else None
+
+    async def prepare(self, raw: bytes, kind: BodyKind, max_ids: int) -> Body:
+        """``raw`` itself when it is small (the tokenizer thread decodes it, `bodies.fields_of`),
+        else its decoded fields; a 400 (`APIError`) when the body is refused."""
+        if len(raw) <= INLINE_BYTES:
+            return raw
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._io, self._decode, raw, kind, max_ids)
+
+    def _decode(self, raw: bytes, kind: BodyKind, max_ids: int) -> dict[str, Any]:
+        try:
+            reply = self._ask(raw, kind, max_ids)
+        except ChildEnded as e:  # killed (an operator, the OOM killer): once more
+            log.error("%s; starting another", e)
+            try:
+                reply = self._ask(raw, kind, max_ids)
+            except ChildEnded:
+                raise APIError(
+                    503,
+                    "the process that decodes large request bodies ended twice while decoding "
+                    "this one; retry, or send a smaller body",
+                    "server_error",
+                ) from None
+        if "error" in reply:
+            raise APIError(*reply["error"])
+        if "failed" in reply:
+            raise RuntimeError(f"decoding a request body failed: {reply['failed']}")
+        fields: dict[str, Any] = reply["fields"]
+        return fields
+
+    def _ask(self, raw: bytes, kind: BodyKind, max_ids: int) -> dict[str, Any]:
+        if self._closed:  # the app is stopping: start no child it would not stop
+            raise APIError(503, "the API is stopping", "server_error")
+        child = self._child or self._start()
+        assert child.stdin is not None and child.stdout is not None
+        head = msgspec.msgpack.encode([kind, max_ids])
+        try:
+            _write(child.stdin.fileno(), _REQUEST.pack(len(head), len(raw)) + head)
+            _write(child.stdin.fileno(), raw)
+            (size,) = _REPLY.unpack(_read(child.stdout.fileno(), _REPLY.size))
+            reply: dict[str, Any] = msgspec.msgpack.decode(_read(child.stdout.fileno(), size))
+        except (OSError, EOFError):
+            self._stop()
+            raise ChildEnded("the process decoding large request bodies ended") from None
+        return reply
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        # This very package, wherever it was imported from (not what the environment's
+        # path would find first).
+        code = f"import sys; sys.path.insert(0, {str(_ROOT)!r}); import {__name__} as m; m.main()"
+        self._child = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        return self._child
+
+    def _stop(self) -> None:
+        child, self._child = self._child, None
+        if child is not None:
+            child.kill()
+            child.wait(10)
+            for pipe in (child.stdin, child.stdout):
+                if pipe is not None:
+                    pipe.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._io.shutdown(wait=False, cancel_futures=True)
+        self._stop()
+
+
+def _write(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read(fd: int, n: int) -> bytes:
+    parts, left = [], n
+    while left:
+        part = os.read(fd, min(left, 1 << 20))
+        if not part:
+            raise EOFError(f"the pipe ended {left} bytes short of {n}")
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def main() -> None:
+    """The child: decodes one framed body after another until its stdin ends (when the router
+    stops it, or ends itself)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the router's whole group
+    replies = os.dup(1)
+    os.dup2(2, 1)  # anything printed goes to stderr, not into the replies
+    while True:
+        try:
+            head_len, body_len = _REQUEST.unpack(_read(0, _REQUEST.size))
+        except EOFError:
+            return
+        kind, max_ids = msgspec.msgpack.decode(_read(0, head_len))
+        raw = _read(0, body_len)
+        reply: dict[str, Any]
+        try:
+            reply = {"fields": decode_body(raw, kind, max_ids)}
+        except APIError as e:
+            reply = {"error": [e.status, e.message, e.type, e.param, e.code]}
+        except Exception as e:  # a bug: the router answers 500, as it would have here
+            reply = {"failed": repr(e)}
+        payload = msgspec.msgpack.encode(reply)
+        _write(replies, _REPLY.pack(len(payload)) + payload)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Compiled code is run only from where no one else writes (issue 27, low): backends/native.py
+loads the very file it checked (the check was stat-then-load, so a file swapped in between
+was loaded unchecked), and inductor's cache folder is ours and private."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from backends import native
+from backends.compiler import use_cache_dir
+
+needs_cc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
+
+
+def _source(folder: Path, value: int) -> Path:
+    path = folder / f"which{value}.c"
+    path.write_text(f"int which(void) {{ return {value}; }}\n")
+    return path
+
+
+@needs_cc
+@pytest.mark.timeout(120)
+def test_the_library_loaded_is_the_one_checked(tmp_path: Path) -> None:
+    """Between the ownership check and the load, the kernel's name is given another library
+    (as a process that can rename in a folder above could): the load still gets the file
+    that was checked, never the one swapped in."""
+    cc = native.compiler()
+    assert cc is not None
+    other = tmp_path / "other.so"
+    subprocess.run(native.command(cc, _source(tmp_path, 2), str(other)), check=True)
+    kernels = tmp_path / "kernels"
+    loaded: list[str] = []
+
+    def load(path: Path) -> ctypes.CDLL:
+        (built,) = kernels.glob("which1-*.so")
+        os.replace(other, built)  # the swap, right after the check
+        loaded.append(str(path))
+        lib = ctypes.CDLL(str(path))
+        lib.which.restype = ctypes.c_int
+        return lib
+
+    lib = native.build(_source(tmp_path, 1), kernels, "test kernel", load)
+    assert lib is not None and loaded
+    assert lib.which() == 1, f"the swapped library was loaded from {loaded[0]}"
+
+
+def test_inductor_code_is_kept_only_in_a_private_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inductor unpickles and runs what its cache holds: our folder for it is made private,
+    and one others may write is refused (the engine then runs eager, as for a kernel), not
+    handed to inductor (issue 27, low: the inductor cache had no check at all)."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    fresh = tmp_path / "fresh" / "inductor"
+    use_cache_dir(fresh)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(fresh)
+    assert fresh.stat().st_mode & 0o777 == 0o700
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    shared = tmp_path / "shared" / "inductor"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    with pytest.raises(native.UntrustedKernel, match="mode 777"):
+        use_cache_dir(shared)
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(shared)

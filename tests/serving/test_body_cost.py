@@ -1,0 +1,137 @@
+"""A request body costs the router what a valid value of each field needs, on every route
+(issue 27: a request's cost bounded before Python walks it): 16 MiB of integers is refused
+without a Python object made per element, counted in memory, not seconds (the router's
+process traced while the app answers it); and a large body is decoded outside the router's
+process, whose GIL the decoder would hold for tens of milliseconds per body (`bench
+hostile` measures what /health waits meanwhile)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import tracemalloc
+from typing import Any
+
+import msgspec
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from hetero_pd import secrets
+from hetero_pd.serving.api.app import create_app
+from hetero_pd.serving.api.state import ApiState
+from hetero_pd.serving.control.auth import RouterKeys
+from hetero_pd.serving.router.router import Router, RouterConfig
+
+#: A body of 16 MiB (the API's limit) less what the rest of a request needs.
+INTS = b"[" + b"1," * (8 * 2**20 - 256) + b"1]"
+#: What the app may hold at once for one such body: the body as read, a copy or two (aiohttp
+#: reads into a bytearray, then makes bytes). A list of its 8 million elements alone is 64 MiB.
+PEAK_BYTES = 4 * len(INTS)
+
+
+class Tokenizer:
+    """Only what the refusals below read: the vocabulary's size."""
+
+    def __len__(self) -> int:
+        return 100
+
+
+async def _answer(path: str, raw: bytes) -> tuple[int, dict[str, Any], int]:
+    router = Router(RouterConfig(), RouterKeys.from_secret(secrets.generate().encode()))
+    try:
+        state = ApiState(router, Tokenizer(), ["m"], 64, 100)
+        async with TestClient(TestServer(create_app(state))) as client:
+            tracemalloc.start()
+            try:
+                resp = await client.post(path, data=raw)
+                answer = await resp.json()
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            return resp.status, answer, peak
+    finally:
+        await router.close()
+
+
+ROUTES = [
+    ("/v1/completions", b'{"model": "m", "prompt": %s}', "prompt"),
+    ("/tokenize", b'{"prompt": %s}', "prompt"),
+    ("/detokenize", b'{"tokens": %s}', "tokens"),
+    ("/v1/embeddings", b'{"model": "m", "input": %s}', "input[0]"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("path", "body", "param"), ROUTES)
+def test_16_mib_of_integers_is_refused_without_an_object_per_element(
+    path: str, body: bytes, param: str
+) -> None:
+    raw = body % INTS
+    status, answer, peak = asyncio.run(asyncio.wait_for(_answer(path, raw), 100))
+    assert (status, answer["error"]["param"]) == (400, param), answer
+    assert peak < PEAK_BYTES, f"{peak / 2**20:.0f} MiB held for a {len(raw) / 2**20:.0f} MiB body"
+
+
+@pytest.mark.timeout(120)
+def test_a_large_body_is_decoded_outside_the_routers_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each route's answer is the same 400 naming the field, and no JSON decode in this
+    process (the router's) ever reads a megabyte: the spy sees only small decodes."""
+    seen: list[int] = []
+    decode = msgspec.json.decode
+
+    def spy(buf: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(len(buf))
+        return decode(buf, *args, **kwargs)
+
+    monkeypatch.setattr(msgspec.json, "decode", spy)
+    for path, body, param in ROUTES:
+        status, answer, _ = asyncio.run(asyncio.wait_for(_answer(path, body % INTS), 100))
+        assert (status, answer["error"]["param"]) == (400, param), answer
+    assert max(seen, default=0) < 2**20, sorted(seen)[-5:]
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_decoder_process_is_replaced() -> None:
+    """The decoder process killed (an operator, the OOM killer) between two large bodies:
+    the second is decoded by a new one, with the same answer."""
+
+    async def scenario() -> list[tuple[int, Any]]:
+        router = Router(RouterConfig(), RouterKeys.from_secret(secrets.generate().encode()))
+        raw = b'{"tokens": %s}' % INTS
+        seen = []
+        try:
+            state = ApiState(router, Tokenizer(), ["m"], 64, 100)
+            async with TestClient(TestServer(create_app(state))) as client:
+                for _ in range(2):
+                    resp = await client.post("/detokenize", data=raw)
+                    seen.append((resp.status, (await resp.json())["error"]["param"]))
+                    pid = state.bodies.pid
+                    assert pid is not None
+                    os.kill(pid, signal.SIGKILL)  # the next body finds its pipe closed
+        finally:
+            await router.close()
+        return seen
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 100)) == [(400, "tokens")] * 2
+
+
+@pytest.mark.timeout(120)
+def test_an_admin_body_is_refused_by_its_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/admin/* bodies name a worker and a timeout: 16 MiB of one key repeated (~170 ms of
+    msgspec, on the event loop for these routes) is refused by its length, never decoded. A
+    deployment without keys lets anyone reach these routes."""
+    seen: list[int] = []
+    decode = msgspec.json.decode
+
+    def spy(buf: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(len(buf))
+        return decode(buf, *args, **kwargs)
+
+    monkeypatch.setattr(msgspec.json, "decode", spy)
+    raw = b'{"worker": "decode-0"' + b', "timeout_s": 1' * (len(INTS) // 16) + b"}"
+    status, answer, _ = asyncio.run(asyncio.wait_for(_answer("/admin/drain", raw), 100))
+    assert status == 413 and "at most" in answer["error"]["message"], answer
+    assert max(seen, default=0) < 2**20, sorted(seen)[-5:]
