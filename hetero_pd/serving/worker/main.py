@@ -42,6 +42,7 @@ from hetero_pd.serving.control.server import ControlServer
 from hetero_pd.serving.worker.config import WorkerConfig, transfer_config
 from hetero_pd.serving.worker.embeds import EmbedQueue
 from hetero_pd.serving.worker.prefix_share import offer_prefix, shares_prefixes
+from hetero_pd.serving.worker.reports import load_report
 from hetero_pd.serving.worker.requests import RequestBook
 from transfer import KVRegion, TransferEngine
 
@@ -277,32 +278,8 @@ class Worker:
     def _heartbeat(self, now: float) -> None:
         self._last_heartbeat = now
         self.engine.check_ranks()  # an idle worker notices a dead rank too: it exits
-        load = self.engine.load()
-        transfer = self.transfer.metrics()
-        report = V.WorkerLoad(
-            waiting=load.waiting,
-            running=load.running,
-            remote=load.remote,
-            held=load.held,
-            waiting_tokens=load.waiting_tokens,
-            kv_usage=min(max(load.kv_usage, 0.0), 1.0),
-            free_blocks=load.free_blocks,
-            draining=self.draining or self.switch_to is not None,
-            kv_fallbacks=self.book.kv_fallbacks,
-            frames_rejected=self.control.rejected,
-            transfer_healthy=self.transfer.healthy(),
-            transfer_auth_failures=transfer.auth_failures_total,
-            transfer_faults_injected=transfer.faults_injected_total,
-            transfer={
-                name: V.TransportCounters.of(counters)
-                for name, counters in transfer.transports.items()
-            },
-            prompt_tokens_computed=load.prompt_tokens_computed,
-            prefix_pulls=self.book.pulls.done,
-            prefix_pulled_tokens=self.book.pulls.tokens,
-            prefix_pull_failures=self.book.pulls.failed,
-            spec_decode=spec_decode_counts(self.engine),
-        )
+        draining = self.draining or self.switch_to is not None
+        report = load_report(self.engine, self.transfer, self.book, self.control.rejected, draining)
         beat = P.Heartbeat(worker=self.worker_id, load=report, cached=self._cache_report(now))
         self.control.broadcast(beat, only_idle=True)
         if not report.transfer_healthy and self.fault is None:
@@ -369,20 +346,6 @@ def run(cfg: WorkerConfig) -> int:
     finally:
         worker.close()
     return 1 if worker.fault else 0
-
-
-def spec_decode_counts(engine: LLMEngine) -> V.SpecDecodeCounts | None:
-    """The engine's speculative decoding totals for its heartbeat (None: it does not
-    speculate)."""
-    if engine.speculator is None:
-        return None
-    s = engine.speculator.stats
-    return V.SpecDecodeCounts(
-        drafts=s.num_drafts,
-        draft_tokens=s.num_draft_tokens,
-        accepted_tokens=s.num_accepted_tokens,
-        accepted_per_pos=list(s.accepted_per_pos),
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
