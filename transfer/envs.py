@@ -21,6 +21,6 @@ def transfer_settings() -> dict[str, object]:
 
 
 def hash_inline_bytes() -> int:
-    """$HETERO_PD_HASH_INLINE_BYTES: direct writes' chunks read back up to this size are
-    hashed on the calling thread (default 64 MiB)."""
+    """$HETERO_PD_HASH_INLINE_BYTES: chunks up to this size are hashed on the calling thread
+    (default 64 MiB)."""
     return int(os.environ.get("HETERO_PD_HASH_INLINE_BYTES", 64 << 20))

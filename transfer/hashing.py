@@ -22,13 +22,10 @@ from transfer.errors import TransferError
 #: Helper threads per engine: enough to keep up with one core's copies, no more (one of
 #: them also copies half of a direct write's chunks, transports.direct._copy_in_two).
 THREADS = 2
-#: Tensors up to this size are hashed at once on the calling thread (direct writes' read
-#: backs): handing them to a helper and waking the I/O thread with the result costs more
-#: than hashing them (xxh3 runs at tens of GB/s on data the caller has just touched).
+#: Buffers up to this size are hashed at once on the calling thread: handing them to a
+#: helper and waking the I/O thread with the result costs more than hashing them (xxh3 runs
+#: at tens of GB/s on data the caller has just touched, so even a whole chunk takes ~0.1 ms).
 INLINE_BYTES = envs.hash_inline_bytes()
-#: :meth:`Hasher.behind` hashes buffers at least this big on a helper thread; smaller ones at
-#: once (a hand-off and a loop wake-up cost tens of microseconds, hashing 256 KiB ~10).
-BEHIND_BYTES = 256 << 10
 Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
 
@@ -52,12 +49,9 @@ class Hasher:
             return _done(tensor_digest, algo, data)
         return self._executor().submit(tensor_digest, algo, data)
 
-    def behind(self, algo: str, data: Buffer) -> Future[int]:
-        """Checksum of a stream chunk's bytes on a helper thread (from ``BEHIND_BYTES`` up),
-        while the I/O thread goes on moving other bytes: the sender's next chunks ahead of
-        its socket writes, the receiver's landed chunk behind its reads. On the I/O threads
-        the two xxh3 passes were 0.2-0.4 of a loopback push's time on AVX2 cores."""
-        if len(data) < BEHIND_BYTES:
+    def submit_bytes(self, algo: str, data: Buffer) -> Future[int]:
+        """Checksum of a byte buffer."""
+        if len(data) <= INLINE_BYTES:
             return _done(checksum.digest, algo, data)
         return self._executor().submit(checksum.digest, algo, data)
 

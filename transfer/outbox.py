@@ -16,11 +16,13 @@ from typing import Protocol
 
 import zmq
 
+from transfer.checksum import Running
 from transfer.faults import FaultInjector
 from transfer.loop import IOLoop
 from transfer.messages import AnyMessage, tag
 from transfer.metrics import Metrics
 from transfer.session import Session
+from transfer.transports.tcp.frames import TRAILER_BYTES
 
 Part = bytes | memoryview
 #: Replies a connection without a session gets at most: a handshake takes two (CHALLENGE,
@@ -42,7 +44,13 @@ class DataPath(Protocol):
     """The data channel, as the outbox uses it
     (:class:`transfer.transports.tcp.channel.DataChannel`)."""
 
-    def send(self, session: Session, parts: list[Part], owner: FrameOwner | None) -> bool: ...
+    def send(
+        self,
+        session: Session,
+        parts: list[Part],
+        owner: FrameOwner | None,
+        hash_with: Running | None = None,
+    ) -> bool: ...
 
     def cancel(self, owner: FrameOwner) -> None: ...
 
@@ -55,6 +63,8 @@ class Route:
     via_data: bool = False
     #: The transfer whose source blocks the frame views (data channel accounting).
     owner: FrameOwner | None = None
+    #: Data channel: the frame's digest trailer is computed while it is written.
+    hash_with: Running | None = None
 
 
 class Outbox:
@@ -97,6 +107,8 @@ class Outbox:
         track: bool = False,
         via_data: bool = False,
         owner: FrameOwner | None = None,
+        trailer: bytes | None = None,
+        hash_with: Running | None = None,
     ) -> zmq.MessageTracker | bool:
         """Send one frame to ``session``; False if it could not go. ``msg_type`` names
         the frame's message (:func:`transfer.messages.tag`) for fault rules.
@@ -104,11 +116,15 @@ class Outbox:
         ``via_data``: ``header`` is a data-channel header (:mod:`transfer.transports.tcp.frames`)
         and the frame goes on the session's data channel; ``owner`` is the transfer whose source
         blocks ``payload`` views (held until the kernel took it). ``track``: return a ZMQ
-        tracker that says when a zero-copy payload was released.
+        tracker that says when a zero-copy payload was released. A data-channel DATA frame
+        whose header says so ends with a digest trailer: ``trailer`` (known), or computed by
+        ``hash_with`` over the payload as it is written.
         """
         parts: list[Part] = [header] if payload is None else [header, payload]
+        if trailer is not None or hash_with is not None:
+            parts.append(trailer if trailer is not None else memoryview(bytearray(TRAILER_BYTES)))
         if self.injector is None:
-            return self._send_raw(Route(session, via_data, owner), parts, track)
+            return self._send_raw(Route(session, via_data, owner, hash_with), parts, track)
         # With faults on, senders never hand out views of their source blocks, so frames
         # can be delayed or duplicated safely; trackers are not needed.
         for out in self.injector.apply(msg_type, parts, Route(session, via_data)):
@@ -166,7 +182,7 @@ class Outbox:
         if route.via_data:
             if self.datachan is None or not session.data_address:
                 return False
-            return self.datachan.send(session, parts, route.owner)
+            return self.datachan.send(session, parts, route.owner, route.hash_with)
         try:
             if session.identity is not None:
                 self.router.send_multipart([session.identity, *parts], zmq.NOBLOCK, copy=False)

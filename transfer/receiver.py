@@ -223,11 +223,17 @@ class Receiver:
         self._good(incoming, seq, len(payload))
 
     def landed(
-        self, incoming: InTransfer, seq: int, data: memoryview, digest: int | None, sealed: bool
+        self,
+        incoming: InTransfer,
+        seq: int,
+        data: memoryview,
+        digest: int | None,
+        computed: int | None = None,
+        sealed: bool = False,
     ) -> None:
-        """Chunk ``seq`` was read straight into its destination blocks: verify it there on a
-        hashing thread while the I/O thread reads the next chunks (frames for ``seq`` are
-        dropped and an END waits until that is done); a ``sealed`` one was, by its tag."""
+        """Chunk ``seq`` was read straight into its destination blocks: verify it, with the
+        checksum ``computed`` as its bytes arrived or else there on a hashing thread (frames
+        for ``seq`` are dropped until that is done); a ``sealed`` one was, by its tag."""
         algo = incoming.algo
         if algo is None or sealed:
             self._good(incoming, seq, len(data))
@@ -237,6 +243,12 @@ class Receiver:
             self._bad(incoming, seq)
             return
         nbytes = len(data)
+        if computed is not None:
+            if computed == digest:
+                self._good(incoming, seq, nbytes)
+            else:
+                self._bad(incoming, seq)
+            return
         incoming.verifying.add(seq)
 
         def verdict(value: int | None) -> None:
@@ -248,7 +260,7 @@ class Receiver:
                 self._bad(incoming, seq)
             self.resume_end(incoming)
 
-        self.hasher.then(self.hasher.behind(algo, data), verdict)
+        self.hasher.then(self.hasher.submit_bytes(algo, data), verdict)
 
     def still_verifying(self, incoming: InTransfer, seq: int) -> bool:
         incoming.verifying.discard(seq)

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
-from transfer import RemoteBlocks, TransferEngine, TransferState, checksum, hashing
-from transfer.checksum import Buffer
-from transfer.outbox import Part
-from transfer.session import Session
+from transfer import RemoteBlocks, TransferEngine, TransferState
 from transfer.testing import PeerProcess, blocks_digest
-from transfer.transports.tcp import frames
-from transfer.transports.tcp.channel import DataChannel
+from transfer.transports.tcp import data_in, data_out, frames
 
 from .conftest import Pair
 
@@ -134,84 +128,23 @@ def test_trailer_flag_round_trip_and_bounds() -> None:
         frames.unpack(message, 64)
 
 
-def _digest_in_a_trailer(parts: list[Part]) -> list[Part]:
-    """A DATA frame as senders before 2026-12-06 sent it: its digest after the body."""
-    head = frames.unpack(parts[0], 1 << 30)
-    if head.kind != frames.DATA or head.digest is None:
-        return parts
-    header = frames.data(head.stream, head.seq, head.ti, head.lo, head.hi, head.length, None, True)
-    return [header, parts[1], frames.trailer(head.digest)]
-
-
-@pytest.mark.parametrize("flipped", [False, True])
-def test_a_digest_in_a_trailer_is_still_understood(
-    make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch, flipped: bool
+@pytest.mark.parametrize("piece", [1000, 4096])
+def test_trailer_digest_is_hashed_as_the_kernel_takes_each_piece(
+    make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch, piece: int
 ) -> None:
-    """Senders of the version before hashed each chunk as they wrote it and sent its digest
-    after the body (flag ``trailer``): their chunks land and verify as before, and one whose
-    trailer does not match its bytes (the first) is caught and resent."""
-    send = DataChannel.send
-    wrong = [flipped]
-
-    def older(chan: DataChannel, session: Session, parts: list[Part], owner: Any) -> bool:
-        parts = _digest_in_a_trailer(parts)
-        if len(parts) == 3 and wrong[0]:
-            wrong[0] = False
-            parts[2] = frames.trailer(int.from_bytes(parts[2], "little") ^ 1)
-        return send(chan, session, parts, owner)
-
-    monkeypatch.setattr(DataChannel, "send", older)
+    """Chunks of many pieces (odd sizes too): the digest computed while writing matches
+    the receiver's, piece by piece, so nothing is NACKed and the blocks are equal."""
+    monkeypatch.setattr(data_out, "HASH_PIECE", piece)
+    monkeypatch.setattr(data_in, "HASH_PIECE", piece)
     p, d = make_pair()
     dst = list(range(20, 60))  # one run: received straight into the blocks
-    recv = d.reserve("trailers", dst, writer=p.engine_id)
+    recv = d.reserve("pieces", dst, writer=p.engine_id)
     assert recv.blocks is not None
     src = list(range(1, 41))
     h = p.push_blocks(d.engine_id, src, recv.blocks, transport="tcp")
     assert h.wait(10) is TransferState.DONE, h.error
+    assert h.attempts == 1
     assert d.metrics().data_links_total == 1  # it went over the data channel
-    assert d.metrics().transport("tcp").checksum_failures_total == (1 if flipped else 0)
+    assert d.metrics().transport("tcp").checksum_failures_total == 0
     assert blocks_digest(d.region(), dst) == blocks_digest(p.region(), src)
-    d.release("trailers")
-
-
-def _hashing_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Every chunk that lands in its blocks is hashed behind the reads whatever its size
-    (these chunks are a few KiB); returns the names of the threads that hashed them."""
-    monkeypatch.setattr(hashing, "BEHIND_BYTES", 0)
-    names: list[str] = []
-    whole = checksum.digest
-
-    def digest(algo: str, data: Buffer) -> int:
-        names.append(threading.current_thread().name)
-        return whole(algo, data)
-
-    monkeypatch.setattr(checksum, "digest", digest)
-    return names
-
-
-@pytest.mark.parametrize("fault", [None, "corrupt"])
-def test_landed_chunks_are_verified_on_the_hashing_threads(
-    make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch, fault: str | None
-) -> None:
-    """The receiver's I/O thread reads the next chunk while a hashing thread verifies the
-    one that landed, and END waits for every verdict: a byte flipped on the way (the second
-    chunk) is caught there and that chunk alone is resent; the blocks end equal."""
-    names = _hashing_threads(monkeypatch)
-    faults = [{"kind": "corrupt", "msg_type": "data", "nth": 2}] if fault else []
-    p, d = make_pair(sender={"faults": faults})
-    dst = list(range(20, 60))  # one run: received straight into the blocks
-    recv = d.reserve("behind", dst, writer=p.engine_id)
-    assert recv.blocks is not None
-    src = list(range(1, 41))
-    h = p.push_blocks(d.engine_id, src, recv.blocks, transport="tcp")
-    assert h.wait(10) is TransferState.DONE, h.error
-    assert recv.wait(5) is TransferState.DONE
-    assert d.metrics().data_links_total == 1  # it went over the data channel
-    tcp = d.metrics().transport("tcp")
-    assert tcp.checksum_failures_total == (1 if fault else 0)
-    assert blocks_digest(d.region(), dst) == blocks_digest(p.region(), src)
-    verified = [n for n in names if n.startswith(f"hash-{d.engine_id}")]
-    # every chunk sent (the resent one too) verified there, none on the receiver's I/O thread
-    assert len(verified) == p.metrics().transport("tcp").chunks_sent_total
-    assert not any(n.startswith(f"transfer-{d.engine_id}") for n in names)
-    d.release("behind")
+    d.release("pieces")

@@ -29,7 +29,7 @@ from typing import Any
 
 import zmq
 
-from transfer import auth
+from transfer import auth, checksum
 from transfer.addresses import join_host_port
 from transfer.config import TransferConfig
 from transfer.errors import TransferError
@@ -117,7 +117,13 @@ class DataChannel:
         self.loop.unwatch(conn.fd)
         self.ins.pop(conn.fd, None)
 
-    def send(self, session: Session, parts: list[Part], owner: FrameOwner | None) -> bool:
+    def send(
+        self,
+        session: Session,
+        parts: list[Part],
+        owner: FrameOwner | None,
+        hash_with: checksum.Running | None = None,
+    ) -> bool:
         """Queue one frame to ``session``'s peer, connecting first if needed."""
         if session.data_failed:
             return False
@@ -134,7 +140,7 @@ class DataChannel:
             self.connecting.append(conn)
             proof = auth.data_proof(session.token, session.peer_id)
             conn.enqueue(frames.preface(proof), None)
-        conn.enqueue(parts, owner)
+        conn.enqueue(parts, owner, hash_with)
         return not conn.closed
 
     def resolve(self, conn: DataOut) -> None:

@@ -3,10 +3,9 @@
 A chunk whose destination is one contiguous run of CPU blocks of the same dtype and block
 size is read with ``recv_into`` straight into those blocks; every read happens under the
 ledger lock after checking that the reservation is still live, so a ``release()`` can never
-race a write. Its digest is then computed over the blocks themselves on a hashing thread,
-while this thread reads the next chunks, and must match before the chunk counts as good (an
-END waits for it); a bad chunk leaves the blocks reserved but uncommitted (nothing reads
-them) and is NACKed at END like any other. Other chunks (scattered blocks, another
+race a write. Its digest is then computed over the blocks themselves and must match before
+the chunk counts as good; a bad chunk leaves the blocks reserved but uncommitted (nothing
+reads them) and is NACKed at END like any other. Other chunks (scattered blocks, another
 dtype or block size, device memory) are read into a reusable staging buffer and go through
 the same verify-then-scatter as ZMQ frames (:meth:`Receiver.on_data`), and so do the chunks
 of a sealed session (:mod:`transfer.aead`), read whole into staging and opened straight
@@ -30,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from transfer import aead, layout, wire
+from transfer import aead, checksum, layout, wire
 from transfer.config import TransferConfig
 from transfer.errors import StatusCode, TransferError
 from transfer.incoming import InTransfer
@@ -48,6 +47,9 @@ READ_BUDGET = 16 << 20
 #: Streams (BEGINs) remembered per connection.
 MAX_STREAMS = 4096
 _SCRATCH = bytearray(1 << 20)
+#: A chunk landing in its blocks is read (and hashed) in pieces of at most this size, so
+#: each piece is hashed while it is still in this core's cache.
+HASH_PIECE = 1 << 20
 #: Staging buffers kept for sealed chunks (each opened on a hashing thread with its own).
 SPARE_BUFFERS = 4
 
@@ -82,6 +84,8 @@ class DataIn:
         self._tail = bytearray(frames.TRAILER_BYTES)
         self._body: memoryview | None = None  # where the body goes; None: scratch (dropped)
         self._direct: InTransfer | None = None  # set when the body lands in dst blocks
+        #: The landing body's checksum, fed as bytes arrive (still in the cache).
+        self._running: checksum.Running | None = None
         self._staging = bytearray(0)
         self._plain = bytearray(0)  # a sealed chunk, opened (when it cannot land directly)
         #: Staging buffers back from sealed chunks opened on the hashing threads.
@@ -132,12 +136,15 @@ class DataIn:
         if incoming is not None:
             body = self._body
             assert body is not None
+            stop = frame.length if self._running is None else self._got + HASH_PIECE
 
             def read() -> int:  # into the blocks, while the reservation still owns them
-                return self.sock.recv_into(body[self._got :])
+                return self.sock.recv_into(body[self._got : stop])
 
             try:
                 n = self.ledger.write_if_current(incoming.reservation, read)
+                if self._running is not None:
+                    self._running.update(body[self._got : self._got + n])
                 self._got += n
                 return n
             except TransferError as err:
@@ -155,6 +162,7 @@ class DataIn:
     def _start(self, frame: FrameHeader) -> None:
         self.frame, self._got, self._body, self._direct = frame, 0, None, None
         self._end = frame.length + (frames.TRAILER_BYTES if frame.trailer else 0)
+        self._running = None
         if self.session is None and frame.kind != frames.PREFACE:
             self.metrics.reject("data_unauthenticated")
             raise wire.FrameError("unauthenticated", "data connection without preface")
@@ -192,6 +200,8 @@ class DataIn:
             self.receiver.reject_stale(incoming, _released(incoming))
             return
         self._body, self._direct = view, incoming
+        if incoming.algo is not None and (frame.digest is not None or frame.trailer):
+            self._running = checksum.Running(incoming.algo)
 
     def _finish(self, frame: FrameHeader) -> None:
         body = self._body
@@ -204,7 +214,8 @@ class DataIn:
                 assert body is not None
                 self._on_message(frame, body)
             elif body is not None and self._direct is not None:
-                self.receiver.landed(self._direct, frame.seq, body, digest, sealed=False)
+                computed = self._running.value() if self._running is not None else None
+                self.receiver.landed(self._direct, frame.seq, body, digest, computed)
             elif body is not None and self._sealed is not None:
                 self._open(frame, body, self._sealed)
             elif body is not None:
@@ -216,7 +227,7 @@ class DataIn:
             self.metrics.internal_errors_total += 1
             self.metrics.reject("internal_error")
         finally:
-            self._body = self._direct = self._sealed = None
+            self._body = self._direct = self._running = self._sealed = None
 
     def _staged(
         self, frame: FrameHeader, body: memoryview, digest: int | None, sealed: bool = False

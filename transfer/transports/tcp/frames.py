@@ -13,9 +13,8 @@ Never pickle::
                           3 DATA (body: chunk payload)
          6     2  flags   bit 0: ``digest`` is set; bit 1: the body is followed by an
                           8-byte little-endian digest of it (a trailer, not counted in
-                          ``length``): what senders before 2026-12-06 sent, hashing each
-                          piece right after the kernel took it; understood, no longer
-                          sent (ours hash ahead, on the hashing threads); bit 2: the body is
+                          ``length``), for senders that hash each piece just before the
+                          kernel copies it, while it is in the cache; bit 2: the body is
                           sealed (DATA of a sealed session: :mod:`transfer.aead`, the
                           header its associated data)
          8     8  stream  the sender's number for the transfer (BEGIN names it, DATA uses it)

@@ -6,9 +6,8 @@ frames on the link.
 bounded slice per call::
 
     queue ──> _prepare (gather, kv codec, digest a few chunks ahead on the hashing threads)
-          ──> data channel: DATA header (with the digest) + body
-          └─> ZMQ link:     Data message (with the digest) + body (zero copy, tracked until
-                            ZMQ let go)
+          ──> data channel: DATA header + body [+ trailer digest, hashed behind the kernel]
+          └─> ZMQ link:     Data message + body (zero copy, tracked until ZMQ let go)
     a sealed session (transfer.aead): the body sealed under the header (no digest: the tag),
     a few chunks ahead on the hashing threads (AES-GCM releases the GIL), so sealing the
     next chunks overlaps sending this one instead of adding to it
@@ -25,7 +24,7 @@ from typing import Any
 
 import zmq
 
-from transfer import aead, kv_codec, layout
+from transfer import aead, checksum, kv_codec, layout
 from transfer.hashing import Hasher
 from transfer.messages import Begin, Data, End, tag
 from transfer.metrics import TransportMetrics
@@ -46,18 +45,21 @@ def pump_stream(
 
     Chunk digests are computed a few chunks ahead on the hashing threads, so hashing
     overlaps the socket writes; a chunk whose digest is not ready yet waits (the hashing
-    thread wakes the loop when it is). Hashing on this thread instead, even while the
-    kernel's copy had left the bytes in the cache, put both xxh3 passes of a loopback push
-    on its I/O threads: 0.2-0.4 of its time on an AVX2 core (transfer/README.md, Speed).
+    thread wakes the loop when it is).
     """
     session = out.session
     assert session is not None
     if out.src_run is None:
         out.src_run = layout.is_run(out.src_ids)
     moved = 0
+    # On the data channel a chunk's digest trails its body and is computed piece by piece
+    # just before the kernel copies each piece (data_out.DataOut.flush), while it is cached.
+    # With faults on it is computed here, before a fault may change the bytes. ``trail``:
+    # the algorithm the data channel hashes with as it writes (None: digests here).
     sealer = session.sealer  # a sealed session: every chunk sealed, its tag its checksum
+    trail = out.algo if out.via_data and not outbox.faults_on and sealer is None else None
     while out.queue and moved < PUMP_BYTES and out.inflight < WINDOW_BYTES:
-        _prepare(out, hasher, not outbox.faults_on)
+        _prepare(out, hasher, not outbox.faults_on, trail is None and sealer is None)
         seq = out.queue[0]
         buf, pending = out.prepared[seq]
         if pending is not None and not pending.done():
@@ -75,9 +77,20 @@ def pump_stream(
             else:  # the DATA message is the sealed body's associated data
                 sent = outbox.send(session, "data", header, sealed)
         elif out.via_data:
-            header = frames.data(out.stream, seq, chunk.ti, chunk.lo, chunk.hi, len(buf), result)
+            header = frames.data(
+                out.stream, seq, chunk.ti, chunk.lo, chunk.hi, len(buf), None, out.algo is not None
+            )
             owner = None if outbox.faults_on else out
-            sent = outbox.send(session, "data", header, buf, via_data=True, owner=owner)
+            sent = outbox.send(
+                session,
+                "data",
+                header,
+                buf,
+                via_data=True,
+                owner=owner,
+                trailer=None if result is None else frames.trailer(result),
+                hash_with=None if trail is None else checksum.Running(trail),
+            )
         else:
             header = session.header(_data(out, seq, result))
             sent = outbox.send(session, "data", header, buf, track=not outbox.faults_on)
@@ -108,9 +121,8 @@ def send_framing(outbox: Outbox, out: OutTransfer, msg: Begin | End) -> None:
         outbox.send(out.session, msg_type, header)
 
 
-def _prepare(out: OutTransfer, hasher: Hasher, safe_views: bool) -> None:
-    """Bytes and digests (sealed: frames) of the next few queued chunks, those on the
-    hashing threads."""
+def _prepare(out: OutTransfer, hasher: Hasher, safe_views: bool, digests: bool) -> None:
+    """Bytes (and, if ``digests``, digests) of the next few queued chunks."""
     for seq in itertools.islice(out.queue, PREFETCH_CHUNKS):
         if seq in out.prepared:
             continue
@@ -124,8 +136,8 @@ def _prepare(out: OutTransfer, hasher: Hasher, safe_views: bool) -> None:
         pending: Future[Any] | None = None
         if out.session is not None and out.session.sealer is not None:
             pending = hasher.run(_seal, out, seq, buf)
-        elif out.algo:
-            pending = hasher.behind(out.algo, buf)
+        elif out.algo and digests:
+            pending = hasher.submit_bytes(out.algo, buf)
         if pending is not None:
             hasher.then(pending, lambda _: _ready(out))
         out.prepared[seq] = (buf, pending)
