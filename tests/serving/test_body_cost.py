@@ -135,3 +135,22 @@ def test_an_admin_body_is_refused_by_its_size(monkeypatch: pytest.MonkeyPatch) -
     status, answer, _ = asyncio.run(asyncio.wait_for(_answer("/admin/drain", raw), 100))
     assert status == 413 and "at most" in answer["error"]["message"], answer
     assert max(seen, default=0) < 2**20, sorted(seen)[-5:]
+
+
+#: An integer past 64 bits: JSON has no bound on one, msgpack (the decoder's replies) has.
+WIDE = b"1" + b"0" * 30
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason="the decoder process dies encoding a wide integer")
+def test_a_wide_integer_gets_the_same_answer_from_the_decoder_process() -> None:
+    """A body with an integer past 64 bits is answered alike small (decoded on the tokenizer
+    thread) and large (by the decoder process): that process's replies are msgpack, which
+    has no such integer, and it must neither die on one (twice: it is replaced and the body
+    sent again) nor answer 503 for the client's 400."""
+    body = b'{"model": "m", "prompt": "hi", "max_tokens": %s, "pad": "%s"}'
+    small = asyncio.run(asyncio.wait_for(_answer("/v1/completions", body % (WIDE, b"")), 100))
+    pad = b"a" * (2**20)  # an unknown field: skipped unread, but the body is large now
+    large = asyncio.run(asyncio.wait_for(_answer("/v1/completions", body % (WIDE, pad)), 100))
+    assert small[0] == 400 and small[1]["error"]["param"] == "max_tokens", small[1]
+    assert large[:2] == small[:2]
