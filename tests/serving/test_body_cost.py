@@ -154,3 +154,20 @@ def test_a_wide_integer_gets_the_same_answer_from_the_decoder_process() -> None:
     large = asyncio.run(asyncio.wait_for(_answer("/v1/completions", body % (WIDE, pad)), 100))
     assert small[0] == 400 and small[1]["error"]["param"] == "max_tokens", small[1]
     assert large[:2] == small[:2]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason="a deep value: 500 in plain text, or a dead decoder")
+def test_a_deeply_nested_field_is_a_400_small_or_large() -> None:
+    """A field nested as deep as JSON decoding allows (2 KB of brackets) is a 400 in
+    OpenAI's shape, small or large: on the tokenizer thread the field's parser recursed
+    (the repr of `stop` in its error: RecursionError, aiohttp's plain-text 500), and the
+    decoder process's reply nests two levels deeper than the field, past what msgpack
+    encodes, so that process died on it (twice: replaced, the body sent again) and the
+    client got 503."""
+    deep = b"[" * 990 + b"]" * 990
+    body = b'{"model": "m", "prompt": "hi", "stop": %s, "pad": "%s"}'
+    pad = b"a" * (2**20)  # an unknown field: skipped unread, but the body is large now
+    for raw in (body % (deep, b""), body % (deep, pad)):
+        status, answer, _ = asyncio.run(asyncio.wait_for(_answer("/v1/completions", raw), 100))
+        assert status == 400 and "deeper" in answer["error"]["message"], (len(raw), answer)
