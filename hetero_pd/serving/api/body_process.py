@@ -18,7 +18,8 @@ The child runs `main` here (it imports `bodies` and msgspec: not torch, nor the 
 started the router), started with the first large body and reused. Frames on its stdin: a
 header (head length, body length), the head ``[kind, max_ids]`` in msgpack, the body; on its
 stdout: a length, then msgpack ``{"fields": ...}``, ``{"error": [status, message, type,
-param, code]}`` or ``{"failed": text}``. One body at a time (a flood of them costs the host
+param, code]}`` or ``{"failed": text}`` (an integer past msgpack's 64 bits as an extension
+holding its digits). One body at a time (a flood of them costs the host
 one core at most); a child that dies is replaced, and the body it held decoded once more by
 its replacement.
 """
@@ -38,7 +39,7 @@ from typing import Any
 
 import msgspec
 
-from hetero_pd.serving.api.bodies import Body, BodyKind, decode_body
+from hetero_pd.serving.api.bodies import Body, BodyKind, decode_body, too_deep
 from hetero_pd.serving.api.errors import APIError
 
 log = logging.getLogger("hetero_pd.api")
@@ -48,6 +49,9 @@ log = logging.getLogger("hetero_pd.api")
 INLINE_BYTES = 256 * 1024
 _REQUEST = struct.Struct("!II")  # head length, body length
 _REPLY = struct.Struct("!I")  # reply length
+#: The msgpack extension that carries an integer msgpack cannot (past 64 bits; JSON has no
+#: bound on one): its decimal digits.
+_WIDE_INT = 1
 _ROOT = Path(__file__).resolve().parents[3]  # the folder holding the hetero_pd package
 
 
@@ -108,10 +112,14 @@ class BodyDecoder:
             _write(child.stdin.fileno(), _REQUEST.pack(len(head), len(raw)) + head)
             _write(child.stdin.fileno(), raw)
             (size,) = _REPLY.unpack(_read(child.stdout.fileno(), _REPLY.size))
-            reply: dict[str, Any] = msgspec.msgpack.decode(_read(child.stdout.fileno(), size))
+            payload = _read(child.stdout.fileno(), size)
         except (OSError, EOFError):
             self._stop()
             raise ChildEnded("the process decoding large request bodies ended") from None
+        try:  # read whole: the next body's reply is the next one on the pipe, whatever this is
+            reply: dict[str, Any] = msgspec.msgpack.decode(payload, ext_hook=_ext)
+        except RecursionError:  # a field as deep as the child could encode, on a deeper stack
+            raise too_deep() from None
         return reply
 
     def _start(self) -> subprocess.Popen[bytes]:
@@ -172,11 +180,44 @@ def main() -> None:
         try:
             reply = {"fields": decode_body(raw, kind, max_ids)}
         except APIError as e:
-            reply = {"error": [e.status, e.message, e.type, e.param, e.code]}
+            reply = _refusal(e)
         except Exception as e:  # a bug: the router answers 500, as it would have here
             reply = {"failed": repr(e)}
-        payload = msgspec.msgpack.encode(reply)
+        payload = _encode(reply)
         _write(replies, _REPLY.pack(len(payload)) + payload)
+
+
+def _refusal(e: APIError) -> dict[str, Any]:
+    return {"error": [e.status, e.message, e.type, e.param, e.code]}
+
+
+def _encode(reply: dict[str, Any]) -> bytes:
+    """``reply`` in msgpack, an integer past 64 bits as a `_WIDE_INT` extension (the fields'
+    parsers then answer for it what they answer on the tokenizer thread); a 400 for a field
+    nested too deep for msgpack (two levels below the field), as the parsers answer."""
+    try:
+        try:
+            return msgspec.msgpack.encode(reply)
+        except OverflowError:  # rare (a client's), so only then walked in Python
+            return msgspec.msgpack.encode(_widened(reply))
+    except RecursionError:
+        return msgspec.msgpack.encode(_refusal(too_deep()))
+
+
+def _widened(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _widened(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_widened(v) for v in value]
+    if type(value) is int and not -(2**63) <= value < 2**64:
+        return msgspec.msgpack.Ext(_WIDE_INT, str(value).encode())
+    return value
+
+
+def _ext(code: int, data: memoryview) -> int:
+    if code != _WIDE_INT:
+        raise msgspec.DecodeError(f"the body decoder sent an unknown extension {code}")
+    return int(bytes(data))
 
 
 if __name__ == "__main__":
