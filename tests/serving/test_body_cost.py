@@ -8,6 +8,7 @@ hostile` measures what /health waits meanwhile)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import tracemalloc
@@ -169,3 +170,38 @@ def test_a_deeply_nested_field_is_a_400_small_or_large() -> None:
     for raw in (body % (deep, b""), body % (deep, pad)):
         status, answer, _ = asyncio.run(asyncio.wait_for(_answer("/v1/completions", raw), 100))
         assert status == 400 and "deeper" in answer["error"]["message"], (len(raw), answer)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason="a stalled decoder process stalls every large body")
+def test_a_stalled_decoder_process_is_replaced_past_its_deadline() -> None:
+    """The decoder process stops answering (stopped, swapping, a body it is slow on): the
+    body it holds is answered 503 once its deadline passes, not left waiting for ever with
+    every large body queued behind it, and the next body gets a new process."""
+
+    async def scenario() -> list[tuple[int, Any]]:
+        router = Router(RouterConfig(), RouterKeys.from_secret(secrets.generate().encode()))
+        raw = b'{"tokens": %s}' % (b"[" + b"1," * 2**17 + b"1]")  # 256 KiB: the child's
+        seen, stopped = [], None
+        try:
+            state = ApiState(router, Tokenizer(), ["m"], 64, 100)
+            async with TestClient(TestServer(create_app(state))) as client:
+                for stall in (False, True, False):
+                    if stall:
+                        stopped = state.bodies.pid
+                        assert stopped is not None
+                        os.kill(stopped, signal.SIGSTOP)
+                    state.bodies.deadline_s = 0.5 if stall else 60.0
+                    resp = await asyncio.wait_for(client.post("/detokenize", data=raw), 30)
+                    seen.append((resp.status, (await resp.json())["error"]["type"]))
+                assert state.bodies.pid not in (None, stopped)
+        finally:
+            if stopped is not None:
+                with contextlib.suppress(ProcessLookupError):  # the app's close reaped it
+                    os.kill(stopped, signal.SIGKILL)
+            await router.close()
+        return seen
+
+    answers = asyncio.run(asyncio.wait_for(scenario(), 100))
+    bad = (400, "invalid_request_error")
+    assert answers == [bad, (503, "server_error"), bad]
