@@ -173,7 +173,6 @@ def test_a_deeply_nested_field_is_a_400_small_or_large() -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="a stalled decoder process stalls every large body")
 def test_a_stalled_decoder_process_is_replaced_past_its_deadline() -> None:
     """The decoder process stops answering (stopped, swapping, a body it is slow on): the
     body it holds is answered 503 once its deadline passes, not left waiting for ever with

@@ -21,7 +21,10 @@ stdout: a length, then msgpack ``{"fields": ...}``, ``{"error": [status, message
 param, code]}`` or ``{"failed": text}`` (an integer past msgpack's 64 bits as an extension
 holding its digits). One body at a time (a flood of them costs the host
 one core at most); a child that dies is replaced, and the body it held decoded once more by
-its replacement.
+its replacement; one that takes more than ``DEADLINE_S`` over a body (stopped, swapping) is
+killed and replaced, and that body answered 503, so the bodies queued behind it wait at most
+that long for it. When the app stops, the child is killed and every body not answered yet
+gets a 503.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -47,6 +51,9 @@ log = logging.getLogger("hetero_pd.api")
 #: Bodies up to this size are decoded on the tokenizer thread (about 1 ms of msgspec for a
 #: body of integers this large); larger ones in the child process.
 INLINE_BYTES = 256 * 1024
+#: The longest one body may take in the child (`BodyDecoder.deadline_s`): a 16 MiB body takes
+#: well under a second, a child's start a second or two on a loaded host.
+DEADLINE_S = 30.0
 _REQUEST = struct.Struct("!II")  # head length, body length
 _REPLY = struct.Struct("!I")  # reply length
 #: The msgpack extension that carries an integer msgpack cannot (past 64 bits; JSON has no
@@ -61,11 +68,16 @@ class ChildEnded(Exception):
 
 class BodyDecoder:
     """Decodes the bodies larger than ``INLINE_BYTES`` in a child process; `close()` stops
-    it. ``pid``: the child's, while one runs."""
+    it. ``pid``: the child's, while one runs. ``deadline_s``: the longest one body may take
+    there (a child's start included); past it the child is killed, the body answered 503
+    and the next one gets a new child, so a stalled child never stalls the large bodies
+    queued behind it."""
 
-    def __init__(self) -> None:
+    def __init__(self, deadline_s: float = DEADLINE_S) -> None:
+        self.deadline_s = deadline_s
         self._child: subprocess.Popen[bytes] | None = None
         self._closed = False
+        self._busy = threading.Lock()  # held while a body is on the pipes
         # The pipe's blocking reads and writes, one body at a time.
         self._io = ThreadPoolExecutor(1, thread_name_prefix="hetero-pd-bodies")
 
@@ -103,24 +115,50 @@ class BodyDecoder:
         return fields
 
     def _ask(self, raw: bytes, kind: BodyKind, max_ids: int) -> dict[str, Any]:
-        if self._closed:  # the app is stopping: start no child it would not stop
-            raise APIError(503, "the API is stopping", "server_error")
-        child = self._child or self._start()
-        assert child.stdin is not None and child.stdout is not None
-        head = msgspec.msgpack.encode([kind, max_ids])
-        try:
-            _write(child.stdin.fileno(), _REQUEST.pack(len(head), len(raw)) + head)
-            _write(child.stdin.fileno(), raw)
-            (size,) = _REPLY.unpack(_read(child.stdout.fileno(), _REPLY.size))
-            payload = _read(child.stdout.fileno(), size)
-        except (OSError, EOFError):
-            self._stop()
-            raise ChildEnded("the process decoding large request bodies ended") from None
+        with self._busy:
+            payload = self._exchange(raw, kind, max_ids)
         try:  # read whole: the next body's reply is the next one on the pipe, whatever this is
             reply: dict[str, Any] = msgspec.msgpack.decode(payload, ext_hook=_ext)
         except RecursionError:  # a field as deep as the child could encode, on a deeper stack
             raise too_deep() from None
         return reply
+
+    def _exchange(self, raw: bytes, kind: BodyKind, max_ids: int) -> bytes:
+        if self._closed:  # the app is stopping: start no child it would not stop
+            raise APIError(503, "the API is stopping", "server_error")
+        child = self._child or self._start()
+        assert child.stdin is not None and child.stdout is not None
+        stdin, stdout = child.stdin.fileno(), child.stdout.fileno()
+        head = msgspec.msgpack.encode([kind, max_ids])
+        late = threading.Event()
+
+        def expire() -> None:  # the blocking read or write below then ends
+            late.set()
+            child.kill()
+
+        timer = threading.Timer(self.deadline_s, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            _write(stdin, _REQUEST.pack(len(head), len(raw)) + head)
+            _write(stdin, raw)
+            (size,) = _REPLY.unpack(_read(stdout, _REPLY.size))
+            payload = _read(stdout, size)
+        except (OSError, EOFError):
+            self._stop()
+            if late.is_set():
+                raise APIError(
+                    503,
+                    f"decoding this request body took more than {self.deadline_s:g}s; the "
+                    "process doing it was replaced: retry, or send a smaller body",
+                    "server_error",
+                ) from None
+            raise ChildEnded("the process decoding large request bodies ended") from None
+        finally:
+            timer.cancel()
+        if late.is_set() or self._closed:  # killed as it answered, or the app stopped
+            self._stop()
+        return payload
 
     def _start(self) -> subprocess.Popen[bytes]:
         # This very package, wherever it was imported from (not what the environment's
@@ -142,8 +180,15 @@ class BodyDecoder:
 
     def close(self) -> None:
         self._closed = True
-        self._io.shutdown(wait=False, cancel_futures=True)
-        self._stop()
+        self._io.shutdown(wait=False)  # those queued: 503 (`_exchange`)
+        child = self._child
+        if child is not None:
+            child.kill()  # a body on the pipes ends (503), and its thread closes them
+        if self._busy.acquire(blocking=False):  # else that thread closes them: never
+            try:  # under it, whose descriptor numbers could name other files by then
+                self._stop()
+            finally:
+                self._busy.release()
 
 
 def _write(fd: int, data: bytes) -> None:
