@@ -97,7 +97,8 @@ class BodyDecoder:
         try:
             reply = self._ask(raw, kind, max_ids)
         except ChildEnded as e:  # killed (an operator, the OOM killer): once more
-            log.error("%s; starting another", e)
+            if not self._closed:
+                log.error("%s; starting another", e)
             try:
                 reply = self._ask(raw, kind, max_ids)
             except ChildEnded:
