@@ -8,6 +8,7 @@ hostile` measures what /health waits meanwhile)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import tracemalloc
@@ -135,3 +136,71 @@ def test_an_admin_body_is_refused_by_its_size(monkeypatch: pytest.MonkeyPatch) -
     status, answer, _ = asyncio.run(asyncio.wait_for(_answer("/admin/drain", raw), 100))
     assert status == 413 and "at most" in answer["error"]["message"], answer
     assert max(seen, default=0) < 2**20, sorted(seen)[-5:]
+
+
+#: An integer past 64 bits: JSON has no bound on one, msgpack (the decoder's replies) has.
+WIDE = b"1" + b"0" * 30
+
+
+@pytest.mark.timeout(120)
+def test_a_wide_integer_gets_the_same_answer_from_the_decoder_process() -> None:
+    """A body with an integer past 64 bits is answered alike small (decoded on the tokenizer
+    thread) and large (by the decoder process): that process's replies are msgpack, which
+    has no such integer, and it must neither die on one (twice: it is replaced and the body
+    sent again) nor answer 503 for the client's 400."""
+    body = b'{"model": "m", "prompt": "hi", "max_tokens": %s, "pad": "%s"}'
+    small = asyncio.run(asyncio.wait_for(_answer("/v1/completions", body % (WIDE, b"")), 100))
+    pad = b"a" * (2**20)  # an unknown field: skipped unread, but the body is large now
+    large = asyncio.run(asyncio.wait_for(_answer("/v1/completions", body % (WIDE, pad)), 100))
+    assert small[0] == 400 and small[1]["error"]["param"] == "max_tokens", small[1]
+    assert large[:2] == small[:2]
+
+
+@pytest.mark.timeout(120)
+def test_a_deeply_nested_field_is_a_400_small_or_large() -> None:
+    """A field nested as deep as JSON decoding allows (2 KB of brackets) is a 400 in
+    OpenAI's shape, small or large: on the tokenizer thread the field's parser recursed
+    (the repr of `stop` in its error: RecursionError, aiohttp's plain-text 500), and the
+    decoder process's reply nests two levels deeper than the field, past what msgpack
+    encodes, so that process died on it (twice: replaced, the body sent again) and the
+    client got 503."""
+    deep = b"[" * 990 + b"]" * 990
+    body = b'{"model": "m", "prompt": "hi", "stop": %s, "pad": "%s"}'
+    pad = b"a" * (2**20)  # an unknown field: skipped unread, but the body is large now
+    for raw in (body % (deep, b""), body % (deep, pad)):
+        status, answer, _ = asyncio.run(asyncio.wait_for(_answer("/v1/completions", raw), 100))
+        assert status == 400 and "deeper" in answer["error"]["message"], (len(raw), answer)
+
+
+@pytest.mark.timeout(120)
+def test_a_stalled_decoder_process_is_replaced_past_its_deadline() -> None:
+    """The decoder process stops answering (stopped, swapping, a body it is slow on): the
+    body it holds is answered 503 once its deadline passes, not left waiting for ever with
+    every large body queued behind it, and the next body gets a new process."""
+
+    async def scenario() -> list[tuple[int, Any]]:
+        router = Router(RouterConfig(), RouterKeys.from_secret(secrets.generate().encode()))
+        raw = b'{"tokens": %s}' % (b"[" + b"1," * 2**17 + b"1]")  # 256 KiB: the child's
+        seen, stopped = [], None
+        try:
+            state = ApiState(router, Tokenizer(), ["m"], 64, 100)
+            async with TestClient(TestServer(create_app(state))) as client:
+                for stall in (False, True, False):
+                    if stall:
+                        stopped = state.bodies.pid
+                        assert stopped is not None
+                        os.kill(stopped, signal.SIGSTOP)
+                    state.bodies.deadline_s = 0.5 if stall else 60.0
+                    resp = await asyncio.wait_for(client.post("/detokenize", data=raw), 30)
+                    seen.append((resp.status, (await resp.json())["error"]["type"]))
+                assert state.bodies.pid not in (None, stopped)
+        finally:
+            if stopped is not None:
+                with contextlib.suppress(ProcessLookupError):  # the app's close reaped it
+                    os.kill(stopped, signal.SIGKILL)
+            await router.close()
+        return seen
+
+    answers = asyncio.run(asyncio.wait_for(scenario(), 100))
+    bad = (400, "invalid_request_error")
+    assert answers == [bad, (503, "server_error"), bad]

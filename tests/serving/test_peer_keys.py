@@ -9,7 +9,9 @@ import time
 import typing
 from typing import Any
 
+import pytest
 import zmq.asyncio
+from zmq.utils import monitor
 
 from hetero_pd import SamplingParams, secrets
 from hetero_pd.serving.control import migration as M
@@ -94,3 +96,56 @@ def test_the_router_sends_each_peers_pair_key_ahead_of_the_message() -> None:
     assert keys.link_key("p", "d") == keys.link_key("d", "p") != keys.link_key("p", "x")
     root = secrets.pair_root(secret)
     assert secrets.pair_key(root, "a/b", "c") != secrets.pair_key(root, "a", "b/c")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(
+    strict=True,
+    reason="every worker's control endpoint proves one key pair, from the material all hold",
+)
+def test_an_endpoint_with_only_worker_material_gets_no_workers_pair_keys() -> None:
+    """A process holding the material every worker holds (a compromised worker) that the
+    router reaches at worker "decode-1"'s address (its port taken after decode-1 exited:
+    the router greets a down worker's address again until a Ready comes back) must not
+    complete the router's CurveZMQ handshake as decode-1, or it is sent decode-1's pair
+    keys (k(decode-1, prefill-0) here) and links with prefill-0 as decode-1. The router
+    checks a worker's control endpoint against the one server key all workers derive."""
+    secret = secrets.generate().encode()
+    impostor = ControlServer("127.0.0.1", 0, WorkerKeys.from_secret(secret))
+    keys = RouterKeys.from_secret(secret)
+    got: list[Any] = []
+    events: list[int] = []
+
+    async def run() -> None:
+        ctx = zmq.asyncio.Context()
+        address = f"tcp://127.0.0.1:{impostor.port}"
+        client = WorkerClient("decode-1", address, ctx, keys, lambda *a: None, lambda *a: None)
+        done = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        monitor = client.sock.get_monitor_socket(done | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        try:
+            client.send(P.Reserve(rid="r", prompt_ids=[1], params=PARAMS, writer="prefill-0"))
+            deadline = time.monotonic() + 20
+            while not events or (events[-1] & zmq.EVENT_HANDSHAKE_SUCCEEDED and not got):
+                assert time.monotonic() < deadline, (events, got)
+                if impostor.poll(20):
+                    got.extend(msg for _, msg in impostor.receive())
+                if await monitor.poll(0):
+                    events.append(_event(await monitor.recv_multipart()))
+                await asyncio.sleep(0)
+        finally:
+            client.sock.disable_monitor()
+            monitor.close()
+            client.sock.close()
+            ctx.term()
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 30))
+    finally:
+        impostor.close()
+    assert got == [] and not events[-1] & zmq.EVENT_HANDSHAKE_SUCCEEDED, (events, got)
+
+
+def _event(frames: list[bytes]) -> int:
+    """The event number of a monitor message (`zmq.utils.monitor.parse_monitor_message`)."""
+    event: int = monitor.parse_monitor_message(frames)["event"]
+    return event

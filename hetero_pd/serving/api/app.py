@@ -22,7 +22,7 @@ from aiohttp import web
 from hetero_pd import __version__
 from hetero_pd.serving.api import admin, embeddings, errors, generate, responses
 from hetero_pd.serving.api import tokens as openai_tokenize
-from hetero_pd.serving.api.bodies import Body, fields_of
+from hetero_pd.serving.api.bodies import Body, fields_of, too_deep
 from hetero_pd.serving.api.edge_protocol import PATH as EDGE_PATH
 from hetero_pd.serving.api.edge_session import EdgeSettings, serve_session
 from hetero_pd.serving.api.state import STATE, ApiState, api_error, error_response, state_of
@@ -70,6 +70,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(e)
     except RouterError as e:
         return error_response(api_error(e), e.retry_after)
+    except RecursionError:  # a value as deep as JSON decodes, walked (or repr'd) by a parser
+        return error_response(too_deep())
     except web.HTTPException as e:
         if e.status < 400:
             raise

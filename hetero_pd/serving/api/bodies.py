@@ -158,7 +158,14 @@ def _top(raw: bytes) -> Any:
     except msgspec.DecodeError as e:
         raise _not_json(raw, str(e)) from None
     except RecursionError:
-        raise bad_request("The request body nests deeper than any request needs") from None
+        raise too_deep() from None
+
+
+def too_deep(param: str | None = None) -> APIError:
+    """400: a value nested deeper than any request needs (``param``'s, or the body's)."""
+    if param is None:
+        return bad_request("The request body nests deeper than any request needs")
+    return bad_request(f"'{param}' nests deeper than any request needs", param)
 
 
 def _small(raw: msgspec.Raw, param: str, limit: int) -> Any:
@@ -178,7 +185,7 @@ def _decode(raw: msgspec.Raw | bytes, param: str, kind: Any) -> Any:
         message, _, path = str(e).partition(" - at `$")
         raise bad_request(f"'{param}{path.rstrip('`')}': {message}", param) from None
     except RecursionError:
-        raise bad_request(f"'{param}' nests deeper than any request needs", param) from None
+        raise too_deep(param) from None
 
 
 def _first(raw: msgspec.Raw) -> bytes:

@@ -18,9 +18,13 @@ The child runs `main` here (it imports `bodies` and msgspec: not torch, nor the 
 started the router), started with the first large body and reused. Frames on its stdin: a
 header (head length, body length), the head ``[kind, max_ids]`` in msgpack, the body; on its
 stdout: a length, then msgpack ``{"fields": ...}``, ``{"error": [status, message, type,
-param, code]}`` or ``{"failed": text}``. One body at a time (a flood of them costs the host
+param, code]}`` or ``{"failed": text}`` (an integer past msgpack's 64 bits as an extension
+holding its digits). One body at a time (a flood of them costs the host
 one core at most); a child that dies is replaced, and the body it held decoded once more by
-its replacement.
+its replacement; one that takes more than ``DEADLINE_S`` over a body (stopped, swapping) is
+killed and replaced, and that body answered 503, so the bodies queued behind it wait at most
+that long for it. When the app stops, the child is killed and every body not answered yet
+gets a 503.
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from hetero_pd.serving.api.bodies import Body, BodyKind, decode_body
+from hetero_pd.serving.api.bodies import Body, BodyKind, decode_body, too_deep
 from hetero_pd.serving.api.errors import APIError
 
 log = logging.getLogger("hetero_pd.api")
@@ -46,8 +51,14 @@ log = logging.getLogger("hetero_pd.api")
 #: Bodies up to this size are decoded on the tokenizer thread (about 1 ms of msgspec for a
 #: body of integers this large); larger ones in the child process.
 INLINE_BYTES = 256 * 1024
+#: The longest one body may take in the child (`BodyDecoder.deadline_s`): a 16 MiB body takes
+#: well under a second, a child's start a second or two on a loaded host.
+DEADLINE_S = 30.0
 _REQUEST = struct.Struct("!II")  # head length, body length
 _REPLY = struct.Struct("!I")  # reply length
+#: The msgpack extension that carries an integer msgpack cannot (past 64 bits; JSON has no
+#: bound on one): its decimal digits.
+_WIDE_INT = 1
 _ROOT = Path(__file__).resolve().parents[3]  # the folder holding the hetero_pd package
 
 
@@ -57,11 +68,16 @@ class ChildEnded(Exception):
 
 class BodyDecoder:
     """Decodes the bodies larger than ``INLINE_BYTES`` in a child process; `close()` stops
-    it. ``pid``: the child's, while one runs."""
+    it. ``pid``: the child's, while one runs. ``deadline_s``: the longest one body may take
+    there (a child's start included); past it the child is killed, the body answered 503
+    and the next one gets a new child, so a stalled child never stalls the large bodies
+    queued behind it."""
 
-    def __init__(self) -> None:
+    def __init__(self, deadline_s: float = DEADLINE_S) -> None:
+        self.deadline_s = deadline_s
         self._child: subprocess.Popen[bytes] | None = None
         self._closed = False
+        self._busy = threading.Lock()  # held while a body is on the pipes
         # The pipe's blocking reads and writes, one body at a time.
         self._io = ThreadPoolExecutor(1, thread_name_prefix="hetero-pd-bodies")
 
@@ -81,7 +97,8 @@ class BodyDecoder:
         try:
             reply = self._ask(raw, kind, max_ids)
         except ChildEnded as e:  # killed (an operator, the OOM killer): once more
-            log.error("%s; starting another", e)
+            if not self._closed:
+                log.error("%s; starting another", e)
             try:
                 reply = self._ask(raw, kind, max_ids)
             except ChildEnded:
@@ -99,20 +116,50 @@ class BodyDecoder:
         return fields
 
     def _ask(self, raw: bytes, kind: BodyKind, max_ids: int) -> dict[str, Any]:
+        with self._busy:
+            payload = self._exchange(raw, kind, max_ids)
+        try:  # read whole: the next body's reply is the next one on the pipe, whatever this is
+            reply: dict[str, Any] = msgspec.msgpack.decode(payload, ext_hook=_ext)
+        except RecursionError:  # a field as deep as the child could encode, on a deeper stack
+            raise too_deep() from None
+        return reply
+
+    def _exchange(self, raw: bytes, kind: BodyKind, max_ids: int) -> bytes:
         if self._closed:  # the app is stopping: start no child it would not stop
             raise APIError(503, "the API is stopping", "server_error")
         child = self._child or self._start()
         assert child.stdin is not None and child.stdout is not None
+        stdin, stdout = child.stdin.fileno(), child.stdout.fileno()
         head = msgspec.msgpack.encode([kind, max_ids])
+        late = threading.Event()
+
+        def expire() -> None:  # the blocking read or write below then ends
+            late.set()
+            child.kill()
+
+        timer = threading.Timer(self.deadline_s, expire)
+        timer.daemon = True
+        timer.start()
         try:
-            _write(child.stdin.fileno(), _REQUEST.pack(len(head), len(raw)) + head)
-            _write(child.stdin.fileno(), raw)
-            (size,) = _REPLY.unpack(_read(child.stdout.fileno(), _REPLY.size))
-            reply: dict[str, Any] = msgspec.msgpack.decode(_read(child.stdout.fileno(), size))
+            _write(stdin, _REQUEST.pack(len(head), len(raw)) + head)
+            _write(stdin, raw)
+            (size,) = _REPLY.unpack(_read(stdout, _REPLY.size))
+            payload = _read(stdout, size)
         except (OSError, EOFError):
             self._stop()
+            if late.is_set():
+                raise APIError(
+                    503,
+                    f"decoding this request body took more than {self.deadline_s:g}s; the "
+                    "process doing it was replaced: retry, or send a smaller body",
+                    "server_error",
+                ) from None
             raise ChildEnded("the process decoding large request bodies ended") from None
-        return reply
+        finally:
+            timer.cancel()
+        if late.is_set() or self._closed:  # killed as it answered, or the app stopped
+            self._stop()
+        return payload
 
     def _start(self) -> subprocess.Popen[bytes]:
         # This very package, wherever it was imported from (not what the environment's
@@ -134,8 +181,15 @@ class BodyDecoder:
 
     def close(self) -> None:
         self._closed = True
-        self._io.shutdown(wait=False, cancel_futures=True)
-        self._stop()
+        self._io.shutdown(wait=False)  # those queued: 503 (`_exchange`)
+        child = self._child
+        if child is not None:
+            child.kill()  # a body on the pipes ends (503), and its thread closes them
+        if self._busy.acquire(blocking=False):  # else that thread closes them: never
+            try:  # under it, whose descriptor numbers could name other files by then
+                self._stop()
+            finally:
+                self._busy.release()
 
 
 def _write(fd: int, data: bytes) -> None:
@@ -172,11 +226,44 @@ def main() -> None:
         try:
             reply = {"fields": decode_body(raw, kind, max_ids)}
         except APIError as e:
-            reply = {"error": [e.status, e.message, e.type, e.param, e.code]}
+            reply = _refusal(e)
         except Exception as e:  # a bug: the router answers 500, as it would have here
             reply = {"failed": repr(e)}
-        payload = msgspec.msgpack.encode(reply)
+        payload = _encode(reply)
         _write(replies, _REPLY.pack(len(payload)) + payload)
+
+
+def _refusal(e: APIError) -> dict[str, Any]:
+    return {"error": [e.status, e.message, e.type, e.param, e.code]}
+
+
+def _encode(reply: dict[str, Any]) -> bytes:
+    """``reply`` in msgpack, an integer past 64 bits as a `_WIDE_INT` extension (the fields'
+    parsers then answer for it what they answer on the tokenizer thread); a 400 for a field
+    nested too deep for msgpack (two levels below the field), as the parsers answer."""
+    try:
+        try:
+            return msgspec.msgpack.encode(reply)
+        except OverflowError:  # rare (a client's), so only then walked in Python
+            return msgspec.msgpack.encode(_widened(reply))
+    except RecursionError:
+        return msgspec.msgpack.encode(_refusal(too_deep()))
+
+
+def _widened(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _widened(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_widened(v) for v in value]
+    if type(value) is int and not -(2**63) <= value < 2**64:
+        return msgspec.msgpack.Ext(_WIDE_INT, str(value).encode())
+    return value
+
+
+def _ext(code: int, data: memoryview) -> int:
+    if code != _WIDE_INT:
+        raise msgspec.DecodeError(f"the body decoder sent an unknown extension {code}")
+    return int(bytes(data))
 
 
 if __name__ == "__main__":
