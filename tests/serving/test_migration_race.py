@@ -11,8 +11,6 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
-
 from hetero_pd.serving.control import migration as M
 from hetero_pd.serving.router.migration import Migration, Migrator
 from hetero_pd.serving.worker.migration import Migrations
@@ -95,7 +93,6 @@ def test_a_source_that_always_says_not_here_holds_a_drain_no_longer_than_its_tim
     assert len(asked) >= 2  # looked at again, turn after turn, until the timeout
 
 
-@pytest.mark.xfail(strict=True, reason="counted as a failed move (fixed next)")
 def test_a_request_that_ends_while_its_kv_is_copied_is_not_here(monkeypatch: Any) -> None:
     """The source copies a request's KV in rounds while it decodes on; when a round ends the
     request may have finished (its last output still on its way to the router) or been

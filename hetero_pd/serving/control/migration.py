@@ -121,8 +121,9 @@ class MigrateCancel(Envelope, tag="migrate_cancel", kw_only=True, frozen=True):
 
 class MigrateFailed(Envelope, tag="migrate_failed", kw_only=True, frozen=True):
     """Source or destination -> router: the migration cannot go on. `not_here`: the source
-    does not decode the request now (it finished, or its KV is still arriving), so nothing
-    was started and nothing needs moving yet."""
+    does not decode the request now (it finished, its KV is still arriving, or it finished
+    or was preempted while its KV was being copied), so nothing needs moving yet: the
+    router looks again rather than counting a failed migration."""
 
     rid: Rid
     message: Message

@@ -172,12 +172,12 @@ class Migrations:
                 now[part.engine_id] = state
             elif self._finished(rid, part.index):
                 part.gone = True  # one of n ended here: the others move on
-            else:
-                self._fail(rid, "it finished, or was preempted, while its KV was copied")
+            else:  # it decodes again after a preemption, or it is over: look again
+                self._fail(rid, "it finished, or was preempted, while its KV was copied", True)
                 return
         live = out.live
         if not live:
-            self._fail(rid, "it finished while its KV was copied")
+            self._fail(rid, "it finished while its KV was copied", True)
             return
         new = sum(now[p.engine_id][1] // bs - p.sent for p in live)
         if out.precopy and new > SMALL_ROUND_BLOCKS * len(live) and out.rounds < MAX_ROUNDS:
@@ -250,11 +250,14 @@ class Migrations:
         )
         out.state_sent = True
 
-    def _fail(self, rid: str, message: str) -> None:
+    def _fail(self, rid: str, message: str, not_here: bool = False) -> None:
+        """Ends `rid`'s migration here; `not_here`: it stopped decoding meanwhile (finished or
+        preempted), which the router's drain looks at again rather than counts as failed."""
         out = self._stop(rid)
         if out is not None:
             log.warning("request %s stays here: %s", rid, message)
-            self.send(out.owner, M.MigrateFailed(rid=rid, message=f"request {rid}: {message}"))
+            text = f"request {rid}: {message}"
+            self.send(out.owner, M.MigrateFailed(rid=rid, message=text, not_here=not_here))
 
     def _stop(self, rid: str) -> _Out | None:
         """Ends the source side of `rid`'s migration; a paused request decodes on."""
