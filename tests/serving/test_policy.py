@@ -34,6 +34,7 @@ def worker(
         info=V.WorkerInfo(block_size=4, num_blocks=100),
         held=held,
         inflight=set(),
+        decoding=set(),
         backlog_tokens=backlog,
         load_score=backlog + 16.0 * running,
     )
@@ -127,10 +128,13 @@ def test_conditional_disaggregation() -> None:
     # Elastic: an idle decode worker takes a prompt while prefill is busy...
     assert elastic.prefill_locally(500, 0, [worker("p", 100)], idle_d)
     assert not fixed.prefill_locally(500, 0, [worker("p", 100)], idle_d)
-    # ...a busy one only when prefill's backlog outgrows its whole job, and never when full.
-    assert not elastic.prefill_locally(500, 0, [worker("p", 600)], busy_d)
-    assert elastic.prefill_locally(500, 0, busy_p, busy_d)
-    assert not elastic.prefill_locally(500, 0, busy_p, full_d)
+    # ...a busy one a short prompt only when prefill's backlog outgrows its whole job, a long
+    # one only when prefill is past its queue limit, and never when full.
+    assert not elastic.prefill_locally(60, 0, [worker("p", 400)], busy_d)
+    assert elastic.prefill_locally(60, 0, busy_p, busy_d)
+    assert not elastic.prefill_locally(500, 0, busy_p, busy_d)
+    assert elastic.prefill_locally(500, 0, [worker("p", 9000)], busy_d)
+    assert not elastic.prefill_locally(60, 0, busy_p, full_d)
     assert fixed.prefill_locally(500, 0, [worker("p", 9000)], busy_d)  # the old queue limit
 
 
@@ -145,10 +149,10 @@ def test_elastic_prefill_keeps_long_prompts_off_a_running_decode_batch() -> None
     one_queued = [worker("p", 1024)]
     assert not chooser.prefill_locally(1024, 0, one_queued, running)
     assert chooser.prefill_locally(60, 0, one_queued, running)  # a short one still goes
-    # Requests sent there that no heartbeat has reported yet are a running batch too.
-    sent = worker("d")
-    sent.inflight = {"a", "b"}
-    assert not chooser.prefill_locally(1024, 0, [worker("p", 100)], sent)
+    # Requests the router has seen decode there are running, before a heartbeat says so.
+    seen = worker("d")
+    seen.decoding = {"a", "b"}
+    assert not chooser.prefill_locally(1024, 0, [worker("p", 100)], seen)
     assert chooser.prefill_locally(1024, 0, [worker("p", 100)], worker("d"))  # empty batch
     assert chooser.prefill_locally(1024, 0, [worker("p", 9000)], running)  # prefill hopeless
 
