@@ -34,7 +34,6 @@ def worker(
         info=V.WorkerInfo(block_size=4, num_blocks=100),
         held=held,
         inflight=set(),
-        decoding=set(),
         backlog_tokens=backlog,
         load_score=backlog + 16.0 * running,
     )
@@ -149,10 +148,11 @@ def test_elastic_prefill_keeps_long_prompts_off_a_running_decode_batch() -> None
     one_queued = [worker("p", 1024)]
     assert not chooser.prefill_locally(1024, 0, one_queued, running)
     assert chooser.prefill_locally(60, 0, one_queued, running)  # a short one still goes
-    # Requests the router has seen decode there are running, before a heartbeat says so.
-    seen = worker("d")
-    seen.decoding = {"a", "b"}
-    assert not chooser.prefill_locally(1024, 0, [worker("p", 100)], seen)
+    # Requests the router sent there are its batch before a heartbeat says so, those still
+    # waiting for their KV too: they decode beside whatever it computes next.
+    sent = worker("d")
+    sent.inflight = {"a", "b"}
+    assert not chooser.prefill_locally(1024, 0, [worker("p", 100)], sent)
     assert chooser.prefill_locally(1024, 0, [worker("p", 100)], worker("d"))  # empty batch
     assert chooser.prefill_locally(1024, 0, [worker("p", 9000)], running)  # prefill hopeless
 
@@ -165,7 +165,10 @@ def test_elastic_prefill_uses_an_idle_decode_worker(
     equals the engine's."""
     from hetero_pd import SamplingParams
 
-    dep = deployment(tiny_llama_dir, router={"elastic_prefill": True})
+    # Prompts up to 400 tokens may go to a decode worker with requests in flight.
+    dep = deployment(
+        tiny_llama_dir, router={"elastic_prefill": True, "elastic_busy_max_tokens": 400}
+    )
     prompts = random_prompts([300] * 8, seed=5)
     expected = tiny_reference.texts(
         prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

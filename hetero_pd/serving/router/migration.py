@@ -163,13 +163,11 @@ class Migrator:
             self.inboxes.pop(rid, None)
         if result.ok:
             source.inflight.discard(rid)
-            source.decoding.discard(rid)
             self.metrics.migration("completed", result.pause_s, result.bytes)
         else:
             if stream.dest is dest:
                 stream.dest, stream.handing_over, stream.stage = None, False, ""
             dest.inflight.discard(rid)
-            dest.decoding.discard(rid)
             dest.try_send(P.Abort(rid=rid))
             source.try_send(M.MigrateCancel(rid=rid))
             self.metrics.migration("aborted")

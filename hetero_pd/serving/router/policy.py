@@ -145,9 +145,10 @@ class Chooser:
 
         Backlogs are prompt tokens not yet computed: what the router sent and has not seen
         done, or what the worker's last heartbeat reported queued, whichever is larger.
-        Requests running on the decode worker: its last heartbeat's count or those the
-        router has seen decode there, whichever is larger (requests still waiting for
-        their KV from a prefill worker are not running yet)."""
+        The decode worker's batch: the requests the router has there (decoding, or
+        waiting for their KV, which will decode beside whatever it computes next) or its
+        last heartbeat's, whichever is larger; the request being placed is not among
+        them yet."""
         if not prefill:
             return True
         uncached = prompt_len - cached_tokens
@@ -161,10 +162,10 @@ class Chooser:
         if load.kv_usage >= self.cfg.elastic_kv_limit:
             return False
         decode_backlog = decode.backlog_tokens
-        running = max(load.running, len(decode.decoding))
-        if running == 0 and decode_backlog == 0:
+        batch = max(load.running + load.remote, len(decode.inflight))
+        if batch == 0 and decode_backlog == 0:
             # decode would idle until the KV came: it computes the prompt now
             return prefill_backlog > 0
-        if running and uncached > self.cfg.elastic_busy_max_tokens:
+        if batch and uncached > self.cfg.elastic_busy_max_tokens:
             return hopeless  # its chunks would slow every running request's steps
         return prefill_backlog >= decode_backlog + uncached

@@ -307,7 +307,6 @@ class Router:
                         self.metrics.decision("recompute")
                     case P.Output():
                         flow.prompt_done()
-                        decode.decoding.add(rid)
                         check_output(rid, worker_id, msg, expected, params.n)
                         expected += 1
                         stream.decoding = True
@@ -327,7 +326,6 @@ class Router:
             self._decoder.pop(rid, None)
             for w in flow.involved:
                 w.inflight.discard(rid)
-                w.decoding.discard(rid)
                 if not finished:
                     w.try_send(P.Abort(rid=rid))
 

@@ -72,9 +72,6 @@ class WorkerClient:
         self.gone = False  # its process exited or it said bye: back only after a new hello
         self.invalid_frames = 0
         self.inflight: set[str] = set()
-        #: Of those, the ones it has answered with output: decoding here, as far as the
-        #: router knows (a heartbeat says so up to a heartbeat later).
-        self.decoding: set[str] = set()
         #: Prompt tokens the router sent here to compute and has not seen done yet.
         self.pending_tokens = 0
         #: The prefix blocks its KV cache holds, as far as the router knows.
