@@ -14,6 +14,7 @@ import pytest
 
 from hetero_pd.bench import pd
 from hetero_pd.bench.pd import deployment, main, parse_args, pin_process, router_placements
+from hetero_pd.bench.pd_run import DECISIONS
 from hetero_pd.deploy.launcher import worker_configs
 
 pytestmark = pytest.mark.timeout(600)
@@ -62,6 +63,20 @@ def test_pinning_reaches_threads_started_before_it() -> None:
     assert sorted(os.sched_getaffinity(0)) == allowed
 
 
+def test_router_variants_reach_the_deployment_and_the_schema_judges_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = parse_args(["--model", "m", "--router", "", "--router", "elastic_prefill=false"])
+    assert args.router == ["", "elastic_prefill=false"]
+    assert deployment(args, "pd", [0, 1], args.router[0]).router.elastic_prefill
+    off = deployment(args, "pd", [0, 1], "elastic_prefill=false,elastic_busy_max_tokens=8")
+    assert (off.router.elastic_prefill, off.router.elastic_busy_max_tokens) == (False, 8)
+    for bad, said in (("elastic_prefil=false", "elastic_prefil"), ("oops", "key=value")):
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "m", "--router", bad])
+        assert said in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("mode", "threads"), [("pd", [1, 1]), ("colocated", [1, 1]), ("single", [2])]
 )
@@ -108,6 +123,12 @@ def test_bench_pd_smoke(
     assert run["pd"]["transfer_over_ttft"]["n"] == 2
     assert 0 < run["pd"]["transfer_over_ttft"]["max"] < 1
     assert "transfer_over_ttft" not in run["colocated"]
+    # The router's decisions in the mixed phase at --rate: every pd prompt, colocated none.
+    decided = {
+        m: {d: run[m]["decisions_at_rate"][d]["median"] for d in DECISIONS}
+        for m in ("pd", "colocated")
+    }
+    assert sum(decided["pd"].values()) == 4 and sum(decided["colocated"].values()) == 0
     assert set(run["goodput_ratio_by_scale"]) == {"2.0", "5.0"}
 
     full = json.loads((tmp_path / "pd.json").read_text())
