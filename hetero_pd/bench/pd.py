@@ -25,7 +25,9 @@ and mode, with the median and spread over seeds:
 - `goodput_by_scale`, `attainment_by_scale`: the same at SLOs of k x each request class's
   isolated TTFT and TPOT, both scaled by k (`--slo-scales`), as DistServe plots them; the
   isolated reference is the fastest deployment's, the same for all;
-- `goodput_ratio_by_scale`: PD goodput / colocated goodput at each scale;
+- `goodput_ratio_by_scale`: PD goodput / colocated goodput at each scale (undefined where
+  colocated has none); `goodput_ratio_at_tightest`: at `tightest_scale`, the tightest
+  scale where it is defined;
 - `decisions_at_rate`: where the router computed the mixed phase's prompts at `--rate`
   (`local_prefill`: on the decode worker; `disaggregated`: on the prefill worker);
 - `transfer_over_ttft`: per long request run alone in pd mode, its KV transfer seconds /
@@ -171,7 +173,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rates", help="the sweep (--rate is added to it)")
     p.add_argument("--slo-ttft-ms", type=float, default=8000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    p.add_argument("--slo-scales", default="1.5,2,2.5,3,4,5")
+    p.add_argument(
+        "--slo-scales",
+        default="1.5,2,3,5,8,12,20",
+        help="k of the SLOs k x isolated TTFT and TPOT; up to loose ones, where colocated "
+        "has a goodput and the PD:colocated ratio is defined",
+    )
     p.add_argument("--seeds")
     p.add_argument("--modes", default="pd,colocated")
     p.add_argument("--cpus", default="", help="two core ids to pin workers to (default: 0,1)")

@@ -102,18 +102,12 @@ def ratios(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) -> dict[s
         k: gratio(pd["goodput_by_scale"][k], co["goodput_by_scale"][k])
         for k in pd["goodput_by_scale"]
     }
-    tightest = next(
-        (
-            k
-            for k in map(str, args.slo_scales)
-            if co["attainment_by_scale"][k][str(args.rate)] >= 0.5
-        ),
-        None,
-    )
+    # The tightest scale where the ratio is defined: colocated has a goodput there.
+    tightest = next((k for k in map(str, args.slo_scales) if by_scale[k] is not None), None)
     return {
         "goodput_ratio": gratio(pd["goodput"], co["goodput"]),
         "goodput_ratio_by_scale": by_scale,
-        "tightest_scale_colocated_50pct": tightest,
+        "tightest_scale": tightest,
         "goodput_ratio_at_tightest": by_scale[tightest] if tightest else None,
     }
 
