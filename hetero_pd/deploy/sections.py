@@ -157,7 +157,7 @@ class RouterSpec:
         True, doc="prefill on the decode worker when prefill is busier (see configs/README.md)"
     )
     elastic_busy_max_tokens: int = opt(
-        64, lo=0, doc="elastic: the longest prompt a decode worker with requests running takes"
+        64, lo=0, doc="elastic: the longest prompt a decode worker with requests in flight takes"
     )
     kv_overlap_weight: float = opt(1.0, lo=0.0, doc="kv_aware: weight of prompt blocks to compute")
     prefix_pull_min_tokens: int = opt(
