@@ -11,7 +11,8 @@ default: each worker core in turn) and every placement is reported: a control ru
 By default the run is short (a few minutes on 2 cores): a small workload, two seeds, and the
 placement where interference shows, the router on the decode worker's core. `--long` is the
 full run (~30 minutes there): larger prompts, three seeds, every placement. Any flag given
-overrides the preset's value.
+overrides the preset's value. `--router key=value[,...]`, once per variant, runs the same
+deployments with other router settings side by side (e.g. elastic prefill on and off).
 
 Each deployment runs every seed (`--seeds`) through warm-up, isolated, alone and mixed
 phases with prompts of their own (see `hetero_pd.bench.pd_run`). Reported per placement
@@ -24,7 +25,11 @@ and mode, with the median and spread over seeds:
 - `goodput_by_scale`, `attainment_by_scale`: the same at SLOs of k x each request class's
   isolated TTFT and TPOT, both scaled by k (`--slo-scales`), as DistServe plots them; the
   isolated reference is the fastest deployment's, the same for all;
-- `goodput_ratio_by_scale`: PD goodput / colocated goodput at each scale;
+- `goodput_ratio_by_scale`: PD goodput / colocated goodput at each scale (undefined where
+  colocated has none); `goodput_ratio_at_tightest`: at `tightest_scale`, the tightest
+  scale where it is defined;
+- `decisions_at_rate`: where the router computed the mixed phase's prompts at `--rate`
+  (`local_prefill`: on the decode worker; `disaggregated`: on the prefill worker);
 - `transfer_over_ttft`: per long request run alone in pd mode, its KV transfer seconds /
   its TTFT.
 
@@ -35,10 +40,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import sys
 from typing import Any
+
+import yaml
 
 from hetero_pd.bench import datasets as ds
 from hetero_pd.bench.background import background_load, check_count
@@ -108,12 +116,25 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def deployment(args: argparse.Namespace, mode: str, cpus: list[int]) -> Deployment:
+def router_variant(text: str) -> dict[str, Any]:
+    """`--router key=value,key=value` as router-section values (YAML scalars)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--router {text!r}: expected key=value[,key=value], got {item!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def deployment(
+    args: argparse.Namespace, mode: str, cpus: list[int], router: str = ""
+) -> Deployment:
     raw = {
         "model": args.model,
         "dtype": args.dtype,
         "workers": mode_workers(mode, cpus),
-        "router": {"host": "127.0.0.1", "port": 0},
+        "router": {"host": "127.0.0.1", "port": 0, **router_variant(router)},
         "engine": {"max_num_batched_tokens": 256, "kv_cache_gb": args.kv_cache_gb},
     }
     return parse_deployment(raw, mode)
@@ -152,7 +173,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rates", help="the sweep (--rate is added to it)")
     p.add_argument("--slo-ttft-ms", type=float, default=8000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    p.add_argument("--slo-scales", default="1.5,2,2.5,3,4,5")
+    p.add_argument(
+        "--slo-scales",
+        default="1.5,2,3,5,8,12,20",
+        help="k of the SLOs k x isolated TTFT and TPOT; up to loose ones, where colocated "
+        "has a goodput and the PD:colocated ratio is defined",
+    )
     p.add_argument("--seeds")
     p.add_argument("--modes", default="pd,colocated")
     p.add_argument("--cpus", default="", help="two core ids to pin workers to (default: 0,1)")
@@ -162,6 +188,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         help="cores of this process (router, API, load generator), one placement per use "
         "(e.g. --router-cpus 0 --router-cpus 1); default: each worker core in turn",
+    )
+    p.add_argument(
+        "--router",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="router settings of one variant, run side by side with the others given "
+        "(e.g. --router '' --router elastic_prefill=false); default: the router's defaults",
     )
     p.add_argument("--kv-cache-gb", type=float, default=0.5)
     p.add_argument("--background-load", type=int, default=0, metavar="N", help="busy processes")
@@ -183,7 +217,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--num-short, --isolated-short and --isolated-long must be >= 1")
     try:
         check_count(args.background_load)
-        deployment(args, "pd", [0])  # the deployment schema judges --dtype and the sizes
+        for router in args.router or [""]:  # the schema judges --dtype, sizes and --router
+            deployment(args, "pd", [0], router)
     except (ValueError, ConfigError) as e:
         p.error(str(e))
     return args
@@ -214,12 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict[str, Any]] = {}
     try:
         with background_load(args.background_load, allowed):
-            for router_cpus in placements:
+            for router_cpus, router in itertools.product(placements, args.router or [""]):
                 label = "router_cpus=" + ",".join(map(str, router_cpus))
+                label += f" router:{router}" if router else ""
                 # Workers pin themselves when they start; the router and client stay here.
                 pin_process(router_cpus)
                 for mode in args.modes:
-                    dep = deployment(args, mode, cpus)
+                    dep = deployment(args, mode, cpus, router)
                     print(
                         f"== {label}, {mode}: workers on {[w.cpus for w in dep.workers]}, "
                         f"{len(loads)} seed(s), rates {list(args.rates)}",

@@ -10,7 +10,7 @@ from typing import Any
 
 from hetero_pd.bench import slo_scale as sc
 from hetero_pd.bench.metrics import SLO, RequestResult, compute_metrics, latency_stats
-from hetero_pd.bench.pd_run import SeedRun
+from hetero_pd.bench.pd_run import DECISIONS, SeedRun
 from hetero_pd.bench.serve import request_records
 
 Runs = dict[str, dict[str, list[SeedRun]]]  # placement -> mode -> one run per seed
@@ -70,6 +70,10 @@ def _mode_summary(
             for k, rates in attain.items()
         },
         "failed_requests": sum(not r.success for r in _requests(runs)),
+        # where the router computed the mixed phase's prompts at --rate (pd mode)
+        "decisions_at_rate": {
+            d: sc.spread([run.decisions[args.rate][d] for run in runs]) for d in DECISIONS
+        },
     }
     for name in ("ttft", "tpot"):
         stats = m.latencies[name]
@@ -86,7 +90,7 @@ def _mode_summary(
     return out
 
 
-def _ratios(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def ratios(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     if "pd" not in modes or "colocated" not in modes:
         return {}
     pd, co = modes["pd"], modes["colocated"]
@@ -98,18 +102,12 @@ def _ratios(args: argparse.Namespace, modes: dict[str, dict[str, Any]]) -> dict[
         k: gratio(pd["goodput_by_scale"][k], co["goodput_by_scale"][k])
         for k in pd["goodput_by_scale"]
     }
-    tightest = next(
-        (
-            k
-            for k in map(str, args.slo_scales)
-            if co["attainment_by_scale"][k][str(args.rate)] >= 0.5
-        ),
-        None,
-    )
+    # The tightest scale where the ratio is defined: colocated has a goodput there.
+    tightest = next((k for k in map(str, args.slo_scales) if by_scale[k] is not None), None)
     return {
         "goodput_ratio": gratio(pd["goodput"], co["goodput"]),
         "goodput_ratio_by_scale": by_scale,
-        "tightest_scale_colocated_50pct": tightest,
+        "tightest_scale": tightest,
         "goodput_ratio_at_tightest": by_scale[tightest] if tightest else None,
     }
 
@@ -128,7 +126,7 @@ def summarize(
     results: dict[str, Any] = {}
     for label, by_mode in runs.items():
         modes = {mode: _mode_summary(args, seeds, ref, classify) for mode, seeds in by_mode.items()}
-        results[label] = {**modes, **_ratios(args, modes)}
+        results[label] = {**modes, **ratios(args, modes)}
     summary = {
         "workload": {
             k: getattr(args, k)

@@ -89,17 +89,39 @@ class SeedRun:
     transfer_s: list[float | None] = field(default_factory=list)
     alone: Phase | None = None
     mixed: dict[float, Phase] = field(default_factory=dict)
+    #: per mixed rate, the router's policy decisions in that phase ("local_prefill": a
+    #: prompt computed on the decode worker, "disaggregated": on the prefill worker)
+    decisions: dict[float, dict[str, int]] = field(default_factory=dict)
+
+
+DECISIONS = ("local_prefill", "disaggregated")
+
+
+async def router_metrics(url: str) -> str:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as resp:
+        return await resp.text()
+
+
+def metric_total(text: str, name: str, label: str = "") -> float:
+    """The sum of a metric's series over its labels (those whose labels hold `label`)."""
+    pattern = rf"{name}\{{([^}}]*)\}} (\S+)"
+    return sum(float(v) for labels, v in re.findall(pattern, text) if label in labels)
 
 
 async def transfer_totals(url: str) -> tuple[float, float]:
     """The router's KV transfer histogram: (seconds, count) summed over transports."""
-    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as resp:
-        text = await resp.text()
+    text = await router_metrics(url)
+    return metric_total(text, "kv_transfer_seconds_sum"), metric_total(
+        text, "kv_transfer_seconds_count"
+    )
 
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf"{name}\{{[^}}]*\}} (\S+)", text))
 
-    return total("kv_transfer_seconds_sum"), total("kv_transfer_seconds_count")
+async def decision_totals(url: str) -> dict[str, int]:
+    text = await router_metrics(url)
+    return {
+        d: int(metric_total(text, "hetero_pd_policy_decisions_total", f'decision="{d}"'))
+        for d in DECISIONS
+    }
 
 
 async def run_seed(url: str, model: str, spec: WorkloadSpec, w: Workload) -> SeedRun:
@@ -118,8 +140,10 @@ async def run_seed(url: str, model: str, spec: WorkloadSpec, w: Workload) -> See
     outcome = await run_benchmark(w.alone, replace(cfg, rate=spec.rate))
     run.alone = Phase(outcome.results, outcome.duration)
     for rate, reqs in sorted(w.mixed.items()):
+        decided = await decision_totals(url)
         outcome = await run_benchmark(reqs, replace(cfg, rate=rate))
         run.mixed[rate] = Phase(outcome.results, outcome.duration)
+        run.decisions[rate] = {d: n - decided[d] for d, n in (await decision_totals(url)).items()}
     return run
 
 

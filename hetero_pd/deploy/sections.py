@@ -156,6 +156,9 @@ class RouterSpec:
     elastic_prefill: bool = opt(
         True, doc="prefill on the decode worker when prefill is busier (see configs/README.md)"
     )
+    elastic_busy_max_tokens: int = opt(
+        64, lo=0, doc="elastic: the longest prompt a decode worker with requests in flight takes"
+    )
     kv_overlap_weight: float = opt(1.0, lo=0.0, doc="kv_aware: weight of prompt blocks to compute")
     prefix_pull_min_tokens: int = opt(
         32, lo=0, doc="kv_aware: pull a prefix held elsewhere when it saves this many tokens"
@@ -175,6 +178,7 @@ class RouterSpec:
                 policy=self.policy,  # type: ignore[arg-type]
                 local_prefill_max_tokens=self.local_prefill_max_tokens,
                 elastic_prefill=self.elastic_prefill,
+                elastic_busy_max_tokens=self.elastic_busy_max_tokens,
                 block_size=block_size,
                 kv_overlap_weight=self.kv_overlap_weight,
                 prefix_pull_min_tokens=self.prefix_pull_min_tokens,

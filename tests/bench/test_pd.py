@@ -9,11 +9,14 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
 from hetero_pd.bench import pd
 from hetero_pd.bench.pd import deployment, main, parse_args, pin_process, router_placements
+from hetero_pd.bench.pd_report import ratios
+from hetero_pd.bench.pd_run import DECISIONS
 from hetero_pd.deploy.launcher import worker_configs
 
 pytestmark = pytest.mark.timeout(600)
@@ -62,6 +65,47 @@ def test_pinning_reaches_threads_started_before_it() -> None:
     assert sorted(os.sched_getaffinity(0)) == allowed
 
 
+def test_router_variants_reach_the_deployment_and_the_schema_judges_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = parse_args(["--model", "m", "--router", "", "--router", "elastic_prefill=false"])
+    assert args.router == ["", "elastic_prefill=false"]
+    assert deployment(args, "pd", [0, 1], args.router[0]).router.elastic_prefill
+    off = deployment(args, "pd", [0, 1], "elastic_prefill=false,elastic_busy_max_tokens=8")
+    assert (off.router.elastic_prefill, off.router.elastic_busy_max_tokens) == (False, 8)
+    for bad, said in (("elastic_prefil=false", "elastic_prefil"), ("oops", "key=value")):
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "m", "--router", bad])
+        assert said in capsys.readouterr().err
+
+
+def test_the_goodput_ratio_is_taken_at_the_tightest_scale_where_it_is_defined() -> None:
+    """Colocated attains 60% at k = 1.5 but 90% at no rate: its goodput there is 0 and the
+    ratio undefined. The ratio reported is the one at the tightest scale where colocated
+    has a goodput (issue 30: `goodput_ratio_at_tightest` was null)."""
+    args = parse_args(["--model", "m", "--slo-scales", "1.5,3,5", "--rate", "1"])
+
+    def mode(goodput: float, by_scale: list[float], attained: list[float]) -> dict[str, Any]:
+        def g(v: float) -> dict[str, float]:
+            return {"median": v, "min": v, "max": v}
+
+        scales = [str(k) for k in args.slo_scales]
+        return {
+            "goodput": g(goodput),
+            "goodput_by_scale": {k: g(v) for k, v in zip(scales, by_scale, strict=True)},
+            "attainment_by_scale": {k: {"1.0": a} for k, a in zip(scales, attained, strict=True)},
+        }
+
+    pd_mode = mode(1.0, [0.5, 1.0, 1.0], [0.9, 1.0, 1.0])
+    colocated = mode(0.5, [0.0, 0.5, 1.0], [0.6, 0.9, 1.0])
+    out = ratios(args, {"pd": pd_mode, "colocated": colocated})
+    assert out["goodput_ratio"] == 2.0
+    assert out["goodput_ratio_by_scale"] == {"1.5": None, "3.0": 2.0, "5.0": 1.0}
+    assert (out["tightest_scale"], out["goodput_ratio_at_tightest"]) == ("3.0", 2.0)
+    # Loose scales by default, where colocated reaches a goodput.
+    assert max(parse_args(["--model", "m"]).slo_scales) >= 10
+
+
 @pytest.mark.parametrize(
     ("mode", "threads"), [("pd", [1, 1]), ("colocated", [1, 1]), ("single", [2])]
 )
@@ -108,6 +152,12 @@ def test_bench_pd_smoke(
     assert run["pd"]["transfer_over_ttft"]["n"] == 2
     assert 0 < run["pd"]["transfer_over_ttft"]["max"] < 1
     assert "transfer_over_ttft" not in run["colocated"]
+    # The router's decisions in the mixed phase at --rate: every pd prompt, colocated none.
+    decided = {
+        m: {d: run[m]["decisions_at_rate"][d]["median"] for d in DECISIONS}
+        for m in ("pd", "colocated")
+    }
+    assert sum(decided["pd"].values()) == 4 and sum(decided["colocated"].values()) == 0
     assert set(run["goodput_ratio_by_scale"]) == {"2.0", "5.0"}
 
     full = json.loads((tmp_path / "pd.json").read_text())

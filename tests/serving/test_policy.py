@@ -127,11 +127,34 @@ def test_conditional_disaggregation() -> None:
     # Elastic: an idle decode worker takes a prompt while prefill is busy...
     assert elastic.prefill_locally(500, 0, [worker("p", 100)], idle_d)
     assert not fixed.prefill_locally(500, 0, [worker("p", 100)], idle_d)
-    # ...a busy one only when prefill's backlog outgrows its whole job, and never when full.
-    assert not elastic.prefill_locally(500, 0, [worker("p", 600)], busy_d)
-    assert elastic.prefill_locally(500, 0, busy_p, busy_d)
-    assert not elastic.prefill_locally(500, 0, busy_p, full_d)
+    # ...a busy one a short prompt only when prefill's backlog outgrows its whole job, a long
+    # one only when prefill is past its queue limit, and never when full.
+    assert not elastic.prefill_locally(60, 0, [worker("p", 400)], busy_d)
+    assert elastic.prefill_locally(60, 0, busy_p, busy_d)
+    assert not elastic.prefill_locally(500, 0, busy_p, busy_d)
+    assert elastic.prefill_locally(500, 0, [worker("p", 9000)], busy_d)
+    assert not elastic.prefill_locally(60, 0, busy_p, full_d)
     assert fixed.prefill_locally(500, 0, [worker("p", 9000)], busy_d)  # the old queue limit
+
+
+def test_elastic_prefill_keeps_long_prompts_off_a_running_decode_batch() -> None:
+    """Each prompt token a decode worker computes delays every running request's next
+    token (issue 30: short requests' TPOT p99 rose 1.82x when long prompts came among
+    them). With requests running there, a prompt longer than `elastic_busy_max_tokens` goes
+    to the prefill worker even when that one has a long prompt queued, unless prefill is
+    past `prefill_queue_limit_tokens`; an empty batch still takes it."""
+    chooser = Chooser(RoutingConfig(local_prefill_max_tokens=32))
+    running = worker("d", running=4)
+    one_queued = [worker("p", 1024)]
+    assert not chooser.prefill_locally(1024, 0, one_queued, running)
+    assert chooser.prefill_locally(60, 0, one_queued, running)  # a short one still goes
+    # Requests the router sent there are its batch before a heartbeat says so, those still
+    # waiting for their KV too: they decode beside whatever it computes next.
+    sent = worker("d")
+    sent.inflight = {"a", "b"}
+    assert not chooser.prefill_locally(1024, 0, [worker("p", 100)], sent)
+    assert chooser.prefill_locally(1024, 0, [worker("p", 100)], worker("d"))  # empty batch
+    assert chooser.prefill_locally(1024, 0, [worker("p", 9000)], running)  # prefill hopeless
 
 
 def test_elastic_prefill_uses_an_idle_decode_worker(
@@ -142,7 +165,10 @@ def test_elastic_prefill_uses_an_idle_decode_worker(
     equals the engine's."""
     from hetero_pd import SamplingParams
 
-    dep = deployment(tiny_llama_dir, router={"elastic_prefill": True})
+    # Prompts up to 400 tokens may go to a decode worker with requests in flight.
+    dep = deployment(
+        tiny_llama_dir, router={"elastic_prefill": True, "elastic_busy_max_tokens": 400}
+    )
     prompts = random_prompts([300] * 8, seed=5)
     expected = tiny_reference.texts(
         prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -143,13 +143,16 @@ class Handoff:
         decode, cached = chooser.pick(
             self.live("decode", "both", split_layer=self.layer), self.prompt_ids
         )
-        self._enlist(decode)
-        chooser.record(decode, self.prompt_ids)
         prefill = self.live("prefill", split_layer=self.layer)
         uncached = self.prompt_len - cached
-        if decode.role == "both" or chooser.prefill_locally(
+        # Decided before this request joins the decode worker's in-flight set: the policy
+        # counts that set as the batch already there.
+        local = decode.role == "both" or chooser.prefill_locally(
             self.prompt_len, cached, prefill, decode
-        ):
+        )
+        self._enlist(decode)
+        chooser.record(decode, self.prompt_ids)
+        if local:
             self.metrics.decision("colocated" if decode.role == "both" else "local_prefill")
             pull = await self._offer_prefix(decode, cached)
             self._send(decode, P.Generate(**self._fields(), pull=pull))

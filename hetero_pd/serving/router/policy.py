@@ -34,11 +34,15 @@ class RoutingConfig:
     # Conditional disaggregation: prefill on the decode worker itself when the prompt part
     # not already cached there is at most this long, ...
     local_prefill_max_tokens: int = 32
-    # ... or (elastic) when the prefill workers' backlog is longer than the decode worker's
-    # whole job, or the decode worker's batch is empty while the prefill workers are busy
-    # (it would only wait for the KV); without it, only when every prefill worker has more
-    # than `prefill_queue_limit_tokens` queued.
+    # ... or (elastic) when the decode worker's batch is empty while the prefill workers
+    # are busy (it would only wait for the KV), or when the prefill workers' backlog is
+    # longer than the decode worker's whole job and the prompt is at most
+    # `elastic_busy_max_tokens` long: each prompt token a decode worker computes delays
+    # every running request's next token, so a longer prompt goes there while requests run
+    # only when every prefill worker has more than `prefill_queue_limit_tokens` queued.
+    # Without elastic prefill, only then.
     elastic_prefill: bool = True
+    elastic_busy_max_tokens: int = 64
     prefill_queue_limit_tokens: int = 8192
     #: A decode worker with more of its KV cache in use than this takes no prompt itself.
     elastic_kv_limit: float = 0.85
@@ -140,20 +144,28 @@ class Chooser:
         """Conditional disaggregation (after NVIDIA Dynamo), by prompt, queue and load.
 
         Backlogs are prompt tokens not yet computed: what the router sent and has not seen
-        done, or what the worker's last heartbeat reported queued, whichever is larger."""
+        done, or what the worker's last heartbeat reported queued, whichever is larger.
+        The decode worker's batch: the requests the router has there (decoding, or
+        waiting for their KV, which will decode beside whatever it computes next) or its
+        last heartbeat's, whichever is larger; the request being placed is not among
+        them yet."""
         if not prefill:
             return True
         uncached = prompt_len - cached_tokens
         if uncached <= self.cfg.local_prefill_max_tokens:
             return True
         prefill_backlog = min(w.backlog_tokens for w in prefill)
+        hopeless = prefill_backlog > self.cfg.prefill_queue_limit_tokens
         if not self.cfg.elastic_prefill:
-            return prefill_backlog > self.cfg.prefill_queue_limit_tokens
+            return hopeless
         load = decode.load
         if load.kv_usage >= self.cfg.elastic_kv_limit:
             return False
         decode_backlog = decode.backlog_tokens
-        empty_batch = load.running == 0 and decode_backlog == 0
-        if empty_batch and prefill_backlog > 0:
-            return True  # decode would idle until the KV came: it computes the prompt now
+        batch = max(load.running + load.remote, len(decode.inflight))
+        if batch == 0 and decode_backlog == 0:
+            # decode would idle until the KV came: it computes the prompt now
+            return prefill_backlog > 0
+        if batch and uncached > self.cfg.elastic_busy_max_tokens:
+            return hopeless  # its chunks would slow every running request's steps
         return prefill_backlog >= decode_backlog + uncached
