@@ -17,10 +17,10 @@ from hetero_pd.serving.worker.migration import Migrations
 from transfer import RemoteBlocks
 
 
-def test_the_source_says_a_request_it_no_longer_decodes_is_not_here() -> None:
-    sent: list[tuple[bytes, Any]] = []
+def source_book(sent: list[tuple[bytes, Any]]) -> Migrations:
+    """A worker's migrations, with no requests of its own, whose messages land in `sent`."""
     engine = SimpleNamespace(config=SimpleNamespace(start_layer=0, block_size=16))
-    book = Migrations(
+    return Migrations(
         engine,  # type: ignore[arg-type]
         None,  # type: ignore[arg-type]
         lambda owner, msg: sent.append((owner, msg)),
@@ -29,6 +29,11 @@ def test_the_source_says_a_request_it_no_longer_decodes_is_not_here() -> None:
         drop=lambda req: None,
         timeout_s=1.0,
     )
+
+
+def test_the_source_says_a_request_it_no_longer_decodes_is_not_here() -> None:
+    sent: list[tuple[bytes, Any]] = []
+    book = source_book(sent)
     blocks = RemoteBlocks("gone", 1, (0, 1), "kv")
     msg = M.MigrateOut(
         rid="gone", dest_worker_id="decode-1", dest_address="127.0.0.1:1", dest_blocks=blocks
@@ -101,16 +106,7 @@ def test_a_request_that_ends_while_its_kv_is_copied_is_not_here(monkeypatch: Any
     from hetero_pd.serving.worker import migration as W
 
     sent: list[tuple[bytes, Any]] = []
-    engine = SimpleNamespace(config=SimpleNamespace(start_layer=0, block_size=16))
-    book = Migrations(
-        engine,  # type: ignore[arg-type]
-        None,  # type: ignore[arg-type]
-        lambda owner, msg: sent.append((owner, msg)),
-        requests={},
-        children={},
-        drop=lambda req: None,
-        timeout_s=1.0,
-    )
+    book = source_book(sent)
     monkeypatch.setattr(W.E, "decoding", lambda engine, rid: None)  # not in the batch now
     blocks = RemoteBlocks("r", 1, (0, 1), "kv")
     book._out["r"] = W._Out(b"router", "decode-1", blocks, [W._Part("r", 0, (0, 1), 0, sent=1)])
