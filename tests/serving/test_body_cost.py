@@ -74,12 +74,8 @@ def test_16_mib_of_integers_is_refused_without_an_object_per_element(
     assert peak < PEAK_BYTES, f"{peak / 2**20:.0f} MiB held for a {len(raw) / 2**20:.0f} MiB body"
 
 
-@pytest.mark.timeout(120)
-def test_a_large_body_is_decoded_outside_the_routers_process(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Each route's answer is the same 400 naming the field, and no JSON decode in this
-    process (the router's) ever reads a megabyte: the spy sees only small decodes."""
+def decoded_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The byte length of every JSON body msgspec decodes in this process from now on."""
     seen: list[int] = []
     decode = msgspec.json.decode
 
@@ -88,6 +84,16 @@ def test_a_large_body_is_decoded_outside_the_routers_process(
         return decode(buf, *args, **kwargs)
 
     monkeypatch.setattr(msgspec.json, "decode", spy)
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_a_large_body_is_decoded_outside_the_routers_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each route's answer is the same 400 naming the field, and no JSON decode in this
+    process (the router's) ever reads a megabyte: the spy sees only small decodes."""
+    seen = decoded_sizes(monkeypatch)
     for path, body, param in ROUTES:
         status, answer, _ = asyncio.run(asyncio.wait_for(_answer(path, body % INTS), 100))
         assert (status, answer["error"]["param"]) == (400, param), answer
@@ -124,14 +130,7 @@ def test_an_admin_body_is_refused_by_its_size(monkeypatch: pytest.MonkeyPatch) -
     """/admin/* bodies name a worker and a timeout: 16 MiB of one key repeated (~170 ms of
     msgspec, on the event loop for these routes) is refused by its length, never decoded. A
     deployment without keys lets anyone reach these routes."""
-    seen: list[int] = []
-    decode = msgspec.json.decode
-
-    def spy(buf: Any, *args: Any, **kwargs: Any) -> Any:
-        seen.append(len(buf))
-        return decode(buf, *args, **kwargs)
-
-    monkeypatch.setattr(msgspec.json, "decode", spy)
+    seen = decoded_sizes(monkeypatch)
     raw = b'{"worker": "decode-0"' + b', "timeout_s": 1' * (len(INTS) // 16) + b"}"
     status, answer, _ = asyncio.run(asyncio.wait_for(_answer("/admin/drain", raw), 100))
     assert status == 413 and "at most" in answer["error"]["message"], answer
