@@ -221,9 +221,26 @@ def _timing(first_s: float, last_s: float, tokens: int, prompt_bytes: int) -> di
     }
 
 
-def error_pct(predicted: float, measured: float) -> float:
-    """The planner's raw error: |predicted - measured| / measured, in percent."""
-    return abs(predicted - measured) / measured * 100
+def error_pct(predicted: float, measured: float) -> float | None:
+    """The planner's raw error: |predicted - measured| / measured, in percent; None when
+    nothing was measured (every token of a stream arrived in one chunk: TPOT 0)."""
+    return abs(predicted - measured) / measured * 100 if measured > 0 else None
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def _show(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _known(errors: dict[str, float | None]) -> list[float]:
+    return [e for e in errors.values() if e is not None]
 
 
 def _mean(rows: list[dict[str, float]], key: str) -> float:
@@ -301,23 +318,26 @@ def main(argv: list[str] | None = None) -> int:
     err_unsplit_tpot = error_pct(unsplit_pred.tpot_s, m["unsplit_tpot"])
     serve_ttft = m["unsplit_ttft"] - unsplit_pred.ttft_s  # for information only
     serve_tpot = m["unsplit_tpot"] - unsplit_pred.tpot_s
-    ratios = {n: m[f"edge_{n}"] / m[f"unsplit_{n}"] for n in ("ttft", "tpot")}
+    ratios = {n: _ratio(m[f"edge_{n}"], m[f"unsplit_{n}"]) for n in ("ttft", "tpot")}
     ms = 1e3
     print(
         f"unsplit: TTFT {m['unsplit_ttft'] * ms:.1f} ms, TPOT {m['unsplit_tpot'] * ms:.1f} ms; "
         f"planner {unsplit_pred.ttft_s * ms:.1f} / {unsplit_pred.tpot_s * ms:.1f} ms: error "
-        f"{err_unsplit_ttft:.1f}% / {err_unsplit_tpot:.1f}% (the serving path, which the "
-        f"planner does not model, took {serve_ttft * ms:.1f} / {serve_tpot * ms:.1f} ms)"
+        f"{_show(err_unsplit_ttft, '.1f')}% / {_show(err_unsplit_tpot, '.1f')}% (the serving "
+        f"path, which the planner does not model, took {serve_ttft * ms:.1f} / "
+        f"{serve_tpot * ms:.1f} ms)"
     )
     predicted = f"{chosen.ttft_s * ms:.1f} / {chosen.tpot_s * ms:.1f} ms"
     if mode == "split":
-        verdict = f"planner {predicted}: error {errors['ttft']:.1f}% / {errors['tpot']:.1f}%"
+        shown = [_show(errors[n], ".1f") for n in ("ttft", "tpot")]
+        verdict = f"planner {predicted}: error {shown[0]}% / {shown[1]}%"
     else:  # the planner's model has a round trip per token: not this mode's cost
         verdict = f"the planner models split mode only (its split prediction: {predicted})"
         errors = {}
     print(
         f"{mode} k={args.split}: TTFT {m['edge_ttft'] * ms:.1f} ms, TPOT "
-        f"{m['edge_tpot'] * ms:.1f} ms ({ratios['ttft']:.2f}x / {ratios['tpot']:.2f}x "
+        f"{m['edge_tpot'] * ms:.1f} ms ({_show(ratios['ttft'], '.2f')}x / "
+        f"{_show(ratios['tpot'], '.2f')}x "
         f"unsplit); {verdict}"
     )
     bytes_prompt = _mean(edged, "prompt_bytes")
@@ -352,17 +372,17 @@ def main(argv: list[str] | None = None) -> int:
         "unsplit_ttft_ms": round(m["unsplit_ttft"] * ms, 2),
         f"{mode}_tpot_ms": round(m["edge_tpot"] * ms, 2),
         "unsplit_tpot_ms": round(m["unsplit_tpot"] * ms, 2),
-        "ttft_vs_unsplit": round(ratios["ttft"], 3),
-        "tpot_vs_unsplit": round(ratios["tpot"], 3),
+        "ttft_vs_unsplit": _rounded(ratios["ttft"], 3),
+        "tpot_vs_unsplit": _rounded(ratios["tpot"], 3),
         "predicted_mode": "split",  # predicted_ttft/tpot_ms are the split mode's, always
         "predicted_ttft_ms": round(chosen.ttft_s * ms, 2),
         "predicted_tpot_ms": round(chosen.tpot_s * ms, 2),
         "predicted_unsplit_ttft_ms": round(unsplit_pred.ttft_s * ms, 2),
         "predicted_unsplit_tpot_ms": round(unsplit_pred.tpot_s * ms, 2),
-        **{f"planner_{n}_error_pct": round(e, 1) for n, e in errors.items()},
-        **({"planner_error_pct": round(max(errors.values()), 1)} if errors else {}),
-        "planner_unsplit_ttft_error_pct": round(err_unsplit_ttft, 1),
-        "planner_unsplit_tpot_error_pct": round(err_unsplit_tpot, 1),
+        **{f"planner_{n}_error_pct": _rounded(e, 1) for n, e in errors.items()},
+        **({"planner_error_pct": round(max(known), 1)} if (known := _known(errors)) else {}),
+        "planner_unsplit_ttft_error_pct": _rounded(err_unsplit_ttft, 1),
+        "planner_unsplit_tpot_error_pct": _rounded(err_unsplit_tpot, 1),
         "serving_path_ttft_ms": round(serve_ttft * ms, 2),
         "serving_path_tpot_ms": round(serve_tpot * ms, 2),
         "codec_token_agreement_pct": round(agreement * 100, 2),
