@@ -225,15 +225,17 @@ def bare_metal_cluster(spec: DrillSpec) -> Cluster:
         dep = parse_text(text, str(config))
         key, secret = secrets.token_urlsafe(16), secrets.token_urlsafe(32)
         env = {**_image_env(), "HETERO_PD_SECRET": secret, "HETERO_PD_API_KEY": key}
-        # hosts of workers only get the workers' credential: none of them can act as router
-        workers_env = worker_environment(env, secret.encode())
-        workers_env.pop("HETERO_PD_API_KEY")
+        # hosts of workers only get their worker's credential: none can act as the router
+        # nor as another worker
+        workers_env = {w: worker_environment(env, secret.encode(), [w]) for w in ids}
+        for one in workers_env.values():
+            one.pop("HETERO_PD_API_KEY")
         api = Api(f"http://{lab.hosts['router'].address}:{ROUTER_PORT}", key, spec.model)
         cluster = Cluster(lab, dep, workdir, api, model=spec.model)
         for host in ("router", *ids):
             address = lab.hosts[host].address
             argv = pods.local_command(["hetero-pd", "serve", str(config), "--host-id", address])
-            run = pods.PodProcess(host, host, argv, env if host == "router" else workers_env, [])
+            run = pods.PodProcess(host, host, argv, workers_env.get(host, env), [])
             cluster.pods[host] = Pod(host, host, _always(run))
             cluster.run(host)
         cluster.wait_workers(set(ids))

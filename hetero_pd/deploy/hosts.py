@@ -95,22 +95,26 @@ async def _run(dep: Deployment, configs: list[WorkerConfig], router: RouterMain 
         await procs.stop(dep.supervisor.stop_grace_s)
 
 
-def worker_env() -> dict[str, str]:
-    """The environment of this host's workers: their credential, made from the deployment
-    secret on the router's host, or given as it is on a host of workers only (which then
-    never holds the secret)."""
+def worker_envs(worker_ids: list[str]) -> dict[str, dict[str, str]]:
+    """The environment of each of this host's workers: its own credential only, made from the
+    deployment secret on the router's host, or taken from the credentials this host was
+    given (a host of workers only, which then never holds the secret: `python -m
+    hetero_pd.secrets ID...` prints them)."""
     secret = secrets.from_env(required=False)
     if secret:
-        return secrets.worker_environment(dict(os.environ), secret)
-    try:
-        secrets.worker_credential_from_env()
-    except secrets.SecretError as e:
-        raise secrets.SecretError(
-            f"{e}; or set {secrets.ENV} (the router's host needs it; a host of workers "
-            f"only is better given {secrets.WORKER_ENV}: `python -m hetero_pd.secrets` "
-            "prints it from the secret)"
-        ) from None
-    return dict(os.environ)
+        return {w: secrets.worker_environment(dict(os.environ), secret, [w]) for w in worker_ids}
+    out = {}
+    for worker_id in worker_ids:
+        try:
+            credential = secrets.worker_credential_from_env(worker_id)
+        except secrets.SecretError as e:
+            raise secrets.SecretError(
+                f"{e}; or set {secrets.ENV} (the router's host needs it; a host of workers "
+                f"only is better given {secrets.WORKER_ENV}: `python -m hetero_pd.secrets "
+                f"{' '.join(worker_ids)}` prints it from the secret)"
+            ) from None
+        out[worker_id] = {**os.environ, secrets.WORKER_ENV: credential.text()}
+    return out
 
 
 class HostWorkers:
@@ -118,8 +122,8 @@ class HostWorkers:
     `mark_dead` is nothing: the router notices the missing heartbeats itself."""
 
     def __init__(self, configs: list[WorkerConfig], dep: Deployment) -> None:
-        self.env = worker_env()
         self.configs = {c.worker_id: c for c in configs}
+        self.envs = worker_envs(list(self.configs))
         self.ready_timeout_s = dep.supervisor.ready_timeout_s
         self.procs: dict[str, asyncio.subprocess.Process] = {}
         self.pumps: dict[str, asyncio.Task[None]] = {}
@@ -149,7 +153,7 @@ class HostWorkers:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             start_new_session=True,
-            env=self.env,
+            env=self.envs[worker_id],
         )
         assert proc.stdin is not None
         proc.stdin.write(cfg.to_json())  # the config on stdin, the credential by environment

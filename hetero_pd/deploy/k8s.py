@@ -171,7 +171,7 @@ def _workers(dep: Deployment, role: str, replicas: int, checksum: str) -> list[d
                 dep,
                 role,
                 k8s_pods.worker_pod(
-                    dep, role_kind(dep, role), role_tensor_parallel_size(dep, role)
+                    dep, role, role_kind(dep, role), role_tensor_parallel_size(dep, role)
                 ),
                 checksum,
             ),

@@ -82,7 +82,7 @@ def edge_port(dep: Deployment) -> list[int]:
 
 def router_container(dep: Deployment) -> dict[str, Any]:
     k, port = dep.kubernetes, dep.router.port
-    env = k8s_secrets.secret_env(dep, router=True)
+    env = k8s_secrets.secret_env(dep, "router")
     c = container(dep, "router", "router", ["--role", "router", "--host", "0.0.0.0"], env)
     c["ports"] = [{"name": "http", "containerPort": port}]
     c["ports"] += [{"name": "edge", "containerPort": p} for p in edge_port(dep)]
@@ -96,13 +96,13 @@ def router_container(dep: Deployment) -> dict[str, Any]:
     return c
 
 
-def worker_pod(dep: Deployment, kind: str, devices: int = 1) -> dict[str, Any]:
-    """The pod template spec of a worker on `devices` devices of `kind` (more than one: a
-    tensor-parallel worker, its ranks in the pod)."""
+def worker_pod(dep: Deployment, role: str, kind: str, devices: int = 1) -> dict[str, Any]:
+    """The pod template spec of a `role` worker on `devices` devices of `kind` (more than
+    one: a tensor-parallel worker, its ranks in the pod)."""
     k = dep.kubernetes
     args = ["--role", "worker", "--worker-id", "$(POD_NAME)", "--host", "$(POD_IP)"]
     args += ["--alive-file", ALIVE_FILE]
-    env = [*_field_env("POD_IP", "status.podIP"), *k8s_secrets.secret_env(dep, router=False)]
+    env = [*_field_env("POD_IP", "status.podIP"), *k8s_secrets.secret_env(dep, role)]
     c = container(dep, "worker", kind, args, env)
     c["ports"] = [
         {"name": "control", "containerPort": k.base_port},

@@ -2,9 +2,11 @@
 the checksum that rolls the pods when either the file or the secrets change.
 
     Secret <name>-secrets   secret             the deployment secret (HETERO_PD_SECRET, router)
-                            worker-key         the workers' credential, made from the secret
-                                               (HETERO_PD_WORKER_KEY, workers: they never
-                                               hold the secret, so none can act as the router)
+                            worker-key-<role>  the credential of `role`'s workers (its
+                                               StatefulSet's pods share it), made from the
+                                               secret (HETERO_PD_WORKER_KEY, those pods
+                                               only: they never hold the secret, so none can
+                                               act as the router nor as another role's worker)
                             api-keys           comma-separated API keys (HETERO_PD_API_KEY, router)
                             priority-api-keys  those of them that may set `priority`
                                                (HETERO_PD_PRIORITY_API_KEY, router; optional)
@@ -17,7 +19,8 @@ copy), else from HETERO_PD_SECRET / HETERO_PD_API_KEY / HETERO_PD_PRIORITY_API_K
 HETERO_PD_ADMIN_KEY when rendering,
 else the secret is generated (keep it by exporting HETERO_PD_SECRET before rendering again).
 With `kubernetes.existing_secret` the operator manages the Secret and none is rendered; it
-needs the same keys (`python -m hetero_pd.secrets` prints worker-key for $HETERO_PD_SECRET).
+needs the same keys (`python -m hetero_pd.secrets --group ROLE` prints worker-key-ROLE for
+$HETERO_PD_SECRET).
 """
 
 from __future__ import annotations
@@ -36,10 +39,15 @@ from hetero_pd.deploy.schema import Deployment
 from hetero_pd.secrets import WORKER_ENV, WorkerCredential
 
 SECRET_KEY, API_KEYS_KEY, PRIORITY_KEY = "secret", "api-keys", "priority-api-keys"
-WORKER_KEY, ADMIN_KEY = "worker-key", "admin-keys"
+ADMIN_KEY = "admin-keys"
 SECRET_ENV, API_KEYS_ENV = "HETERO_PD_SECRET", "HETERO_PD_API_KEY"
 PRIORITY_ENV, ADMIN_ENV = "HETERO_PD_PRIORITY_API_KEY", "HETERO_PD_ADMIN_KEY"
 CHECKSUM_ANNOTATION = "hetero-pd/config-checksum"
+
+
+def worker_key(role: str) -> str:
+    """The Secret's key holding the credential of `role`'s workers (one StatefulSet)."""
+    return f"worker-key-{role}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +103,10 @@ def secret_manifest(dep: Deployment, values: SecretValues, meta: dict[str, Any])
         "type": "Opaque",
         "stringData": {
             SECRET_KEY: values.secret,
-            WORKER_KEY: WorkerCredential.of(values.secret.encode()).text(),
+            **{
+                worker_key(role): WorkerCredential.for_group(values.secret.encode(), role).text()
+                for role in dict.fromkeys(w.role for w in dep.workers)
+            },
             API_KEYS_KEY: ",".join(values.api_keys),
         }
         | ({PRIORITY_KEY: ",".join(values.priority_api_keys)} if values.priority_api_keys else {})
@@ -103,11 +114,13 @@ def secret_manifest(dep: Deployment, values: SecretValues, meta: dict[str, Any])
     }
 
 
-def secret_env(dep: Deployment, router: bool) -> list[dict[str, Any]]:
+def secret_env(dep: Deployment, role: str) -> list[dict[str, Any]]:
     """Container env reading the Secret (never a value in the manifest itself): the router's
-    (the secret, the API keys), else a worker's (its credential only)."""
+    (`role` "router": the secret, the API keys), else a worker's of `role` (its role's
+    credential only)."""
+    router = role == "router"
     pairs = [(SECRET_ENV, SECRET_KEY), (API_KEYS_ENV, API_KEYS_KEY)] if router else []
-    pairs = pairs or [(WORKER_ENV, WORKER_KEY)]
+    pairs = pairs or [(WORKER_ENV, worker_key(role))]
     name = secret_name(dep)
     env = [
         {"name": env, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}

@@ -156,7 +156,7 @@ class Launcher:
         """Starts worker `cfg`: `python -m hetero_pd.serving.worker.main`, or forked from
         this process's fork server (supervisor.fork_server, hetero_pd/deploy/forkserver.py).
         Either way it watches its parent's pid and stops when that parent is gone."""
-        env = secrets.worker_environment(dict(os.environ), self.secret)
+        env = secrets.worker_environment(dict(os.environ), self.secret, [cfg.worker_id])
         # how idle OpenMP threads wait (hetero_pd/__init__.py; set in the environment so a
         # worker's log of it is true)
         omp_wait_defaults(env)

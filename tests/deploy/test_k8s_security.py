@@ -64,10 +64,14 @@ def test_secrets_live_in_a_secret_read_through_secret_key_refs(
     assert "api_keys" in path.read_text()
     (secret,) = _docs(out, "Secret")
     assert secret["metadata"]["name"] == "hetero-pd-secrets"
-    worker_key = WorkerCredential.of(b"s3cr3t-of-16-bytes").text()
+
+    def worker_key(role: str) -> str:
+        return WorkerCredential.for_group(b"s3cr3t-of-16-bytes", role).text()
+
     assert secret["stringData"] == {
         "secret": "s3cr3t-of-16-bytes",
-        "worker-key": worker_key,
+        "worker-key-prefill": worker_key("prefill"),  # one per StatefulSet: a role's pods
+        "worker-key-decode": worker_key("decode"),
         "api-keys": "k-123",
     }
     config = _docs(out, "ConfigMap")[0]["data"]["deployment.yaml"]
@@ -77,8 +81,12 @@ def test_secrets_live_in_a_secret_read_through_secret_key_refs(
     router, worker = _env(_pod(out, "hetero-pd-router")), _env(_pod(out, "hetero-pd-decode"))
     ref = {"secretKeyRef": {"name": "hetero-pd-secrets", "key": "secret"}}
     assert router["HETERO_PD_SECRET"]["valueFrom"] == ref
-    ref = {"secretKeyRef": {"name": "hetero-pd-secrets", "key": "worker-key"}}
+    ref = {"secretKeyRef": {"name": "hetero-pd-secrets", "key": "worker-key-decode"}}
     assert worker["HETERO_PD_WORKER_KEY"]["valueFrom"] == ref
+    prefill = _env(_pod(out, "hetero-pd-prefill"))
+    assert (
+        prefill["HETERO_PD_WORKER_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "worker-key-prefill"
+    )
     assert "HETERO_PD_SECRET" not in worker  # a worker's key cannot act as the router
     assert "HETERO_PD_WORKER_KEY" not in router
     assert router["HETERO_PD_API_KEY"]["valueFrom"]["secretKeyRef"]["key"] == "api-keys"

@@ -44,7 +44,7 @@ def test_a_worker_pod_runs_its_containers_exact_command(
         for part in written[1:]
     ]
     assert Path(pod.argv[0]).name in ("hetero-pd", Path(sys.executable).name)
-    credential = WorkerCredential.of(b"the-deployment-secret").text()
+    credential = WorkerCredential.for_group(b"the-deployment-secret", "decode").text()
     assert pod.env["HETERO_PD_WORKER_KEY"] == credential and "HETERO_PD_API_KEY" not in pod.env
     assert "HETERO_PD_SECRET" not in pod.env
     assert pod.env["POD_NAME"] == "lab-decode-1" and pod.env["POD_IP"] == "10.9.0.4"

@@ -147,7 +147,7 @@ def small_engine(model: Path) -> EngineConfig:
 
 def spawn_worker(cfg: WorkerConfig, **kwargs: Any) -> subprocess.Popen[bytes]:
     """A worker process as the launcher starts one: config on stdin, credential in its env."""
-    env = secrets.worker_environment(dict(os.environ), SECRET.encode())
+    env = secrets.worker_environment(dict(os.environ), SECRET.encode(), [cfg.worker_id])
     proc = subprocess.Popen(WORKER, stdin=subprocess.PIPE, env=env, **kwargs)
     assert proc.stdin is not None
     proc.stdin.write(cfg.to_json())
@@ -164,7 +164,7 @@ def test_a_worker_whose_launcher_is_gone_stops(tiny_llama_dir: Path, tmp_path: P
         alive_file=str(alive),
         parent_pid=1,  # not its parent: as if its launcher died and it was re-parented
     )
-    env = secrets.worker_environment(dict(os.environ), SECRET.encode())
+    env = secrets.worker_environment(dict(os.environ), SECRET.encode(), [cfg.worker_id])
     proc = subprocess.run(
         WORKER, input=cfg.to_json(), capture_output=True, timeout=60, env=env, check=False
     )
@@ -244,7 +244,7 @@ def test_a_worker_whose_transfer_engine_died_exits_to_be_restarted(tiny_llama_di
     from hetero_pd.serving.worker.main import Worker
 
     cfg = WorkerConfig("prefill-0", "prefill", small_engine(tiny_llama_dir))
-    worker = Worker(cfg, secrets.WorkerCredential.of(SECRET.encode()))
+    worker = Worker(cfg, secrets.WorkerCredential.for_worker(SECRET.encode(), "prefill-0"))
     try:
         assert worker.transfer.healthy()
 

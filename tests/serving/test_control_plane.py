@@ -93,7 +93,7 @@ def test_an_outsider_is_neither_answered_nor_obeyed(stack: Stack) -> None:
         for worker_id, address in workers.items():
             bare = ctx.socket(zmq.DEALER)  # no CURVE at all
             forged = ctx.socket(zmq.DEALER)  # CURVE with keys from another secret
-            secure_client(forged, wrong)
+            secure_client(forged, wrong, worker_id)
             for sock in (bare, forged):
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(address)
@@ -136,7 +136,9 @@ def test_a_worker_cannot_act_as_the_router(stack: Stack) -> None:
     assert stack.launcher is not None and stack.router is not None
     env = _environ(stack.launcher.pids()["prefill-0"])
     assert secrets.ENV not in env, "a worker was given the deployment secret"
-    held = WorkerKeys.of(secrets.WorkerCredential.parse(env[secrets.WORKER_ENV]))
+    credential = secrets.WorkerCredential.parse(env[secrets.WORKER_ENV])
+    assert (credential.scope, credential.name) == ("worker", "prefill-0")  # its own, no other
+    held = WorkerKeys.of(credential)
     decode = stack.router.workers["decode-0"]
     before = heartbeat_after(stack, "decode-0", time.monotonic())
     ctx = zmq.Context()
@@ -144,7 +146,8 @@ def test_a_worker_cannot_act_as_the_router(stack: Stack) -> None:
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.curve_serverkey = held.server_public
+        # decode-0's public key (public: assume the intruder knows it), its own key pair
+        sock.curve_serverkey = stack.router.keys.worker_public("decode-0")
         sock.curve_publickey = held.server_public  # the only key pair a worker has
         sock.curve_secretkey = held.server_secret
         sock.connect(decode.address)
@@ -171,11 +174,12 @@ def test_a_worker_cannot_link_as_another_worker(stack: Stack) -> None:
     the router gave it for decode-0) poses as prefill-1, a worker decode-0 was told to take
     KV from: with whatever key it holds, decode-0 refuses its transfer handshake
     (AUTH_FAILED, counted in decode-0's heartbeat), so it never reaches the blocks reserved
-    for prefill-1. The shared key every worker's material gives links with no one."""
+    for prefill-1. The transfer key its material would give (what every worker once shared)
+    links with no one."""
     assert stack.launcher is not None and stack.router is not None
     env = _environ(stack.launcher.pids()["prefill-0"])
     credential = secrets.WorkerCredential.parse(env[secrets.WORKER_ENV])
-    shared = secrets.derive(credential.material, "transfer")  # what every worker held
+    shared = secrets.derive(credential.material, "transfer")  # as the shared key was made
     decode = stack.router.workers["decode-0"]
     address = decode.info.transfer_address
     before = heartbeat_after(stack, "decode-0", time.monotonic())
@@ -183,7 +187,7 @@ def test_a_worker_cannot_link_as_another_worker(stack: Stack) -> None:
     assert isinstance(refused, LinkRefused) and refused.status is StatusCode.AUTH_FAILED
     keys = RouterKeys.from_secret(stack.launcher.secret)
     held = [shared, keys.link_key("prefill-0", "decode-0")]
-    router = SecondRouter(decode.address, stack.launcher.secret)
+    router = SecondRouter(decode.address, stack.launcher.secret, "decode-0")
     try:  # decode-0 now holds prefill-1's pair key, and blocks only prefill-1 may write
         prompt = list(range(1, 40))
         keyed = P.PeerKeys(
@@ -249,10 +253,10 @@ def test_a_router_that_stops_reading_loses_no_frame() -> None:
     """A ROUTER socket once dropped 8,036 of 20,000 frames at its high-water mark without
     an error; now a full pipe queues them, and they all arrive, in order, once read."""
     secret = secrets.generate().encode()
-    server = ControlServer("127.0.0.1", 0, WorkerKeys.from_secret(secret))
+    server = ControlServer("127.0.0.1", 0, WorkerKeys.from_secret(secret, "w"))
     ctx = zmq.Context()
     client = ctx.socket(zmq.DEALER)
-    secure_client(client, RouterKeys.from_secret(secret))
+    secure_client(client, RouterKeys.from_secret(secret), "w")
     client.setsockopt(zmq.RCVHWM, 100)
     client.connect(f"tcp://127.0.0.1:{server.port}")
     try:
@@ -320,7 +324,7 @@ def test_a_lost_output_fails_the_request_instead_of_truncating_it(tiny_llama_dir
     from hetero_pd.serving.router.router import Router, RouterConfig
 
     secret = secrets.generate().encode()
-    server = ControlServer("127.0.0.1", 0, WorkerKeys.from_secret(secret))
+    server = ControlServer("127.0.0.1", 0, WorkerKeys.from_secret(secret, "decode-0"))
     info = V.WorkerInfo(address=f"tcp://127.0.0.1:{server.port}", max_model_len=64)
 
     async def fake_worker(stop: asyncio.Event) -> None:
@@ -374,16 +378,19 @@ def test_a_worker_credential_round_trips_and_holds_no_router_key(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     secret = secrets.generate().encode()
-    credential = secrets.WorkerCredential.of(secret)
+    credential = secrets.WorkerCredential.for_worker(secret, "decode-0")
     monkeypatch.setenv(secrets.WORKER_ENV, credential.text())
-    assert secrets.worker_credential_from_env() == credential
+    assert secrets.worker_credential_from_env("decode-0") == credential
     router, worker = RouterKeys.from_secret(secret), WorkerKeys.of(credential)
     assert worker.router_public == router.client_public != worker.server_public
+    assert worker.server_public == router.worker_public("decode-0")
     assert router.client_secret not in credential.text().encode() + credential.material
     assert secret.decode() not in credential.text()
-    for bad in ("", "hpdw1.x.y", credential.text().replace("hpdw1", "hpdw2")):
+    for bad in ("", "hpdw2.x.y", credential.text().replace("hpdw2", "hpdw3")):
         monkeypatch.setenv(secrets.WORKER_ENV, bad)
         with pytest.raises(secrets.SecretError, match=secrets.WORKER_ENV):
-            secrets.worker_credential_from_env()
-    env = secrets.worker_environment({secrets.ENV: secret.decode(), "PATH": "/bin"}, secret)
+            secrets.worker_credential_from_env("decode-0")
+    env = secrets.worker_environment(
+        {secrets.ENV: secret.decode(), "PATH": "/bin"}, secret, ["decode-0"]
+    )
     assert env == {"PATH": "/bin", secrets.WORKER_ENV: credential.text()}

@@ -107,7 +107,7 @@ def test_fuzz_the_worker_control_endpoint(stack: Stack) -> None:
     try:
         for client in stack.router.workers.values():
             sock = ctx.socket(zmq.DEALER)
-            secure_client(sock, stack.router.keys)
+            secure_client(sock, stack.router.keys, client.worker_id)
             sock.connect(client.address)
             for _ in range(FRAMES // len(pids)):
                 frame = mutate(rng, rng.choice(control_seeds(rng)))

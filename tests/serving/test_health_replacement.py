@@ -98,7 +98,7 @@ async def _scenario(secret: bytes, first: StandIn, second: StandIn) -> list[Any]
 
 def test_a_worker_being_replaced_stays_listed_with_its_role() -> None:
     secret = secrets.generate().encode()
-    keys = WorkerKeys.from_secret(secret)
+    keys = WorkerKeys.from_secret(secret, "decode-0")
     first, second = StandIn(keys, answering=True), StandIn(keys, answering=False)
     try:
         seen = asyncio.run(asyncio.wait_for(_scenario(secret, first, second), 60))

@@ -154,7 +154,8 @@ def worker(chat_model: Path) -> Iterator[tuple[Worker, bytes]]:
     real engine behind a real control endpoint, without a process to start."""
     secret = secrets.generate().encode()
     engine = EngineConfig(model=str(chat_model), dtype="float32", num_threads=1, num_kv_blocks=64)
-    w = Worker(WorkerConfig("both-0", "both", engine), secrets.WorkerCredential.of(secret))
+    credential = secrets.WorkerCredential.for_worker(secret, "both-0")
+    w = Worker(WorkerConfig("both-0", "both", engine), credential)
     thread = threading.Thread(target=w.serve_forever, name="test-worker", daemon=True)
     thread.start()
     try:

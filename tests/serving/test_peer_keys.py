@@ -59,7 +59,7 @@ def test_named_peers_covers_every_message_that_names_a_worker() -> None:
 
 def test_the_router_sends_each_peers_pair_key_ahead_of_the_message() -> None:
     secret = secrets.generate().encode()
-    server = ControlServer("127.0.0.1", 0, WorkerKeys.from_secret(secret))
+    server = ControlServer("127.0.0.1", 0, WorkerKeys.from_secret(secret, "w"))
     keys = RouterKeys.from_secret(secret)
     got: list[Any] = []
 
@@ -99,19 +99,15 @@ def test_the_router_sends_each_peers_pair_key_ahead_of_the_message() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="every worker's control endpoint proves one key pair, from the material all hold",
-)
 def test_an_endpoint_with_only_worker_material_gets_no_workers_pair_keys() -> None:
-    """A process holding the material every worker holds (a compromised worker) that the
+    """A process holding another worker's material (a compromised decode-0) that the
     router reaches at worker "decode-1"'s address (its port taken after decode-1 exited:
     the router greets a down worker's address again until a Ready comes back) must not
     complete the router's CurveZMQ handshake as decode-1, or it is sent decode-1's pair
     keys (k(decode-1, prefill-0) here) and links with prefill-0 as decode-1. The router
-    checks a worker's control endpoint against the one server key all workers derive."""
+    checks each worker's control endpoint against that worker's own key."""
     secret = secrets.generate().encode()
-    impostor = ControlServer("127.0.0.1", 0, WorkerKeys.from_secret(secret))
+    impostor = ControlServer("127.0.0.1", 0, WorkerKeys.from_secret(secret, "decode-0"))
     keys = RouterKeys.from_secret(secret)
     got: list[Any] = []
     events: list[int] = []
@@ -121,7 +117,9 @@ def test_an_endpoint_with_only_worker_material_gets_no_workers_pair_keys() -> No
         address = f"tcp://127.0.0.1:{impostor.port}"
         client = WorkerClient("decode-1", address, ctx, keys, lambda *a: None, lambda *a: None)
         done = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-        monitor = client.sock.get_monitor_socket(done | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        # a server with another key cannot read the client's HELLO: it drops the connection
+        done |= zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_DISCONNECTED
+        monitor = client.sock.get_monitor_socket(done)
         try:
             client.send(P.Reserve(rid="r", prompt_ids=[1], params=PARAMS, writer="prefill-0"))
             deadline = time.monotonic() + 20

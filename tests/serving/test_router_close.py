@@ -35,7 +35,7 @@ async def _abort_then_close(secret: bytes, worker: StandIn) -> None:
 
 def test_aborts_sent_before_the_router_closes_all_reach_the_worker() -> None:
     secret = secrets.generate().encode()
-    worker = StandIn(WorkerKeys.from_secret(secret), answering=True)
+    worker = StandIn(WorkerKeys.from_secret(secret, "decode-0"), answering=True)
     try:
         asyncio.run(asyncio.wait_for(_abort_then_close(secret, worker), 60))
         # The router has closed: what it sent is read by now (or lost); the count settles.

@@ -44,10 +44,10 @@ def wait_for(what: str, ok: Callable[[], bool], timeout_s: float = 60.0) -> None
 class SecondRouter:
     """An authenticated router of the deployment talking to one worker directly."""
 
-    def __init__(self, address: str, secret: bytes) -> None:
+    def __init__(self, address: str, secret: bytes, worker_id: str) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        secure_client(self.sock, RouterKeys.from_secret(secret))
+        secure_client(self.sock, RouterKeys.from_secret(secret), worker_id)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
         self.codec = P.router_codec()
@@ -81,7 +81,7 @@ def test_only_the_chosen_prefill_worker_writes_reserved_blocks(
         assert stack.router is not None and stack.launcher is not None
         decode = stack.router.workers["decode-0"]
         secret = stack.launcher.secret
-        router = SecondRouter(decode.address, secret)
+        router = SecondRouter(decode.address, secret, "decode-0")
         keys = RouterKeys.from_secret(secret)
         try:
             pair = keys.link_key("decode-0", "prefill-1")

@@ -91,7 +91,7 @@ class FakeWorker:
 
 def test_no_request_goes_to_a_worker_whose_transfer_engine_is_dead() -> None:
     secret = secrets.generate().encode()
-    worker = FakeWorker(WorkerKeys.from_secret(secret))
+    worker = FakeWorker(WorkerKeys.from_secret(secret, "decode-9"))
 
     async def run() -> None:
         router = Router(RouterConfig(heartbeat_timeout_s=5.0), RouterKeys.from_secret(secret))
@@ -141,10 +141,10 @@ def test_a_worker_advertises_its_host_for_transfers_and_links_only_under_pair_ke
     t = transfer_config(cfg)
     assert t.advertise_host == "decode-0.pd.svc" and t.require_secret
     assert t.per_peer_secrets and t.secret == b""
-    credential = secrets.WorkerCredential.of(secret)
+    credential = secrets.WorkerCredential.for_worker(secret, "decode-0")
     with pytest.raises(secrets.SecretError, match="transfer"):
         credential.key("transfer")
     own = replace(cfg, transfer=TransferConfig(host="0.0.0.0", advertise_host="10.0.0.7"))
     assert transfer_config(own).advertise_host == "10.0.0.7"
     with pytest.raises(secrets.SecretError):
-        secrets.WorkerCredential.of(b"")
+        secrets.WorkerCredential.for_worker(b"", "decode-0")

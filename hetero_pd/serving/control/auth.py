@@ -1,19 +1,21 @@
 """Authentication of the control plane: CurveZMQ, with the router's key pair apart from the
-workers'.
+workers', and each worker's apart from every other's.
 
-    router (DEALER, CURVE client)  ──CurveZMQ handshake──>  worker (ROUTER, CURVE server)
-    RouterKeys: its own key pair,                            WorkerKeys: the workers' key
-    the workers' public key                                  pair, the router's public key;
+    router (DEALER, CURVE client)  ──CurveZMQ handshake──>  worker W (ROUTER, CURVE server)
+    RouterKeys: its own key pair,                            WorkerKeys: W's own key pair,
+    W's public key (derived for W)                           the router's public key;
                                                              ZAP: client key == the router's?
                                                              else refused
 
 The router's key pair derives from the deployment secret, which only the router holds (as
-does the root of the workers' transfer pair keys: `RouterKeys.link_key`, handed to each
-worker in `PeerKeys`); the workers' from their credential
-(`hetero_pd.secrets.WorkerCredential`), which cannot give the router's. So a process with
-a worker's key material (a compromised worker) cannot complete the router's handshake with
-another worker, and a peer without keys (a bare DEALER, a CURVE client with another key, a
-replayed capture) never gets a frame to the worker's code; each such attempt is counted.
+do the root of the workers' transfer pair keys, `RouterKeys.link_key`, handed to each worker
+in `PeerKeys`, and the root of the workers' own keys); worker W's from its credential
+(`hetero_pd.secrets.WorkerCredential`), which gives neither the router's key nor another
+worker's. So a process with a worker's key material (a compromised worker) can complete the
+router's handshake neither with another worker (it cannot be the router) nor in another
+worker's place (the router expects that worker's key): it is never sent another worker's
+pair keys. A peer without keys (a bare DEALER, a CURVE client with another key, a replayed
+capture) never gets a frame to the worker's code; each such attempt is counted.
 CurveZMQ also encrypts and authenticates every frame after the handshake, with per-message
 nonces, so frames can be neither read, altered nor replayed on the wire.
 """
@@ -33,6 +35,8 @@ from hetero_pd.secrets import (
     pair_key,
     pair_root,
     router_keypair,
+    worker_public_key,
+    workers_root,
 )
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -48,8 +52,8 @@ _FAILED = (
 
 @dataclass(frozen=True, slots=True)
 class WorkerKeys:
-    """A worker's control keys (Z85 text, as libzmq takes them): its server key pair and
-    the only client key it admits, the router's."""
+    """A worker's control keys (Z85 text, as libzmq takes them): its own server key pair
+    and the only client key it admits, the router's."""
 
     server_public: bytes
     server_secret: bytes
@@ -57,29 +61,34 @@ class WorkerKeys:
 
     @classmethod
     def of(cls, credential: WorkerCredential) -> WorkerKeys:
+        """The keys of the one worker `credential` is for (a worker's, not a group's)."""
         public, secret = curve_keypair(credential.key("control/worker"))
         return cls(public, secret, credential.router_public)
 
     @classmethod
-    def from_secret(cls, secret: bytes) -> WorkerKeys:
-        return cls.of(WorkerCredential.of(secret))
+    def from_secret(cls, secret: bytes, worker_id: str) -> WorkerKeys:
+        return cls.of(WorkerCredential.for_worker(secret, worker_id))
 
 
 @dataclass(frozen=True, slots=True)
 class RouterKeys:
-    """The router's control keys (its own key pair and the workers' public key) and the
-    root of the workers' transfer pair keys, which it hands out (`link_key`)."""
+    """The router's control keys (its own key pair, the root every worker's public key
+    derives from) and the root of the workers' transfer pair keys, which it hands out
+    (`link_key`)."""
 
-    server_public: bytes
     client_public: bytes
     client_secret: bytes
+    workers_root: bytes
     pair_root: bytes
 
     @classmethod
     def from_secret(cls, secret: bytes) -> RouterKeys:
         public, private = router_keypair(secret)
-        server = WorkerKeys.from_secret(secret).server_public
-        return cls(server, public, private, pair_root(secret))
+        return cls(public, private, workers_root(secret), pair_root(secret))
+
+    def worker_public(self, worker_id: str) -> bytes:
+        """The key worker `worker_id`'s control endpoint must prove (Z85)."""
+        return worker_public_key(self.workers_root, worker_id)
 
     def link_key(self, worker: str, peer: str) -> bytes:
         """The key `worker`'s transfer engine links with `peer`'s under (and only it)."""
@@ -99,9 +108,10 @@ def secure_server(sock: Any, keys: WorkerKeys) -> None:
     sock.zap_domain = DOMAIN
 
 
-def secure_client(sock: Any, keys: RouterKeys) -> None:
+def secure_client(sock: Any, keys: RouterKeys, worker_id: str) -> None:
+    """A CURVE client that completes a handshake only with worker `worker_id`."""
     limit(sock)
-    sock.curve_serverkey = keys.server_public
+    sock.curve_serverkey = keys.worker_public(worker_id)
     sock.curve_publickey = keys.client_public
     sock.curve_secretkey = keys.client_secret
 

@@ -58,7 +58,7 @@ class WorkerClient:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.keys = keys
         self.sock: Any = ctx.socket(zmq.DEALER)
-        secure_client(self.sock, keys)
+        secure_client(self.sock, keys, worker_id)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
         self.sock.connect(address)
         self.codec = P.router_codec()

@@ -327,7 +327,7 @@ class Worker:
 
 def run(cfg: WorkerConfig) -> int:
     """Runs one worker in this process until SIGTERM/SIGINT (drain) or its launcher exits."""
-    credential = secrets.worker_credential_from_env()
+    credential = secrets.worker_credential_from_env(cfg.worker_id)
     if cfg.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cfg.cpus)
     if cfg.alive_file:
