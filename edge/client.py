@@ -33,6 +33,7 @@ from edge.noise import add_noise
 from edge.privacy import check_split
 from edge.runtime import EdgeRuntime
 from hetero_pd.serving.api.edge_protocol import (
+    MAX_MESSAGE_BYTES,
     MODES,
     PATH,
     EdgeParams,
@@ -245,7 +246,7 @@ class EdgeClient:
             )
             try:
                 ws = await session.ws_connect(
-                    self.url + PATH, headers=headers, max_msg_size=64 * 2**20, ssl=self._ssl
+                    self.url + PATH, headers=headers, max_msg_size=MAX_MESSAGE_BYTES, ssl=self._ssl
                 )
                 return ws, session
             except aiohttp.ClientSSLError as e:  # not retried: the next try fails alike
