@@ -67,3 +67,37 @@ def test_inductor_code_is_kept_only_in_a_private_folder(
     with pytest.raises(native.UntrustedKernel, match="mode 777"):
         use_cache_dir(shared)
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(shared)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("mode", "uid", "refused"),
+    [
+        (0o777, 0, True),  # world-writable, no sticky bit: anyone may rename our folder away
+        (0o775, 0, True),  # group-writable
+        (0o755, 12345, True),  # another user's: they may chmod it and then do the same
+        (0o1777, 0, False),  # like /tmp: sticky and root's, so only we rename our entries
+        (0o1777, 12345, True),  # sticky, but its owner may still rename anything in it
+        (0o755, 0, False),
+    ],
+)
+def test_a_private_folder_inside_a_folder_others_may_write_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int, uid: int, refused: bool
+) -> None:
+    """Our 0700 folder is only as private as the path to it: whoever may write a folder above
+    (or owns it) can move ours away and put theirs, with their code, in its place. Every
+    folder up to / is checked, as OpenSSH's StrictModes does (issue 27, third round)."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    ours = parent / "cache" / "inductor"
+    ours.mkdir(parents=True, mode=0o700)
+    os.chown(parent, uid, -1)
+    parent.chmod(mode)
+    if refused:
+        with pytest.raises(native.UntrustedKernel, match=f"{parent}.* uid {uid}"):
+            use_cache_dir(ours)
+        assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(ours)
+    else:
+        use_cache_dir(ours)
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(ours)
