@@ -53,7 +53,8 @@ def use_cache_dir(path: Path) -> None:
     so the next start loads it instead of compiling again. Inductor writes its default
     (/tmp/torchinductor_USER) into the variable the first time it looks, which is not the
     user's choice. Inductor unpickles and runs what its cache holds, so `path` is made ours
-    and private (0700), and one that is not ours, or others may write, is refused
+    and private (0700), and one that is not ours, or others may write (it or a folder above
+    it, `native.check_private_folder`), is refused
     (`native.UntrustedKernel`), as a kernel library is."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 

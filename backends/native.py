@@ -6,7 +6,8 @@ attributes and called only where the CPU has them) into hetero-pd's cache, keyed
 source, the compile command, the compiler's version and the CPU's flags (a library built
 for one CPU is not loaded on another), in the folder the caller names (the engine's:
 `kernels/` under HETERO_PD_CACHE_DIR). A cached library is loaded only when it and its
-folder are ours and no one else's to write, and the file loaded is the one checked: it is
+folder are ours and no one else's to write (nor any folder above it, as OpenSSH's
+StrictModes checks), and the file loaded is the one checked: it is
 opened, checked through its descriptor and loaded through that descriptor's /proc name, so
 a file renamed into its place after the check is never the one run. No compiler, or a
 failed build: `build` gives None and says so in the log, and the caller runs its portable
@@ -22,6 +23,7 @@ import logging
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -87,7 +89,7 @@ def check_private(path: Path) -> Path:
     let them plant one). Gives the name to load: the file checked, opened (not following
     a link) and named by its descriptor, so what is loaded is what was checked whatever
     ``path`` names by then (``path`` itself where there is no /proc)."""
-    _check_owner(path.parent, path.parent.stat())
+    check_private_folder(path.parent)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         _check_owner(path, os.fstat(fd))
@@ -104,8 +106,27 @@ def check_private(path: Path) -> Path:
 
 def check_private_folder(path: Path) -> None:
     """`UntrustedKernel` unless the folder ``path`` is ours and no one else's to write (what
-    is created in it is then ours alone to create)."""
+    is created in it is then ours alone to create), nor any folder above it (`_check_above`)."""
     _check_owner(path, path.stat())
+    _check_above(path)
+
+
+def _check_above(path: Path) -> None:
+    """Every folder from ``path``'s real parent up to /, as OpenSSH's StrictModes checks
+    them: owned by root or us, and writable by no one else unless sticky and root's (/tmp).
+    Whoever may write a folder above ours (or owns it, and may chmod it) can rename ours
+    away and put theirs in its place, with their code in it."""
+    me = os.getuid()
+    for folder in path.resolve().parents:
+        st = folder.stat()
+        shared = st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and st.st_uid == 0)
+        if st.st_uid not in (0, me) or shared:
+            raise UntrustedKernel(
+                f"{folder}, above {path}, is owned by uid {st.st_uid} with mode "
+                f"{st.st_mode & 0o7777:o}: whoever may write it can replace what is below; "
+                f"only root or uid {me} may write each folder up to / (unless sticky and "
+                "root's, as /tmp): choose another HETERO_PD_CACHE_DIR"
+            )
 
 
 def _check_owner(path: Path, st: os.stat_result) -> None:
