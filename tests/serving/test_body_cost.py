@@ -203,3 +203,44 @@ def test_a_stalled_decoder_process_is_replaced_past_its_deadline() -> None:
     answers = asyncio.run(asyncio.wait_for(scenario(), 100))
     bad = (400, "invalid_request_error")
     assert answers == [bad, (503, "server_error"), bad]
+
+
+@pytest.mark.timeout(120)
+def test_large_bodies_waiting_for_the_decoder_are_capped() -> None:
+    """Large bodies wait for the decoder process one behind another: with it stalled, a
+    client could queue body after body in the router's memory. Past the bytes allowed to
+    wait, a body is answered at once, 503 with Retry-After naming the reason; those taken
+    are answered as before (the stalled one 503 past its deadline, the next by a new
+    process)."""
+
+    async def scenario() -> list[tuple[int, str | None, str]]:
+        router = Router(RouterConfig(), RouterKeys.from_secret(secrets.generate().encode()))
+        raw = b'{"tokens": %s}' % (b"[" + b"1," * 2**17 + b"1]")  # 256 KiB: the child's
+        stopped = None
+        try:
+            state = ApiState(router, Tokenizer(), ["m"], 64, 100)
+            async with TestClient(TestServer(create_app(state))) as client:
+                resp = await client.post("/detokenize", data=raw)  # starts the process
+                assert resp.status == 400
+                stopped = state.bodies.pid
+                assert stopped is not None
+                os.kill(stopped, signal.SIGSTOP)
+                state.bodies.deadline_s = 2.0
+                state.bodies.max_waiting_bytes = 2 * len(raw)  # one decoding, one waiting
+                posts = [client.post("/detokenize", data=raw) for _ in range(3)]
+                answers = await asyncio.gather(*posts)
+                return [
+                    (a.status, a.headers.get("Retry-After"), (await a.json())["error"]["message"])
+                    for a in answers
+                ]
+        finally:
+            if stopped is not None:
+                with contextlib.suppress(ProcessLookupError):  # the deadline's kill reaped it
+                    os.kill(stopped, signal.SIGKILL)
+            await router.close()
+
+    answers = asyncio.run(asyncio.wait_for(scenario(), 100))
+    refused = [a for a in answers if a[1] is not None]
+    assert len(refused) == 1, answers
+    assert refused[0][0] == 503 and "waiting to be decoded" in refused[0][2], refused
+    assert sorted(a[0] for a in answers if a[1] is None) == [400, 503], answers
