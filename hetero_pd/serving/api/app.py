@@ -67,7 +67,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except errors.APIError as e:
-        return error_response(e)
+        return error_response(e, e.retry_after)
     except RouterError as e:
         return error_response(api_error(e), e.retry_after)
     except RecursionError:  # a value as deep as JSON decodes, walked (or repr'd) by a parser

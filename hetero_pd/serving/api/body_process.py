@@ -19,12 +19,13 @@ started the router), started with the first large body and reused. Frames on its
 header (head length, body length), the head ``[kind, max_ids]`` in msgpack, the body; on its
 stdout: a length, then msgpack ``{"fields": ...}``, ``{"error": [status, message, type,
 param, code]}`` or ``{"failed": text}`` (an integer past msgpack's 64 bits as an extension
-holding its digits). One body at a time (a flood of them costs the host
-one core at most); a child that dies is replaced, and the body it held decoded once more by
-its replacement; one that takes more than ``DEADLINE_S`` over a body (stopped, swapping) is
-killed and replaced, and that body answered 503, so the bodies queued behind it wait at most
-that long for it. When the app stops, the child is killed and every body not answered yet
-gets a 503.
+holding its digits). One body at a time (a flood of them costs the host one core at most),
+and at most ``MAX_WAITING_BYTES`` of them taken (a body past that is answered 503 with
+Retry-After at once, not held in memory behind the others); a child that dies is replaced,
+and the body it held decoded once more by its replacement; one that takes more than
+``DEADLINE_S`` over a body (stopped, swapping) is killed and replaced, and that body
+answered 503, so the bodies queued behind it wait at most that long for it. When the app
+stops, the child is killed and every body not answered yet gets a 503.
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ log = logging.getLogger("hetero_pd.api")
 #: Bodies up to this size are decoded on the tokenizer thread (about 1 ms of msgspec for a
 #: body of integers this large); larger ones in the child process.
 INLINE_BYTES = 256 * 1024
+#: Bytes of large bodies the decoder may hold at once, the one in the child included
+#: (`BodyDecoder.max_waiting_bytes`): eight at the API's 16 MiB bound. Past it a body is
+#: answered 503 with Retry-After at once, rather than held in the router's memory behind a
+#: slow or stalled child.
+MAX_WAITING_BYTES = 8 * 16 * 2**20
+#: Seconds a body refused for that is told to wait (``Retry-After``).
+RETRY_AFTER_S = 1.0
 #: The longest one body may take in the child (`BodyDecoder.deadline_s`): a 16 MiB body takes
 #: well under a second, a child's start a second or two on a loaded host.
 DEADLINE_S = 30.0
@@ -71,10 +79,15 @@ class BodyDecoder:
     it. ``pid``: the child's, while one runs. ``deadline_s``: the longest one body may take
     there (a child's start included); past it the child is killed, the body answered 503
     and the next one gets a new child, so a stalled child never stalls the large bodies
-    queued behind it."""
+    queued behind it. ``max_waiting_bytes``: the most the bodies taken and not yet answered
+    may hold; a body past it is refused at once (503, Retry-After)."""
 
-    def __init__(self, deadline_s: float = DEADLINE_S) -> None:
+    def __init__(
+        self, deadline_s: float = DEADLINE_S, max_waiting_bytes: int = MAX_WAITING_BYTES
+    ) -> None:
         self.deadline_s = deadline_s
+        self.max_waiting_bytes = max_waiting_bytes
+        self._waiting = 0  # bytes of the bodies taken, not answered yet (the loop's alone)
         self._child: subprocess.Popen[bytes] | None = None
         self._closed = False
         self._busy = threading.Lock()  # held while a body is on the pipes
@@ -90,8 +103,22 @@ class BodyDecoder:
         else its decoded fields; a 400 (`APIError`) when the body is refused."""
         if len(raw) <= INLINE_BYTES:
             return raw
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._io, self._decode, raw, kind, max_ids)
+        if self._waiting + len(raw) > self.max_waiting_bytes:
+            raise APIError(
+                503,
+                f"{self._waiting} bytes of large request bodies are waiting to be decoded, and "
+                f"this one's {len(raw)} would pass the {self.max_waiting_bytes} allowed: retry "
+                "shortly, or send a body of at most 256 KiB",
+                "server_error",
+                code="body_queue_full",
+                retry_after=RETRY_AFTER_S,
+            )
+        self._waiting += len(raw)
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._io, self._decode, raw, kind, max_ids)
+        finally:
+            self._waiting -= len(raw)
 
     def _decode(self, raw: bytes, kind: BodyKind, max_ids: int) -> dict[str, Any]:
         try:

@@ -23,6 +23,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -30,6 +31,8 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        #: Seconds the client should wait before it tries again (``Retry-After``), if any.
+        self.retry_after = retry_after
 
     def to_json(self) -> dict[str, Any]:
         """The response body, in OpenAI's error shape."""
