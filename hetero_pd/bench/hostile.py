@@ -7,7 +7,9 @@ third process probes ``GET /health`` back to back (a new connection each time, a
 balancer's probe does), so neither the client nor the prober shares the router's GIL. The
 bodies are the ones the hostile-API tests send (`shapes`): 16 MiB of integers on five
 routes, a 20,000-message chat, megabyte and 16 MiB text prompts, a stop-string flood, 16 MiB
-of one key repeated, JSON nested 200,000 deep, and four 16 MiB bodies at once.
+of one key repeated, JSON nested 200,000 deep, and four 16 MiB bodies at once; and edge
+sessions' first messages (`edge_start`): one and four at once at the 16 MiB bound, and one
+of 64 MiB (the bound before issue 27's third round), refused by its announced length.
 
 Each round sends every shape to every server in turn (servers and shapes taking turns, so a
 load that changes during the run weighs on all of them), with an idle window first. Per
@@ -22,6 +24,7 @@ The last stdout line is one JSON object with the machine and the load.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import http.client
 import json
@@ -36,8 +39,12 @@ from multiprocessing.connection import Connection
 from typing import Any
 from urllib.parse import urlsplit
 
+import msgspec
+
 from hetero_pd.bench.machine import cpu_info
 from hetero_pd.models.fetch import DEFAULT_MODEL
+from hetero_pd.serving.api.edge_protocol import MAX_MESSAGE_BYTES as EDGE_MESSAGE_BYTES
+from hetero_pd.serving.api.edge_protocol import PATH as EDGE_PATH
 
 #: The API's largest body (aiohttp's client_max_size) less what the rest of a request needs.
 SIXTEEN_MIB_OF_INTS = b"[" + b"1," * (8 * 2**20 - 256) + b"1]"
@@ -95,6 +102,29 @@ def shapes(model: str) -> list[Shape]:
             "completions-nested-200k",
             (("/v1/completions", _prompt(m, b"[" * depth + b"]" * depth)),),
         ),
+        *_edge_shapes(),
+    ]
+
+
+def edge_start(size: int) -> bytes:
+    """An edge session's `start` message of about `size` bytes of hidden states, for a model
+    the router does not serve (it is answered `model_not_found` once decoded); encoded
+    directly, as a device that skips `edge_protocol.pack`'s bound would."""
+    width = 576
+    rows = (size - 4096) // (2 * width)
+    frame = {"version": 1, "dtype": "float16", "shape": [rows, width], "scale": b""}
+    frame |= {"data": b"\1" * (2 * width * rows), "outliers": 0}
+    frame |= {"outlier_index": b"", "outlier_value": b""}
+    fields = {"model": "not-served", "split_layer": 2, "fingerprint": "f", "params": {}}
+    return msgspec.msgpack.encode({"t": "start", "v": 1, **fields, "prompt": frame})
+
+
+def _edge_shapes() -> list[Shape]:
+    start, past = edge_start(EDGE_MESSAGE_BYTES), edge_start(4 * EDGE_MESSAGE_BYTES)
+    return [
+        Shape("edge-16MiB-start", ((EDGE_PATH, start),)),
+        Shape("four-edge-16MiB-at-once", ((EDGE_PATH, start),) * 4),
+        Shape("edge-64MiB-start", ((EDGE_PATH, past),)),
     ]
 
 
@@ -129,7 +159,10 @@ def probe(url: str, ready: Any, stop: Any, out: Connection) -> None:
 
 def send(url: str, posts: tuple[tuple[str, bytes], ...]) -> list[int]:
     """Sends each body (all but their last bytes first, then the last bytes together, as the
-    tests do), reads every answer; their statuses."""
+    tests do), reads every answer; their statuses. Edge messages go each over a session of
+    its own, all at once (`send_edge`)."""
+    if all(path == EDGE_PATH for path, _ in posts):
+        return asyncio.run(send_edge(url, [body for _, body in posts]))
     parts = urlsplit(url)
     conns = [
         http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=300) for _ in posts
@@ -152,6 +185,24 @@ def send(url: str, posts: tuple[tuple[str, bytes], ...]) -> list[int]:
     finally:
         for conn in conns:
             conn.close()
+
+
+async def send_edge(url: str, messages: list[bytes]) -> list[int]:
+    """Sends each message as the first of an edge session (API key "unused": a router with
+    keys refuses it before the upgrade); per session, 101 when the router answered it over
+    the session, else the WebSocket close code (1009: refused by its size, unread)."""
+    import aiohttp
+
+    async def one(session: aiohttp.ClientSession, message: bytes) -> int:
+        headers = {"Authorization": "Bearer unused"}
+        async with session.ws_connect(url + EDGE_PATH, headers=headers, max_msg_size=0) as ws:
+            with contextlib.suppress(ConnectionError):  # refused while it is sent
+                await ws.send_bytes(message)
+            answer = await ws.receive(timeout=300)
+            return 101 if answer.type == aiohttp.WSMsgType.BINARY else int(ws.close_code or 0)
+
+    async with aiohttp.ClientSession() as session:
+        return list(await asyncio.gather(*(one(session, m) for m in messages)))
 
 
 @dataclass(slots=True)

@@ -12,7 +12,13 @@ import pytest
 
 from hetero_pd.bench.hostile import main
 
-SHAPES = ("four-16MiB-at-once", "embeddings-16MiB-ints", "chat-20000-messages")
+SHAPES = (
+    "four-16MiB-at-once",
+    "embeddings-16MiB-ints",
+    "chat-20000-messages",
+    "four-edge-16MiB-at-once",
+    "edge-64MiB-start",
+)
 #: As tests/serving/test_hostile_api.py's RESPONSIVE_S: under the router's heartbeat timeout.
 RESPONSIVE_MS = 2000.0
 
@@ -28,6 +34,10 @@ def test_health_answers_while_hostile_bodies_arrive(
     assert results["router/four-16MiB-at-once"]["answers"] == [200, 400]
     assert results["router/embeddings-16MiB-ints"]["answers"] == [400]
     assert results["router/chat-20000-messages"]["answers"] == [400]
+    # Edge sessions: answered over the session at the bound; past it closed, unread (1009,
+    # or 1006 where the router dropped the connection under the rest of the message).
+    assert results["router/four-edge-16MiB-at-once"]["answers"] == [101]
+    assert results["router/edge-64MiB-start"]["answers"] in ([1006], [1009], [1006, 1009])
     for name, r in results.items():
         assert r["probes"] >= 1 and r["failed_probes"] == 0, (name, r)
         assert r["worst_ms"] < RESPONSIVE_MS, (name, r)
