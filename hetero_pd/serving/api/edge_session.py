@@ -68,7 +68,9 @@ async def serve_session(
     """Runs one edge session to its end; errors go to the device as `error` messages."""
     key = errors.check_api_key(request.headers, cfg.api_keys)  # before the upgrade: a plain 401
     cfg = dataclasses.replace(cfg, key=key)
-    ws = web.WebSocketResponse(max_msg_size=E.MAX_MESSAGE_BYTES)
+    # Uncompressed: permessage-deflate would let a few KiB on the wire inflate to a whole
+    # message on the event loop, and hidden states hardly compress anyway.
+    ws = web.WebSocketResponse(max_msg_size=E.MAX_MESSAGE_BYTES, compress=False)
     await ws.prepare(request)
     try:
         await _run(ws, router, cfg)
