@@ -101,3 +101,20 @@ def test_a_private_folder_inside_a_folder_others_may_write_is_refused(
     else:
         use_cache_dir(ours)
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(ours)
+
+
+@pytest.mark.timeout(60)
+def test_a_link_to_a_private_folder_in_a_folder_others_may_write_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folders above the path as given count too, not only above where it leads: a link
+    to our private folder, kept where others may write, can be pointed at theirs."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    ours = tmp_path / "private" / "inductor"
+    ours.mkdir(parents=True, mode=0o700)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / "cache").symlink_to(ours)
+    with pytest.raises(native.UntrustedKernel, match=f"{shared}.* uid 0"):
+        use_cache_dir(shared / "cache")
