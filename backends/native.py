@@ -112,12 +112,14 @@ def check_private_folder(path: Path) -> None:
 
 
 def _check_above(path: Path) -> None:
-    """Every folder from ``path``'s real parent up to /, as OpenSSH's StrictModes checks
-    them: owned by root or us, and writable by no one else unless sticky and root's (/tmp).
-    Whoever may write a folder above ours (or owns it, and may chmod it) can rename ours
-    away and put theirs in its place, with their code in it."""
+    """Every folder from ``path``'s parent up to /, the path as given and where it leads,
+    as OpenSSH's StrictModes checks them: owned by root or us, and writable by no one else
+    unless sticky and root's (/tmp). Whoever may write a folder above ours (or owns it, and
+    may chmod it) can rename ours away and put theirs in its place, with their code in it."""
     me = os.getuid()
-    for folder in path.resolve().parents:
+    given, real = path.absolute().parents, path.resolve().parents
+    # Both ways down: a link on the way, where others may write, can be pointed elsewhere.
+    for folder in dict.fromkeys([*given, *real]):
         st = folder.stat()
         shared = st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and st.st_uid == 0)
         if st.st_uid not in (0, me) or shared:
