@@ -20,6 +20,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from hetero_pd import secrets
 from hetero_pd.serving.api.app import create_app
+from hetero_pd.serving.api.body_process import BodyDecoder
+from hetero_pd.serving.api.errors import APIError
 from hetero_pd.serving.api.state import ApiState
 from hetero_pd.serving.control.auth import RouterKeys
 from hetero_pd.serving.router.router import Router, RouterConfig
@@ -244,3 +246,33 @@ def test_large_bodies_waiting_for_the_decoder_are_capped() -> None:
     assert len(refused) == 1, answers
     assert refused[0][0] == 503 and "waiting to be decoded" in refused[0][2], refused
     assert sorted(a[0] for a in answers if a[1] is None) == [400, 503], answers
+
+
+@pytest.mark.timeout(120)
+def test_a_body_whose_client_left_counts_until_it_leaves_the_queue() -> None:
+    """The router cancels a request's handler when its client goes (handler_cancellation):
+    its body still waits in the decoder's queue, so it still counts against the cap, or a
+    client could send and leave, body after body, with none counted."""
+
+    async def scenario() -> APIError:
+        raw = b'{"tokens": %s}' % (b"[" + b"1," * 2**17 + b"1]")  # 256 KiB: the child's
+        decoder = BodyDecoder(deadline_s=2.0)
+        try:
+            with contextlib.suppress(APIError):  # starts the process (the body: a 400)
+                await decoder.prepare(raw, "detokenize", 64)
+            assert decoder.pid is not None
+            os.kill(decoder.pid, signal.SIGSTOP)
+            decoder.max_waiting_bytes = 2 * len(raw)
+            left = [asyncio.ensure_future(decoder.prepare(raw, "detokenize", 64)) for _ in "ab"]
+            await asyncio.sleep(0)  # both taken: one on the pipe, one waiting
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
+            with pytest.raises(APIError) as refused:
+                await decoder.prepare(raw, "detokenize", 64)
+            return refused.value
+        finally:
+            decoder.close()
+
+    refused = asyncio.run(asyncio.wait_for(scenario(), 100))
+    assert (refused.status, refused.code, refused.retry_after) == (503, "body_queue_full", 1.0)
