@@ -79,15 +79,17 @@ class BodyDecoder:
     it. ``pid``: the child's, while one runs. ``deadline_s``: the longest one body may take
     there (a child's start included); past it the child is killed, the body answered 503
     and the next one gets a new child, so a stalled child never stalls the large bodies
-    queued behind it. ``max_waiting_bytes``: the most the bodies taken and not yet answered
-    may hold; a body past it is refused at once (503, Retry-After)."""
+    queued behind it. ``max_waiting_bytes``: the most the bodies taken and not yet decoded
+    may hold (one whose client left counts until then); a body past it is refused at once
+    (503, Retry-After)."""
 
     def __init__(
         self, deadline_s: float = DEADLINE_S, max_waiting_bytes: int = MAX_WAITING_BYTES
     ) -> None:
         self.deadline_s = deadline_s
         self.max_waiting_bytes = max_waiting_bytes
-        self._waiting = 0  # bytes of the bodies taken, not answered yet (the loop's alone)
+        self._waiting = 0  # bytes of the bodies taken, until their decode ends (`_held`)
+        self._waiting_lock = threading.Lock()
         self._child: subprocess.Popen[bytes] | None = None
         self._closed = False
         self._busy = threading.Lock()  # held while a body is on the pipes
@@ -103,22 +105,34 @@ class BodyDecoder:
         else its decoded fields; a 400 (`APIError`) when the body is refused."""
         if len(raw) <= INLINE_BYTES:
             return raw
-        if self._waiting + len(raw) > self.max_waiting_bytes:
-            raise APIError(
-                503,
-                f"{self._waiting} bytes of large request bodies are waiting to be decoded, and "
-                f"this one's {len(raw)} would pass the {self.max_waiting_bytes} allowed: retry "
-                "shortly, or send a body of at most 256 KiB",
-                "server_error",
-                code="body_queue_full",
-                retry_after=RETRY_AFTER_S,
-            )
-        self._waiting += len(raw)
+        self._hold(len(raw))
         try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._io, self._decode, raw, kind, max_ids)
-        finally:
-            self._waiting -= len(raw)
+            work = self._io.submit(self._decode, raw, kind, max_ids)
+        except BaseException:
+            self._release(len(raw))
+            raise
+        work.add_done_callback(lambda _: self._release(len(raw)))
+        # Shielded: a handler cancelled (its client gone) leaves the body to be decoded, still
+        # counted, rather than waiting in the queue uncounted.
+        return await asyncio.shield(asyncio.wrap_future(work))
+
+    def _hold(self, size: int) -> None:
+        with self._waiting_lock:
+            if self._waiting + size > self.max_waiting_bytes:
+                raise APIError(
+                    503,
+                    f"{self._waiting} bytes of large request bodies are waiting to be decoded, "
+                    f"and this one's {size} would pass the {self.max_waiting_bytes} allowed: "
+                    "retry shortly, or send a body of at most 256 KiB",
+                    "server_error",
+                    code="body_queue_full",
+                    retry_after=RETRY_AFTER_S,
+                )
+            self._waiting += size
+
+    def _release(self, size: int) -> None:  # on the decoding thread, or the loop's
+        with self._waiting_lock:
+            self._waiting -= size
 
     def _decode(self, raw: bytes, kind: BodyKind, max_ids: int) -> dict[str, Any]:
         try:
