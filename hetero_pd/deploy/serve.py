@@ -37,7 +37,7 @@ from hetero_pd.deploy.validate import validate
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
 from hetero_pd.models.tokenizer import load_tokenizer
-from hetero_pd.serving.api.app import ApiState, create_app, create_edge_app
+from hetero_pd.serving.api.app import AUTO_DECOMPRESS, ApiState, create_app, create_edge_app
 from hetero_pd.serving.api.edge_tls import EdgeCert, edge_cert
 from hetero_pd.serving.api.tools import ToolSettings
 from hetero_pd.serving.control.auth import RouterKeys
@@ -130,6 +130,7 @@ async def serve(
         # as none at all (it waited for every request to end), so 0 is the shortest wait.
         runner = web.AppRunner(
             create_app(state),
+            auto_decompress=AUTO_DECOMPRESS,
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=max(dep.supervisor.stop_grace_s, MIN_CUT_S),
@@ -176,7 +177,11 @@ async def _edge_listener(
     assert dep.edge is not None
     cert = edge_cert(dep.edge.tls_cert, dep.edge.tls_key, dep.router.host)
     runner = web.AppRunner(
-        create_edge_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=grace_s
+        create_edge_app(state),
+        auto_decompress=AUTO_DECOMPRESS,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=grace_s,
     )
     try:
         await runner.setup()

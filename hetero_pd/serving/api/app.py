@@ -29,6 +29,10 @@ from hetero_pd.serving.api.state import STATE, ApiState, api_error, error_respon
 from hetero_pd.serving.router.router import RouterError
 
 log = logging.getLogger("hetero_pd.api")
+#: aiohttp inflates a compressed request body as it arrives, on the event loop (16 KiB of
+#: gzip on the wire became 16 MiB): every runner of these apps turns that off, and
+#: `_errors` answers such a request 415.
+AUTO_DECOMPRESS = False
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -64,6 +68,12 @@ async def _close_bodies(app: web.Application) -> None:
 
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    encoding = request.headers.get("Content-Encoding", "").strip()
+    if encoding and encoding.lower() != "identity":  # never inflated: AppRunner(AUTO_DECOMPRESS)
+        message = (
+            f"request bodies are taken as sent, never compressed (Content-Encoding: {encoding})"
+        )
+        return error_response(errors.APIError(415, message, code="compressed_body"))
     try:
         return await handler(request)
     except errors.APIError as e:
