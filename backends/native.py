@@ -104,6 +104,18 @@ def check_private(path: Path) -> Path:
     return opened
 
 
+#: Folders that only this uid (and root) can reach, taken as they are in the walk above a
+#: private folder (`trust_private_root`): a Kubernetes pod's /tmp, an emptyDir of mode 0777
+#: without the sticky bit, that no other uid can see.
+_PRIVATE_ROOTS: set[Path] = set()
+
+
+def trust_private_root(path: Path) -> None:
+    """Takes folder ``path`` as reachable by this uid and root alone (its caller knows: a
+    pod's own emptyDir): the folders above a private folder are checked up to it, not it."""
+    _PRIVATE_ROOTS.update((path.absolute(), path.resolve()))
+
+
 def check_private_folder(path: Path) -> None:
     """`UntrustedKernel` unless the folder ``path`` is ours and no one else's to write (what
     is created in it is then ours alone to create), nor any folder above it (`_check_above`)."""
@@ -120,6 +132,8 @@ def _check_above(path: Path) -> None:
     given, real = path.absolute().parents, path.resolve().parents
     # Both ways down: a link on the way, where others may write, can be pointed elsewhere.
     for folder in dict.fromkeys([*given, *real]):
+        if folder in _PRIVATE_ROOTS:
+            continue
         st = folder.stat()
         shared = st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and st.st_uid == 0)
         if st.st_uid not in (0, me) or shared:
@@ -127,7 +141,8 @@ def _check_above(path: Path) -> None:
                 f"{folder}, above {path}, is owned by uid {st.st_uid} with mode "
                 f"{st.st_mode & 0o7777:o}: whoever may write it can replace what is below; "
                 f"only root or uid {me} may write each folder up to / (unless sticky and "
-                "root's, as /tmp): choose another HETERO_PD_CACHE_DIR"
+                "root's, as /tmp): choose another HETERO_PD_CACHE_DIR (or name a folder "
+                "only this uid can reach, as a pod's own /tmp, in HETERO_PD_PRIVATE_DIR)"
             )
 
 

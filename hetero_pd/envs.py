@@ -13,6 +13,14 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "hetero-pd"
 
 
+def private_dir() -> Path | None:
+    """$HETERO_PD_PRIVATE_DIR: a folder only this uid (and root) can reach, whatever its mode
+    (a Kubernetes pod's emptyDir /tmp, 0777 without the sticky bit): compiled code below it is
+    trusted without it passing the check of the folders above (`backends.native`)."""
+    env = os.environ.get("HETERO_PD_PRIVATE_DIR")
+    return Path(env) if env else None
+
+
 def compile_cache_dir() -> Path:
     """Where compiled code lives (the attention kernel, inductor's cache), which a process
     loads and runs: $HETERO_PD_COMPILE_CACHE_DIR, else cache_dir(). Kubernetes pods keep it

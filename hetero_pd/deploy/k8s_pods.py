@@ -21,7 +21,8 @@ CONFIG_DIR = "/etc/hetero-pd"
 CONFIG_PATH = f"{CONFIG_DIR}/deployment.yaml"
 MODEL_DIR = "/models"
 ALIVE_FILE = "/tmp/hetero-pd/alive"
-COMPILE_CACHE_DIR = "/tmp/hetero-pd/compile"
+PRIVATE_DIR = "/tmp"
+COMPILE_CACHE_DIR = f"{PRIVATE_DIR}/hetero-pd/compile"
 ALIVE_PROBE = f"test $(( $(date +%s) - $(stat -c %Y {ALIVE_FILE}) )) -lt 15"
 #: The image's user (docker/Dockerfile.*); Ascend's driver group HwHiAiUser is 1000 too.
 USER_ID = 1000
@@ -60,6 +61,8 @@ def container(
             {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
             # compiled code each pod loads stays its own (every pod is one uid on /models)
             {"name": "HETERO_PD_COMPILE_CACHE_DIR", "value": COMPILE_CACHE_DIR},
+            # the pod's own /tmp (an emptyDir: 0777, not sticky, no other uid in the pod)
+            {"name": "HETERO_PD_PRIVATE_DIR", "value": PRIVATE_DIR},
             *env,
         ],
         "volumeMounts": _mounts(dep, kind),

@@ -10,7 +10,7 @@ import torch
 from backends import Backend, backend_for, parse_device
 from hetero_pd import envs
 from hetero_pd.config import EngineConfig
-from hetero_pd.engine.model_runner import KVAllocator, ModelRunner
+from hetero_pd.engine.model_runner import KVAllocator, ModelRunner, compiled_code_dir
 from hetero_pd.engine.tp.group import RankGroup, start_ranks
 from hetero_pd.engine.tp.kv import head_slices, shared_files
 from hetero_pd.models.config import ModelConfig
@@ -51,7 +51,7 @@ def use_backend_kernels(model: CausalLM, device: torch.device, dtype: torch.dtyp
     takes the same ones: the ranks then compute their replicated parts (KV heads shared by
     ranks, MLA's latent) to the same bits, which the shared KV cache relies on (tp/kv.py)."""
     backend = backend_for(device)
-    kernel_dir = envs.compile_cache_dir() / "kernels"
+    kernel_dir = compiled_code_dir("kernels")
     if envs.native_norm() and backend.native_rms_norm(dtype, kernel_dir):
         model.use_norm_kernel()
     model.use_linear_kernels(backend.linear_kernel)

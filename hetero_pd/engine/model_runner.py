@@ -9,10 +9,11 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from backends import Backend, backend_for
+from backends import Backend, backend_for, native
 from backends.compiler import use_cache_dir
 from hetero_pd import envs
 from hetero_pd.engine.logprobs import record_prompt_logprobs, wants_prompt_logprobs
@@ -51,6 +52,15 @@ def layer_caches(cfg: ModelConfig, tensors: list[torch.Tensor]) -> list[KVCache]
     """The KV tensors grouped by layer: (K, V) each, or MLA's (latent,)."""
     per = cfg.kv_tensors_per_layer
     return [tuple(tensors[per * i : per * (i + 1)]) for i in range(len(tensors) // per)]
+
+
+def compiled_code_dir(kind: str) -> Path:
+    """Where compiled code of `kind` ("kernels", "inductor") lives, the folder named private
+    by $HETERO_PD_PRIVATE_DIR (a pod's own /tmp) trusted as such (`native.trust_private_root`)."""
+    private = envs.private_dir()
+    if private is not None:
+        native.trust_private_root(private)
+    return envs.compile_cache_dir() / kind
 
 
 @dataclass(slots=True)
@@ -123,7 +133,7 @@ class ModelRunner:
             and all(t.is_contiguous() for t in tensors)  # not a TP rank's slice of heads
             and cfg.mla is None
             and envs.native_attention()
-            and backend.native_decode_attention(dtype, envs.compile_cache_dir() / "kernels")
+            and backend.native_decode_attention(dtype, compiled_code_dir("kernels"))
         )
         self.compiled = compile
         self.compiled_steps = 0  # steps that ran through the compiled graph
@@ -139,7 +149,7 @@ class ModelRunner:
 
     def _compile(self, backend: Backend) -> None:
         """Compiles the decode step now, on a fake batch, so no request waits for it."""
-        use_cache_dir(envs.compile_cache_dir() / "inductor")
+        use_cache_dir(compiled_code_dir("inductor"))
         if self.padding:
             for t in self.kv_tensors:
                 torch._dynamo.mark_static_address(t)  # graphs write the cache in place

@@ -13,6 +13,7 @@ import pytest
 
 from backends import native
 from backends.compiler import use_cache_dir
+from hetero_pd.engine.model_runner import compiled_code_dir
 
 needs_cc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
 
@@ -118,3 +119,29 @@ def test_a_link_to_a_private_folder_in_a_folder_others_may_write_is_refused(
     (shared / "cache").symlink_to(ours)
     with pytest.raises(native.UntrustedKernel, match=f"{shared}.* uid 0"):
         use_cache_dir(shared / "cache")
+
+
+@pytest.mark.timeout(60)
+def test_a_folder_named_private_is_taken_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Kubernetes pod's /tmp is an emptyDir of mode 0777 without the sticky bit that no
+    other uid can reach: named private (HETERO_PD_PRIVATE_DIR, set by `render k8s`), it
+    does not turn compiled code off below it; folders between it and ours are still checked."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(native, "_PRIVATE_ROOTS", set())
+    pod_tmp = tmp_path / "tmp"
+    ours = pod_tmp / "hetero-pd" / "inductor"
+    ours.mkdir(parents=True, mode=0o700)
+    pod_tmp.chmod(0o777)
+    with pytest.raises(native.UntrustedKernel, match=str(pod_tmp)):
+        use_cache_dir(ours)
+    monkeypatch.setenv("HETERO_PD_PRIVATE_DIR", str(pod_tmp))
+    monkeypatch.setenv("HETERO_PD_COMPILE_CACHE_DIR", str(pod_tmp / "hetero-pd"))
+    assert compiled_code_dir("inductor") == ours
+    use_cache_dir(ours)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(ours)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    (pod_tmp / "hetero-pd").chmod(0o777)  # below the private folder: checked as before
+    with pytest.raises(native.UntrustedKernel, match=str(pod_tmp / "hetero-pd")):
+        use_cache_dir(ours)

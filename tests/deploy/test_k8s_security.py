@@ -285,3 +285,6 @@ def test_compiled_code_caches_are_private_to_each_pod(write_yaml: Callable[[str]
         assert tmp in pod["volumes"]
         mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
         assert mounts["/tmp"] == "tmp"
+        # an emptyDir is 0777 without the sticky bit, but no other uid is in the pod: named
+        # private, so the check of the folders above the caches keeps compiled code on
+        assert env["HETERO_PD_PRIVATE_DIR"]["value"] == "/tmp"
