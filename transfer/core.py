@@ -27,7 +27,7 @@ from typing import Any, cast
 
 import zmq
 
-from transfer import wire
+from transfer import devices, wire
 from transfer.addresses import endpoint
 from transfer.config import RECEIVE_HWM, Role, TransferConfig
 from transfer.errors import StatusCode, TransferError
@@ -79,6 +79,7 @@ class Core:
 
     def __init__(self, engine_id: str, role: Role, config: TransferConfig) -> None:
         self.engine_id, self.config = engine_id, config
+        devices.hash_io()  # starts building the C copy-and-hash loop (used once it is there)
         self.metrics = Metrics()
         self.loop = IOLoop(engine_id, self.metrics)
         self.regions: dict[str, KVRegion] = {}

@@ -4,6 +4,7 @@ imports nothing of hetero_pd, so hetero_pd/envs.py cannot hold these)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def transfer_settings() -> dict[str, object]:
@@ -24,3 +25,17 @@ def hash_inline_bytes() -> int:
     """$HETERO_PD_HASH_INLINE_BYTES: chunks up to this size are hashed on the calling thread
     (default 64 MiB)."""
     return int(os.environ.get("HETERO_PD_HASH_INLINE_BYTES", 64 << 20))
+
+
+def native_hash() -> bool:
+    """$HETERO_PD_NATIVE_HASH: "0" keeps checksums in Python (the `xxhash` package) instead
+    of the C loops that hash KV as they move it (backends/xxh3_io.py; default on)."""
+    return os.environ.get("HETERO_PD_NATIVE_HASH", "1").strip() != "0"
+
+
+def kernel_dir() -> Path:
+    """Where the C kernels are built and loaded from: `kernels/` under
+    $HETERO_PD_COMPILE_CACHE_DIR, else $HETERO_PD_CACHE_DIR, else ~/.cache/hetero-pd (as
+    hetero_pd.envs.compile_cache_dir(), which this package cannot import)."""
+    env = os.environ.get("HETERO_PD_COMPILE_CACHE_DIR") or os.environ.get("HETERO_PD_CACHE_DIR")
+    return (Path(env) if env else Path.home() / ".cache" / "hetero-pd") / "kernels"

@@ -78,25 +78,25 @@ def _push(
     transport: str,
     checksum: bool | None,
     tag: str,
-    cpu: list[float] | None = None,
+    cpu: list[tuple[float, float]] | None = None,
 ) -> float:
     """One push of ``n`` blocks; ``checksum`` None: as shipped (on). ``cpu`` gets the CPU
-    seconds both processes spent on it (a figure the machine's load moves less than the
-    wall time)."""
+    seconds the sending and the receiving process spent on it (a figure the machine's load
+    moves less than the wall time)."""
     conn.send(("reserve", (tag, n)))
     blocks = RemoteBlocks.from_wire(conn.recv())
     conn.send(("cpu", None))
-    cpu0 = time.process_time() + conn.recv()
+    sent0, received0 = time.process_time(), conn.recv()
     t0 = time.perf_counter()
     h = engine.push_blocks("bench-d", range(n), blocks, transport=transport, checksum=checksum)
     if h.wait(120) is not TransferState.DONE:
         raise RuntimeError(f"{transport} push failed: {h.error}")
     dt = time.perf_counter() - t0
+    sent = time.process_time() - sent0
     conn.send(("cpu", None))
+    received = conn.recv() - received0
     if cpu is not None:
-        cpu.append(time.process_time() + conn.recv() - cpu0)
-    else:
-        conn.recv()
+        cpu.append((sent, received))
     conn.send(("release", tag))
     conn.recv()
     return dt
@@ -221,7 +221,7 @@ def _measure(
     flat_dst = torch.empty_like(flat_src)
     kinds = ("shm", "tcp", "tcp_nock", "tcp_sealed", "memcpy", "raw_zmq")
     times: dict[str, list[float]] = {k: [] for k in kinds}
-    cpu: dict[str, list[float]] = {"tcp": [], "tcp_sealed": []}
+    cpu: dict[str, list[tuple[float, float]]] = {"tcp": [], "tcp_nock": [], "tcp_sealed": []}
     tag = next(_tags)
     engine, sealed = engines
     _push(engine, conn, n, "shm", None, f"warm-shm-{tag}")
@@ -230,7 +230,9 @@ def _measure(
     for i in range(repeats):  # interleaved, so drift hits every variant alike
         times["shm"].append(_push(engine, conn, n, "shm", None, f"s{tag}-{i}"))
         times["tcp"].append(_push(engine, conn, n, "tcp", None, f"t{tag}-{i}", cpu["tcp"]))
-        times["tcp_nock"].append(_push(engine, conn, n, "tcp", False, f"n{tag}-{i}"))
+        times["tcp_nock"].append(
+            _push(engine, conn, n, "tcp", False, f"n{tag}-{i}", cpu["tcp_nock"])
+        )
         sealed_cpu = cpu["tcp_sealed"]
         times["tcp_sealed"].append(_push(sealed, conn, n, "tcp", None, f"e{tag}-{i}", sealed_cpu))
         t0 = time.perf_counter()
@@ -240,8 +242,10 @@ def _measure(
     row: dict[str, Any] = {"tokens": tokens, "mb": nbytes / 1e6, "bytes": nbytes}
     for key, ts in times.items():
         row[key] = nbytes / statistics.median(ts) / 1e9
-    for key, cs in cpu.items():  # CPU seconds per GB, both processes
-        row[f"{key}_cpu"] = statistics.median(cs) / nbytes * 1e9
+    for key, cs in cpu.items():  # CPU seconds per GB: both processes, each side
+        row[f"{key}_cpu"] = statistics.median(a + b for a, b in cs) / nbytes * 1e9
+        row[f"{key}_cpu_send"] = statistics.median(a for a, _ in cs) / nbytes * 1e9
+        row[f"{key}_cpu_recv"] = statistics.median(b for _, b in cs) / nbytes * 1e9
     return row
 
 
@@ -270,6 +274,15 @@ def _summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "tcp_cpu_s_per_gb": round(cpu_total("tcp_cpu"), 3),
         "tcp_sealed_cpu_s_per_gb": round(cpu_total("tcp_sealed_cpu"), 3),
         "encrypt_cpu_overhead": round(cpu_total("tcp_sealed_cpu") / cpu_total("tcp_cpu") - 1, 3),
+        "tcp_nochecksum_cpu_s_per_gb": round(cpu_total("tcp_nock_cpu"), 3),
+        # what checksums add to tcp's CPU: in all, and per side (CPU seconds per GB)
+        "checksum_cpu_overhead": round(cpu_total("tcp_cpu") / cpu_total("tcp_nock_cpu") - 1, 3),
+        "checksum_cpu_s_per_gb_send": round(
+            cpu_total("tcp_cpu_send") - cpu_total("tcp_nock_cpu_send"), 3
+        ),
+        "checksum_cpu_s_per_gb_recv": round(
+            cpu_total("tcp_cpu_recv") - cpu_total("tcp_nock_cpu_recv"), 3
+        ),
         "tokens": [r["tokens"] for r in rows],
         "layout": "30 layers x K,V x 3 heads x 64 dims, block 16, float32",
     }
