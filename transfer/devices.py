@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from backends import Backend, backend_for, xxh3_io
+from backends import Backend, backend_for, native, xxh3_io
 from backends.xxh3_io import Xxh3Io
 from transfer import envs
 
@@ -41,6 +41,9 @@ def hash_io(wait: float | None = 0.0) -> Xxh3Io | None:
         return None
     if _hash_io is not None:
         return _hash_io
+    private = envs.private_dir()
+    if private is not None:  # a pod's own /tmp: its kernel folder is below it
+        native.trust_private_root(private)
     _hash_io = xxh3_io.loaded(envs.kernel_dir(), wait)
     return _hash_io
 

@@ -33,6 +33,14 @@ def native_hash() -> bool:
     return os.environ.get("HETERO_PD_NATIVE_HASH", "1").strip() != "0"
 
 
+def private_dir() -> Path | None:
+    """$HETERO_PD_PRIVATE_DIR: a folder only this uid can reach (a pod's own /tmp), taken as
+    it is above the kernel folder (as hetero_pd.envs.private_dir(), which this package
+    cannot import)."""
+    env = os.environ.get("HETERO_PD_PRIVATE_DIR")
+    return Path(env) if env else None
+
+
 def kernel_dir() -> Path:
     """Where the C kernels are built and loaded from: `kernels/` under
     $HETERO_PD_COMPILE_CACHE_DIR, else $HETERO_PD_CACHE_DIR, else ~/.cache/hetero-pd (as
