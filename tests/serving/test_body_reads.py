@@ -20,10 +20,13 @@ KIB = 1024
 
 
 class Tokenizer:
-    """Only what the refusals below read: the vocabulary's size."""
+    """Only what /detokenize reads: the vocabulary's size, and a text for the ids."""
 
     def __len__(self) -> int:
         return 100
+
+    def decode(self, ids: list[int], **_: object) -> str:
+        return " ".join(map(str, ids))
 
 
 @pytest.mark.timeout(60)
@@ -51,7 +54,7 @@ def test_bodies_in_reading_are_bounded_in_all() -> None:
                 for size in (200 * KIB, KIB):  # past the bound, then within it
                     body = b'{"tokens": [1]}' + b" " * (size - 15)
                     a = await client.post("/detokenize", data=body)
-                    message = (await a.json())["error"]["message"] if a.status != 200 else ""
+                    message = await a.text()
                     answers.append((a.status, a.headers.get("Retry-After"), message))
                 slow.close()
                 for _ in range(500):  # its share comes back once its client is gone
@@ -70,6 +73,5 @@ def test_bodies_in_reading_are_bounded_in_all() -> None:
     status, retry_after, message = answers[0]
     assert status == 503 and retry_after is not None, answers
     assert "being read" in message and str(1024 * KIB) in message, message
-    # within the bound (and once the slow one is gone) the bodies are read and answered as
-    # ever (this stand-in tokenizer cannot detokenize: not a 503 is what counts)
-    assert 503 not in (answers[1][0], answers[2][0]), answers
+    # within the bound, and once the slow one is gone, bodies are read and answered as ever
+    assert answers[1][0] == 200 and answers[2][0] == 200, answers

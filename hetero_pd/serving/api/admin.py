@@ -72,7 +72,7 @@ async def _body(request: web.Request) -> AdminBody:
     if refusal is not None:
         raise refusal
     size = request.content_length  # refused before it is read, when the client says it
-    raw = await request.read() if size is None or size <= MAX_BODY_BYTES else b""
+    raw = await state.reads.read(request) if size is None or size <= MAX_BODY_BYTES else b""
     if len(raw) > MAX_BODY_BYTES or (size or 0) > MAX_BODY_BYTES:
         raise errors.APIError(
             413, f"an /admin/* body is at most {MAX_BODY_BYTES} bytes, got {size or len(raw)}"

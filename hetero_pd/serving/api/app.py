@@ -23,6 +23,7 @@ from hetero_pd import __version__
 from hetero_pd.serving.api import admin, embeddings, errors, generate, responses
 from hetero_pd.serving.api import tokens as openai_tokenize
 from hetero_pd.serving.api.bodies import Body, fields_of, too_deep
+from hetero_pd.serving.api.body_reads import MAX_BODY_BYTES
 from hetero_pd.serving.api.edge_protocol import PATH as EDGE_PATH
 from hetero_pd.serving.api.edge_session import EdgeSettings, serve_session
 from hetero_pd.serving.api.state import STATE, ApiState, api_error, error_response, state_of
@@ -38,14 +39,14 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def create_edge_app(state: ApiState) -> web.Application:
     """The edge listener's app (served over TLS, `edge_tls`): edge sessions only."""
-    app = web.Application(middlewares=[_errors], client_max_size=16 * 2**20)
+    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
     app.router.add_get(EDGE_PATH, _edge_session)
     return app
 
 
 def create_app(state: ApiState) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=16 * 2**20)
+    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
     app.router.add_post("/v1/completions", generate.completions)
     app.router.add_post("/v1/chat/completions", generate.chat)
@@ -155,7 +156,8 @@ async def _version(request: web.Request) -> web.Response:
 async def _tokenize_route(request: web.Request) -> web.Response:
     state = state_of(request)
     errors.check_api_key(request.headers, state.api_keys)
-    body = await state.bodies.prepare(await request.read(), "tokenize", state.max_model_len)
+    raw = await state.reads.read(request)
+    body = await state.bodies.prepare(raw, "tokenize", state.max_model_len)
     answer = await asyncio.get_running_loop().run_in_executor(
         state.tokenize_pool, _tokenize, state, body
     )
@@ -165,7 +167,8 @@ async def _tokenize_route(request: web.Request) -> web.Response:
 async def _detokenize_route(request: web.Request) -> web.Response:
     state = state_of(request)
     errors.check_api_key(request.headers, state.api_keys)
-    body = await state.bodies.prepare(await request.read(), "detokenize", state.max_model_len)
+    raw = await state.reads.read(request)
+    body = await state.bodies.prepare(raw, "detokenize", state.max_model_len)
     answer = await asyncio.get_running_loop().run_in_executor(
         state.tokenize_pool, _detokenize, state, body
     )

@@ -39,7 +39,8 @@ FORMATS = ("float", "base64")
 async def embeddings(request: web.Request) -> web.Response:
     state = state_of(request)
     key = errors.check_api_key(request.headers, state.api_keys)
-    prepared = await state.bodies.prepare(await request.read(), "embedding", state.max_model_len)
+    raw = await state.reads.read(request)
+    prepared = await state.bodies.prepare(raw, "embedding", state.max_model_len)
     loop = asyncio.get_running_loop()
     body, items = await loop.run_in_executor(state.tokenize_pool, parse, state, prepared)
     # Admitted like completions, before the tokenizer spends time on it: each input holds a

@@ -162,7 +162,7 @@ async def _generate(
 ) -> web.StreamResponse:
     state = state_of(request)
     key = errors.check_api_key(request.headers, state.api_keys)
-    raw = await request.read()
+    raw = await state.reads.read(request)
     split = state.router.split_info()
     if split is not None:
         raise errors.bad_request(

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from hetero_pd.serving.api import errors
 from hetero_pd.serving.api.body_process import BodyDecoder
+from hetero_pd.serving.api.body_reads import ReadBudget
 from hetero_pd.serving.api.tools import DEFAULT_TOOLS, ToolSettings
 from hetero_pd.serving.router.router import Router, RouterError
 
@@ -49,6 +50,8 @@ class ApiState:
     #: Decodes the bodies too large to decode on the tokenizer thread without holding the
     #: GIL long (`body_process`); `create_app` closes it with the app.
     bodies: BodyDecoder = field(default_factory=BodyDecoder)
+    #: Bounds the bytes of every body in reading at once (`body_reads`).
+    reads: ReadBudget = field(default_factory=ReadBudget)
     #: Characters a prompt may have before it cannot fit in max_model_len tokens whatever
     #: the text (set from the tokenizer's longest token); 0 = not known.
     max_prompt_chars: int = 0
