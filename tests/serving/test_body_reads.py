@@ -75,3 +75,32 @@ def test_bodies_in_reading_are_bounded_in_all() -> None:
     assert "being read" in message and str(1024 * KIB) in message, message
     # within the bound, and once the slow one is gone, bodies are read and answered as ever
     assert answers[1][0] == 200 and answers[2][0] == 200, answers
+
+
+@pytest.mark.timeout(60)
+def test_a_body_announced_and_never_sent_holds_nothing() -> None:
+    """A connection that announces a large body and sends none of it costs the router no
+    memory, so it must not take others' share either: counting announced lengths let a few
+    such connections, held open, turn every other body away."""
+
+    async def scenario() -> int:
+        router = Router(RouterConfig(), RouterKeys.from_secret(secrets.generate().encode()))
+        state = ApiState(router, Tokenizer(), ["m"], 64, 100)
+        state.reads.limit = 1024 * KIB
+        try:
+            async with TestClient(TestServer(create_app(state))) as client:
+                _, idle = await asyncio.open_connection(client.host, client.port)
+                head = (
+                    "POST /detokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                    f"\r\nContent-Length: {1000 * KIB}\r\n\r\n"
+                )
+                idle.write(head.encode() + b"[")
+                await idle.drain()
+                body = b'{"tokens": [1]}' + b" " * (200 * KIB - 15)
+                status = (await client.post("/detokenize", data=body)).status
+                idle.close()
+                return status
+        finally:
+            await router.close()
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 50)) == 200
