@@ -38,16 +38,16 @@ def test_bodies_in_reading_are_bounded_in_all() -> None:
         answers = []
         try:
             async with TestClient(TestServer(create_app(state))) as client:
-                # a body announced at 900 KiB, of which 1 KiB ever comes: its read waits
+                # a body announced at 1000 KiB, of which 900 KiB come: its read waits
                 _, slow = await asyncio.open_connection(client.host, client.port)
                 head = (
                     "POST /detokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                    f"\r\nContent-Length: {900 * KIB}\r\n\r\n"
+                    f"\r\nContent-Length: {1000 * KIB}\r\n\r\n"
                 )
-                slow.write(head.encode() + b"[" * KIB)
+                slow.write(head.encode() + b"[" * (900 * KIB))
                 await slow.drain()
-                for _ in range(500):  # until its handler holds its share (bounded: ~5 s)
-                    if state.reads.reading:
+                for _ in range(500):  # until its handler holds what came (bounded: ~5 s)
+                    if state.reads.reading == 900 * KIB:
                         break
                     await asyncio.sleep(0.01)
                 assert state.reads.reading == 900 * KIB
