@@ -143,11 +143,16 @@ def worker_material(group_key: bytes, worker_id: str) -> bytes:
     return derive(group_key, _labelled(WORKER_SCOPE, worker_id))
 
 
+def material_of(root: bytes, worker_id: str) -> bytes:
+    """Worker `worker_id`'s material from the workers' root (`workers_root`), through its
+    group's."""
+    return worker_material(group_material(root, group_of(worker_id)), worker_id)
+
+
 def worker_public_key(root: bytes, worker_id: str) -> bytes:
     """The CURVE public key worker `worker_id`'s control endpoint proves (Z85; `root`:
     `workers_root`)."""
-    material = worker_material(group_material(root, group_of(worker_id)), worker_id)
-    return curve_keypair(derive(material, "control/worker"))[0]
+    return curve_keypair(derive(material_of(root, worker_id), "control/worker"))[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +167,7 @@ class WorkerCredential:
 
     @classmethod
     def for_worker(cls, secret: bytes, worker_id: str) -> WorkerCredential:
-        root = workers_root(secret)
-        material = worker_material(group_material(root, group_of(worker_id)), worker_id)
+        material = material_of(workers_root(secret), worker_id)
         return cls(WORKER_SCOPE, worker_id, material, router_keypair(secret)[0])
 
     @classmethod

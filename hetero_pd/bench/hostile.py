@@ -163,17 +163,8 @@ def send(url: str, posts: tuple[tuple[str, bytes], ...]) -> list[int]:
     its own, all at once (`send_edge`)."""
     if all(path == EDGE_PATH for path, _ in posts):
         return asyncio.run(send_edge(url, [body for _, body in posts]))
-    parts = urlsplit(url)
-    conns = [
-        http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=300) for _ in posts
-    ]
+    conns = start_posts(url, posts, timeout_s=300)
     try:
-        for conn, (path, body) in zip(conns, posts, strict=True):
-            conn.putrequest("POST", path)
-            conn.putheader("Content-Type", "application/json")
-            conn.putheader("Content-Length", str(len(body)))
-            conn.endheaders()
-            conn.send(body[:-1])
         for conn, (_, body) in zip(conns, posts, strict=True):
             conn.send(body[-1:])
         statuses = []
@@ -185,6 +176,29 @@ def send(url: str, posts: tuple[tuple[str, bytes], ...]) -> list[int]:
     finally:
         for conn in conns:
             conn.close()
+
+
+def start_posts(
+    url: str, posts: tuple[tuple[str, bytes], ...] | list[tuple[str, bytes]], timeout_s: float
+) -> list[http.client.HTTPConnection]:
+    """A connection per (path, body) to `url`, each POST sent but its body's last byte: the
+    bodies then arrive together when the caller sends those bytes."""
+    parts = urlsplit(url)
+    conns = []
+    try:
+        for path, body in posts:
+            conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout_s)
+            conns.append(conn)
+            conn.putrequest("POST", path)
+            conn.putheader("Content-Type", "application/json")
+            conn.putheader("Content-Length", str(len(body)))
+            conn.endheaders()
+            conn.send(body[:-1])
+    except BaseException:
+        for conn in conns:
+            conn.close()
+        raise
+    return conns
 
 
 async def send_edge(url: str, messages: list[bytes]) -> list[int]:

@@ -20,6 +20,7 @@ from typing import Any
 import openai
 import pytest
 
+from hetero_pd.bench.hostile import start_posts
 from hetero_pd.deploy.testing import Probe, Stack, deployment, running_stack, wait_gone
 
 
@@ -178,15 +179,8 @@ def answers_while_probed(stack: Stack, posts: list[tuple[str, bytes]]) -> list[A
     """POSTs each body (all of them sent but their last byte, then those last bytes at once)
     while one client probes /health and another tokenizes a word; returns (status, answer)
     of each and asserts the probes were answered within RESPONSIVE_S."""
-    host, port = stack.url.removeprefix("http://").rsplit(":", 1)
-    conns = [http.client.HTTPConnection(host, int(port), timeout=120) for _ in posts]
+    conns = start_posts(stack.url, posts, timeout_s=120)
     try:
-        for conn, (path, body) in zip(conns, posts, strict=True):
-            conn.putrequest("POST", path)
-            conn.putheader("Content-Type", "application/json")
-            conn.putheader("Content-Length", str(len(body)))
-            conn.endheaders()
-            conn.send(body[:-1])
         health = Probe(f"{stack.url}/health?live=1")
         tokenize = Probe(f"{stack.url}/tokenize", {"prompt": "hello"})
         with health, tokenize:

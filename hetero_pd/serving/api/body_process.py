@@ -45,6 +45,7 @@ from typing import Any
 import msgspec
 
 from hetero_pd.serving.api.bodies import Body, BodyKind, decode_body, too_deep
+from hetero_pd.serving.api.body_reads import MAX_BODY_BYTES
 from hetero_pd.serving.api.errors import APIError
 
 log = logging.getLogger("hetero_pd.api")
@@ -56,7 +57,7 @@ INLINE_BYTES = 256 * 1024
 #: (`BodyDecoder.max_waiting_bytes`): eight at the API's 16 MiB bound. Past it a body is
 #: answered 503 with Retry-After at once, rather than held in the router's memory behind a
 #: slow or stalled child.
-MAX_WAITING_BYTES = 8 * 16 * 2**20
+MAX_WAITING_BYTES = 8 * MAX_BODY_BYTES
 #: Seconds a body refused for that is told to wait (``Retry-After``).
 RETRY_AFTER_S = 1.0
 #: The longest one body may take in the child (`BodyDecoder.deadline_s`): a 16 MiB body takes
