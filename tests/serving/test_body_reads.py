@@ -29,6 +29,19 @@ class Tokenizer:
         return " ".join(map(str, ids))
 
 
+async def announce(client: TestClient, length: int, sent: bytes) -> asyncio.StreamWriter:
+    """A POST /detokenize announcing a body of `length` bytes of which only `sent` comes;
+    its connection, left open."""
+    _, writer = await asyncio.open_connection(client.host, client.port)
+    head = (
+        "POST /detokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {length}\r\n\r\n"
+    )
+    writer.write(head.encode() + sent)
+    await writer.drain()
+    return writer
+
+
 @pytest.mark.timeout(60)
 def test_bodies_in_reading_are_bounded_in_all() -> None:
     async def scenario() -> list[tuple[int, str | None, str]]:
@@ -39,13 +52,7 @@ def test_bodies_in_reading_are_bounded_in_all() -> None:
         try:
             async with TestClient(TestServer(create_app(state))) as client:
                 # a body announced at 1000 KiB, of which 900 KiB come: its read waits
-                _, slow = await asyncio.open_connection(client.host, client.port)
-                head = (
-                    "POST /detokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                    f"\r\nContent-Length: {1000 * KIB}\r\n\r\n"
-                )
-                slow.write(head.encode() + b"[" * (900 * KIB))
-                await slow.drain()
+                slow = await announce(client, 1000 * KIB, b"[" * (900 * KIB))
                 for _ in range(500):  # until its handler holds what came (bounded: ~5 s)
                     if state.reads.reading == 900 * KIB:
                         break
@@ -89,13 +96,7 @@ def test_a_body_announced_and_never_sent_holds_nothing() -> None:
         state.reads.limit = 1024 * KIB
         try:
             async with TestClient(TestServer(create_app(state))) as client:
-                _, idle = await asyncio.open_connection(client.host, client.port)
-                head = (
-                    "POST /detokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                    f"\r\nContent-Length: {1000 * KIB}\r\n\r\n"
-                )
-                idle.write(head.encode() + b"[")
-                await idle.drain()
+                idle = await announce(client, 1000 * KIB, b"[")
                 body = b'{"tokens": [1]}' + b" " * (200 * KIB - 15)
                 status = (await client.post("/detokenize", data=body)).status
                 idle.close()
