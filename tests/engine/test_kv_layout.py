@@ -64,3 +64,27 @@ def test_fractal_nz_engine_matches_nd_and_transformers(
     if dtype == "float32":  # bfloat16 chunked prefill rounds differently (test_dtype.py)
         for prompt, got in zip(prompts, tokens[ND], strict=True):
             assert got == hf_greedy(tiny_llama_dir, prompt, PARAMS.max_tokens)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_host_kv_cache_is_zero_and_takes_memory_only_as_written() -> None:
+    """512 MiB of host KV: reads as zeros, and no page of it is resident before it is
+    written (torch.zeros wrote every byte at start-up: ~1-2 s per GiB on one core, paid by
+    every engine and every test that makes one, for blocks most never use)."""
+    from hetero_pd.engine.model_runner import allocate_kv_tensors
+
+    before = resident_bytes()
+    kv = allocate_kv_tensors(2, 1024, (16, 2, 1024), torch.float32, torch.device("cpu"))
+    assert len(kv) == 4 and all(t.shape == (1024, 16, 2, 1024) for t in kv)
+    assert resident_bytes() - before < 32 * 2**20
+    assert all(int(t[::97].count_nonzero()) == 0 for t in kv)
+    kv[1][5].fill_(2.0)
+    assert float(kv[1][5].sum()) == 2.0 * 16 * 2 * 1024 and int(kv[0][5].count_nonzero()) == 0
+    assert resident_bytes() - before < 64 * 2**20
