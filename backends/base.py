@@ -134,6 +134,12 @@ class Backend(ABC):
     def pinned_empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Uninitialised host tensor, page-locked when this backend can pin memory."""
 
+    def zeros(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A zero-filled tensor on `device` (the KV cache's storage)."""
+        return torch.zeros(tuple(shape), dtype=dtype, device=device)
+
     def supports_ipc(self) -> bool:
         """Whether device memory can be shared with another process by handle."""
         return False

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import mmap
 import os
 import shutil
 from collections.abc import Collection
@@ -241,6 +243,20 @@ class CpuBackend(Backend):
     def pinned_empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An ordinary host tensor (nothing to pin for)."""
         return torch.empty(tuple(shape), dtype=dtype, device="cpu")
+
+    def zeros(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A zero tensor in a fresh anonymous mapping: the kernel's zero pages, each made
+        resident when first written, so a KV cache costs memory as its blocks are used.
+        `torch.zeros` writes every byte up front (~1-2 s of one core per GiB at start-up,
+        and all of it resident at once)."""
+        self.index_of(device)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < mmap.PAGESIZE:
+            return torch.zeros(tuple(shape), dtype=dtype)
+        # The tensor holds the mapping; it is unmapped when the last view of it goes.
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(tuple(shape))
 
     def native_decode_attention(self, kv_dtype: torch.dtype, kernel_dir: Path) -> bool:
         """The C kernel of backends/paged_decode.py, built on first use into `kernel_dir`;

@@ -43,9 +43,11 @@ def allocate_kv_tensors(
     device: torch.device,
     tensors_per_layer: int = 2,
 ) -> list[torch.Tensor]:
+    """Zero-filled KV tensors from the device's backend (on the host: resident as written)."""
     shape = (num_blocks, *block_shape)
     count = tensors_per_layer * num_layers
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+    backend = backend_for(device)
+    return [backend.zeros(shape, dtype, device) for _ in range(count)]
 
 
 def layer_caches(cfg: ModelConfig, tensors: list[torch.Tensor]) -> list[KVCache]:
