@@ -94,6 +94,30 @@ def test_rounds_alternate_which_side_goes_first(
     assert res["token_mismatches"] == 0
 
 
+def test_skip_transformers_runs_the_engine_sides_only(
+    text_llama_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--eager-baseline --skip-transformers`: the compiled engine and the eager one take
+    turns going first, no transformers side runs and no ratio against it is reported (the
+    side processes replaced by records, as above; the smoke test runs the real ones)."""
+    asked: list[str] = []
+
+    def side(spec: SideSpec, timeout_s: float) -> SideResult:
+        asked.append(spec.side)
+        tokens = [[7] * spec.max_tokens for _ in spec.prompts]
+        return SideResult(spec.side, "float32", 1.0, tokens, 100.0, spec.side == "engine")
+
+    monkeypatch.setattr(offline, "run_in_process", side)
+    argv = ["--model", str(text_llama_dir), "--num-prompts", "2", "--max-tokens", "3"]
+    argv += ["--repeats", "2", "--compile", "on", "--eager-baseline", "--skip-transformers"]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert asked == ["engine", "eager", "eager", "engine"]
+    assert res["compiled"] is True and res["engine_eager_tok_s_runs"] == [6.0, 6.0]
+    assert res["compile_speedup"] == 1.0 and res["eager_token_mismatches"] == 0
+    assert not {"ratio", "transformers_tok_s", "token_mismatches"} & set(res)
+
+
 def test_bad_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["--repeats", "0"], ["--background-load", "65"], ["--dtype", "int8"]):
         with pytest.raises(SystemExit) as exit_info:
