@@ -35,12 +35,12 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
 
+from hetero_pd.bench.health_probe import probe
 from hetero_pd.bench.machine import cpu_info
 from hetero_pd.models.fetch import DEFAULT_MODEL
 from hetero_pd.serving.api.edge_protocol import MAX_MESSAGE_BYTES as EDGE_MESSAGE_BYTES
@@ -130,31 +130,6 @@ def _edge_shapes() -> list[Shape]:
 
 def _prompt(model: bytes, prompt: bytes) -> bytes:
     return b'{"model": %s, "prompt": %s, "max_tokens": 1}' % (model, prompt)
-
-
-def probe(url: str, ready: Any, stop: Any, out: Connection) -> None:
-    """The prober process: GET /health back to back until `stop` is set (`ready` set once the
-    first is answered); sends back (start, seconds, status) of each, start on the
-    system-wide monotonic clock."""
-    parts = urlsplit(url)
-    got: list[tuple[float, float, int]] = []
-    while not stop.is_set():
-        start = time.monotonic()
-        conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=60)
-        try:
-            conn.request("GET", "/health")
-            resp = conn.getresponse()
-            resp.read()
-            status = resp.status
-        except OSError:
-            status = 0
-        finally:
-            conn.close()
-        got.append((start, time.monotonic() - start, status))
-        if status:
-            ready.set()
-    out.send(got)
-    out.close()
 
 
 def send(url: str, posts: tuple[tuple[str, bytes], ...]) -> list[int]:

@@ -21,8 +21,6 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-import torch
-
 from hetero_pd.bench.background import background_load, check_count
 from hetero_pd.bench.offline_side import Side, SideResult, SideSpec
 
@@ -35,6 +33,8 @@ TEXT = (
 def make_prompts(
     num: int, min_words: int, max_words: int, seed: int, tag: str = "Request"
 ) -> list[str]:
+    import torch  # here: `compare_tokens` alone (scripts/side_by_side.py) needs no torch
+
     rng = torch.Generator().manual_seed(seed)
     words = TEXT.split(" ")
     prompts = []
@@ -134,11 +134,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def workload_spec(args: argparse.Namespace) -> SideSpec:
     """The measured and warm-up prompts as token ids, and how to run them (`parse_args`)."""
-    from transformers import AutoTokenizer
-
     from hetero_pd.models.fetch import resolve_model
+    from hetero_pd.models.tokenizer import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    tok = load_tokenizer(resolve_model(args.model))
     texts = make_prompts(args.num_prompts, args.min_words, args.max_words, args.seed)
     # Warm-up prompts of their own: the measured ones must not hit a cache the warm-up filled.
     warm = make_prompts(

@@ -17,9 +17,10 @@ import resource
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:  # torch loads with a side (`run_side`), not with this module's types
+    import torch
 
 # "eager": this engine with its compiled step off, the baseline `--eager-baseline` adds.
 Side = Literal["engine", "eager", "transformers"]
@@ -90,6 +91,8 @@ def run_engine(spec: SideSpec) -> tuple[str, float, list[list[int]], bool]:
 
 
 def _left_padded(prompts: list[list[int]], pad: int) -> dict[str, torch.Tensor]:
+    import torch
+
     width = max(len(p) for p in prompts)
     ids = [[pad] * (width - len(p)) + p for p in prompts]
     mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
@@ -97,6 +100,7 @@ def _left_padded(prompts: list[list[int]], pad: int) -> dict[str, torch.Tensor]:
 
 
 def run_transformers(spec: SideSpec) -> tuple[str, float, list[list[int]], bool]:
+    import torch
     from transformers import AutoModelForCausalLM
 
     from hetero_pd.config import parse_dtype

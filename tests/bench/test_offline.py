@@ -32,12 +32,15 @@ def test_bench_offline_smoke(
     capsys: pytest.CaptureFixture[str],
     recorded_loads: Callable[[ModuleType], list[int]],
 ) -> None:
-    """One round, each side in a real process of its own (the rounds' order and their
-    summary: test_rounds_alternate_which_side_goes_first)."""
+    """One round, each side in a real process of its own: the engine with its step compiled,
+    the same engine eager (`--eager-baseline`) and transformers, all three giving the same
+    greedy tokens (the rounds' order and their summary:
+    test_rounds_alternate_which_side_goes_first)."""
     loads = recorded_loads(offline)
     argv = ["--model", str(text_llama_dir), "--num-prompts", "3", "--max-tokens", "6"]
     argv += ["--repeats", "1", "--warmup-prompts", "2", "--threads", "1"]
     argv += ["--kv-cache-gb", "0.05", "--background-load", "1"]
+    argv += ["--compile", "on", "--eager-baseline"]
     assert main(argv) == 0
     assert loads == [1]  # --background-load reached the load around the measurement
     captured = capsys.readouterr()
@@ -54,6 +57,11 @@ def test_bench_offline_smoke(
     # Same token ids in, same greedy tokens out: transformers is the reference.
     assert res["token_mismatches"] == 0 and res["token_agreement_pct"] == 100.0
     assert "18 tokens in" in captured.err  # 3 prompts x 6 tokens, EOS never stops them
+    # The compiled step against the same engine eager: same tokens.
+    assert res["compile"] == "on" and res["compiled"] is True
+    assert len(res["engine_eager_tok_s_runs"]) == 1 and res["engine_eager_tok_s"] > 0
+    assert res["compile_speedup_min"] <= res["compile_speedup"] <= res["compile_speedup_max"]
+    assert res["eager_token_mismatches"] == 0
 
 
 def test_rounds_alternate_which_side_goes_first(
@@ -86,25 +94,33 @@ def test_rounds_alternate_which_side_goes_first(
     assert res["token_mismatches"] == 0
 
 
+def test_skip_transformers_runs_the_engine_sides_only(
+    text_llama_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--eager-baseline --skip-transformers`: the compiled engine and the eager one take
+    turns going first, no transformers side runs and no ratio against it is reported (the
+    side processes replaced by records, as above; the smoke test runs the real ones)."""
+    asked: list[str] = []
+
+    def side(spec: SideSpec, timeout_s: float) -> SideResult:
+        asked.append(spec.side)
+        tokens = [[7] * spec.max_tokens for _ in spec.prompts]
+        return SideResult(spec.side, "float32", 1.0, tokens, 100.0, spec.side == "engine")
+
+    monkeypatch.setattr(offline, "run_in_process", side)
+    argv = ["--model", str(text_llama_dir), "--num-prompts", "2", "--max-tokens", "3"]
+    argv += ["--repeats", "2", "--compile", "on", "--eager-baseline", "--skip-transformers"]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert asked == ["engine", "eager", "eager", "engine"]
+    assert res["compiled"] is True and res["engine_eager_tok_s_runs"] == [6.0, 6.0]
+    assert res["compile_speedup"] == 1.0 and res["eager_token_mismatches"] == 0
+    assert not {"ratio", "transformers_tok_s", "token_mismatches"} & set(res)
+
+
 def test_bad_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["--repeats", "0"], ["--background-load", "65"], ["--dtype", "int8"]):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 2
     assert "--background-load must be in [0, 64]" in capsys.readouterr().err
-
-
-def test_eager_baseline_compares_the_compiled_step_with_eager(
-    text_llama_dir: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The engine with its step compiled against itself eager, in one run: same tokens."""
-    argv = ["--model", str(text_llama_dir), "--num-prompts", "3", "--max-tokens", "6"]
-    argv += ["--repeats", "1", "--warmup-prompts", "2", "--threads", "1"]
-    argv += ["--kv-cache-gb", "0.05", "--compile", "on", "--eager-baseline"]
-    argv += ["--skip-transformers"]
-    assert main(argv) == 0
-    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert res["compile"] == "on" and res["compiled"] is True
-    assert len(res["engine_eager_tok_s_runs"]) == 1 and res["engine_eager_tok_s"] > 0
-    assert res["compile_speedup_min"] <= res["compile_speedup"] <= res["compile_speedup_max"]
-    assert res["eager_token_mismatches"] == 0

@@ -19,7 +19,7 @@ def test_bench_spec_compares_plain_and_speculative(
     threads = torch.get_num_threads()
     argv = ["--model", str(chat_model), "--num-prompts", "2", "--max-tokens", "12"]
     try:
-        assert spec.main([*argv, "--rounds", "1", "--threads", "1"]) == 0
+        assert spec.main([*argv, "--rounds", "1", "--threads", "1", "--kv-cache-gb", "0.05"]) == 0
     finally:
         torch.set_num_threads(threads)
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
@@ -38,6 +38,7 @@ def test_bench_spec_reports_a_draft_models_step_breakdown_and_its_worst_case(
     threads = torch.get_num_threads()
     argv = ["--model", str(chat_model), "--num-prompts", "1", "--max-tokens", "8"]
     argv += ["--method", "draft_model", "--draft-layers", "1", "--worst-case"]
+    argv += ["--kv-cache-gb", "0.05"]
     try:
         assert spec.main([*argv, "--rounds", "1", "--threads", "1", "--workloads", "copy"]) == 0
     finally:

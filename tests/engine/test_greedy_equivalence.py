@@ -88,7 +88,7 @@ def test_preemption_by_recompute(tiny_llama_dir: Path, hf_greedy: Ref) -> None:
 
 
 def test_default_model_matches_transformers(default_model_dir: Path, hf_greedy: Ref) -> None:
-    llm = LLM("smollm2-135m-instruct", dtype="float32", max_num_batched_tokens=64)
+    llm = LLM("smollm2-135m-instruct", dtype="float32", max_num_batched_tokens=64, num_kv_blocks=64)
     texts = [
         "The capital of France is",
         "def fibonacci(n):",

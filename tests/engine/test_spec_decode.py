@@ -162,8 +162,9 @@ def test_the_default_model_copies_a_text_with_accepted_runs(default_model_dir: P
     text = "Pack my box with five dozen liquor jugs. How vexingly quick daft zebras jump!"
     messages = [{"role": "user", "content": f"Repeat this text exactly: {text}"}]
     params = SamplingParams(max_tokens=24, temperature=0)
-    plain = LLM(dtype="float32")
-    spec = LLM(dtype="float32", speculative_config={"num_speculative_tokens": 5})
+    small = {"num_kv_blocks": 64}  # 1024 tokens: the default's 1 GiB was zeroed for ~100
+    plain = LLM(dtype="float32", **small)
+    spec = LLM(dtype="float32", speculative_config={"num_speculative_tokens": 5}, **small)
     assert _tokens(spec.chat(messages, params)) == _tokens(plain.chat(messages, params))
     assert spec.engine.speculator is not None
     assert spec.engine.speculator.stats.mean_acceptance_length > 2
