@@ -131,3 +131,24 @@ def test_environment_variables_are_read_in_one_place_per_package() -> None:
         if (rel := str(path.relative_to(REPO))) not in homes and read.search(path.read_text())
     ]
     assert elsewhere == []
+
+
+def test_a_main_block_is_its_modules_last_statement() -> None:
+    """`python -m module` runs the `if __name__ == "__main__":` block where it stands: a
+    function defined below it does not exist yet (`python -m hetero_pd.bench.offline
+    --eager-baseline` raised NameError)."""
+
+    def is_main(node: ast.stmt) -> bool:
+        test = node.test if isinstance(node, ast.If) else None
+        return (
+            isinstance(test, ast.Compare)
+            and isinstance(test.left, ast.Name)
+            and test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
+        )
+
+    early = []
+    for path in _modules().values():
+        body = ast.parse(path.read_text(), str(path)).body
+        early += [f"{path.relative_to(REPO)}:{n.lineno}" for n in body[:-1] if is_main(n)]
+    assert early == [], f"move the __main__ block to the end of: {early}"
