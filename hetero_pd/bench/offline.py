@@ -233,10 +233,6 @@ def summarize(args: argparse.Namespace, rounds: list[dict[str, SideResult]]) -> 
     return out
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def eager_baseline(engine: list[SideResult], eager: list[SideResult]) -> dict[str, Any]:
     """The engine against itself with the compiled step off, round by round."""
     speedups = [e.tok_s / b.tok_s for e, b in zip(engine, eager, strict=True)]
@@ -250,3 +246,7 @@ def eager_baseline(engine: list[SideResult], eager: list[SideResult]) -> dict[st
             compare_tokens(engine[0].token_ids, eager[0].token_ids).mismatched
         ),
     }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
