@@ -5,7 +5,10 @@ The child starts from its :class:`~transfer.config.TransferConfig` and :class:`R
 typed commands (tagged msgspec Structs, one per operation, decoded as the ``Command`` union
 and dispatched by ``match``) and typed answers (:class:`Outcome`, :class:`PeerCounts`).
 The child owns one engine and one region filled with deterministic data; :class:`PeerProcess`
-is the parent's handle to it and always kills the child on exit.
+is the parent's handle to it and always kills the child on exit. Children fork from a
+multiprocessing fork server that imported this module (torch, zmq) once, not from the
+parent: each starts fresh (no engine, no socket, the parent's environment of the moment)
+without paying torch's import again, as a spawned child would.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import dataclasses
 import hashlib
 import multiprocessing as mp
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -127,7 +131,24 @@ def _outcome(h: TransferHandle) -> Outcome:
     return Outcome(h.state.value, code, h.released, h.attempts)
 
 
-def _serve(conn: Connection, engine_id: str, config: TransferConfig, region: RegionSpec) -> None:
+def _context() -> mp.context.ForkServerContext | mp.context.SpawnContext:
+    """Fork server where there is one (POSIX), preloaded with this module; else spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
+def _serve(
+    conn: Connection,
+    engine_id: str,
+    config: TransferConfig,
+    region: RegionSpec,
+    environ: dict[str, str],
+) -> None:
+    os.environ.clear()  # the parent's of now, not the fork server's of its start
+    os.environ.update(environ)
     torch.set_num_threads(1)
     engine = TransferEngine(engine_id, "both", config)
     reg = KVRegion.allocate(
@@ -277,7 +298,8 @@ def _command(
 
 
 class PeerProcess:
-    """Parent-side handle of a child engine process (spawned; killed on close)."""
+    """Parent-side handle of a child engine process (see the module docstring; killed on
+    close)."""
 
     def __init__(
         self,
@@ -286,14 +308,11 @@ class PeerProcess:
         region: RegionSpec | None = None,
         start_timeout: float = 60.0,
     ) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.engine_id = engine_id
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_serve,
-            args=(child, engine_id, config or TransferConfig(), region or RegionSpec()),
-            daemon=True,
-        )
+        args = (child, engine_id, config or TransferConfig(), region or RegionSpec())
+        self.process = ctx.Process(target=_serve, args=(*args, dict(os.environ)), daemon=True)
         self.process.start()
         child.close()
         hello = self._recv(start_timeout)

@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,7 +174,7 @@ class Lab:
         shm_bytes: int = 1 << 30,
     ) -> subprocess.Popen[bytes]:
         """Runs `argv` on `host` with exactly `env`, a private /dev/shm, its own hostname and
-        `mounts`; a new session, so `kill_process_group` ends it and all its children."""
+        `mounts`; a new session, so `kill_process_groups` ends it and all its children."""
         h = self.hosts[host]
         mount, sh = _tool("mount"), _tool("sh")
         steps = [f"{mount} -t tmpfs -o size={shm_bytes},mode=1777 shm /dev/shm"]
@@ -250,8 +251,7 @@ class Lab:
         self._closed = True
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
-        for proc in self.procs:
-            kill_process_group(proc)
+        kill_process_groups(self.procs)
         names = [h.netns for h in self.hosts.values()] + [self.hub]
         _remove(names)
         release_state(os.getpid())
@@ -269,18 +269,31 @@ def enter_netns(netns: str) -> None:
         os.close(fd)
 
 
-def kill_process_group(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
-    """SIGTERM to `proc`'s session, SIGKILL after `grace_s`, then reaped."""
+def kill_process_groups(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
+    """SIGTERM to every session of `procs` at once, SIGKILL to those still running `grace_s`
+    later, then all reaped: N pods stop within one grace period, not N of them one after
+    another (and a pod whose exit waits on another's is not killed for it)."""
+    pending = list(procs)
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(wait)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)  # children that outlived their parent
+        for proc in pending:
+            _signal_group(proc, sig)
+        deadline = time.monotonic() + wait
+        still = []
+        for proc in pending:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                still.append(proc)
+                continue
+            _signal_group(proc, signal.SIGKILL)  # children that outlived their parent
+        pending = still
+        if not pending:
             return
-        except subprocess.TimeoutExpired:
-            continue
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
 
 
 def sweep() -> list[str]:

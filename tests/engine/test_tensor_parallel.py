@@ -129,6 +129,31 @@ def test_a_killed_rank_stops_the_engine_with_its_name(tiny_qwen3_dir: Path, make
         llm.generate([[4, 5]], GREEDY)
 
 
+# The ranks' interpreter, finalizing forever on its way out (as torch's teardown takes
+# seconds on a busy machine); the variable keeps it to the ranks this test starts.
+SLOW_EXIT = """
+import atexit, os, threading
+if os.environ.get("HPD_TEST_RANK_HANGS_AT_EXIT"):
+    atexit.register(threading.Event().wait)
+"""
+
+
+def test_a_stopped_rank_exits_at_once(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank told to STOP leaves the group and exits by itself (code 0), without waiting
+    for its interpreter's finalization: an engine's close, a TP worker's stop or restart,
+    does not pay it (else rank 0 waits up to 10 s, then kills it: -9)."""
+    (tmp_path / "sitecustomize.py").write_text(SLOW_EXIT)
+    monkeypatch.syspath_prepend(str(tmp_path))  # rank 0's sys.path is the rank's PYTHONPATH
+    monkeypatch.setenv("HPD_TEST_RANK_HANGS_AT_EXIT", "1")
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=32, tensor_parallel_size=2)
+    assert llm.engine.ranks is not None
+    (child,) = llm.engine.ranks.procs
+    llm.engine.close()
+    assert child.returncode == 0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -148,6 +148,40 @@ def test_a_failure_inside_the_lab_still_removes_it() -> None:
     assert not [n for n in _netns_list() if n.startswith(f"{tag}-")]
 
 
+# A pod that, on SIGTERM, leaves only once every pod of its lab has had its SIGTERM too (as
+# a router draining its workers might): it exits 0 then, and dies by SIGKILL (-9) when the
+# lab waits out its grace before signalling the next one.
+POD_WAITING_FOR_ITS_PEERS = """
+import os, pathlib, signal, sys, time
+folder, me = pathlib.Path(sys.argv[1]), sys.argv[2]
+def term(*_):
+    (folder / (me + ".term")).touch()
+    while len(list(folder.glob("*.term"))) < 2:
+        time.sleep(0.01)
+    os._exit(0)
+signal.signal(signal.SIGTERM, term)
+(folder / (me + ".ready")).touch()
+while True:
+    signal.pause()
+"""
+
+
+def test_closing_the_lab_signals_every_pod_before_waiting_for_any(tmp_path: Path) -> None:
+    """Stopping N pods takes one grace period, not N: each gets its SIGTERM at once."""
+    with Lab() as lab:
+        procs = []
+        for name in ("a", "b"):
+            lab.add_host(name)
+            argv = [PY, "-c", POD_WAITING_FOR_ITS_PEERS, str(tmp_path), name]
+            procs.append(lab.spawn(name, argv, {"PATH": "/usr/bin:/bin"}))
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("*.ready"))) < 2:
+            assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
+            assert time.monotonic() < deadline, "the pods did not start"
+            time.sleep(0.02)
+    assert [p.returncode for p in procs] == [0, 0]  # both left on their SIGTERM
+
+
 def _exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)

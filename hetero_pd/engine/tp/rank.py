@@ -127,6 +127,11 @@ def main() -> None:
     rank = Rank(start.spec, bytes.fromhex(start.secret))
     rank.serve()
     dist.destroy_process_group()
+    # Nothing is left to flush (stdout is /dev/null, logging flushes each record; rank 0
+    # owns the KV files): exit now, not after the interpreter's teardown, which with torch
+    # takes seconds on a busy machine while rank 0 waits for us.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
