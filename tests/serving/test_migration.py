@@ -1,8 +1,14 @@
 """Live migration of decoding requests between decode workers (issue 31), on real worker
-processes of the default model: a request moved mid-stream gives exactly the tokens of an
-unmigrated run (greedy, and seeded sampling), streamed through the official openai client
-with no gap and no repeat; a destination killed mid-copy leaves the request on its source;
-a drain moves every request off a worker."""
+processes of the tiny text model (migration moves blocks, states and streams whatever the
+weights: tests/serving/test_rebalance.py migrates on the default model): a request moved
+mid-stream gives exactly the tokens of an unmigrated run (greedy, and seeded sampling),
+streamed through the official openai client with no gap and no repeat; a destination
+killed mid-copy leaves the request on its source; a drain moves every request off a worker.
+
+The tiny model decodes a token in a few milliseconds, so every request here asks for
+enough tokens (`LONG`) to still be decoding when the test moves it: a migration or a
+drain takes a fraction of that, and a request that ended first fails the test by name
+(`wait_decoding`, `result.ok`, the drain's `moved` count), never passes it unmoved."""
 
 from __future__ import annotations
 
@@ -33,16 +39,23 @@ MIGRATIONS = "hetero_pd_migrations_total"
 DECISIONS = "hetero_pd_policy_decisions_total"
 #: Every KV push of a decode worker (only migrations push from there) starts 0.5 s late.
 LATE_BEGIN = [{"kind": "delay", "msg_type": "begin", "nth": 1, "count": 10**9, "delay_s": 0.5}]
+#: Completion tokens of a request that must still decode when it is moved: on the tiny
+#: model ~1.5-3 s of decoding on a loaded 2-core machine, where a move takes well under 0.5 s.
+LONG = 128
+#: The rolling restart's chats outlast the restart of the prefill worker (a process start)
+#: so that the decode workers' restarts find them decoding and move them.
+CHAT_TOKENS = 400
 
 
-#: Room on one decode worker for all 32 chats of the rolling restart (9 blocks of 16 tokens
-#: each, 288): while the other decode worker drains, every one of them may still be decoding.
-ROOM_FOR_ALL = {"num_kv_blocks": 320}
+#: Room on one decode worker for all 32 chats of the rolling restart (27 blocks of 16
+#: tokens each, 864): while the other decode worker drains, every one of them may still be
+#: decoding.
+ROOM_FOR_ALL = {"num_kv_blocks": 960}
 
 
 @pytest.fixture(scope="module")
-def stack(default_model_dir: Path) -> Iterator[Stack]:
-    dep = deployment(default_model_dir, workers=ONE_P_TWO_D, engine=ROOM_FOR_ALL)
+def stack(chat_model: Path) -> Iterator[Stack]:
+    dep = deployment(chat_model, workers=ONE_P_TWO_D, engine=ROOM_FOR_ALL)
     with running_stack(dep) as s:
         yield s
 
@@ -127,12 +140,12 @@ def migrated_run(
 def test_migrated_stream_equals_unmigrated(stack: Stack, sampling: dict[str, Any]) -> None:
     prompt = random_prompts([70], seed=3)[0]  # four full blocks and a partial one
     before = stack.metric(MIGRATIONS, stage="completed")
-    reference = stream_text(stack, prompt, 48, **sampling)
-    got, result = migrated_run(stack, prompt, 48, **sampling)
+    reference = stream_text(stack, prompt, LONG, **sampling)
+    got, result = migrated_run(stack, prompt, LONG, **sampling)
     assert result.ok, result.reason
     assert result.source != result.dest and result.bytes > 0
     assert got == reference  # same text, one chunk per token, none lost or repeated
-    assert reference[2] == 48
+    assert reference[2] == LONG
     assert stack.metric(MIGRATIONS, stage="completed") == before + 1
     stack.wait_idle()
 
@@ -142,31 +155,31 @@ def test_n2_request_migrates_whole(stack: Stack) -> None:
     text equals the unmigrated run's, chunk for chunk (no gap, no repeat)."""
     prompt = random_prompts([70], seed=4)[0]
     sampling: dict[str, Any] = {"temperature": 0.9, "seed": 77, "n": 2}
-    reference = stream_choices(stack, prompt, 40, **sampling)
-    got, result = migrated_run(stack, prompt, 40, **sampling)
+    reference = stream_choices(stack, prompt, LONG, **sampling)
+    got, result = migrated_run(stack, prompt, LONG, **sampling)
     assert result.ok, result.reason
     assert result.source != result.dest and result.bytes > 0
     assert got == reference
-    assert reference[0][0] != reference[0][1] and reference[2] == 80
+    assert reference[0][0] != reference[0][1] and reference[2] == 2 * LONG
     stack.wait_idle()
 
 
-def test_destination_killed_mid_copy_leaves_request_on_source(default_model_dir: Path) -> None:
+def test_destination_killed_mid_copy_leaves_request_on_source(chat_model: Path) -> None:
     """SIGKILL the destination while the source's KV push is in flight (held back 0.5 s by
     a fault rule): the migration aborts and the request finishes on its source with the
     tokens of an unmigrated run."""
     faults = {"decode-0": LATE_BEGIN, "decode-1": LATE_BEGIN}
     dep = deployment(
-        default_model_dir, workers=ONE_P_TWO_D, transfer={"faults": faults},
+        chat_model, workers=ONE_P_TWO_D, transfer={"faults": faults},
         supervisor={"restart": False},
     )  # fmt: skip
     prompt = random_prompts([40], seed=5)[0]
     with running_stack(dep) as stack:
         assert stack.router is not None
-        reference = stream_text(stack, prompt, 40, temperature=0)
+        reference = stream_text(stack, prompt, LONG, temperature=0)
         reached = threading.Event()
         with ThreadPoolExecutor(1) as pool:
-            run = pool.submit(stream_text, stack, prompt, 40, reached, 4, temperature=0)
+            run = pool.submit(stream_text, stack, prompt, LONG, reached, 4, temperature=0)
             assert reached.wait(60)
             rid = the_request(stack)
             stream = stack.router.streams[rid]
@@ -179,6 +192,7 @@ def test_destination_killed_mid_copy_leaves_request_on_source(default_model_dir:
             victim = stack.pids[stream.dest.worker_id]
             os.kill(victim, signal.SIGKILL)
             assert not wait_gone([victim], 10)
+            assert not run.done(), "the request ended before its destination died"
             result = migration.result(60)
             got = run.result(120)
         assert not result.ok and result.source == stream.decode.worker_id
@@ -206,11 +220,11 @@ def test_drain_moves_all_sixteen_requests(stack: Stack) -> None:
     decode-0 through the admin API moves all 16 to decode-1, and each one's text equals
     the unmigrated run's."""
     prompt = random_prompts([40], seed=7)[0]
-    reference = stream_text(stack, prompt, 96, temperature=0)
+    reference = stream_text(stack, prompt, 2 * LONG, temperature=0)
     status, _ = http_json(f"{stack.url}/admin/drain", {"worker": "decode-1"})
     assert status == 200
     with ThreadPoolExecutor(16) as pool:
-        runs = [pool.submit(stream_text, stack, prompt, 96, temperature=0) for _ in range(16)]
+        runs = [pool.submit(stream_text, stack, prompt, 2 * LONG, temperature=0) for _ in range(16)]
         wait_decoding(stack, "decode-0", runs)
         assert http_json(f"{stack.url}/admin/undrain", {"worker": "decode-1"})[0] == 200
         status, answer = http_json(f"{stack.url}/admin/drain", {"worker": "decode-0"})
@@ -247,12 +261,14 @@ def test_rolling_restart_under_load_ends_no_request(stack: Stack) -> None:
     unmigrated run, none recomputed, and the requests on decode workers moved live."""
     assert stack.router is not None
     questions = ["Name three colors.", "What is a cat?", "Count to five.", "Say hello."]
-    reference = {q: chat_text(stack, q, 40) for q in questions}
+    with ThreadPoolExecutor(4) as pool:  # side by side: each is the unmigrated run
+        texts = pool.map(lambda q: chat_text(stack, q, CHAT_TOKENS), questions)
+        reference = dict(zip(questions, texts, strict=True))
     recomputed = stack.metric(DECISIONS, decision="recompute")
     moved = stack.metric(MIGRATIONS, stage="completed")
     pids = dict(stack.pids)
     with ThreadPoolExecutor(33) as pool:
-        runs = [pool.submit(chat_text, stack, questions[i % 4], 40) for i in range(32)]
+        runs = [pool.submit(chat_text, stack, questions[i % 4], CHAT_TOKENS) for i in range(32)]
         deadline = time.monotonic() + 120
         while sum(s.decoding for s in stack.router.streams.values()) < 8:
             assert time.monotonic() < deadline
@@ -277,10 +293,10 @@ def test_scale_down_moves_the_requests_of_the_removed_worker(stack: Stack) -> No
     process is gone and stays gone, and the last decode worker cannot be removed."""
     assert stack.router is not None and stack.launcher is not None
     prompt = random_prompts([40], seed=9)[0]
-    reference = stream_text(stack, prompt, 64, temperature=0)
+    reference = stream_text(stack, prompt, LONG, temperature=0)
     assert http_json(f"{stack.url}/admin/drain", {"worker": "decode-0"})[0] == 200
     with ThreadPoolExecutor(4) as pool:
-        runs = [pool.submit(stream_text, stack, prompt, 64, temperature=0) for _ in range(4)]
+        runs = [pool.submit(stream_text, stack, prompt, LONG, temperature=0) for _ in range(4)]
         wait_decoding(stack, "decode-1", runs)
         assert http_json(f"{stack.url}/admin/undrain", {"worker": "decode-0"})[0] == 200
         status, answer = http_json(f"{stack.url}/admin/remove", {"worker": "decode-1"})
