@@ -1,11 +1,8 @@
 """Rebalancing (issue 31, opt-in, as Llumnix does) and live migration with speculative
-decoding, on 1P2D stacks whose decode workers have a small KV cache and ngram speculation
-on: requests pinned onto one decode worker move to the other once it is back, with the
-unmigrated greedy text, and only while rebalancing is on (the tiny model: the policy and
-the moves do not depend on the weights); a request that decodes speculatively migrates
-mid-stream with the unmigrated text (the default model, whose continuations of a repeated
-prompt the ngram proposals match, so that tokens are accepted on both workers; it is also
-the suite's live migration on real weights)."""
+decoding, on a 1P2D stack of the default model whose decode workers have a small KV cache
+and ngram speculation on: requests pinned onto one decode worker move to the other once
+it is back, with the unmigrated greedy text, and only while rebalancing is on; a request
+that decodes speculatively migrates mid-stream with the unmigrated text."""
 
 from __future__ import annotations
 
@@ -20,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from hetero_pd.deploy.schema import Deployment
 from hetero_pd.deploy.testing import (
     Stack,
     deployment,
@@ -34,18 +30,8 @@ from .test_migration import migrated_run, stream_text, streams_on, wait_decoding
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 DECODE = {"role": "decode", "speculative_config": SPEC}
-#: 64 blocks of 16 tokens per worker (the default model's stack).
+#: 64 blocks of 16 tokens per worker: four 100-token prompts fill 44% of one.
 ENGINE = {"num_kv_blocks": 64}
-#: The tiny model's stack: 256 blocks per worker, so that the pinned requests can decode
-#: long enough (`PINNED_TOKENS`) and still fit: four 320-token prompts fill 31% of one (past
-#: `high`), 91% at their end; three 40-token prompts fill 47% at theirs.
-TINY_ENGINE = {"num_kv_blocks": 256}
-PINNED_PROMPT = 320
-#: The tiny model decodes a pinned request's tokens in a few milliseconds each (its ngram
-#: proposals are mostly accepted: random weights loop): 600 of them last seconds, where the
-#: rounds and the moves the tests wait for take well under one. One that ends first fails
-#: the test by name ("ended before 3 rounds", the moved counts), never passes it unmoved.
-PINNED_TOKENS = 600
 REBALANCE = {
     "enabled": True, "high": 0.3, "low": 0.15, "interval_s": 0.2, "max_moves": 2,
     "cooldown_s": 2.0,
@@ -55,25 +41,13 @@ DECISIONS = "hetero_pd_policy_decisions_total"
 Reply = tuple[str, int, int]  # stream_text's: text, chunks with text, completion tokens
 
 
-def unchunked(replies: list[Reply]) -> list[tuple[str, int]]:
-    """Each reply's text and completion tokens: what a move under speculation keeps. Its
-    chunks are not compared: a step streams the tokens it accepted in one chunk, and a
-    moved request's steps fall otherwise (measured on the tiny model, whose proposals are
-    mostly accepted: 185 chunks moved, 234 unmoved, same 600 tokens and text). One chunk
-    per token across a move is test_migration's, without speculation."""
-    return [(text, tokens) for text, _, tokens in replies]
-
-
-def rebalancing_deployment(model: Path, engine: dict[str, int]) -> Deployment:
-    return deployment(
-        model, workers=[{"role": "prefill"}, DECODE, DECODE], engine=engine,
+@pytest.fixture(scope="module")
+def stack(default_model_dir: Path) -> Iterator[Stack]:
+    dep = deployment(
+        default_model_dir, workers=[{"role": "prefill"}, DECODE, DECODE], engine=ENGINE,
         router={"rebalance": REBALANCE},
     )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_llama_dir: Path) -> Iterator[Stack]:
-    with running_stack(rebalancing_deployment(tiny_llama_dir, TINY_ENGINE)) as s:
+    with running_stack(dep) as s:
         yield s
 
 
@@ -112,8 +86,8 @@ def test_rebalancing_moves_requests_off_a_full_decode_worker(stack: Stack) -> No
     every text equals its unmigrated run's."""
     assert stack.router is not None
     rebalancer = stack.router.rebalancer
-    prompts = random_prompts([PINNED_PROMPT] * 4, seed=11)
-    with pinned_on_decode_0(stack, prompts, PINNED_TOKENS) as (reference, runs):
+    prompts = random_prompts([100, 100, 100, 100], seed=11)
+    with pinned_on_decode_0(stack, prompts, 128) as (reference, runs):
         moved_before, moved = stack.metric(BY_REASON, reason="rebalance"), rebalancer.moved
         skipped = rebalancer.skipped
         while rebalancer.skipped < skipped + 3:  # rounds that saw the imbalance, off
@@ -126,23 +100,22 @@ def test_rebalancing_moves_requests_off_a_full_decode_worker(stack: Stack) -> No
         texts = [r.result(180) for r in runs]
     assert 1 <= rebalancer.moved - moved <= 4
     assert stack.metric(BY_REASON, reason="rebalance") == moved_before + rebalancer.moved - moved
-    assert unchunked(texts) == unchunked(reference)
+    assert texts == reference
     stack.wait_idle()
 
 
-def test_speculative_request_migrates_with_the_unmigrated_text(default_model_dir: Path) -> None:
+def test_speculative_request_migrates_with_the_unmigrated_text(stack: Stack) -> None:
     """A request whose prompt repeats itself (ngram proposals keep being accepted) moves to
     the other decode worker mid-stream; its greedy text, token count and chunks equal the
     unmigrated run's, and speculation went on (tokens accepted) on both workers."""
     prompt = ([7, 8, 9, 10, 11] * 20)[:100]
-    with running_stack(rebalancing_deployment(default_model_dir, ENGINE)) as stack:
-        reference = stream_text(stack, prompt, 96, temperature=0)
-        accepted = {w: accepted_tokens(stack, w) for w in ("decode-0", "decode-1")}
-        got, result = migrated_run(stack, prompt, 96, temperature=0)
-        assert result.ok, result.reason
-        assert got[0] == reference[0] and got[2] == reference[2] == 96
-        assert accepted_tokens(stack, result.dest) > accepted[result.dest]
-        stack.wait_idle()
+    reference = stream_text(stack, prompt, 96, temperature=0)
+    accepted = {w: accepted_tokens(stack, w) for w in ("decode-0", "decode-1")}
+    got, result = migrated_run(stack, prompt, 96, temperature=0)
+    assert result.ok, result.reason
+    assert got[0] == reference[0] and got[2] == reference[2] == 96
+    assert accepted_tokens(stack, result.dest) > accepted[result.dest]
+    stack.wait_idle()
 
 
 def accepted_tokens(stack: Stack, worker: str) -> float:
@@ -153,15 +126,15 @@ def test_a_decode_worker_told_to_stop_moves_its_requests_first(stack: Stack) -> 
     """SIGTERM to a decode worker (how Kubernetes stops a pod) while three requests decode
     on it: its heartbeat says it drains, the router moves all three to the other decode
     worker (no operator key anywhere), each with its unmigrated text and none recomputed,
-    and then the worker exits. Last on the module's stack: it stops decode-0."""
+    and then the worker exits. Last in this module: it stops decode-0."""
     prompts = random_prompts([40, 40, 40], seed=13)
-    with pinned_on_decode_0(stack, prompts, PINNED_TOKENS) as (reference, runs):
+    with pinned_on_decode_0(stack, prompts, 96) as (reference, runs):
         moved = stack.metric(BY_REASON, reason="shutdown")
         recomputed = stack.metric(DECISIONS, decision="recompute")
         pid = stack.pids["decode-0"]
         os.kill(pid, signal.SIGTERM)
         texts = [r.result(180) for r in runs]
-    assert unchunked(texts) == unchunked(reference)
+    assert texts == reference
     assert stack.metric(BY_REASON, reason="shutdown") == moved + 3
     assert stack.metric(DECISIONS, decision="recompute") == recomputed
     assert not wait_gone([pid], 30)
