@@ -1,13 +1,18 @@
-"""`draft_model` speculation on the decode worker of a prefill + decode stack with the
+"""`draft_model` speculation on the decode workers of a prefill + decode stack with the
 default model, through the official openai client, with three drafts: an early exit (its
 first 4 layers, final norm and lm_head: partly accepted), a random model of its vocabulary
 (nearly all rejected) and the default model itself (nearly all accepted). Greedy text and
 the logprobs of its tokens equal the single-process plain engine's for a prompt computed
 on the decode worker and one handed off by the prefill worker (whose draft KV the decode
-worker computes itself); the decode worker's spec_decode counters count the drafts."""
+worker computes itself); the decode worker's spec_decode counters count the drafts.
+
+One stack serves all three: a decode worker per draft (decode-0, -1, -2 in DRAFTS' order),
+each test keeping the other two out of rotation (drained) while it runs, so that its
+requests, and its worker's counters, are its draft's alone."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,7 +21,7 @@ import openai
 import pytest
 
 from hetero_pd import LLM, SamplingParams
-from hetero_pd.deploy.testing import Stack, deployment, running_stack
+from hetero_pd.deploy.testing import Stack, deployment, http_json, running_stack
 from hetero_pd.models.draft_models import save_early_exit, save_random_draft
 
 pytestmark = pytest.mark.slow
@@ -49,31 +54,46 @@ def want(default_model_dir: Path) -> list[tuple[str, list[float]]]:
     return out
 
 
-@pytest.fixture(scope="module", params=list(DRAFTS))
-def draft(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 @pytest.fixture(scope="module")
-def stack(
-    draft: str, default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Stack]:
-    folder = DRAFTS[draft](default_model_dir, tmp_path_factory.mktemp("draft"))
-    spec = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3}
-    workers = [{"role": "prefill"}, {"role": "decode", "speculative_config": spec}]
+def stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    workers: list[dict[str, object]] = [{"role": "prefill"}]
+    for make in DRAFTS.values():
+        folder = make(default_model_dir, tmp_path_factory.mktemp("draft"))
+        spec = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3}
+        workers.append({"role": "decode", "speculative_config": spec})
     dep = deployment(default_model_dir, workers=workers, engine={"num_kv_blocks": 128})
     with running_stack(dep) as s:
         yield s
 
 
+@contextlib.contextmanager
+def only(stack: Stack, worker: str) -> Iterator[None]:
+    """Keeps every decode worker but `worker` out of rotation (drained) meanwhile."""
+    others = [f"decode-{i}" for i in range(len(DRAFTS)) if f"decode-{i}" != worker]
+    try:
+        for other in others:
+            assert http_json(f"{stack.url}/admin/drain", {"worker": other})[0] == 200
+        yield
+    finally:
+        for other in others:
+            http_json(f"{stack.url}/admin/undrain", {"worker": other})
+
+
+@pytest.mark.parametrize("draft", list(DRAFTS))
 def test_served_greedy_text_and_logprobs_are_the_plain_engines(
     stack: Stack, draft: str, want: list[tuple[str, list[float]]]
 ) -> None:
+    worker = f"decode-{list(DRAFTS).index(draft)}"
+    with only(stack, worker):
+        check_draft(stack, draft, worker, want)
+
+
+def check_draft(stack: Stack, draft: str, worker: str, want: list[tuple[str, list[float]]]) -> None:
     client = openai.OpenAI(base_url=stack.base_url, api_key="x", max_retries=0, timeout=300)
 
     def counts() -> tuple[float, float]:
-        drafted = stack.metric("vllm:spec_decode_num_draft_tokens_total", worker="decode-0")
-        accepted = stack.metric("vllm:spec_decode_num_accepted_tokens_total", worker="decode-0")
+        drafted = stack.metric("vllm:spec_decode_num_draft_tokens_total", worker=worker)
+        accepted = stack.metric("vllm:spec_decode_num_accepted_tokens_total", worker=worker)
         return drafted, accepted
 
     for prompt, (text, logprobs) in zip([SHORT, LONG], want, strict=True):
@@ -90,7 +110,7 @@ def test_served_greedy_text_and_logprobs_are_the_plain_engines(
         assert all(abs(g - w) < TOL for g, w in zip(got, logprobs, strict=True)), (got, logprobs)
         deadline = time.monotonic() + 20
         while counts()[0] == before and time.monotonic() < deadline:
-            time.sleep(0.2)  # the decode worker's next heartbeat carries its counts
+            time.sleep(0.05)  # the decode worker's next heartbeat carries its counts
         assert counts()[0] > before  # this request, handed off or not, was drafted for
     stack.wait_idle()
     drafted, accepted = counts()
