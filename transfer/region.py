@@ -36,6 +36,7 @@ from typing import cast
 import torch
 
 from transfer import kv_layouts
+from transfer.devices import backend_for
 from transfer.errors import StatusCode, TransferError
 from transfer.messages import Layout, RegionInfo
 
@@ -134,7 +135,8 @@ class KVRegion:
         shape = (num_blocks, *block_shape)
         count = num_layers * tensors_per_layer
         if not shared:
-            tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+            dev = torch.device(device)  # host: resident as written (CpuBackend.zeros)
+            tensors = [backend_for(dev).zeros(shape, dtype, dev) for _ in range(count)]
             return cls(name, tensors, tensors_per_layer, layout=layout)
         if torch.device(device).type != "cpu":
             raise TransferError(StatusCode.PARAM_INVALID, "shared regions must be on the CPU")

@@ -225,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument(
-        "--kv-cache-gb", type=float, default=1.0, help="each engine's KV cache (allocated at start)"
-    )
+    ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="each engine's KV cache, GiB")
     ap.add_argument("--num-prompts", type=int, default=4, help="per workload")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--random-input-len", type=int, default=64)
