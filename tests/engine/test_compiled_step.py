@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from backends import get_backend
 from backends.compiler import StepPadding
@@ -29,6 +28,9 @@ def prompts(seed: int) -> list[list[int]]:
 
 
 def graphs() -> int:
+    # Imported here, not at the top: importing dynamo costs seconds at every collection.
+    from torch._dynamo.utils import counters
+
     return int(counters["stats"]["unique_graphs"])
 
 
