@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
 import pytest
 import torch
@@ -43,14 +42,23 @@ def test_cpu_profile_is_measured_and_sane() -> None:
     assert profile.threads == torch.get_num_threads()
 
 
-def test_profile_is_cached_per_device_and_mode() -> None:
+def test_profile_is_cached_per_device_and_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cached profile is returned without measuring: the matmul probe is counted, not timed."""
     backend = get_backend("cpu")
     first = backend.profile(HOST)
-    start = time.perf_counter()
+    measured: list[torch.dtype] = []
+    matmul_gflops = probe.matmul_gflops
+
+    def counted(dev: torch.device, dtype: torch.dtype, *args: object) -> float:
+        measured.append(dtype)
+        return matmul_gflops(dev, dtype, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(probe, "matmul_gflops", counted)
     assert backend.profile(torch.device("cpu", 0)) is first
-    assert time.perf_counter() - start < 0.05
+    assert measured == []
     clear_profile_cache()
     assert backend.profile(HOST) is not first
+    assert measured[0] == torch.float32  # measured again once forgotten
 
 
 def test_profile_rejects_foreign_devices() -> None:
