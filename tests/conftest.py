@@ -190,20 +190,6 @@ def text_llama_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
     )
 
 
-@pytest.fixture(scope="session")
-def text_chat_dir(
-    text_llama_dir: Path, default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    """The tiny text model with the default model's chat template file too: a chat or tool
-    request renders to the default model's prompt tokens, and only the (random) weights
-    differ, so tests of what the server does with the output (grammars, tool calls, their
-    parsing and streaming) run ~50x cheaper than on the default model."""
-    folder = tmp_path_factory.mktemp("text-chat") / "model"
-    shutil.copytree(text_llama_dir, folder)
-    shutil.copy(default_model_dir / "chat_template.jinja", folder / "chat_template.jinja")
-    return folder
-
-
 #: ChatML, as the default model's tokenizer has it (the test tokenizer has no template).
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
