@@ -17,6 +17,9 @@ from typing import Any, Literal
 MAX_SPEC_BYTES = 64 * 1024
 #: Most alternatives of a ``choice``.
 MAX_CHOICES = 1024
+#: How every JSON the engine constrains is written (llguidance's JSON options): compact and
+#: deterministic, since free whitespace lets a small model loop on newlines.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 Kind = Literal["json", "regex", "choice", "grammar", "json_object"]
 KINDS: tuple[Kind, ...] = ("json", "regex", "choice", "grammar", "json_object")

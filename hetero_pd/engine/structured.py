@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from hetero_pd.sampling_params import SamplingParams
-from hetero_pd.structured_outputs import StructuredOutputsParams
+from hetero_pd.structured_outputs import JSON_OPTIONS, StructuredOutputsParams
 
 if TYPE_CHECKING:
     import llguidance
@@ -42,8 +42,6 @@ _LIMITS = {
     "max_lexer_states": 100_000,
     "verbose_errors": False,
 }
-# Compact, deterministic JSON: flexible whitespace lets a small model loop on newlines.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):
@@ -58,9 +56,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     m = llguidance.LLMatcher
     try:
         if kind == "json":
-            return m.grammar_from_json_schema(spec, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+            return m.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
         if kind == "json_object":
-            return m.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+            return m.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)  # type: ignore[arg-type]
         if kind == "regex":
             return m.grammar_from_regex(spec)
         if kind == "choice":

@@ -1,6 +1,12 @@
-"""Structured outputs in one engine on the default model: every kind of constraint yields
-text that satisfies it, with every other sampling option on, and stops when the grammar is
-complete; constraints llguidance cannot enforce fail the request with a message saying why."""
+"""Structured outputs in one engine: every kind of constraint yields text that satisfies it,
+with every other sampling option on, and stops when the grammar is complete; constraints
+llguidance cannot enforce fail the request with a message saying why.
+
+On the tiny text model (the default model's tokenizer and vocabulary, random weights): what
+is asserted holds by the grammar whatever the weights, and a random model presses every
+bound (strings to their maxLength, the masked tokens it would pick). A JSON object bounded by
+nothing but its end needs a model that closes it: tests/serving/test_structured_stack.py
+runs that one on the default model, in the engine and served."""
 
 from __future__ import annotations
 
@@ -29,9 +35,9 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def llm(default_model_dir: Path) -> LLM:
+def llm(text_llama_dir: Path) -> LLM:
     # 1024 tokens of KV, for requests of ~60: the default 1 GiB was zeroed for nothing.
-    return LLM(str(default_model_dir), dtype="float32", num_kv_blocks=64)
+    return LLM(str(text_llama_dir), dtype="float32", num_kv_blocks=64)
 
 
 def _gen(llm: LLM, prompt: str, so: StructuredOutputsParams, **kw: object) -> list[str]:
@@ -49,7 +55,7 @@ def test_greedy_json_schema_output_parses_and_validates(llm: LLM) -> None:
         jsonschema.validate(json.loads(text), PERSON)
 
 
-def test_regex_choice_grammar_and_json_object(llm: LLM) -> None:
+def test_regex_choice_and_grammars(llm: LLM) -> None:
     [phone] = _gen(llm, "Call me at", StructuredOutputsParams(regex=r"\d{3}-\d{4}"))
     assert re.fullmatch(r"\d{3}-\d{4}", phone)
     choices = ["Paris", "London", "Berlin"]
@@ -61,8 +67,6 @@ def test_regex_choice_grammar_and_json_object(llm: LLM) -> None:
     lark = 'start: "x" NUM\nNUM: /[0-9]{2}/'
     [x] = _gen(llm, "Pick", StructuredOutputsParams(grammar=lark))
     assert re.fullmatch(r"x[0-9]{2}", x)
-    [obj] = _gen(llm, 'JSON: {"a": 1}\nJSON:', StructuredOutputsParams(json_object=True))
-    assert isinstance(json.loads(obj), dict)
 
 
 def test_the_grammar_holds_with_every_other_sampling_option(llm: LLM) -> None:

@@ -1,7 +1,7 @@
-"""`draft_model` speculation on the decode workers of a prefill + decode stack with the
-default model, through the official openai client, with three drafts: an early exit (its
-first 4 layers, final norm and lm_head: partly accepted), a random model of its vocabulary
-(nearly all rejected) and the default model itself (nearly all accepted). Greedy text and
+"""`draft_model` speculation on the decode workers of a prefill + decode stack of the tiny
+Llama, through the official openai client, with three drafts: an early exit (its first 2 of
+3 layers, final norm and lm_head: partly accepted), a random model of its vocabulary
+(nearly all rejected) and the model itself (nearly all accepted). Greedy text and
 the logprobs of its tokens equal the single-process plain engine's for a prompt computed
 on the decode worker and one handed off by the prefill worker (whose draft KV the decode
 worker computes itself); the decode worker's spec_decode counters count the drafts.
@@ -21,18 +21,19 @@ import openai
 import pytest
 
 from hetero_pd import LLM, SamplingParams
-from hetero_pd.deploy.testing import Stack, deployment, http_json, running_stack
+from hetero_pd.deploy.testing import Stack, deployment, http_json, random_prompts, running_stack
 from hetero_pd.models.draft_models import save_early_exit, save_random_draft
 
 pytestmark = pytest.mark.slow
-SHORT = "Name three colors."  # computed on the decode worker
-LONG = "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 8  # handed off
+# Token ids (the tiny model's vocabulary is 512): SHORT is computed on the decode worker, LONG
+# (longer than router.local_prefill_max_tokens) is handed off by the prefill worker.
+SHORT, LONG = random_prompts([9, 60], seed=11)
 MAX_TOKENS = 12
 TOL = 1e-4
 
 #: draft name -> the draft's folder, built from the target's into a fresh folder
 DRAFTS: dict[str, Callable[[Path, Path], Path]] = {
-    "early_exit": lambda target, dest: save_early_exit(target, dest, 4),
+    "early_exit": lambda target, dest: save_early_exit(target, dest, 2),
     "random": save_random_draft,
     "self": lambda target, dest: target,
 }
@@ -42,9 +43,9 @@ ACCEPTANCE = {"early_exit": (0.0, 1.0), "random": (0.0, 0.25), "self": (0.95, 1.
 
 
 @pytest.fixture(scope="module")
-def want(default_model_dir: Path) -> list[tuple[str, list[float]]]:
+def want(tiny_llama_dir: Path) -> list[tuple[str, list[float]]]:
     """The plain engine's text and token logprobs for SHORT and LONG."""
-    llm = LLM(str(default_model_dir), dtype="float32", num_kv_blocks=64, max_model_len=1024)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, max_model_len=1024)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     out = []
     for o in llm.generate([SHORT, LONG], params):
@@ -55,13 +56,13 @@ def want(default_model_dir: Path) -> list[tuple[str, list[float]]]:
 
 
 @pytest.fixture(scope="module")
-def stack(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workers: list[dict[str, object]] = [{"role": "prefill"}]
     for make in DRAFTS.values():
-        folder = make(default_model_dir, tmp_path_factory.mktemp("draft"))
+        folder = make(tiny_llama_dir, tmp_path_factory.mktemp("draft"))
         spec = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3}
         workers.append({"role": "decode", "speculative_config": spec})
-    dep = deployment(default_model_dir, workers=workers, engine={"num_kv_blocks": 128})
+    dep = deployment(tiny_llama_dir, workers=workers, engine={"num_kv_blocks": 128})
     with running_stack(dep) as s:
         yield s
 

@@ -1,21 +1,26 @@
-"""Structured outputs and tool calls through served stacks of the default model (1P1D and
-one colocated worker), with the official openai client: a constraint holds across the
-prefill -> decode hand-off (the prefill worker samples the first token under it, the decode
-worker resumes the grammar), with the single-process engine's greedy text, for prompts
-prefilled on the decode worker and on the prefill worker alike; a constraint the server
-cannot enforce is a 400. On both stacks: ``parse()`` with a pydantic model answers 20
-varied prompts with schema-valid objects, regex and choice hold from the first token,
+"""Structured outputs and tool calls through served stacks (1P1D and one colocated worker),
+with the official openai client.
+
+On the default model (the shared stacks): a constraint holds across the prefill -> decode
+hand-off (the prefill worker samples the first token under it, the decode worker resumes
+the grammar), with the single-process engine's greedy text, for prompts prefilled on the
+decode worker and on the prefill worker alike, and a JSON object ends where the model
+closes it; under "auto" a call the model writes by itself is read back as a call.
+
+On the tiny text model with the default model's tokenizer and chat template (prompts
+render to the same tokens; what is asserted holds by the grammar, whatever the weights):
+a constraint the server cannot enforce is a 400; ``parse()`` with a pydantic model answers
+20 varied prompts with schema-valid objects, regex and choice hold from the first token,
 ``tool_choice`` "required" and a named function always yield a call whose arguments
 validate against the function's schema, streamed calls arrive piece by piece (id and name,
-then fragments of the arguments) and reassemble to the non-streamed one, and under "auto"
-a call the model writes by itself is read back as a call. "none" answers in text, and a
-conversation carrying calls and tool results back is accepted."""
+then fragments of the arguments) and reassemble to the non-streamed one; "none" answers in
+text, and a conversation carrying calls and tool results back is accepted."""
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -26,13 +31,15 @@ import pydantic
 import pytest
 
 from hetero_pd import LLM, SamplingParams, StructuredOutputsParams
-from hetero_pd.deploy.testing import Stack
+from hetero_pd.deploy.testing import Stack, deployment, running_stack
 
 pytestmark = pytest.mark.slow
 DECISIONS = "hetero_pd_policy_decisions_total"
 #: Longer than router.local_prefill_max_tokens (32): the prefill worker computes these.
 PAD = "Here is some context about the people of the town and their homes. " * 4
 PROMPTS = ["A person as JSON:", PAD + "A person as JSON:"]
+OBJECT_PROMPT = 'JSON: {"a": 1}\nJSON:'
+OBJECT: dict[str, Any] = {"response_format": {"type": "json_object"}}
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}},
@@ -141,38 +148,67 @@ SHARED = {"1P1D": "default_pd_stack", "colocated": "default_colocated_stack"}
 
 
 @pytest.fixture(scope="module", params=list(SHARED))
-def any_stack(request: pytest.FixtureRequest) -> Stack:
+def real_stack(request: pytest.FixtureRequest) -> Stack:
     """Each shared stack of the default model in turn: 1P1D, then one colocated worker."""
     stack: Stack = request.getfixturevalue(SHARED[request.param])
+    return stack
+
+
+@pytest.fixture(scope="module")
+def tiny_pd(text_chat_dir: Path) -> Iterator[Stack]:
+    with running_stack(deployment(text_chat_dir)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tiny_colocated(text_chat_dir: Path) -> Iterator[Stack]:
+    with running_stack(deployment(text_chat_dir, workers=[{"role": "both"}])) as s:
+        yield s
+
+
+TINY = {"1P1D": "tiny_pd", "colocated": "tiny_colocated"}
+
+
+@pytest.fixture(scope="module", params=list(TINY))
+def any_stack(request: pytest.FixtureRequest) -> Stack:
+    """Each stack of the tiny text model in turn: 1P1D, then one colocated worker."""
+    stack: Stack = request.getfixturevalue(TINY[request.param])
     return stack
 
 
 def test_json_schema_across_the_handoff_equals_the_engine(
     stack: Stack, client: openai.OpenAI, default_model_dir: Path
 ) -> None:
+    as_json = StructuredOutputsParams(json=SCHEMA)
+    cases = [
+        *((p, as_json, {"guided_json": SCHEMA}) for p in PROMPTS),
+        # bounded by nothing but the object's end: the model closes it, the grammar ends there
+        (OBJECT_PROMPT, StructuredOutputsParams(json_object=True), OBJECT),
+    ]
     llm = LLM(str(default_model_dir), dtype="float32", num_kv_blocks=64, num_threads=1)
-    params = SamplingParams(
-        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMA)
-    )
-    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
+    params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=so)
+              for _, so, _ in cases]  # fmt: skip
+    expected = [o.outputs[0].text for o in llm.generate([p for p, _, _ in cases], params)]
     del llm
     before = stack.metric(DECISIONS, decision="disaggregated")
     served = [
         client.completions.create(
-            model=stack.dep.model, prompt=p, max_tokens=40, temperature=0,
-            extra_body={"guided_json": SCHEMA},
+            model=stack.dep.model, prompt=p, max_tokens=48, temperature=0, extra_body=extra,
         ).choices[0]
-        for p in PROMPTS
+        for p, _, extra in cases
     ]  # fmt: skip
     assert [c.text for c in served] == expected
     for c in served:
         assert c.finish_reason == "stop"
+    for c in served[:2]:
         jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert isinstance(json.loads(served[2].text), dict)
     assert stack.metric(DECISIONS, decision="disaggregated") == before + 1
 
 
 def test_parse_with_a_pydantic_model_and_streamed_json_schema(any_stack: Stack) -> None:
-    client, schema = _client(any_stack), Pet.model_json_schema()
+    # strict, as parse() sends it: no properties but Pet's
+    client, schema = _client(any_stack), {**Pet.model_json_schema(), "additionalProperties": False}
 
     def parse(content: str) -> Any:
         return client.chat.completions.parse(
@@ -186,12 +222,12 @@ def test_parse_with_a_pydantic_model_and_streamed_json_schema(any_stack: Stack) 
         jsonschema.validate(json.loads(choice.message.content), schema)
     stream = client.chat.completions.create(
         model=any_stack.dep.model, messages=[{"role": "user", "content": PAD + "A person:"}],
-        max_tokens=40, temperature=0.8, seed=5, stream=True,
+        max_tokens=48, temperature=0.8, seed=5, stream=True,
         response_format={"type": "json_schema",
-                         "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}},
+                         "json_schema": {"name": "pet", "schema": schema, "strict": True}},
     )  # fmt: skip
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    jsonschema.validate(json.loads(text), SCHEMA)
+    jsonschema.validate(json.loads(text), schema)
 
 
 def test_regex_and_choice_hold_from_the_first_token(any_stack: Stack) -> None:
@@ -224,9 +260,8 @@ def test_regex_and_choice_hold_from_the_first_token(any_stack: Stack) -> None:
             assert c.finish_reason == "stop"
 
 
-def test_constraints_the_server_cannot_enforce_are_400s(
-    stack: Stack, client: openai.OpenAI
-) -> None:
+def test_constraints_the_server_cannot_enforce_are_400s(tiny_pd: Stack) -> None:
+    stack, client = tiny_pd, _client(tiny_pd)
     for extra, words in (
         ({"guided_regex": "(a)\\1"}, "guided_regex"),
         ({"guided_json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
@@ -302,20 +337,21 @@ def test_streamed_calls_reassemble_to_the_whole_call(any_stack: Stack) -> None:
     ]
 
 
-def test_auto_reads_the_call_the_model_writes(any_stack: Stack) -> None:
+def test_auto_reads_the_call_the_model_writes(real_stack: Stack) -> None:
     """No grammar under "auto": the model writes `<tool_call>` JSON by itself, greedy, and
     the answer's text is read into a call (a broken reader leaves it text, finish "stop")."""
     kw: dict[str, Any] = dict(
-        model=any_stack.dep.model, messages=ASK_AGAIN, tools=TOOLS, tool_choice="auto",
+        model=real_stack.dep.model, messages=ASK_AGAIN, tools=TOOLS, tool_choice="auto",
         max_tokens=60, temperature=0,
     )  # fmt: skip
-    choice = _client(any_stack).chat.completions.create(**kw).choices[0]
+    choice = _client(real_stack).chat.completions.create(**kw).choices[0]
     calls = _valid_calls(choice, set(SCHEMAS))
     assert [c.function.name for c in calls] == ["get_weather"] and choice.message.content is None
-    any_stack.wait_idle()
+    real_stack.wait_idle()
 
 
-def test_none_answers_in_text_and_tool_results_go_back(stack: Stack, client: openai.OpenAI) -> None:
+def test_none_answers_in_text_and_tool_results_go_back(tiny_pd: Stack) -> None:
+    stack, client = tiny_pd, _client(tiny_pd)
     r = client.chat.completions.create(
         model=stack.dep.model, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=8,
         temperature=0,

@@ -1,9 +1,10 @@
 """A deployment with ``router.tool_call_parser: llama3_json`` and
 ``enable_auto_tool_choice: false`` (vLLM's --tool-call-parser and its default without
---enable-auto-tool-choice), served 1P1D with the default model and the official openai
-client: a forced call is written in Llama 3's format (bare JSON, ``parameters``) and read
-back as a call whose arguments validate, whole and streamed alike; ``auto`` is a 400 naming
-``tool_choice``."""
+--enable-auto-tool-choice), served 1P1D with the official openai client: a forced call is
+written in Llama 3's format (bare JSON) and read back as a call whose arguments validate,
+whole and streamed alike; ``auto`` is a 400 naming ``tool_choice``. On the tiny text model
+with the default model's tokenizer and chat template: the grammar writes the call, whatever
+the weights."""
 
 from __future__ import annotations
 
@@ -19,16 +20,18 @@ import pytest
 from hetero_pd.deploy.testing import Stack, deployment, running_stack
 
 pytestmark = pytest.mark.slow
-ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+#: Bounded numbers: the call ends within max_tokens whatever the (random) weights pick.
+NUMBER = {"type": "integer", "minimum": 0, "maximum": 999}
+ADD = {"type": "object", "properties": {"a": NUMBER, "b": NUMBER},
        "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
 TOOLS: list[Any] = [{"type": "function", "function": {"name": "add", "parameters": ADD}}]
 ASK: list[Any] = [{"role": "user", "content": "What is 2 plus 3? Use the add tool."}]
 
 
 @pytest.fixture(scope="module")
-def stack(default_model_dir: Path) -> Iterator[Stack]:
+def stack(text_chat_dir: Path) -> Iterator[Stack]:
     router = {"tool_call_parser": "llama3_json", "enable_auto_tool_choice": False}
-    with running_stack(deployment(default_model_dir, router=router)) as s:
+    with running_stack(deployment(text_chat_dir, router=router)) as s:
         yield s
 
 

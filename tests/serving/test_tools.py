@@ -6,6 +6,7 @@ accepts a valid call token by token on the default model's vocabulary and nothin
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ from hetero_pd.engine.structured import GrammarCompiler
 from hetero_pd.serving.api.errors import APIError
 from hetero_pd.serving.api.protocol import parse_chat_request, parse_completion_request
 from hetero_pd.serving.api.tool_stream import PARSERS, parse_tool_calls
+from hetero_pd.serving.api.tools import ToolSettings
+from hetero_pd.structured_outputs import StructuredOutputsParams
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
        "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
@@ -143,12 +146,24 @@ def test_tools_are_for_chat_and_none_means_no_tools() -> None:
     assert auto.tools is not None and auto.params.structured_outputs is None
 
 
-@pytest.mark.slow
-def test_a_forced_call_accepts_valid_calls_only(default_model_dir: Path) -> None:
+def _accepts(default_model_dir: Path) -> Callable[[StructuredOutputsParams, str], bool]:
+    """Whether a constraint's grammar takes the whole of a text, token by token, on the
+    default model's vocabulary."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
     compiler = GrammarCompiler(default_model_dir, tok.get_vocab_size(), [2])
+
+    def accepts(constraint: StructuredOutputsParams, text: str) -> bool:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        return bool(compiler.matcher(constraint).llmatcher.validate_tokens(ids) == len(ids))
+
+    return accepts
+
+
+@pytest.mark.slow
+def test_a_forced_call_accepts_valid_calls_only(default_model_dir: Path) -> None:
+    accepts = _accepts(default_model_dir)
     named = parse_chat_request(chat(tools=TOOLS, tool_choice={
         "type": "function", "function": {"name": "add"}})).params.structured_outputs  # fmt: skip
     required = parse_chat_request(chat(tools=TOOLS, tool_choice="required"))
@@ -158,10 +173,28 @@ def test_a_forced_call_accepts_valid_calls_only(default_model_dir: Path) -> None
     bad = '<tool_call>\n{"name": "add", "arguments": {"a": "2"}}\n</tool_call>'
     for constraint, text, ok in ((named, good, True), (so, good, True), (named, bad, False),
                                  (named, good.replace("add", "now"), False)):  # fmt: skip
-        m = compiler.matcher(constraint)
-        ids = tok.encode(text, add_special_tokens=False).ids
-        accepted = m.llmatcher.validate_tokens(ids)
-        assert (accepted == len(ids)) is ok, text
+        assert accepts(constraint, text) is ok, text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_a_forced_calls_json_is_as_compact_as_a_json_schemas(
+    default_model_dir: Path, parser: str
+) -> None:
+    """Whitespace only where a json_schema answer has it (": " and ", "): with JSON's free
+    whitespace a model can write newlines inside a call until max_tokens (a random one
+    did, greedy: '<tool_call>\n{\r\r\r...' and no call)."""
+    accepts = _accepts(default_model_dir)
+    body = '{"name": "add", "arguments": {"a": 2, "b": 3}}'
+    loose = [body.replace(a, b) for a, b in (
+        ("{", "{\r"), ("{", "{ "), (": ", ":"), (", ", " , "), ("}}", "}\n}"))]  # fmt: skip
+    around = ("<tool_call>\n", "\n</tool_call>") if parser == "hermes" else ("", "")
+    for choice in ({"type": "function", "function": {"name": "add"}}, "required"):
+        request = parse_chat_request(chat(tools=TOOLS, tool_choice=choice), ToolSettings(parser))
+        so = request.params.structured_outputs
+        assert so is not None and accepts(so, body.join(around)), (choice, parser)
+        for text in loose:
+            assert not accepts(so, text.join(around)), (choice, parser, text)
 
 
 def test_serve_flags_choose_the_parser_and_auto(default_model_dir: Path) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from hetero_pd.serving.api.errors import bad_request
 from hetero_pd.serving.api.fields import show
-from hetero_pd.structured_outputs import StructuredOutputsParams
+from hetero_pd.structured_outputs import JSON_OPTIONS, StructuredOutputsParams
 
 #: Most tools one request may list.
 MAX_TOOLS = 128
@@ -97,6 +97,8 @@ class ToolPlan:
             for f in functions
         ]
         schema = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
+        # Written as a json_schema answer is (lark's %json reads its options from the schema)
+        schema = {**schema, "x-guidance": JSON_OPTIONS}
         # A named function is called once (OpenAI's forced function); "required": one or more.
         several = self.parallel and self.choice == "required"
         call, sep, before, after = _FORMATS[self.parser]
