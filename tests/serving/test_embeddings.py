@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from hetero_pd.deploy.testing import Stack, deployment, running_stack
+from hetero_pd.deploy.testing import Stack
 
 pytestmark = pytest.mark.slow
 TEXTS = ["The capital of France is Paris.", "a", "Embeddings turn text into vectors."]
@@ -92,11 +92,11 @@ def test_bad_input_is_a_400_naming_the_field(
 
 
 def test_a_colocated_worker_embeds_too(
-    default_model_dir: Path, reference: tuple[Any, list[list[int]], np.ndarray]
+    default_colocated_stack: Stack, reference: tuple[Any, list[list[int]], np.ndarray]
 ) -> None:
     _, ids, expected = reference
-    with running_stack(deployment(default_model_dir, workers=[{"role": "both"}])) as s:
-        client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0, timeout=120)
-        r = client.embeddings.create(model=s.dep.model, input=ids[:2])
-        np.testing.assert_allclose(_vectors(r), expected[:2], atol=1e-4)
-        s.wait_idle()
+    s = default_colocated_stack
+    client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0, timeout=120)
+    r = client.embeddings.create(model=s.dep.model, input=ids[:2])
+    np.testing.assert_allclose(_vectors(r), expected[:2], atol=1e-4)
+    s.wait_idle()
