@@ -43,6 +43,7 @@ def test_faults_reach_only_the_named_worker() -> None:
         ({"prefill-0": [{"kind": "explode"}]}, r"transfer\.faults\.prefill-0: .*kind"),
         ({"prefill-0": [{"kind": "drop", "when": 1}]}, r"transfer\.faults\.prefill-0: .*when"),
         ({"prefill-0": {"kind": "drop"}}, r"must be a list of mappings"),
+        ({"prefill-0": [{"kind": "delay", "delay_s": -1}]}, r"prefill-0: .*delay_s"),
         (["prefill-0"], r"transfer\.faults must map worker ids"),
     ],
 )
