@@ -40,6 +40,8 @@ class FaultRule:
             raise ValueError(f"FaultRule.kind must be one of {KINDS}, got {self.kind!r}")
         if self.nth < 1 or self.count < 1:
             raise ValueError("FaultRule: nth and count must be >= 1")
+        if self.delay_s < 0:
+            raise ValueError(f"FaultRule.delay_s must be >= 0 seconds, got {self.delay_s}")
 
 
 @dataclass(frozen=True, slots=True)
