@@ -7,8 +7,9 @@ on their chunk copies instead (drop: not copied, corrupt: a byte flipped in the 
 after the copy, delay: the copy pauses first, duplicate: copied twice, reorder: copied last,
 disconnect: the session drops). Rules for ``"step"`` fire on the engine steps of the worker
 that holds the plan, never on a frame (``"*"`` does not match them): only ``delay``, the
-step starts ``delay_s`` late while the worker serves its control socket and transfers (a
-slower device, at no CPU cost; hetero_pd/serving/worker/step_faults.py). Deterministic by
+step starts ``delay_s`` after the previous one started at the earliest (each takes that long
+at least: a slower device), while the worker serves its control socket and transfers, at no
+CPU cost (hetero_pd/serving/worker/step_faults.py). Deterministic by
 construction: no randomness, no clocks.
 
 ==========  =================================================================

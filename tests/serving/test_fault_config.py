@@ -52,18 +52,19 @@ def test_step_rules_reach_the_named_workers_steps_not_its_frames() -> None:
 
 
 def test_delayed_steps_are_counted_like_frames() -> None:
-    """Steps 2 and 3 wait 0.5 s from when each was first asked about, the others none;
-    asking again while one waits counts nothing."""
+    """Steps 2 and 3 start 0.5 s after the step before them started, at the earliest (step
+    3, asked about long after step 2 began, waits no more); the others wait for nothing,
+    and asking again while one waits counts nothing."""
     rule = FaultRule("delay", "step", nth=2, count=2, delay_s=0.5)
     faults = StepFaults(FaultPlan((rule,)))
-    waits = []
-    for now in (0.0, 8.0, 16.0, 24.0):  # binary fractions: exact sums
-        waits.append(faults.wait_s(now))
-        assert faults.wait_s(now + 0.25) == max(0.0, waits[-1] - 0.25)
-        assert faults.wait_ms(now + 0.25) == (250 if waits[-1] else 0)
-        assert faults.wait_s(now + 0.5) == 0.0
-        faults.stepped()
-    assert waits == [0.0, 0.5, 0.5, 0.0]
+    starts, waits = [], []
+    for asked in (0.0, 0.125, 8.0, 8.0):  # binary fractions: exact sums
+        waits.append(faults.wait_s(asked))
+        assert faults.wait_ms(asked) == waits[-1] * 1000
+        starts.append(asked + waits[-1])
+        assert faults.wait_s(starts[-1]) == 0.0
+        faults.stepped(starts[-1])
+    assert waits == [0.0, 0.375, 0.0, 0.0] and starts == [0.0, 0.5, 8.0, 8.0]
     assert faults.injector is not None and faults.injector.fired == 2
     assert StepFaults(None).wait_s(0.0) == 0.0
 

@@ -156,15 +156,13 @@ class Worker:
             for ident in self.control.lost():
                 self.book.drop_owner(ident)
                 self.embeds.drop_owner(ident)
-            if (
-                self.engine.has_unfinished_requests()
-                and self.step_faults.wait_s(time.monotonic()) == 0
-            ):
+            started = time.monotonic()
+            if self.engine.has_unfinished_requests() and self.step_faults.wait_s(started) == 0:
                 for out in self.engine.step(self._layer_hook):
                     self.book.on_output(out)
                 for failure in self.engine.pop_failures():
                     self.book.on_failure(failure)
-                self.step_faults.stepped()
+                self.step_faults.stepped(started)
             self.embeds.step(self.engine, self.control.send)
             self.transfer.progress()
             self.book.tick()
