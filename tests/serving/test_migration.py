@@ -57,18 +57,19 @@ def paced(step_s: float, rules: list[dict[str, Any]] | None = None) -> list[dict
 
 #: The module's decode workers, paced.
 PACED = {"faults": {"decode-0": paced(STEP_S), "decode-1": paced(STEP_S)}}
-#: Room on one decode worker for all 32 chats of the rolling restart (11 blocks of 16
-#: tokens each with the 64 a destination reserves beyond them, 352): while the other decode
-#: worker drains, every one of them may still be decoding.
-ROOM_FOR_ALL = {"num_kv_blocks": 400}
-#: The rolling restart's chats: 4.8 s of decoding at least, past the prefill worker's
-#: restart (a process start), so that the decode workers' restarts find them decoding.
-CHAT_TOKENS = 96
+#: Room on one decode worker for all 32 chats of the rolling restart (9 blocks of 16 tokens
+#: each, 288): while the other decode worker drains, every one of them may still be decoding.
+ROOM_FOR_ALL = {"num_kv_blocks": 320}
+#: The rolling restart's decode workers, paced at 250 ms a step: its 40-token chats decode
+#: for 9.75 s at least, past the prefill worker's restart (measured: 4.8 s was not, with two
+#: CPU hogs beside the test), so that the decode workers' drains find them decoding.
+SLOW = {"faults": {"decode-0": paced(0.25), "decode-1": paced(0.25)}}
+CHAT_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
 def stack(chat_model: Path) -> Iterator[Stack]:
-    dep = deployment(chat_model, workers=ONE_P_TWO_D, engine=ROOM_FOR_ALL, transfer=PACED)
+    dep = deployment(chat_model, workers=ONE_P_TWO_D, transfer=PACED)
     with running_stack(dep) as s:
         yield s
 
@@ -268,36 +269,40 @@ def chat_text(stack: Stack, question: str, max_tokens: int) -> str:
         return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
 
-def test_rolling_restart_under_load_ends_no_request(stack: Stack) -> None:
+def test_rolling_restart_under_load_ends_no_request(chat_model: Path) -> None:
     """`hetero-pd restart --rolling`'s API while 32 streamed chats run: every worker is
     drained, stopped and started afresh in turn; all 32 complete, each with the text of an
-    unmigrated run, none recomputed, and the requests on decode workers moved live."""
-    assert stack.router is not None
-    questions = ["Name three colors.", "What is a cat?", "Count to five.", "Say hello."]
-    with ThreadPoolExecutor(4) as pool:  # side by side: each is an unmigrated run
-        texts = pool.map(lambda q: chat_text(stack, q, CHAT_TOKENS), questions)
-        reference = dict(zip(questions, texts, strict=True))
-    recomputed = stack.metric(DECISIONS, decision="recompute")
-    moved = stack.metric(MIGRATIONS, stage="completed")
-    pids = dict(stack.pids)
-    with ThreadPoolExecutor(33) as pool:
-        runs = [pool.submit(chat_text, stack, questions[i % 4], CHAT_TOKENS) for i in range(32)]
-        deadline = time.monotonic() + 120
-        while sum(s.decoding for s in stack.router.streams.values()) < 8:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        restart = pool.submit(http_json, f"{stack.url}/admin/restart", {"rolling": True})
-        status, answer = restart.result(600)
-        texts = [r.result(300) for r in runs]  # raises on any error
-    assert status == 200, answer
-    assert [r["worker"] for r in answer["restarted"]] == ["prefill-0", "decode-0", "decode-1"]
-    assert all(r["failed"] == 0 for r in answer["restarted"])
-    assert texts == [reference[questions[i % 4]] for i in range(32)]
-    assert stack.metric(DECISIONS, decision="recompute") == recomputed
-    assert stack.metric(MIGRATIONS, stage="completed") > moved
-    assert stack.launcher is not None
-    assert all(stack.launcher.pids()[w] != pid for w, pid in pids.items())
-    stack.wait_idle()
+    unmigrated run, none recomputed, and the requests on decode workers moved live. Its own
+    stack, paced slower (`SLOW`): the first decode worker drains only once the prefill
+    worker is back, a process start that takes seconds on a loaded machine."""
+    dep = deployment(chat_model, workers=ONE_P_TWO_D, engine=ROOM_FOR_ALL, transfer=SLOW)
+    with running_stack(dep) as stack:
+        assert stack.router is not None
+        questions = ["Name three colors.", "What is a cat?", "Count to five.", "Say hello."]
+        with ThreadPoolExecutor(4) as pool:  # side by side: each is an unmigrated run
+            texts = pool.map(lambda q: chat_text(stack, q, CHAT_TOKENS), questions)
+            reference = dict(zip(questions, texts, strict=True))
+        recomputed = stack.metric(DECISIONS, decision="recompute")
+        moved = stack.metric(MIGRATIONS, stage="completed")
+        pids = dict(stack.pids)
+        with ThreadPoolExecutor(33) as pool:
+            runs = [pool.submit(chat_text, stack, questions[i % 4], CHAT_TOKENS) for i in range(32)]
+            deadline = time.monotonic() + 120
+            while sum(s.decoding for s in stack.router.streams.values()) < 8:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            restart = pool.submit(http_json, f"{stack.url}/admin/restart", {"rolling": True})
+            status, answer = restart.result(600)
+            texts = [r.result(300) for r in runs]  # raises on any error
+        assert status == 200, answer
+        assert [r["worker"] for r in answer["restarted"]] == ["prefill-0", "decode-0", "decode-1"]
+        assert all(r["failed"] == 0 for r in answer["restarted"])
+        assert texts == [reference[questions[i % 4]] for i in range(32)]
+        assert stack.metric(DECISIONS, decision="recompute") == recomputed
+        assert stack.metric(MIGRATIONS, stage="completed") > moved
+        assert stack.launcher is not None
+        assert all(stack.launcher.pids()[w] != pid for w, pid in pids.items())
+        stack.wait_idle()
 
 
 def test_scale_down_moves_the_requests_of_the_removed_worker(stack: Stack) -> None:
