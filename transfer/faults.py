@@ -5,7 +5,12 @@ outgoing frames of one message type (``"data"``, ``"begin"``, ``"end"``, ``"ack"
 or ``"*"`` for any). Direct writes (local, shm) have no frames: rules for ``"direct"`` fire
 on their chunk copies instead (drop: not copied, corrupt: a byte flipped in the destination
 after the copy, delay: the copy pauses first, duplicate: copied twice, reorder: copied last,
-disconnect: the session drops). Deterministic by construction: no randomness, no clocks.
+disconnect: the session drops). Rules for ``"step"`` fire on the engine steps of the worker
+that holds the plan, never on a frame (``"*"`` does not match them): only ``delay``, the
+step starts ``delay_s`` after the previous one started at the earliest (each takes that long
+at least: a slower device), while the worker serves its control socket and transfers, at no
+CPU cost (hetero_pd/serving/worker/step_faults.py). Deterministic by
+construction: no randomness, no clocks.
 
 ==========  =================================================================
 drop        the frame is not sent
@@ -23,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KINDS = ("drop", "delay", "duplicate", "reorder", "corrupt", "disconnect")
+#: The ``msg_type`` of a worker's engine steps (see the module docstring).
+STEP = "step"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +47,10 @@ class FaultRule:
             raise ValueError(f"FaultRule.kind must be one of {KINDS}, got {self.kind!r}")
         if self.nth < 1 or self.count < 1:
             raise ValueError("FaultRule: nth and count must be >= 1")
+        if self.delay_s < 0:
+            raise ValueError(f"FaultRule.delay_s must be >= 0 seconds, got {self.delay_s}")
+        if self.msg_type == STEP and self.kind != "delay":
+            raise ValueError(f"FaultRule: a step can only be delayed, not {self.kind!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +58,12 @@ class FaultPlan:
     """Rules applied in order; the first rule that fires on a frame decides its fate."""
 
     rules: tuple[FaultRule, ...] = ()
+
+    def split(self) -> tuple[FaultPlan | None, FaultPlan | None]:
+        """(the rules on frames, the rules on engine steps), each None when it has none."""
+        frames = tuple(r for r in self.rules if r.msg_type != STEP)
+        steps = tuple(r for r in self.rules if r.msg_type == STEP)
+        return (FaultPlan(frames) if frames else None, FaultPlan(steps) if steps else None)
 
 
 @dataclass(slots=True)

@@ -111,6 +111,7 @@ def worker_config(
         layerwise=dep.transfer.layerwise,
         remote_kv_timeout_s=dep.transfer.remote_kv_timeout_s,
         cpus=w.cpus,
+        step_faults=dep.transfer.step_faults(w.worker_id),
         **extra,
     )
 

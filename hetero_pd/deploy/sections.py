@@ -226,7 +226,8 @@ class TransferSpec:
     encrypt: str = opt("auto", choices=("auto", "on", "off"))
     #: For tests and fault drills only: worker id (e.g. "prefill-0") -> FaultRule fields
     #: (kind, msg_type, nth, count, delay_s) injected into that worker's outgoing transfer
-    #: frames (see transfer/faults.py). Never set this in production.
+    #: frames, or with msg_type "step" delaying its engine steps (a slower device; see
+    #: transfer/faults.py). Never set this in production.
     faults: dict[str, tuple[dict[str, Any], ...]] = field(default_factory=dict)
 
     def transfer_config(
@@ -235,7 +236,6 @@ class TransferSpec:
         """Worker `worker_id`'s transfer engine config, listening on `host`:`port` (its data
         channel on `data_port`, 0: any); it links only under the pair keys the router sends
         the worker (`hetero_pd.serving.worker.config.transfer_config`), never a key from here."""
-        rules = self.faults.get(worker_id, ())
         return TransferConfig(
             host=host,
             port=port,
@@ -246,8 +246,16 @@ class TransferSpec:
             checksum=self.checksum,
             kv_codec=self.kv_codec,
             encrypt=self.encrypt,
-            faults=FaultPlan(tuple(FaultRule(**rule) for rule in rules)) if rules else None,
+            faults=self.fault_plan(worker_id).split()[0],
         )
+
+    def step_faults(self, worker_id: str) -> FaultPlan | None:
+        """The rules of `faults` on worker `worker_id`'s engine steps, if any."""
+        return self.fault_plan(worker_id).split()[1]
+
+    def fault_plan(self, worker_id: str) -> FaultPlan:
+        """All of `faults`' rules on worker `worker_id` (none: an empty plan)."""
+        return FaultPlan(tuple(FaultRule(**rule) for rule in self.faults.get(worker_id, ())))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,18 @@
 """Live migration of decoding requests between decode workers (issue 31), on real worker
-processes of the default model: a request moved mid-stream gives exactly the tokens of an
-unmigrated run (greedy, and seeded sampling), streamed through the official openai client
-with no gap and no repeat; a destination killed mid-copy leaves the request on its source;
-a drain moves every request off a worker."""
+processes of the tiny text model (migration moves blocks, sampler states and streams
+whatever the weights; tests/serving/test_rebalance.py moves a request of the default model):
+a request moved mid-stream gives exactly the tokens of an unmigrated run (greedy, and seeded
+sampling), streamed through the official openai client with no gap and no repeat; a
+destination killed mid-copy leaves the request on its source; a drain moves every request
+off a worker.
+
+Every test here needs its requests still decoding when it moves them. The default model's
+slow steps used to give them that time, and the tiny model's ~2 ms steps do not: the decode
+workers' steps are paced instead (`PACED`, a fault rule: each step takes STEP_S at least,
+the worker serving control messages and transfers meanwhile at no CPU cost), so a request of
+N tokens decodes for (N - 1) * STEP_S seconds at least whatever the machine's load, many
+times what a move takes. A request that ends first still fails the test by name (`wait_decoding`,
+`result.ok`, the drain's `moved` count), never passes it unmoved."""
 
 from __future__ import annotations
 
@@ -33,16 +43,33 @@ MIGRATIONS = "hetero_pd_migrations_total"
 DECISIONS = "hetero_pd_policy_decisions_total"
 #: Every KV push of a decode worker (only migrations push from there) starts 0.5 s late.
 LATE_BEGIN = [{"kind": "delay", "msg_type": "begin", "nth": 1, "count": 10**9, "delay_s": 0.5}]
+#: How long each decode step takes at least (a slower device): 48 tokens decode for 2.35 s.
+STEP_S = 0.05
 
 
+def paced(step_s: float, rules: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """A decode worker's fault rules: `rules`, and every engine step taking `step_s` at least."""
+    return [
+        *(rules or []),
+        {"kind": "delay", "msg_type": "step", "count": 10**9, "delay_s": step_s},
+    ]
+
+
+#: The module's decode workers, paced.
+PACED = {"faults": {"decode-0": paced(STEP_S), "decode-1": paced(STEP_S)}}
 #: Room on one decode worker for all 32 chats of the rolling restart (9 blocks of 16 tokens
 #: each, 288): while the other decode worker drains, every one of them may still be decoding.
 ROOM_FOR_ALL = {"num_kv_blocks": 320}
+#: The rolling restart's decode workers, paced at 250 ms a step: its 40-token chats decode
+#: for 9.75 s at least, past the prefill worker's restart (measured: 4.8 s was not, with two
+#: CPU hogs beside the test), so that the decode workers' drains find them decoding.
+SLOW = {"faults": {"decode-0": paced(0.25), "decode-1": paced(0.25)}}
+CHAT_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def stack(default_model_dir: Path) -> Iterator[Stack]:
-    dep = deployment(default_model_dir, workers=ONE_P_TWO_D, engine=ROOM_FOR_ALL)
+def stack(chat_model: Path) -> Iterator[Stack]:
+    dep = deployment(chat_model, workers=ONE_P_TWO_D, transfer=PACED)
     with running_stack(dep) as s:
         yield s
 
@@ -151,13 +178,13 @@ def test_n2_request_migrates_whole(stack: Stack) -> None:
     stack.wait_idle()
 
 
-def test_destination_killed_mid_copy_leaves_request_on_source(default_model_dir: Path) -> None:
+def test_destination_killed_mid_copy_leaves_request_on_source(chat_model: Path) -> None:
     """SIGKILL the destination while the source's KV push is in flight (held back 0.5 s by
-    a fault rule): the migration aborts and the request finishes on its source with the
-    tokens of an unmigrated run."""
-    faults = {"decode-0": LATE_BEGIN, "decode-1": LATE_BEGIN}
+    a fault rule): the migration aborts and the request, still decoding, finishes on its
+    source with the tokens of an unmigrated run."""
+    late = paced(STEP_S, LATE_BEGIN)
     dep = deployment(
-        default_model_dir, workers=ONE_P_TWO_D, transfer={"faults": faults},
+        chat_model, workers=ONE_P_TWO_D, transfer={"faults": {"decode-0": late, "decode-1": late}},
         supervisor={"restart": False},
     )  # fmt: skip
     prompt = random_prompts([40], seed=5)[0]
@@ -179,6 +206,7 @@ def test_destination_killed_mid_copy_leaves_request_on_source(default_model_dir:
             victim = stack.pids[stream.dest.worker_id]
             os.kill(victim, signal.SIGKILL)
             assert not wait_gone([victim], 10)
+            assert not run.done(), "the request ended before its destination died"
             result = migration.result(60)
             got = run.result(120)
         assert not result.ok and result.source == stream.decode.worker_id
@@ -206,11 +234,11 @@ def test_drain_moves_all_sixteen_requests(stack: Stack) -> None:
     decode-0 through the admin API moves all 16 to decode-1, and each one's text equals
     the unmigrated run's."""
     prompt = random_prompts([40], seed=7)[0]
-    reference = stream_text(stack, prompt, 96, temperature=0)
+    reference = stream_text(stack, prompt, 128, temperature=0)  # 6.4 s of decoding at least
     status, _ = http_json(f"{stack.url}/admin/drain", {"worker": "decode-1"})
     assert status == 200
     with ThreadPoolExecutor(16) as pool:
-        runs = [pool.submit(stream_text, stack, prompt, 96, temperature=0) for _ in range(16)]
+        runs = [pool.submit(stream_text, stack, prompt, 128, temperature=0) for _ in range(16)]
         wait_decoding(stack, "decode-0", runs)
         assert http_json(f"{stack.url}/admin/undrain", {"worker": "decode-1"})[0] == 200
         status, answer = http_json(f"{stack.url}/admin/drain", {"worker": "decode-0"})
@@ -241,34 +269,40 @@ def chat_text(stack: Stack, question: str, max_tokens: int) -> str:
         return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
 
-def test_rolling_restart_under_load_ends_no_request(stack: Stack) -> None:
+def test_rolling_restart_under_load_ends_no_request(chat_model: Path) -> None:
     """`hetero-pd restart --rolling`'s API while 32 streamed chats run: every worker is
     drained, stopped and started afresh in turn; all 32 complete, each with the text of an
-    unmigrated run, none recomputed, and the requests on decode workers moved live."""
-    assert stack.router is not None
-    questions = ["Name three colors.", "What is a cat?", "Count to five.", "Say hello."]
-    reference = {q: chat_text(stack, q, 40) for q in questions}
-    recomputed = stack.metric(DECISIONS, decision="recompute")
-    moved = stack.metric(MIGRATIONS, stage="completed")
-    pids = dict(stack.pids)
-    with ThreadPoolExecutor(33) as pool:
-        runs = [pool.submit(chat_text, stack, questions[i % 4], 40) for i in range(32)]
-        deadline = time.monotonic() + 120
-        while sum(s.decoding for s in stack.router.streams.values()) < 8:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        restart = pool.submit(http_json, f"{stack.url}/admin/restart", {"rolling": True})
-        status, answer = restart.result(600)
-        texts = [r.result(300) for r in runs]  # raises on any error
-    assert status == 200, answer
-    assert [r["worker"] for r in answer["restarted"]] == ["prefill-0", "decode-0", "decode-1"]
-    assert all(r["failed"] == 0 for r in answer["restarted"])
-    assert texts == [reference[questions[i % 4]] for i in range(32)]
-    assert stack.metric(DECISIONS, decision="recompute") == recomputed
-    assert stack.metric(MIGRATIONS, stage="completed") > moved
-    assert stack.launcher is not None
-    assert all(stack.launcher.pids()[w] != pid for w, pid in pids.items())
-    stack.wait_idle()
+    unmigrated run, none recomputed, and the requests on decode workers moved live. Its own
+    stack, paced slower (`SLOW`): the first decode worker drains only once the prefill
+    worker is back, a process start that takes seconds on a loaded machine."""
+    dep = deployment(chat_model, workers=ONE_P_TWO_D, engine=ROOM_FOR_ALL, transfer=SLOW)
+    with running_stack(dep) as stack:
+        assert stack.router is not None
+        questions = ["Name three colors.", "What is a cat?", "Count to five.", "Say hello."]
+        with ThreadPoolExecutor(4) as pool:  # side by side: each is an unmigrated run
+            texts = pool.map(lambda q: chat_text(stack, q, CHAT_TOKENS), questions)
+            reference = dict(zip(questions, texts, strict=True))
+        recomputed = stack.metric(DECISIONS, decision="recompute")
+        moved = stack.metric(MIGRATIONS, stage="completed")
+        pids = dict(stack.pids)
+        with ThreadPoolExecutor(33) as pool:
+            runs = [pool.submit(chat_text, stack, questions[i % 4], CHAT_TOKENS) for i in range(32)]
+            deadline = time.monotonic() + 120
+            while sum(s.decoding for s in stack.router.streams.values()) < 8:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            restart = pool.submit(http_json, f"{stack.url}/admin/restart", {"rolling": True})
+            status, answer = restart.result(600)
+            texts = [r.result(300) for r in runs]  # raises on any error
+        assert status == 200, answer
+        assert [r["worker"] for r in answer["restarted"]] == ["prefill-0", "decode-0", "decode-1"]
+        assert all(r["failed"] == 0 for r in answer["restarted"])
+        assert texts == [reference[questions[i % 4]] for i in range(32)]
+        assert stack.metric(DECISIONS, decision="recompute") == recomputed
+        assert stack.metric(MIGRATIONS, stage="completed") > moved
+        assert stack.launcher is not None
+        assert all(stack.launcher.pids()[w] != pid for w, pid in pids.items())
+        stack.wait_idle()
 
 
 def test_scale_down_moves_the_requests_of_the_removed_worker(stack: Stack) -> None:

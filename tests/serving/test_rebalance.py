@@ -1,8 +1,16 @@
 """Rebalancing (issue 31, opt-in, as Llumnix does) and live migration with speculative
-decoding, on a 1P2D stack of the default model whose decode workers have a small KV cache
-and ngram speculation on: requests pinned onto one decode worker move to the other once
-it is back, with the unmigrated greedy text, and only while rebalancing is on; a request
-that decodes speculatively migrates mid-stream with the unmigrated text."""
+decoding, on 1P2D stacks whose decode workers have a small KV cache and ngram speculation
+on: requests pinned onto one decode worker move to the other once it is back, with the
+unmigrated greedy text, and only while rebalancing is on (the tiny text model); a request
+that decodes speculatively migrates mid-stream with the unmigrated text (the default model:
+the suite's live migration of real weights, whose continuations of a repeated prompt are
+accepted as a real model's are).
+
+The pinned tests need their requests decoding while the router's rounds and moves happen:
+the decode workers' steps are paced (test_migration.py's `paced`: each takes STEP_S at
+least, the wait costing no CPU), so that 128 tokens, 65 steps with the ngram proposals the
+tiny model accepts, decode for 6.4 s at least whatever the load, where the rounds and moves
+they wait for take about a second."""
 
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ from hetero_pd.deploy.testing import (
     wait_gone,
 )
 
-from .test_migration import migrated_run, stream_text, streams_on, wait_decoding
+from .test_migration import migrated_run, paced, stream_text, streams_on, wait_decoding
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 DECODE = {"role": "decode", "speculative_config": SPEC}
@@ -36,16 +44,19 @@ REBALANCE = {
     "enabled": True, "high": 0.3, "low": 0.15, "interval_s": 0.2, "max_moves": 2,
     "cooldown_s": 2.0,
 }  # fmt: skip
+#: How long each decode step of the tiny model's stack takes at least.
+STEP_S = 0.1
 BY_REASON = "hetero_pd_migrations_by_reason_total"
 DECISIONS = "hetero_pd_policy_decisions_total"
 Reply = tuple[str, int, int]  # stream_text's: text, chunks with text, completion tokens
 
 
 @pytest.fixture(scope="module")
-def stack(default_model_dir: Path) -> Iterator[Stack]:
+def stack(text_llama_dir: Path) -> Iterator[Stack]:
+    faults = {"decode-0": paced(STEP_S), "decode-1": paced(STEP_S)}
     dep = deployment(
-        default_model_dir, workers=[{"role": "prefill"}, DECODE, DECODE], engine=ENGINE,
-        router={"rebalance": REBALANCE},
+        text_llama_dir, workers=[{"role": "prefill"}, DECODE, DECODE], engine=ENGINE,
+        router={"rebalance": REBALANCE}, transfer={"faults": faults},
     )  # fmt: skip
     with running_stack(dep) as s:
         yield s
@@ -104,18 +115,25 @@ def test_rebalancing_moves_requests_off_a_full_decode_worker(stack: Stack) -> No
     stack.wait_idle()
 
 
-def test_speculative_request_migrates_with_the_unmigrated_text(stack: Stack) -> None:
-    """A request whose prompt repeats itself (ngram proposals keep being accepted) moves to
-    the other decode worker mid-stream; its greedy text, token count and chunks equal the
-    unmigrated run's, and speculation went on (tokens accepted) on both workers."""
+def test_speculative_request_migrates_with_the_unmigrated_text(default_model_dir: Path) -> None:
+    """A request of the default model whose prompt repeats itself (ngram proposals keep
+    being accepted) moves to the other decode worker mid-stream; its greedy text and token
+    count equal the unmigrated run's, and speculation went on (tokens accepted) on both
+    workers. Its own stack: the module's is the tiny model's."""
+    faults = {"decode-0": paced(0.05), "decode-1": paced(0.05)}
+    dep = deployment(
+        default_model_dir, workers=[{"role": "prefill"}, DECODE, DECODE], engine=ENGINE,
+        transfer={"faults": faults},
+    )  # fmt: skip
     prompt = ([7, 8, 9, 10, 11] * 20)[:100]
-    reference = stream_text(stack, prompt, 96, temperature=0)
-    accepted = {w: accepted_tokens(stack, w) for w in ("decode-0", "decode-1")}
-    got, result = migrated_run(stack, prompt, 96, temperature=0)
-    assert result.ok, result.reason
-    assert got[0] == reference[0] and got[2] == reference[2] == 96
-    assert accepted_tokens(stack, result.dest) > accepted[result.dest]
-    stack.wait_idle()
+    with running_stack(dep) as stack:
+        reference = stream_text(stack, prompt, 96, temperature=0)
+        accepted = {w: accepted_tokens(stack, w) for w in ("decode-0", "decode-1")}
+        got, result = migrated_run(stack, prompt, 96, temperature=0)
+        assert result.ok, result.reason
+        assert got[0] == reference[0] and got[2] == reference[2] == 96
+        assert accepted_tokens(stack, result.dest) > accepted[result.dest]
+        stack.wait_idle()
 
 
 def accepted_tokens(stack: Stack, worker: str) -> float:

@@ -8,7 +8,7 @@ import msgspec
 
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.scheduler import Role
-from transfer import TransferConfig
+from transfer import FaultPlan, TransferConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +34,9 @@ class WorkerConfig:
     alive_file: str = ""
     #: The launcher's pid: a worker whose launcher is gone stops instead of living on.
     parent_pid: int = 0
+    #: For tests and fault drills only: delays of its engine steps (the "step" rules of the
+    #: deployment's transfer.faults; transfer/faults.py, step_faults.py).
+    step_faults: FaultPlan | None = None
 
     def to_json(self) -> bytes:
         return msgspec.json.encode(replace(self, transfer=replace(self.transfer, secret=b"")))

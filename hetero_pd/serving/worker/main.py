@@ -44,6 +44,7 @@ from hetero_pd.serving.worker.embeds import EmbedQueue
 from hetero_pd.serving.worker.prefix_share import offer_prefix, shares_prefixes
 from hetero_pd.serving.worker.reports import load_report
 from hetero_pd.serving.worker.requests import RequestBook
+from hetero_pd.serving.worker.step_faults import StepFaults
 from transfer import KVRegion, TransferEngine
 
 log = logging.getLogger("hetero_pd.worker")
@@ -81,6 +82,9 @@ class Worker:
             self.worker_id, self.engine, self.transfer, self.control.send, cfg.remote_kv_timeout_s
         )
         self.embeds: EmbedQueue = EmbedQueue(self.engine.config.max_num_batched_tokens)
+        self.step_faults: StepFaults = StepFaults(cfg.step_faults)
+        if cfg.step_faults:
+            log.warning("%s: its engine steps are delayed by fault rules", self.worker_id)
         self.role: Role = cfg.role
         start = self.engine.config.start_layer
         #: > 0: a split (edge) worker running layers [start_layer, L) on hidden states.
@@ -152,11 +156,13 @@ class Worker:
             for ident in self.control.lost():
                 self.book.drop_owner(ident)
                 self.embeds.drop_owner(ident)
-            if self.engine.has_unfinished_requests():
+            started = time.monotonic()
+            if self.engine.has_unfinished_requests() and self.step_faults.wait_s(started) == 0:
                 for out in self.engine.step(self._layer_hook):
                     self.book.on_output(out)
                 for failure in self.engine.pop_failures():
                     self.book.on_failure(failure)
+                self.step_faults.stepped(started)
             self.embeds.step(self.engine, self.control.send)
             self.transfer.progress()
             self.book.tick()
@@ -173,8 +179,11 @@ class Worker:
 
     def _poll_ms(self) -> int:
         load = self.engine.load()
-        if load.waiting or load.running or self.embeds.busy:
-            return 0  # the engine has a step (or an embedding pass) to run
+        if self.embeds.busy:
+            return 0  # an embedding pass to run
+        if load.waiting or load.running:  # a step to run, at once unless a fault delays it
+            wait = self.step_faults.wait_ms(time.monotonic())
+            return min(wait, 1) if self.book.busy else wait
         # Only waiting on transfers (remote KV, pushes, fences): check often, without spinning
         # on a core the other worker may need.
         return 1 if self.book.busy else 20
