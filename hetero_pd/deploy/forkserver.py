@@ -21,13 +21,20 @@ pool or lock exists yet; it forks from its only Python thread (numpy's OpenBLAS 
 and restarts around fork by itself); it holds no socket but its own, which the child closes.
 What differs from a fresh process: /proc/<pid>/environ and cmdline show the fork server's
 (the credential is in the worker's os.environ only), and the hash seed is the server's.
+
+A network-namespace lab (`hetero_pd.deploy.netns`) forks its pods from one too: a Spawn
+with `entry` ("module:function", what the pod's command runs, with the command's argv) and
+`netns` makes the child enter that host's namespaces (`netns_sys.enter_host`) first, and
+the server imports the modules the lab names (`pods.PRELOAD`) instead of the worker's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import os
+import select
 import selectors
 import signal
 import socket
@@ -36,6 +43,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -45,15 +53,24 @@ import msgspec
 LOAD_TIME_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA_",
                       "LD_", "PYTHON", "MALLOC_", "DNNL_", "ONEDNN_",
                       "HETERO_PD_HASH_")  # fmt: skip
+#: What a fork server imports unless told otherwise, and runs in a child without `entry`.
+WORKER = "hetero_pd.serving.worker.main"
 _STATUS = struct.Struct("<i")
 _MAX_MESSAGE = 1 << 20
 
 
 class Spawn(msgspec.Struct, tag=True, forbid_unknown_fields=True):
-    """Fork a worker with this environment and working directory."""
+    """Fork a worker with this environment and working directory; or, with `entry`
+    ("module:function"), a process that runs it as its program with `argv`, in network
+    namespace `netns` and new mount and UTS namespaces set up by the shell script `setup`
+    when `netns` is given (a lab's pod: `hetero_pd.deploy.netns`)."""
 
     env: dict[str, str]
     cwd: str
+    netns: str = ""
+    setup: str = ""
+    entry: str = ""
+    argv: list[str] = msgspec.field(default_factory=list)
 
 
 class Spawned(msgspec.Struct, tag=True, forbid_unknown_fields=True):
@@ -150,28 +167,41 @@ def _become_worker(request: Spawn, fds: list[int]) -> None:
 
 
 def main() -> int:
-    """`python -m hetero_pd.deploy.forkserver FD`: FD is its end of the launcher's socket."""
+    """`python -m hetero_pd.deploy.forkserver FD [MODULE...]`: FD is its end of the
+    launcher's socket; the MODULEs (default: the worker's) are imported before it serves."""
     sock = socket.socket(fileno=int(sys.argv[1]))
     from hetero_pd.process_exit import exit_after
-    from hetero_pd.serving.worker import main as worker
 
+    for module in sys.argv[2:] or [WORKER]:
+        importlib.import_module(module)
     if threading.active_count() != 1:
         print(f"fork server: {threading.enumerate()} running after imports", file=sys.stderr)
         return 2
-    if _serve(sock) is None:
+    request = _serve(sock)
+    if request is None:
         return 0
-    sys.argv = [worker.__file__ or "hetero_pd.serving.worker.main"]
-    exit_after(worker.main)
+    if request.netns:
+        from hetero_pd.deploy.netns_sys import enter_host
+
+        try:
+            enter_host(request.netns, request.setup)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            print(f"fork server: {e}", file=sys.stderr, flush=True)
+            os._exit(126)
+    module, _, function = (request.entry or f"{WORKER}:main").partition(":")
+    program = importlib.import_module(module)
+    sys.argv = request.argv or [program.__file__ or module]
+    exit_after(getattr(program, function))
 
 
 # -- the launcher's side -----------------------------------------------------------------
 class ForkServer:
     """A running fork server and the launcher's end of its socket."""
 
-    def __init__(self, env: dict[str, str]):
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = ()):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hetero_pd.deploy.forkserver", str(theirs.fileno())],
+            [sys.executable, "-m", "hetero_pd.deploy.forkserver", str(theirs.fileno()), *preload],
             pass_fds=[theirs.fileno()],
             env=env,
             stdin=subprocess.DEVNULL,
@@ -186,11 +216,13 @@ class ForkServer:
     def pid(self) -> int:
         return self.proc.pid
 
-    def spawn(self, env: dict[str, str], fds: list[int]) -> int:
+    def spawn(self, env: dict[str, str], fds: list[int], **program: Any) -> int:
         """Forks a worker with `env` and fds (stdin, stdout, stderr, status); its pid. Blocks
-        while the server still imports (the first request)."""
+        while the server still imports (the first request). `program`: Spawn's netns,
+        setup, entry and argv."""
+        request = Spawn(env=env, cwd=os.getcwd(), **program)
         with self.lock:
-            socket.send_fds(self.sock, [_encode(Spawn(env=env, cwd=os.getcwd()))], fds)
+            socket.send_fds(self.sock, [_encode(request)], fds)
             reply = self.sock.recv(_MAX_MESSAGE)
         if not reply:
             raise RuntimeError(f"fork server (pid {self.pid}) exited with {self.proc.wait()}")
@@ -243,6 +275,52 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+class ForkedPod:
+    """A process forked by a fork server, as `subprocess.Popen` shows one to a caller that
+    is not an event loop (`hetero_pd.deploy.netns.Lab`): pid, returncode, poll, wait."""
+
+    def __init__(self, pid: int, status_fd: int, args: list[str]):
+        self.pid, self.args = pid, args
+        self.returncode: int | None = None
+        self._status = status_fd
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._status], [], [], 0)[0]:
+            self._read_status()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit code; raises subprocess.TimeoutExpired after `timeout` seconds."""
+        if self.returncode is None:
+            if not select.select([self._status], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            self._read_status()
+        assert self.returncode is not None
+        return self.returncode
+
+    def _read_status(self) -> None:
+        data = os.read(self._status, _STATUS.size)
+        os.close(self._status)
+        # the server died before reaping it: no exit code to tell, only that it is gone
+        self.returncode = _STATUS.unpack(data)[0] if len(data) == _STATUS.size else 255
+
+
+def fork_program(server: ForkServer, env: dict[str, str], output: int, **program: Any) -> ForkedPod:
+    """A process forked by `server` with `env`, stdin from /dev/null, stdout and stderr to
+    descriptor `output`; `program`: Spawn's netns, setup, entry and argv."""
+    st_r, st_w = os.pipe()
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        pid = server.spawn(env, [null, output, output, st_w], **program)
+    except BaseException:
+        os.close(st_r)
+        raise
+    finally:
+        os.close(null)
+        os.close(st_w)
+    return ForkedPod(pid, st_r, list(program.get("argv", [])))
 
 
 async def start_worker(
