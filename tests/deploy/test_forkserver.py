@@ -134,7 +134,9 @@ def test_forked_workers_serve_exit_and_restart_as_spawned_ones(
 
 
 def test_the_fork_server_refuses_a_request_without_its_descriptors() -> None:
-    server = forkserver.ForkServer(dict(os.environ))
+    # Refusing is the server's own work, done before any fork: it need not import the
+    # worker (torch, ~3 s of CPU) to show it, so it preloads a module that imports nothing.
+    server = forkserver.ForkServer(dict(os.environ), preload=("hetero_pd.process_exit",))
     try:
         with pytest.raises(RuntimeError, match="refused: a Spawn with 4 descriptors, got 1"):
             r, w = os.pipe()
