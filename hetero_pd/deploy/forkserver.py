@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import importlib
 import os
-import select
 import selectors
 import signal
 import socket
@@ -55,7 +54,7 @@ LOAD_TIME_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PY
                       "HETERO_PD_HASH_")  # fmt: skip
 #: What a fork server imports unless told otherwise, and runs in a child without `entry`.
 WORKER = "hetero_pd.serving.worker.main"
-_STATUS = struct.Struct("<i")
+STATUS = struct.Struct("<i")  # a child's exit code, as the server writes it
 _MAX_MESSAGE = 1 << 20
 
 
@@ -146,7 +145,7 @@ def _reap(status_fds: dict[int, int]) -> None:
         fd = status_fds.pop(pid, None)
         if fd is not None:
             with contextlib.suppress(OSError):  # the launcher stopped listening
-                os.write(fd, _STATUS.pack(os.waitstatus_to_exitcode(status)))
+                os.write(fd, STATUS.pack(os.waitstatus_to_exitcode(status)))
             os.close(fd)
 
 
@@ -260,9 +259,9 @@ class ForkedProcess:
         self._status = asyncio.ensure_future(self._read_status(status))
 
     async def _read_status(self, status: asyncio.StreamReader) -> int:
-        data = await status.read(_STATUS.size)
+        data = await status.read(STATUS.size)
         # the server died before reaping it: no exit code to tell, only that it is gone
-        self.returncode = _STATUS.unpack(data)[0] if len(data) == _STATUS.size else 255
+        self.returncode = STATUS.unpack(data)[0] if len(data) == STATUS.size else 255
         return self.returncode
 
     async def wait(self) -> int:
@@ -275,52 +274,6 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-
-class ForkedPod:
-    """A process forked by a fork server, as `subprocess.Popen` shows one to a caller that
-    is not an event loop (`hetero_pd.deploy.netns.Lab`): pid, returncode, poll, wait."""
-
-    def __init__(self, pid: int, status_fd: int, args: list[str]):
-        self.pid, self.args = pid, args
-        self.returncode: int | None = None
-        self._status = status_fd
-
-    def poll(self) -> int | None:
-        if self.returncode is None and select.select([self._status], [], [], 0)[0]:
-            self._read_status()
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Its exit code; raises subprocess.TimeoutExpired after `timeout` seconds."""
-        if self.returncode is None:
-            if not select.select([self._status], [], [], timeout)[0]:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            self._read_status()
-        assert self.returncode is not None
-        return self.returncode
-
-    def _read_status(self) -> None:
-        data = os.read(self._status, _STATUS.size)
-        os.close(self._status)
-        # the server died before reaping it: no exit code to tell, only that it is gone
-        self.returncode = _STATUS.unpack(data)[0] if len(data) == _STATUS.size else 255
-
-
-def fork_program(server: ForkServer, env: dict[str, str], output: int, **program: Any) -> ForkedPod:
-    """A process forked by `server` with `env`, stdin from /dev/null, stdout and stderr to
-    descriptor `output`; `program`: Spawn's netns, setup, entry and argv."""
-    st_r, st_w = os.pipe()
-    null = os.open(os.devnull, os.O_RDONLY)
-    try:
-        pid = server.spawn(env, [null, output, output, st_w], **program)
-    except BaseException:
-        os.close(st_r)
-        raise
-    finally:
-        os.close(null)
-        os.close(st_w)
-    return ForkedPod(pid, st_r, list(program.get("argv", [])))
 
 
 async def start_worker(

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol, TypeVar
 
-from hetero_pd.deploy import forkserver
+from hetero_pd.deploy import forked_programs
 from hetero_pd.deploy.netns_sys import (
     ETC_NETNS,
     PARK,
@@ -74,7 +74,7 @@ def unavailable() -> str | None:
 
 
 class Proc(Protocol):
-    """A process on a host: a `subprocess.Popen`, or a `forkserver.ForkedPod` alike."""
+    """A process on a host: a `subprocess.Popen`, or a `forked_programs.ForkedPod` alike."""
 
     pid: int
     returncode: int | None
@@ -114,7 +114,7 @@ class Lab:
     overrides: dict[str, dict[str, str]] = field(default_factory=dict)
     procs: list[Proc] = field(default_factory=list)
     #: Fork servers of `spawn(entry=...)`, by load-time environment and preloaded modules.
-    servers: dict[tuple[Any, ...], forkserver.ForkServer] = field(default_factory=dict)
+    servers: forked_programs.Servers = field(default_factory=dict)
     _free: Iterator[ipaddress.IPv4Address] | None = None
     _closed: bool = False
 
@@ -234,19 +234,14 @@ class Lab:
         log: IO[bytes] | None,
         entry: str,
         preload: Sequence[str],
-    ) -> forkserver.ForkedPod:
+    ) -> forked_programs.ForkedPod:
         """`argv` forked on host `h` (see `spawn`), from the fork server whose environment
-        has `env`'s load-time values (`forkserver.LOAD_TIME_PREFIXES`) and nothing else."""
-        loaded = {k: v for k, v in env.items() if k.startswith(forkserver.LOAD_TIME_PREFIXES)}
-        key = (tuple(sorted(loaded.items())), tuple(preload))
-        server = self.servers.get(key)
-        if server is None or server.proc.poll() is not None:
-            path = {"PATH": env.get("PATH", os.defpath)}
-            server = self.servers[key] = forkserver.ForkServer({**path, **loaded}, key[1])
+        has `env`'s load-time values (`forkserver.LOAD_TIME_PREFIXES`), PATH and nothing else."""
+        server = forked_programs.program_server(dict(env), preload, self.servers)
         script = " && ".join(netns_exec_steps(h.netns) + steps)
         with open(os.devnull, "wb") as null:
             output = (log or null).fileno()
-            return forkserver.fork_program(
+            return forked_programs.fork_program(
                 server, dict(env), output, netns=h.netns, setup=script, entry=entry, argv=argv
             )
 

@@ -9,7 +9,6 @@ import contextlib
 import os
 import signal
 import socket
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +20,7 @@ from hetero_pd import LLM, SamplingParams, envs, secrets
 from hetero_pd.deploy import forkserver
 from hetero_pd.deploy.launcher import forks
 from hetero_pd.deploy.status import fetch_health
-from hetero_pd.deploy.testing import deployment, running_stack, serve_process
+from hetero_pd.deploy.testing import ServeProcess, deployment, running_stack, serve_process
 
 PROMPT = [(5 * k) % 500 + 1 for k in range(40)]  # > local_prefill_max_tokens: P -> D
 
@@ -167,7 +166,7 @@ engine: {{num_threads: 1, num_kv_blocks: 64, max_model_len: 256}}
 supervisor: {{fork_server: true}}
 """
     )
-    proc: subprocess.Popen[str]
+    proc: ServeProcess
     with serve_process([str(path)], 180.0) as (proc, url):
         worker = fetch_health(url)[1]["workers"]["both-0"]["pid"]
         server = _status(worker)[1]
