@@ -136,7 +136,8 @@ class Cluster:
             return self.call(alive, self.api, ids, pids)
 
         def detail() -> str:
-            return f"the router sees {self.call(self.api.workers)}"
+            logs = "".join(f"\nthe end of {k}'s log:\n{self.log_tail(k)}" for k in sorted(ids))
+            return f"the router sees {self.call(self.api.workers)}{logs}"
 
         try:
             wait_until(f"the router did not see {sorted(ids)} alive", ready, self._timeout, detail)
