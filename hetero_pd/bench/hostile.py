@@ -269,7 +269,7 @@ def served(model: str, argv: list[str]) -> Iterator[str]:
     from hetero_pd.deploy.testing import serve_process
 
     args = [model, "--colocated", "--port", "0", "--no-calibrate", *argv]
-    with serve_process(args, 600.0) as (proc, url):
+    with serve_process(args, 600.0, fork=False) as (proc, url):  # measured: as users start it
         try:
             yield url
         finally:

@@ -12,6 +12,9 @@
     Bare-metal mode (`bare_metal_cluster`): the file lists the workers by host address and
     each host runs `hetero-pd serve CONFIG --host-id <its address>`.
 
+Pods are forked (`DrillSpec.fork_pods`, the default) from a fork server that imported
+`hetero-pd`'s modules once: each runs `hetero_pd.cli:main`, what the `hetero-pd` command
+runs, with its container's arguments and environment, in its host's namespaces; or exec'd.
 The client host talks to the router's API only over the bridge. `Cluster` starts, kills
 (-9), replaces and adds pods the way a kubelet and `kubectl scale` would; a pod that dies
 while the drill waits for it fails the drill with the end of its log.
@@ -23,7 +26,6 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -34,7 +36,7 @@ from typing import Any, TypeVar
 import yaml
 
 from hetero_pd import envs
-from hetero_pd.deploy import k8s, netns, pods
+from hetero_pd.deploy import k8s, netns, netns_sys, pods
 from hetero_pd.deploy.drill_client import Api, alive, wait_until
 from hetero_pd.deploy.k8s_secrets import SecretValues
 from hetero_pd.deploy.schema import Deployment, parse_text
@@ -63,6 +65,9 @@ class DrillSpec:
     tensor_parallel_size: int = 1
     #: Extra keys for the deployment file's sections (router, transfer, engine).
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Pods forked from a process that imported hetero-pd once (`Lab.spawn(entry=...)`),
+    #: not exec'd: the same command, arguments and environment without ~3 s of CPU each.
+    fork_pods: bool = True
 
     def worker_ids(self) -> list[str]:
         return [f"prefill-{i}" for i in range(self.prefill)] + [
@@ -77,7 +82,7 @@ class Pod:
     name: str
     host: str
     start: Callable[[], pods.PodProcess]
-    proc: subprocess.Popen[bytes] | None = None
+    proc: netns.Proc | None = None
     log_path: Path | None = None
     runs: int = 0
 
@@ -95,6 +100,7 @@ class Cluster:
     claims: dict[str, str] = field(default_factory=dict)  # PVC name -> folder
     keep: bool = False  # leave the workdir (manifests, logs) behind
     model: str = ""  # the model as this machine names it (pods may see another path)
+    fork_pods: bool = True  # DrillSpec.fork_pods
 
     def call(self, fn: Callable[..., T], *args: Any, timeout_s: float = 600) -> T:
         """`fn(*args)` on the client host (its sockets go over the lab's bridge)."""
@@ -107,10 +113,12 @@ class Cluster:
         pod.runs += 1
         pod.log_path = self.workdir / "logs" / f"{spec.name}.{pod.runs}.log"
         pod.log_path.parent.mkdir(parents=True, exist_ok=True)
+        entry = spec.entry if self.fork_pods else ""
         with open(pod.log_path, "wb") as log:
             pod.proc = self.lab.spawn(
-                pod.host, spec.argv, spec.env, spec.mounts, hostname=spec.name, log=log
-            )
+                pod.host, spec.argv, spec.env, spec.mounts, spec.name, log, entry=entry,
+                preload=pods.PRELOAD,
+            )  # fmt: skip
 
     def kill(self, key: str) -> None:
         """kill -9 of the pod's whole process group (a container dies with all it runs)."""
@@ -128,7 +136,8 @@ class Cluster:
             return self.call(alive, self.api, ids, pids)
 
         def detail() -> str:
-            return f"the router sees {self.call(self.api.workers)}"
+            logs = "".join(f"\nthe end of {k}'s log:\n{self.log_tail(k)}" for k in sorted(ids))
+            return f"the router sees {self.call(self.api.workers)}{logs}"
 
         try:
             wait_until(f"the router did not see {sorted(ids)} alive", ready, self._timeout, detail)
@@ -177,7 +186,7 @@ def k8s_cluster(spec: DrillSpec, dns: dict[str, str] | None = None) -> Cluster:
         router_ip = lab.hosts["router"].address
         api = Api(f"http://{router_ip}:{ROUTER_PORT}", key, model)
         cluster = Cluster(lab, dep, workdir, api, manifests=manifests, claims=claims)
-        cluster.model = spec.model
+        cluster.model, cluster.fork_pods = spec.model, spec.fork_pods
         cluster.pods["router"] = Pod(
             f"{NAME}-router-0",
             "router",
@@ -231,11 +240,12 @@ def bare_metal_cluster(spec: DrillSpec) -> Cluster:
         for one in workers_env.values():
             one.pop("HETERO_PD_API_KEY")
         api = Api(f"http://{lab.hosts['router'].address}:{ROUTER_PORT}", key, spec.model)
-        cluster = Cluster(lab, dep, workdir, api, model=spec.model)
+        cluster = Cluster(lab, dep, workdir, api, model=spec.model, fork_pods=spec.fork_pods)
         for host in ("router", *ids):
             address = lab.hosts[host].address
             argv = pods.local_command(["hetero-pd", "serve", str(config), "--host-id", address])
-            run = pods.PodProcess(host, host, argv, workers_env.get(host, env), [])
+            one = workers_env.get(host, env)
+            run = pods.PodProcess(host, host, argv, one, [], pods.entry_point(argv))
             cluster.pods[host] = Pod(host, host, _always(run))
             cluster.run(host)
         cluster.wait_workers(set(ids))
@@ -267,7 +277,7 @@ def _image_env() -> dict[str, str]:
     suite's own engines, and resolve `auto` alike in every process), and its
     $HETERO_PD_ADVERTISE_WAIT_S where set."""
     source = Path(__file__).resolve().parents[2]
-    path = f"{Path(sys.executable).parent}:{netns.SYSTEM_PATH}"
+    path = f"{Path(sys.executable).parent}:{netns_sys.SYSTEM_PATH}"
     env = {"PATH": path, "PYTHONPATH": str(source), "HOME": "/tmp", "LANG": "C.UTF-8"}
     wait = {k: v for k, v in os.environ.items() if k == envs.ADVERTISE_WAIT_S}
     return {**env, **envs.engine_tuning(), **wait}

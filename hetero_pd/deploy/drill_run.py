@@ -56,6 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--no-faults", action="store_true", help="skip the kill -9 and scale-up")
+    p.add_argument(
+        "--exec-pods",
+        action="store_true",
+        help="start each pod's command in a fresh interpreter, as a kubelet does (default: "
+        "forked, with the same arguments and environment, from a process that imported "
+        "hetero-pd once)",
+    )
     p.add_argument("--keep", action="store_true", help="keep manifests and logs (printed)")
     args = p.parse_args(argv)
     reason = netns.unavailable()
@@ -63,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hetero-pd drill: cannot make hosts here: {reason}", file=sys.stderr)
         return 2
     spec = DrillSpec(
-        args.model, args.prefill, args.decode, tensor_parallel_size=args.tensor_parallel_size
+        args.model,
+        args.prefill,
+        args.decode,
+        tensor_parallel_size=args.tensor_parallel_size,
+        fork_pods=not args.exec_pods,
     )
     start = time.monotonic()
     try:

@@ -21,12 +21,18 @@ pool or lock exists yet; it forks from its only Python thread (numpy's OpenBLAS 
 and restarts around fork by itself); it holds no socket but its own, which the child closes.
 What differs from a fresh process: /proc/<pid>/environ and cmdline show the fork server's
 (the credential is in the worker's os.environ only), and the hash seed is the server's.
+
+A network-namespace lab (`hetero_pd.deploy.netns`) forks its pods from one too: a Spawn
+with `entry` ("module:function", what the pod's command runs, with the command's argv) and
+`netns` makes the child enter that host's namespaces (`netns_sys.enter_host`) first, and
+the server imports the modules the lab names (`pods.PRELOAD`) instead of the worker's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import os
 import selectors
 import signal
@@ -36,6 +42,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -45,15 +52,24 @@ import msgspec
 LOAD_TIME_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA_",
                       "LD_", "PYTHON", "MALLOC_", "DNNL_", "ONEDNN_",
                       "HETERO_PD_HASH_")  # fmt: skip
-_STATUS = struct.Struct("<i")
+#: What a fork server imports unless told otherwise, and runs in a child without `entry`.
+WORKER = "hetero_pd.serving.worker.main"
+STATUS = struct.Struct("<i")  # a child's exit code, as the server writes it
 _MAX_MESSAGE = 1 << 20
 
 
 class Spawn(msgspec.Struct, tag=True, forbid_unknown_fields=True):
-    """Fork a worker with this environment and working directory."""
+    """Fork a worker with this environment and working directory; or, with `entry`
+    ("module:function"), a process that runs it as its program with `argv`, in network
+    namespace `netns` and new mount and UTS namespaces set up by the shell script `setup`
+    when `netns` is given (a lab's pod: `hetero_pd.deploy.netns`)."""
 
     env: dict[str, str]
     cwd: str
+    netns: str = ""
+    setup: str = ""
+    entry: str = ""
+    argv: list[str] = msgspec.field(default_factory=list)
 
 
 class Spawned(msgspec.Struct, tag=True, forbid_unknown_fields=True):
@@ -129,7 +145,7 @@ def _reap(status_fds: dict[int, int]) -> None:
         fd = status_fds.pop(pid, None)
         if fd is not None:
             with contextlib.suppress(OSError):  # the launcher stopped listening
-                os.write(fd, _STATUS.pack(os.waitstatus_to_exitcode(status)))
+                os.write(fd, STATUS.pack(os.waitstatus_to_exitcode(status)))
             os.close(fd)
 
 
@@ -150,28 +166,41 @@ def _become_worker(request: Spawn, fds: list[int]) -> None:
 
 
 def main() -> int:
-    """`python -m hetero_pd.deploy.forkserver FD`: FD is its end of the launcher's socket."""
+    """`python -m hetero_pd.deploy.forkserver FD [MODULE...]`: FD is its end of the
+    launcher's socket; the MODULEs (default: the worker's) are imported before it serves."""
     sock = socket.socket(fileno=int(sys.argv[1]))
     from hetero_pd.process_exit import exit_after
-    from hetero_pd.serving.worker import main as worker
 
+    for module in sys.argv[2:] or [WORKER]:
+        importlib.import_module(module)
     if threading.active_count() != 1:
         print(f"fork server: {threading.enumerate()} running after imports", file=sys.stderr)
         return 2
-    if _serve(sock) is None:
+    request = _serve(sock)
+    if request is None:
         return 0
-    sys.argv = [worker.__file__ or "hetero_pd.serving.worker.main"]
-    exit_after(worker.main)
+    if request.netns:
+        from hetero_pd.deploy.netns_sys import enter_host
+
+        try:
+            enter_host(request.netns, request.setup)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            print(f"fork server: {e}", file=sys.stderr, flush=True)
+            os._exit(126)
+    module, _, function = (request.entry or f"{WORKER}:main").partition(":")
+    program = importlib.import_module(module)
+    sys.argv = request.argv or [program.__file__ or module]
+    exit_after(getattr(program, function))
 
 
 # -- the launcher's side -----------------------------------------------------------------
 class ForkServer:
     """A running fork server and the launcher's end of its socket."""
 
-    def __init__(self, env: dict[str, str]):
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = ()):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hetero_pd.deploy.forkserver", str(theirs.fileno())],
+            [sys.executable, "-m", "hetero_pd.deploy.forkserver", str(theirs.fileno()), *preload],
             pass_fds=[theirs.fileno()],
             env=env,
             stdin=subprocess.DEVNULL,
@@ -186,11 +215,13 @@ class ForkServer:
     def pid(self) -> int:
         return self.proc.pid
 
-    def spawn(self, env: dict[str, str], fds: list[int]) -> int:
+    def spawn(self, env: dict[str, str], fds: list[int], **program: Any) -> int:
         """Forks a worker with `env` and fds (stdin, stdout, stderr, status); its pid. Blocks
-        while the server still imports (the first request)."""
+        while the server still imports (the first request). `program`: Spawn's netns,
+        setup, entry and argv."""
+        request = Spawn(env=env, cwd=os.getcwd(), **program)
         with self.lock:
-            socket.send_fds(self.sock, [_encode(Spawn(env=env, cwd=os.getcwd()))], fds)
+            socket.send_fds(self.sock, [_encode(request)], fds)
             reply = self.sock.recv(_MAX_MESSAGE)
         if not reply:
             raise RuntimeError(f"fork server (pid {self.pid}) exited with {self.proc.wait()}")
@@ -228,9 +259,9 @@ class ForkedProcess:
         self._status = asyncio.ensure_future(self._read_status(status))
 
     async def _read_status(self, status: asyncio.StreamReader) -> int:
-        data = await status.read(_STATUS.size)
+        data = await status.read(STATUS.size)
         # the server died before reaping it: no exit code to tell, only that it is gone
-        self.returncode = _STATUS.unpack(data)[0] if len(data) == _STATUS.size else 255
+        self.returncode = STATUS.unpack(data)[0] if len(data) == STATUS.size else 255
         return self.returncode
 
     async def wait(self) -> int:

@@ -10,7 +10,11 @@ host has its own addresses, ports and loopback, and a hosts file (`/etc/netns/<n
 which `ip netns exec` mounts over `/etc/hosts`) standing in for cluster DNS. A process
 started on a host (`Lab.spawn`) also gets its own mount and UTS namespaces: a private
 `/dev/shm` (tmpfs), its own hostname, and the bind mounts it asks for, so nothing can reach
-another "host" through shared memory or a shared path.
+another "host" through shared memory or a shared path. Such a process is exec'd through
+`ip netns exec` and `unshare`, or, when the caller names the Python entry point its command
+runs (`entry`), forked from the lab's fork server (`hetero_pd.deploy.forkserver`), which
+enters the same namespaces itself (`netns_sys.enter_host`): the same program, arguments and
+environment, without an interpreter importing torch again for every process.
 
 Everything a lab creates is named `hpd-<pid>-...` and removed by `close()` (also from
 `atexit`); `sweep()` removes what labs of dead processes left behind.
@@ -20,11 +24,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import ipaddress
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,33 +35,53 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any, Protocol, TypeVar
+
+from hetero_pd.deploy import forked_programs
+from hetero_pd.deploy.netns_sys import (
+    ETC_NETNS,
+    PARK,
+    PREFIX,
+    STATE_DIR,
+    enter_netns,
+    is_alive,
+    make_mount_point,
+    netns_exec_steps,
+    ns,
+    release_state,
+    remove,
+    run,
+    tool,
+)
 
 T = TypeVar("T")
-PREFIX = "hpd-"
-NETNS_DIR = Path("/var/run/netns")
-ETC_NETNS = Path("/etc/netns")
-#: Labs alive now (one folder per pid) and the mount points they had to create.
-STATE_DIR = Path("/run/hetero-pd-netns")
-PARK = STATE_DIR / "park"  # where a process's software waits while a mount covers it
-CLONE_NEWNET = 0x40000000
 TOOLS = ("ip", "unshare", "mount", "hostname", "sh")
-SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def unavailable() -> str | None:
     """Why namespaces cannot be made here (not root, no `ip`, no `unshare`), or None."""
     if os.geteuid() != 0:
         return "network namespaces need root (run the drill as root, as CI does)"
-    for tool in TOOLS:
-        if _tool(tool) == "":
-            return f"`{tool}` is not installed (iproute2 / util-linux)"
+    for name in TOOLS:
+        if tool(name) == "":
+            return f"`{name}` is not installed (iproute2 / util-linux)"
     probe = f"{PREFIX}{os.getpid()}-probe"
-    made = _run(["ip", "netns", "add", probe], check=False)
+    made = run(["ip", "netns", "add", probe], check=False)
     if made.returncode != 0:
         return f"`ip netns add` failed: {made.stderr.strip()}"
-    _run(["ip", "netns", "del", probe], check=False)
+    run(["ip", "netns", "del", probe], check=False)
     return None
+
+
+class Proc(Protocol):
+    """A process on a host: a `subprocess.Popen`, or a `forked_programs.ForkedPod` alike."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +112,9 @@ class Lab:
     #: DNS name -> address, as every host sees it; `overrides` changes it for one host.
     dns: dict[str, str] = field(default_factory=dict)
     overrides: dict[str, dict[str, str]] = field(default_factory=dict)
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    procs: list[Proc] = field(default_factory=list)
+    #: Fork servers of `spawn(entry=...)`, by load-time environment and preloaded modules.
+    servers: forked_programs.Servers = field(default_factory=dict)
     _free: Iterator[ipaddress.IPv4Address] | None = None
     _closed: bool = False
 
@@ -105,10 +129,10 @@ class Lab:
         (STATE_DIR / str(os.getpid())).mkdir(parents=True, exist_ok=True)
         atexit.register(self.close)
         try:
-            _run(["ip", "netns", "add", self.hub])
-            _ns(self.hub, "ip", "link", "add", "br0", "type", "bridge")
-            _ns(self.hub, "ip", "link", "set", "br0", "up")
-            _ns(self.hub, "ip", "link", "set", "lo", "up")
+            run(["ip", "netns", "add", self.hub])
+            ns(self.hub, "ip", "link", "add", "br0", "type", "bridge")
+            ns(self.hub, "ip", "link", "set", "br0", "up")
+            ns(self.hub, "ip", "link", "set", "lo", "up")
         except BaseException:
             self.close()
             raise
@@ -135,17 +159,17 @@ class Lab:
         host = Host(name, f"{self.tag}-{name}", str(next(self._free)))
         index = len(self.hosts)
         self.hosts[name] = host
-        _run(["ip", "netns", "add", host.netns])
-        _make_mount_point(str(ETC_NETNS), is_file=False)  # recorded if this lab made it
+        run(["ip", "netns", "add", host.netns])
+        make_mount_point(str(ETC_NETNS), is_file=False)  # recorded if this lab made it
         (ETC_NETNS / host.netns).mkdir()
         port = f"p{index}"  # inside the hub namespace: short and unique there
         peer = ["peer", "name", "eth0", "netns", host.netns]
-        _run(["ip", "link", "add", port, "netns", self.hub, "type", "veth", *peer])
-        _ns(self.hub, "ip", "link", "set", port, "master", "br0")
-        _ns(self.hub, "ip", "link", "set", port, "up")
-        _ns(host.netns, "ip", "addr", "add", f"{host.address}/{self.prefix_len}", "dev", "eth0")
-        _ns(host.netns, "ip", "link", "set", "eth0", "up")
-        _ns(host.netns, "ip", "link", "set", "lo", "up")
+        run(["ip", "link", "add", port, "netns", self.hub, "type", "veth", *peer])
+        ns(self.hub, "ip", "link", "set", port, "master", "br0")
+        ns(self.hub, "ip", "link", "set", port, "up")
+        ns(host.netns, "ip", "addr", "add", f"{host.address}/{self.prefix_len}", "dev", "eth0")
+        ns(host.netns, "ip", "link", "set", "eth0", "up")
+        ns(host.netns, "ip", "link", "set", "lo", "up")
         self.write_hosts()
         return host
 
@@ -172,39 +196,24 @@ class Lab:
         hostname: str = "",
         log: IO[bytes] | None = None,
         shm_bytes: int = 1 << 30,
-    ) -> subprocess.Popen[bytes]:
+        entry: str = "",
+        preload: Sequence[str] = (),
+    ) -> Proc:
         """Runs `argv` on `host` with exactly `env`, a private /dev/shm, its own hostname and
-        `mounts`; a new session, so `kill_process_groups` ends it and all its children."""
+        `mounts`; a new session, so `kill_process_groups` ends it and all its children.
+        With `entry` ("module:function", what `argv[0]` runs), the process is forked, with
+        `argv` and `env`, from this lab's fork server, which imported `preload` once, instead
+        of exec'd: the same program on the same host without an interpreter's start."""
         h = self.hosts[host]
-        mount, sh = _tool("mount"), _tool("sh")
-        steps = [f"{mount} -t tmpfs -o size={shm_bytes},mode=1777 shm /dev/shm"]
-        # A pod's /tmp emptyDir would hide a checkout or venv that lives under /tmp: they
-        # are parked on a tmpfs of this mount namespace and bound back over the new mount.
-        keep = _hidden_by(mounts)
-        if keep:
-            _make_mount_point(str(PARK), is_file=False)
-            steps.append(f"{mount} -t tmpfs -o size=1m park {PARK}")
-        for i, path in enumerate(keep):
-            spot = shlex.quote(f"{PARK}/{i}")
-            steps.append(f"{_tool('mkdir')} {spot} && {mount} --bind {shlex.quote(path)} {spot}")
-        for m in mounts:
-            _make_mount_point(m.target, bool(m.source) and Path(m.source).is_file())
-            if m.source:
-                steps.append(f"{mount} --bind {shlex.quote(m.source)} {shlex.quote(m.target)}")
-                if m.read_only:
-                    steps.append(f"{mount} -o remount,bind,ro {shlex.quote(m.target)}")
-            else:
-                steps.append(f"{mount} -t tmpfs -o mode=1777 tmp {shlex.quote(m.target)}")
-        for i, path in enumerate(keep):
-            spot, where = shlex.quote(f"{PARK}/{i}"), shlex.quote(path)
-            steps.append(f"{_tool('mkdir')} -p {where} && {mount} --bind {spot} {where}")
-            steps.append(f"{_tool('umount')} {spot}")
-        if keep:
-            steps.append(f"{_tool('umount')} {PARK}")
-        steps.append(f"{_tool('hostname')} {shlex.quote(hostname or host)}")
+        steps = _mount_steps(mounts, shm_bytes)
+        steps.append(f"{tool('hostname')} {shlex.quote(hostname or host)}")
+        if entry:
+            proc: Proc = self._fork(h, argv, env, steps, log, entry, preload)
+            self.procs.append(proc)
+            return proc
         script = " && ".join(steps) + ' && exec "$@"'
-        cmd = [_tool("ip"), "netns", "exec", h.netns, _tool("unshare"), "--uts", "--mount"]
-        cmd += ["--propagation", "private", sh, "-c", script, "pod", *argv]
+        cmd = [tool("ip"), "netns", "exec", h.netns, tool("unshare"), "--uts", "--mount"]
+        cmd += ["--propagation", "private", tool("sh"), "-c", script, "pod", *argv]
         proc = subprocess.Popen(
             cmd,
             env=dict(env),
@@ -215,6 +224,26 @@ class Lab:
         )
         self.procs.append(proc)
         return proc
+
+    def _fork(
+        self,
+        h: Host,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        steps: list[str],
+        log: IO[bytes] | None,
+        entry: str,
+        preload: Sequence[str],
+    ) -> forked_programs.ForkedPod:
+        """`argv` forked on host `h` (see `spawn`), from the fork server whose environment
+        has `env`'s load-time values (`forkserver.LOAD_TIME_PREFIXES`), PATH and nothing else."""
+        server = forked_programs.program_server(dict(env), preload, self.servers)
+        script = " && ".join(netns_exec_steps(h.netns) + steps)
+        with open(os.devnull, "wb") as null:
+            output = (log or null).fileno()
+            return forked_programs.fork_program(
+                server, dict(env), output, netns=h.netns, setup=script, entry=entry, argv=argv
+            )
 
     def call_in(self, host: str, fn: Callable[..., T], *args: Any, timeout_s: float = 300) -> T:
         """`fn(*args)` on a thread that lives in `host`'s network namespace: every socket it
@@ -241,7 +270,7 @@ class Lab:
 
     def pids(self, host: str) -> list[int]:
         """Every process inside `host`'s network namespace."""
-        out = _run(["ip", "netns", "pids", self.hosts[host].netns], check=False).stdout
+        out = run(["ip", "netns", "pids", self.hosts[host].netns], check=False).stdout
         return [int(p) for p in out.split()]
 
     def close(self) -> None:
@@ -252,24 +281,16 @@ class Lab:
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
         kill_process_groups(self.procs)
+        for server in self.servers.values():
+            server.sock.close()  # its launcher hangs up: it exits
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.proc.wait(10)
         names = [h.netns for h in self.hosts.values()] + [self.hub]
-        _remove(names)
+        remove(names)
         release_state(os.getpid())
 
 
-def enter_netns(netns: str) -> None:
-    """Moves the calling thread (only it) into network namespace `netns`."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(NETNS_DIR / netns, os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({netns}): {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
-
-def kill_process_groups(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
+def kill_process_groups(procs: Sequence[Proc], grace_s: float = 5.0) -> None:
     """SIGTERM to every session of `procs` at once, SIGKILL to those still running `grace_s`
     later, then all reaped: N pods stop within one grace period, not N of them one after
     another (and a pod whose exit waits on another's is not killed for it)."""
@@ -291,79 +312,58 @@ def kill_process_groups(procs: Sequence[subprocess.Popen[bytes]], grace_s: float
             return
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+def _signal_group(proc: Proc, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
 
 
 def sweep() -> list[str]:
     """Removes namespaces and state left by labs whose process is gone; returns them."""
-    listed = _run(["ip", "netns", "list"], check=False).stdout.split("\n")
+    listed = run(["ip", "netns", "list"], check=False).stdout.split("\n")
     stale = []
     for line in listed:
         name = line.split(" ")[0]
         if not name.startswith(PREFIX):
             continue
         pid = name[len(PREFIX) :].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not is_alive(int(pid)):
             stale.append(name)
-    _remove(stale)
+    remove(stale)
     if STATE_DIR.is_dir():
         for entry in STATE_DIR.iterdir():
-            if entry.is_dir() and entry.name.isdigit() and not _alive(int(entry.name)):
+            if entry.is_dir() and entry.name.isdigit() and not is_alive(int(entry.name)):
                 release_state(int(entry.name))
     return stale
 
 
-def release_state(pid: int) -> None:
-    """Forgets lab `pid`; the last lab out removes the mount points labs created."""
-    with contextlib.suppress(FileNotFoundError):
-        (STATE_DIR / str(pid)).rmdir()
-    alive = (
-        [p for p in STATE_DIR.glob("[0-9]*") if _alive(int(p.name))] if STATE_DIR.exists() else []
-    )
-    made = STATE_DIR / "mount-points"
-    if alive or not made.exists():
-        return
-    for line in sorted(made.read_text().splitlines(), key=len, reverse=True):
-        path = Path(line)
-        with contextlib.suppress(OSError):
-            path.unlink() if path.is_file() else path.rmdir()
-    made.unlink()
-    with contextlib.suppress(OSError):
-        STATE_DIR.rmdir()
-
-
-def _make_mount_point(target: str, is_file: bool) -> None:
-    """Creates `target` (and records it) when it does not exist on this machine."""
-    path = Path(target)
-    if path.exists():
-        return
-    missing = [p for p in [path, *path.parents] if not p.exists()]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch() if is_file else path.mkdir()
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
-    with open(STATE_DIR / "mount-points", "a") as f:
-        f.writelines(f"{p}\n" for p in missing)
-
-
-def _remove(netns_names: list[str]) -> None:
-    for name in netns_names:
-        for pid in _run(["ip", "netns", "pids", name], check=False).stdout.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)  # ours: it runs in our namespace
-        _run(["ip", "netns", "del", name], check=False)
-        shutil.rmtree(ETC_NETNS / name, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _mount_steps(mounts: Sequence[Mount], shm_bytes: int) -> list[str]:
+    """Shell steps that give a new mount namespace a private /dev/shm and `mounts`. A pod's
+    /tmp emptyDir would hide a checkout or venv that lives under /tmp: they are parked on
+    a tmpfs of this mount namespace and bound back over the new mount."""
+    mount = tool("mount")
+    steps = [f"{mount} -t tmpfs -o size={shm_bytes},mode=1777 shm /dev/shm"]
+    keep = _hidden_by(mounts)
+    if keep:
+        make_mount_point(str(PARK), is_file=False)
+        steps.append(f"{mount} -t tmpfs -o size=1m park {PARK}")
+    for i, path in enumerate(keep):
+        spot = shlex.quote(f"{PARK}/{i}")
+        steps.append(f"{tool('mkdir')} {spot} && {mount} --bind {shlex.quote(path)} {spot}")
+    for m in mounts:
+        make_mount_point(m.target, bool(m.source) and Path(m.source).is_file())
+        if m.source:
+            steps.append(f"{mount} --bind {shlex.quote(m.source)} {shlex.quote(m.target)}")
+            if m.read_only:
+                steps.append(f"{mount} -o remount,bind,ro {shlex.quote(m.target)}")
+        else:
+            steps.append(f"{mount} -t tmpfs -o mode=1777 tmp {shlex.quote(m.target)}")
+    for i, path in enumerate(keep):
+        spot, where = shlex.quote(f"{PARK}/{i}"), shlex.quote(path)
+        steps.append(f"{tool('mkdir')} -p {where} && {mount} --bind {spot} {where}")
+        steps.append(f"{tool('umount')} {spot}")
+    if keep:
+        steps.append(f"{tool('umount')} {PARK}")
+    return steps
 
 
 def _hidden_by(mounts: Sequence[Mount]) -> list[str]:
@@ -374,20 +374,3 @@ def _hidden_by(mounts: Sequence[Mount]) -> list[str]:
     needed = {p for p in needed if not any(q in p.parents for q in needed)}
     covered = [Path(m.target) for m in mounts]
     return sorted(str(p) for p in needed if any(t == p or t in p.parents for t in covered))
-
-
-def _tool(name: str) -> str:
-    """The absolute path of a system tool ("" if missing): a process's env may lack sbin."""
-    return shutil.which(name, path=f"{os.environ.get('PATH', '')}:{SYSTEM_PATH}") or ""
-
-
-def _ns(netns: str, *cmd: str) -> None:
-    _run(["ip", "netns", "exec", netns, _tool(cmd[0]) or cmd[0], *cmd[1:]])
-
-
-def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    cmd = [_tool(cmd[0]) or cmd[0], *cmd[1:]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip() or proc.returncode}")
-    return proc

@@ -17,6 +17,7 @@ installed as a command (a source checkout).
 from __future__ import annotations
 
 import base64
+import importlib.metadata
 import re
 import shutil
 import sys
@@ -28,6 +29,16 @@ from typing import Any
 from hetero_pd.deploy.netns import Mount
 
 Manifests = list[dict[str, Any]]
+#: What the `hetero-pd` command runs (pyproject.toml's [project.scripts]), and what a process
+#: forked to run it has imported first: what `serve` loads for a router, a pod's worker and
+#: a bare-metal host's part.
+ENTRY = "hetero_pd.cli:main"
+PRELOAD = (
+    "hetero_pd.cli",
+    "hetero_pd.deploy.serve",
+    "hetero_pd.deploy.hosts",
+    "hetero_pd.serving.worker.main",
+)
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -40,6 +51,8 @@ class PodProcess:
     argv: list[str]
     env: dict[str, str]
     mounts: list[Mount]
+    #: What `argv` runs when it is this installation's `hetero-pd` command (`entry_point`).
+    entry: str = ""
 
 
 def workload(manifests: Manifests, name: str) -> dict[str, Any]:
@@ -77,7 +90,8 @@ def pod_process(
         if "hostPath" not in volumes[m["name"]]  # a node's driver paths: none on this box
     ]
     component = template["metadata"]["labels"]["app.kubernetes.io/component"]
-    return PodProcess(pod_name, component, local_command(argv), env, mounts)
+    command = local_command(argv)
+    return PodProcess(pod_name, component, command, env, mounts, entry_point(command))
 
 
 def expand(text: str, env: Mapping[str, str]) -> str:
@@ -101,6 +115,19 @@ def local_command(argv: list[str]) -> list[str]:
     if argv[0] == "hetero-pd":  # a source checkout: the same entry point, by module
         return [sys.executable, "-m", "hetero_pd.cli", *argv[1:]]
     raise FileNotFoundError(f"{argv[0]!r} (the container's command) is not installed here")
+
+
+def entry_point(argv: list[str]) -> str:
+    """ENTRY when `argv` (from `local_command`) runs this installation's `hetero-pd`
+    command (its console script beside this interpreter, or `python -m hetero_pd.cli`),
+    else "": what a process forked to run it calls with `argv` (`Lab.spawn(entry=...)`)."""
+    if argv[:3] == [sys.executable, "-m", "hetero_pd.cli"]:
+        return ENTRY
+    script = shutil.which("hetero-pd", path=str(Path(sys.executable).parent))
+    scripts = importlib.metadata.entry_points(group="console_scripts", name="hetero-pd")
+    if argv[:1] == [script] and [e.value for e in scripts] == [ENTRY]:
+        return ENTRY
+    return ""
 
 
 def _env_value(

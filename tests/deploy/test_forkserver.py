@@ -9,7 +9,6 @@ import contextlib
 import os
 import signal
 import socket
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +20,7 @@ from hetero_pd import LLM, SamplingParams, envs, secrets
 from hetero_pd.deploy import forkserver
 from hetero_pd.deploy.launcher import forks
 from hetero_pd.deploy.status import fetch_health
-from hetero_pd.deploy.testing import deployment, running_stack, serve_process
+from hetero_pd.deploy.testing import ServeProcess, deployment, running_stack, serve_process
 
 PROMPT = [(5 * k) % 500 + 1 for k in range(40)]  # > local_prefill_max_tokens: P -> D
 
@@ -134,7 +133,9 @@ def test_forked_workers_serve_exit_and_restart_as_spawned_ones(
 
 
 def test_the_fork_server_refuses_a_request_without_its_descriptors() -> None:
-    server = forkserver.ForkServer(dict(os.environ))
+    # Refusing is the server's own work, done before any fork: it need not import the
+    # worker (torch, ~3 s of CPU) to show it, so it preloads a module that imports nothing.
+    server = forkserver.ForkServer(dict(os.environ), preload=("hetero_pd.process_exit",))
     try:
         with pytest.raises(RuntimeError, match="refused: a Spawn with 4 descriptors, got 1"):
             r, w = os.pipe()
@@ -165,7 +166,7 @@ engine: {{num_threads: 1, num_kv_blocks: 64, max_model_len: 256}}
 supervisor: {{fork_server: true}}
 """
     )
-    proc: subprocess.Popen[str]
+    proc: ServeProcess
     with serve_process([str(path)], 180.0) as (proc, url):
         worker = fetch_health(url)[1]["workers"]["both-0"]["pid"]
         server = _status(worker)[1]

@@ -50,6 +50,7 @@ def test_a_worker_pod_runs_its_containers_exact_command(
     assert pod.env["POD_NAME"] == "lab-decode-1" and pod.env["POD_IP"] == "10.9.0.4"
     assert pod.env["HETERO_PD_CACHE_DIR"] == k8s.MODEL_DIR and pod.env["HOME"] == "/tmp"
     assert pod.component == "decode"
+    assert pod.entry == pods.ENTRY  # the installed command: a lab may fork it (Lab.spawn)
     mounts = {m.target: m for m in pod.mounts}
     config = mounts[k8s.k8s_pods.CONFIG_DIR]
     assert config.read_only and (Path(config.source) / "deployment.yaml").read_text() == (
@@ -70,6 +71,16 @@ def test_variable_expansion_follows_kubernetes() -> None:
     env = {"A": "x", "B": "$(A)"}
     assert pods.expand("--id=$(A)-$(B)", env) == "--id=x-$(A)"  # one pass, as Kubernetes
     assert pods.expand("$(MISSING) $$(A) $$", env) == "$(MISSING) $(A) $"
+
+
+def test_only_this_installations_hetero_pd_command_is_forked_by_its_entry_point() -> None:
+    """What `hetero-pd` runs (pyproject.toml's [project.scripts]) is what a forked pod
+    calls; any other program is exec'd, as it is written."""
+    assert pods.entry_point(pods.local_command(["hetero-pd", "serve", "x.yaml"])) == pods.ENTRY
+    assert pods.entry_point([sys.executable, "-m", "hetero_pd.cli", "serve"]) == pods.ENTRY
+    assert pods.entry_point([sys.executable, "-m", "hetero_pd.serving.worker.main"]) == ""
+    assert pods.entry_point(pods.local_command(["sh", "-c", "hetero-pd"])) == ""
+    assert pods.entry_point(["/elsewhere/bin/hetero-pd", "serve"]) == ""
 
 
 def test_an_unknown_program_is_an_error() -> None:

@@ -5,20 +5,20 @@ worker that outlives its launcher stopping."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hetero_pd import secrets
+from hetero_pd import omp_wait_defaults, secrets
 from hetero_pd.config import EngineConfig
 from hetero_pd.deploy import cluster
 from hetero_pd.deploy.cluster import HostList, StatefulSetDNS, pod_worker_config
+from hetero_pd.deploy.forkserver import ForkedProcess, start_worker
 from hetero_pd.deploy.schema import load_deployment
 from hetero_pd.deploy.status import main as status_main
 from hetero_pd.deploy.testing import deployment, random_prompts, running_stack
@@ -138,24 +138,26 @@ def test_bare_metal_workers_get_ports_by_host() -> None:
 
 
 SECRET = secrets.generate()
-WORKER = [sys.executable, "-m", "hetero_pd.serving.worker.main"]
 
 
 def small_engine(model: Path) -> EngineConfig:
     return EngineConfig(model=str(model), num_threads=1, num_kv_blocks=32)
 
 
-def spawn_worker(cfg: WorkerConfig, **kwargs: Any) -> subprocess.Popen[bytes]:
-    """A worker process as the launcher starts one: config on stdin, credential in its env."""
+async def spawn_worker(cfg: WorkerConfig) -> ForkedProcess:
+    """A worker process as the launcher starts one (`supervisor.fork_server`, the suite's
+    default): forked from this process's fork server (the one this file's stack started:
+    no interpreter imports torch again), config on stdin, credential in its env; its
+    stderr is ours, its stdout a pipe (its READY line: nothing to fill it)."""
     env = secrets.worker_environment(dict(os.environ), SECRET.encode(), [cfg.worker_id])
-    proc = subprocess.Popen(WORKER, stdin=subprocess.PIPE, env=env, **kwargs)
-    assert proc.stdin is not None
-    proc.stdin.write(cfg.to_json())
-    proc.stdin.close()
+    omp_wait_defaults(env)  # as the launcher: the same fork server
+    proc, _ = await start_worker(env, lambda pid: cfg.to_json(), (secrets.WORKER_ENV,))
     return proc
 
 
-def test_a_worker_whose_launcher_is_gone_stops(tiny_llama_dir: Path, tmp_path: Path) -> None:
+def test_a_worker_whose_launcher_is_gone_stops(
+    tiny_llama_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     alive = tmp_path / "alive"
     cfg = WorkerConfig(
         "decode-0",
@@ -164,13 +166,16 @@ def test_a_worker_whose_launcher_is_gone_stops(tiny_llama_dir: Path, tmp_path: P
         alive_file=str(alive),
         parent_pid=1,  # not its parent: as if its launcher died and it was re-parented
     )
-    env = secrets.worker_environment(dict(os.environ), SECRET.encode(), [cfg.worker_id])
-    proc = subprocess.run(
-        WORKER, input=cfg.to_json(), capture_output=True, timeout=60, env=env, check=False
-    )
-    assert proc.returncode == 0
-    assert READY_LINE in proc.stdout.decode()
-    assert "launcher (pid 1) is gone" in proc.stderr.decode()
+
+    async def run() -> tuple[int, bytes]:
+        proc = await spawn_worker(cfg)
+        out = await asyncio.wait_for(proc.stdout.read(), 60)
+        return await asyncio.wait_for(proc.wait(), 60), out
+
+    code, out = asyncio.run(run())
+    assert code == 0
+    assert READY_LINE in out.decode()
+    assert "launcher (pid 1) is gone" in capfd.readouterr().err
     assert alive.is_file()
 
 
@@ -203,7 +208,6 @@ def test_cluster_router_reconnects_to_a_replaced_worker_pod(tiny_llama_dir: Path
         port=port,
         advertise_host="127.0.0.1",
     )
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
 
     async def until(check: object, timeout_s: float = 120.0) -> None:  # generous: shared CPUs
         deadline = time.monotonic() + timeout_s
@@ -215,22 +219,23 @@ def test_cluster_router_reconnects_to_a_replaced_worker_pod(tiny_llama_dir: Path
         router = Router(
             RouterConfig(heartbeat_timeout_s=0.5), RouterKeys.from_secret(SECRET.encode())
         )
-        pod = spawn_worker(cfg, **quiet)
+        pod = await spawn_worker(cfg)
         task = asyncio.create_task(keep_connected(router, "decode-0", f"tcp://127.0.0.1:{port}"))
         try:
             await until(lambda: router.live("decode"))
             first = router.workers["decode-0"].info.pid
             assert router.workers["decode-0"].info.address == f"tcp://127.0.0.1:{port}"
             pod.kill()
-            pod.wait(10)
+            await asyncio.wait_for(pod.wait(), 10)
             await until(lambda: not router.live("decode"))
-            pod = spawn_worker(cfg, **quiet)
+            pod = await spawn_worker(cfg)
             await until(lambda: router.live("decode"))
             return first, router.workers["decode-0"].info.pid
         finally:
             task.cancel()
-            pod.kill()
-            pod.wait(10)
+            with contextlib.suppress(ProcessLookupError):
+                pod.kill()
+            await asyncio.wait_for(pod.wait(), 10)
             await router.close()
 
     first, second = asyncio.run(scenario())

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 import urllib.error
@@ -19,7 +18,7 @@ from typing import Any
 import pytest
 
 from hetero_pd.deploy.status import fetch_health, format_status
-from hetero_pd.deploy.testing import serve_process
+from hetero_pd.deploy.testing import ServeProcess, serve_process
 
 #: Generous: on two cores shared with other work, three workers took over 60 s to start.
 DEADLINE_S = 180.0
@@ -106,7 +105,7 @@ supervisor: {{backoff_s: 0.2, stop_grace_s: 3}}
 
 
 @pytest.fixture
-def served(deployment_file: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
+def served(deployment_file: Path) -> Iterator[tuple[ServeProcess, str]]:
     with serve_process([str(deployment_file)], DEADLINE_S) as served:
         yield served
 
@@ -117,7 +116,7 @@ def _workers(url: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(420)  # its waits have DEADLINE_S each; a busy CI box is slow
 def test_killed_worker_is_restarted_under_load_and_sigterm_leaves_nothing(
-    served: tuple[subprocess.Popen[str], str], tiny_llama_dir: Path
+    served: tuple[ServeProcess, str], tiny_llama_dir: Path
 ) -> None:
     proc, url = served
     workers = _workers(url)

@@ -47,9 +47,11 @@ def test_a_broken_advertisement_fails_the_drill_clearly(
     answer for decode-0's, the pod refuses to start, and the drill stops with its reason
     instead of requests timing out one by one. The pod gives its name 1 s, not the default
     10 s, to lead back to it: the name is wrong from the start, so waiting longer would
-    only end the same way later."""
+    only end the same way later. Its pods are exec'd as a kubelet starts them, not forked
+    (the other drills' default): the container's command itself, in a fresh interpreter
+    with only the pod's environment, reaches the pod's own check and exit code."""
     monkeypatch.setenv("HETERO_PD_ADVERTISE_WAIT_S", "1")
-    spec = DrillSpec(str(tiny_llama_dir), prefill=1, decode=1, ready_timeout_s=120)
+    spec = DrillSpec(str(tiny_llama_dir), prefill=1, decode=1, ready_timeout_s=120, fork_pods=False)
     with pytest.raises(DrillError) as e:
         k8s_cluster(spec, dns={"decode-0": "prefill-0"})
     text = str(e.value)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,10 @@ from hetero_pd.deploy.netns import Lab, Mount
 
 pytestmark = [pytest.mark.usefixtures("netns_ok"), pytest.mark.timeout(120)]
 PY = sys.executable
+REPO = str(Path(__file__).resolve().parents[2])
+ENV = {"PATH": "/usr/bin:/bin", "PYTHONPATH": REPO}
+#: What a forked process runs (tests/multihost/program.py): `python -c`'s work.
+PROGRAM = "tests.multihost.program:main"
 
 
 def _serve_once(port: int, ready: list[bool]) -> bytes:
@@ -42,11 +47,22 @@ def _send(address: str, port: int, data: bytes) -> None:
             time.sleep(0.05)
 
 
-def _output(lab: Lab, host: str, code: str, mounts: list[Mount] | None = None) -> str:
-    """What a Python snippet prints when run as a process on `host`."""
+def _spawn(lab: Lab, host: str, argv: list[str], fork: bool, **kw: Any) -> netns.Proc:
+    """`argv` (`python -c CODE ...`) on `host`: exec'd, or forked from the lab's fork server
+    running `program.py` (the same code, as a forked pod runs its command's entry point)."""
+    if not fork:
+        return lab.spawn(host, argv, ENV, **kw)
+    module = PROGRAM.split(":")[0]
+    return lab.spawn(host, argv, ENV, entry=PROGRAM, preload=[module], **kw)
+
+
+def _output(
+    lab: Lab, host: str, code: str, mounts: list[Mount] | None = None, fork: bool = False
+) -> str:
+    """What a Python snippet prints when run as a process on `host` (exec'd or forked)."""
     log = Path(f"/tmp/hpd-test-{os.getpid()}-{host}.log")
     with open(log, "wb") as f:
-        proc = lab.spawn(host, [PY, "-c", code], {"PATH": os.environ["PATH"]}, mounts or [], log=f)
+        proc = _spawn(lab, host, [PY, "-c", code], fork, mounts=mounts or [], log=f)
         assert proc.wait(30) == 0, log.read_text()
     text = log.read_text()
     log.unlink()
@@ -61,15 +77,18 @@ def test_hosts_talk_over_the_bridge_by_address_and_name() -> None:
         lab.write_hosts()
         assert len({h.address for h in lab.hosts.values()}) == 4
         # One process per host: its own hostname, its own /dev/shm, the lab's DNS names.
+        # ... and only its own network devices (its namespace's /sys).
         code = (
             "import os, socket; open('/dev/shm/mark', 'w').write('x');"
             "print(socket.gethostname(), sorted(os.listdir('/dev/shm')),"
-            " socket.gethostbyname('decode-0.pods.test'))"
+            " socket.gethostbyname('decode-0.pods.test'), sorted(os.listdir('/sys/class/net')))"
         )
-        seen = {h: _output(lab, h, code) for h in ("prefill-0", "prefill-1")}
+        # prefill-1's process is forked from the lab's fork server, prefill-0's exec'd: the
+        # same host for both.
+        seen = {h: _output(lab, h, code, fork=h == "prefill-1") for h in ("prefill-0", "prefill-1")}
         decode = lab.hosts["decode-0"].address
-        assert seen["prefill-0"] == f"prefill-0 ['mark'] {decode}"
-        assert seen["prefill-1"] == f"prefill-1 ['mark'] {decode}"
+        assert seen["prefill-0"] == f"prefill-0 ['mark'] {decode} ['eth0', 'lo']"
+        assert seen["prefill-1"] == f"prefill-1 ['mark'] {decode} ['eth0', 'lo']"
         assert not Path("/dev/shm/mark").exists()  # never this machine's /dev/shm
         assert socket.gethostname() not in seen["prefill-0"]
         # TCP from one host to another, by its address; its loopback is its own.
@@ -96,7 +115,8 @@ def _send_now(address: str, port: int) -> None:
         pass
 
 
-def test_bind_mounts_are_private_to_the_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fork", [False, True], ids=["exec", "fork"])
+def test_bind_mounts_are_private_to_the_process(tmp_path: Path, fork: bool) -> None:
     (tmp_path / "deployment.yaml").write_text("model: x\n")
     target = f"/tmp/hpd-mount-{os.getpid()}"
     with Lab() as lab:
@@ -107,9 +127,25 @@ def test_bind_mounts_are_private_to_the_process(tmp_path: Path) -> None:
             f"open('{target}-scratch/x', 'w').write('y');"
             f"print(os.access('{target}/deployment.yaml', os.W_OK))"
         )
-        assert _output(lab, "a", code, mounts).split("\n") == ["model: x", "False"]
+        assert _output(lab, "a", code, mounts, fork).split("\n") == ["model: x", "False"]
         assert not any(Path(target).iterdir())  # the machine's own folder stayed empty
     assert not Path(target).exists()  # created as a mount point, removed with the lab
+
+
+@pytest.mark.parametrize("fork", [False, True], ids=["exec", "fork"])
+def test_a_process_on_a_host_tells_its_exit_code(fork: bool) -> None:
+    """Exec'd or forked, what `spawn` returns tells what a Popen does: None while it runs,
+    then its exit code, or minus the signal that killed it."""
+    with Lab() as lab:
+        lab.add_host("a")
+        done = _spawn(lab, "a", [PY, "-c", "import sys; sys.exit(3)"], fork)
+        assert done.wait(30) == 3 and done.returncode == 3
+        sleeper = _spawn(lab, "a", [PY, "-c", "import time; time.sleep(60)"], fork)
+        assert sleeper.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            sleeper.wait(0.01)
+        os.killpg(sleeper.pid, signal.SIGKILL)  # its own session
+        assert sleeper.wait(30) == -signal.SIGKILL and sleeper.poll() == -signal.SIGKILL
 
 
 def test_everything_is_removed_also_when_the_owner_is_killed(tmp_path: Path) -> None:
@@ -166,14 +202,17 @@ while True:
 """
 
 
-def test_closing_the_lab_signals_every_pod_before_waiting_for_any(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fork", [False, True], ids=["exec", "fork"])
+def test_closing_the_lab_signals_every_pod_before_waiting_for_any(
+    tmp_path: Path, fork: bool
+) -> None:
     """Stopping N pods takes one grace period, not N: each gets its SIGTERM at once."""
     with Lab() as lab:
         procs = []
         for name in ("a", "b"):
             lab.add_host(name)
             argv = [PY, "-c", POD_WAITING_FOR_ITS_PEERS, str(tmp_path), name]
-            procs.append(lab.spawn(name, argv, {"PATH": "/usr/bin:/bin"}))
+            procs.append(_spawn(lab, name, argv, fork))
         deadline = time.monotonic() + 60
         while len(list(tmp_path.glob("*.ready"))) < 2:
             assert all(p.poll() is None for p in procs), [p.returncode for p in procs]

@@ -3,11 +3,13 @@ nothing dropped silently.
 
 Inbound, a frame reaches the worker only if its sender passed the CurveZMQ handshake
 (`auth`) and it decodes to one `protocol.ToWorker` message; everything else is
-dropped and counted (`rejected`). Outbound, the socket is ROUTER_MANDATORY: a router that
-is not reading makes sends fail with EAGAIN instead of vanishing at the high-water mark,
-and what could not go yet waits in a bounded per-router queue, flushed every loop. A router
-that stays unreachable, or lets its queue pass the bound, is given up (`lost()`), so the
-worker can end that router's requests instead of computing them for nobody.
+dropped and counted (`rejected`). A router is this process's only once it said hello:
+until then its frames are dropped too (`ungreeted`), and it hears nothing. Outbound, the
+socket is ROUTER_MANDATORY: a router that is not reading makes sends fail with EAGAIN
+instead of vanishing at the high-water mark, and what could not go yet waits in a bounded
+per-router queue, flushed every loop. A router that stays unreachable, or lets its queue
+pass the bound, is given up (`lost()`), so the worker can end that router's requests
+instead of computing them for nobody.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ class ControlServer:
             self.poller.register(s, zmq.POLLIN)
         self.codec = P.worker_codec()
         self.encoder = msgspec.msgpack.Encoder()
-        self.routers: set[bytes] = set()
+        self.routers: set[bytes] = set()  # those that said hello to this process
         self.invalid = 0
+        self.ungreeted = 0  # frames dropped from routers that had not said hello
         self._queues: dict[bytes, collections.deque[bytes]] = {}
         self._queued_bytes: dict[bytes, int] = {}
         self._lost: list[bytes] = []
@@ -68,7 +71,8 @@ class ControlServer:
         return self.sock in events
 
     def receive(self) -> Iterator[tuple[bytes, Any]]:
-        """Every waiting (router identity, message); invalid frames are counted, skipped."""
+        """Every waiting (router identity, message); invalid frames, and frames of a router
+        that has not said hello to this process, are counted and skipped."""
         while True:
             try:
                 parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -84,7 +88,15 @@ class ControlServer:
                 self.invalid += 1
                 log.warning("rejected a control frame: %s", e)
                 continue
-            self.routers.add(ident)
+            if ident not in self.routers:
+                if not isinstance(msg, P.Hello):
+                    # Not greeted by it: a router's socket reconnects by itself to a new
+                    # process at the address it knew and delivers what it queued for the
+                    # old one. Taken as ours, it would hear our heartbeats and think the
+                    # old worker back; its hello (answered with Ready) makes it ours.
+                    self.ungreeted += 1
+                    continue
+                self.routers.add(ident)
             yield ident, msg
 
     def send(self, ident: bytes, msg: msgspec.Struct) -> None:
