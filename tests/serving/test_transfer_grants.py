@@ -51,6 +51,8 @@ class SecondRouter:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
         self.codec = P.router_codec()
+        # A worker hears only routers that greeted it (its own router's start() does too).
+        self.ask(P.Hello(), P.Ready)
 
     def ask(self, msg: msgspec.Struct, answer: type[Any], timeout_s: float = 20.0) -> Any:
         self.sock.send(P.worker_codec().encode(msg))
