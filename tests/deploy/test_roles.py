@@ -59,11 +59,15 @@ def test_a_worker_switches_between_prefill_and_decode(
         assert router is not None
         stack.call(router.switch_role("prefill-1", "decode"), 60)
         assert router.workers["prefill-1"].role == "decode"
+        # Back in rotation when the switch returns, not at its next heartbeat: the router's
+        # view of it is no longer the draining load it reported while it switched.
+        assert router.workers["prefill-1"].usable
         assert {w.worker_id for w in router.live("decode")} == {"decode-0", "prefill-1"}
         assert [_generate(stack, p) for p in prompts] == before  # same greedy answers
         with pytest.raises(ValueError, match="last prefill worker"):
             stack.call(router.switch_role("prefill-0", "decode"))
         stack.call(router.switch_role("prefill-1", "prefill"), 60)
+        assert router.workers["prefill-1"].usable
         assert [_generate(stack, p) for p in prompts] == before
         assert status_main(["--url", stack.url]) == 0
         table = capsys.readouterr().out
