@@ -268,6 +268,9 @@ class Worker:
         self.engine.switch_role(role)
         self.role, self.switch_to = role, None
         log.info("%s now serves as %s", self.worker_id, role)
+        # A load that no longer drains goes first: the router's view must not keep the
+        # draining one of a heartbeat sent while switching, once Ready ends the switch.
+        self._heartbeat(time.monotonic(), only_idle=False)
         self.control.broadcast(P.Ready(worker=self.worker_id, role=role, info=self.info()))
 
     def _layer_hook(self, out: SchedulerOutput) -> Callable[[int], None]:
@@ -284,13 +287,14 @@ class Worker:
 
         return on_layer_done
 
-    def _heartbeat(self, now: float) -> None:
+    def _heartbeat(self, now: float, only_idle: bool = True) -> None:
+        """Sends the load report (`only_idle`: only to routers with nothing queued)."""
         self._last_heartbeat = now
         self.engine.check_ranks()  # an idle worker notices a dead rank too: it exits
         draining = self.draining or self.switch_to is not None
         report = load_report(self.engine, self.transfer, self.book, self.control.rejected, draining)
         beat = P.Heartbeat(worker=self.worker_id, load=report, cached=self._cache_report(now))
-        self.control.broadcast(beat, only_idle=True)
+        self.control.broadcast(beat, only_idle=only_idle)
         if not report.transfer_healthy and self.fault is None:
             # Its I/O thread is gone for good: finish what needs no transfer, then exit so
             # the supervisor (or Kubernetes) starts a worker that can move KV again.
