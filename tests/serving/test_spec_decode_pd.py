@@ -60,9 +60,11 @@ def test_served_greedy_output_and_logprobs_are_the_plain_engines(
     while _accepted(pd) == 0 and time.monotonic() < deadline:
         time.sleep(0.2)  # the decode worker's next heartbeat carries its counts
     assert _accepted(pd) > 0
-    drafts = pd.metric("vllm:spec_decode_num_drafts_total", worker="decode-0")
+    # Counters that only grow, read in this order: a heartbeat landing between the two reads
+    # can only raise `drafts` (read after), never `first` (read before).
     first = pd.metric(
         "vllm:spec_decode_num_accepted_tokens_per_pos_total", worker="decode-0", position="0"
     )
+    drafts = pd.metric("vllm:spec_decode_num_drafts_total", worker="decode-0")
     assert drafts >= first > 0
     assert pd.metric("vllm:spec_decode_num_drafts_total", worker="prefill-0") == 0
