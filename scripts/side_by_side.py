@@ -5,6 +5,7 @@
                                                          port) set
     side_by_side.py spec MODEL_DIR DTYPE OUT [options]   the offline workload, as token ids
     side_by_side.py serve-ratios VLLM.json HPD.json      one JSON line: hetero-pd / vLLM
+                                                         (with --sweep: goodput rates too)
     side_by_side.py offline-ratios DIR                   one JSON line from DIR/offline-*.json
 
 Ratios are hetero-pd's number over vLLM's: above 1 is better for throughput, below 1 is
@@ -67,7 +68,25 @@ def serve_ratios(args: argparse.Namespace) -> None:
         out[name] = _ratio(h.get(key), v.get(key))
         out[f"hetero_pd_{key}"], out[f"vllm_{key}"] = h.get(key), v.get(key)
     out["completed"] = {"hetero_pd": h.get("completed"), "vllm": v.get("completed")}
+    if "sweep" in h or "sweep" in v:
+        out.update(_sweep_ratios(v, h))
     print(json.dumps(out))
+
+
+def _sweep_ratios(v: dict[str, Any], h: dict[str, Any]) -> dict[str, Any]:
+    """Goodput (bench serve --sweep: the highest rate with the target share of requests in
+    the SLO) of each side and ours over vLLM's; a side whose search passed its top rate is
+    saturated, so its goodput is a floor and so is the ratio where it is ours."""
+    hs, vs = h.get("sweep") or {}, v.get("sweep") or {}
+    return {
+        "goodput_rate_ratio": _ratio(hs.get("goodput_rate"), vs.get("goodput_rate")),
+        "hetero_pd_goodput_rate": hs.get("goodput_rate"),
+        "vllm_goodput_rate": vs.get("goodput_rate"),
+        "saturated": {"hetero_pd": hs.get("saturated"), "vllm": vs.get("saturated")},
+        "probes": {"hetero_pd": len(hs.get("probes", [])), "vllm": len(vs.get("probes", []))},
+        "slo": h.get("slo") or v.get("slo"),
+        "sweep_target": hs.get("target", vs.get("target")),
+    }
 
 
 def _last_json(path: Path) -> dict[str, Any]:

@@ -8,6 +8,10 @@
 #   scripts/vllm_side_by_side.sh --dtype auto --hetero-pd-config configs/local.yaml \
 #       --hetero-pd-config configs/colocated.yaml -- --num-prompts 32 --rate 1
 #   scripts/vllm_side_by_side.sh --mode offline --dtype bfloat16  # LLM.generate vs ours
+#   scripts/vllm_side_by_side.sh --hetero-pd-config configs/local.yaml -- --endpoint \
+#       completions --dataset random --random-input-len 256 --random-output-len 64 \
+#       --num-prompts 32 --ignore-eos --slo ttft:2000 tpot:200 --sweep \
+#       --sweep-min-rate 0.25 --sweep-max-rate 2   # goodput rate of each side at one SLO
 #
 # What it does:
 #   1. creates a venv (--venv) and installs torch==2.13.0+cpu and vLLM's CPU build
@@ -343,7 +347,11 @@ for label in "${labels[@]}"; do
   [[ -f "${OUT}/${label}.json" ]] && files+=("${OUT}/${label}.json")
 done
 [[ ${#files[@]} -gt 0 ]] || die "no results"
-"$HPD_PY" -m hetero_pd.bench.compare "${files[@]}" | tee "${OUT}/compare.txt"
+if [[ " ${BENCH_ARGS[*]} " == *" --sweep "* ]]; then  # no single run to tabulate
+  log "--sweep: each side's probes are in ${OUT}/<label>.txt; goodput rates below"
+else
+  "$HPD_PY" -m hetero_pd.bench.compare "${files[@]}" | tee "${OUT}/compare.txt"
+fi
 : >"${OUT}/ratios.json"
 for label in "${labels[@]:1}"; do
   "${SIDE_PY[@]}" serve-ratios "${OUT}/vllm.json" "${OUT}/${label}.json" \

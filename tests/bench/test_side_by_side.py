@@ -60,6 +60,33 @@ def test_serve_ratios_are_hetero_pd_over_vllm(tmp_path: Path) -> None:
     assert res["mode"] == "serve" and res["dtype"] == "float32"
 
 
+def test_serve_ratios_compare_swept_goodput(tmp_path: Path) -> None:
+    """With --sweep each side's result holds the goodput rate its search found: the ratio is
+    ours over vLLM's, and a side whose search hit its top rate is named (a floor, not a rate)."""
+    vllm, hpd = tmp_path / "vllm.json", tmp_path / "hetero-pd.json"
+    slo = {"ttft_ms": 2000.0, "tpot_ms": 200.0}
+
+    def swept(rate: float, saturated: bool, probes: int) -> dict[str, object]:
+        sweep = {"goodput_rate": rate, "saturated": saturated, "target": 0.9}
+        return {"slo": slo, "sweep": {**sweep, "probes": [{}] * probes}}
+
+    vllm.write_text(json.dumps(swept(0.5, False, 5)))
+    hpd.write_text(json.dumps(swept(0.8, True, 2)))
+    script = [sys.executable, str(REPO / "scripts" / "side_by_side.py"), "serve-ratios"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [*script, str(vllm), str(hpd)], env=env, capture_output=True, text=True, timeout=120,
+        check=True,
+    ).stdout  # fmt: skip
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["goodput_rate_ratio"] == 1.6
+    assert res["hetero_pd_goodput_rate"] == 0.8 and res["vllm_goodput_rate"] == 0.5
+    assert res["saturated"] == {"hetero_pd": True, "vllm": False}
+    assert res["probes"] == {"hetero_pd": 2, "vllm": 5}
+    assert res["slo"] == slo and res["sweep_target"] == 0.9
+    assert res["output_throughput_ratio"] is None  # a sweep has no single run's throughput
+
+
 def test_config_copy_sets_dtype_and_a_router_port(tmp_path: Path) -> None:
     out = tmp_path / "local.yaml"
     script = [sys.executable, str(REPO / "scripts" / "side_by_side.py"), "config"]
