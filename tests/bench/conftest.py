@@ -27,6 +27,7 @@ class _FakeOpenAIServer:
     def __init__(self, ttft: float, itl: float, serial: bool = False) -> None:
         self.ttft, self.itl, self.serial = ttft, itl, serial
         self.received = 0
+        self.prompts: list[str] = []  # in arrival order
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -88,6 +89,7 @@ class _FakeOpenAIServer:
         self.received += 1
         body = await request.json()
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        self.prompts.append(prompt)
         if "REJECT" in prompt:
             err = {"message": "server overloaded", "type": "overloaded", "code": 429}
             return web.json_response({"error": err}, status=429)

@@ -105,6 +105,11 @@ def test_sweep_finds_a_goodput_on_a_one_at_a_time_server(
     assert sweep["probes"][1]["slo_attainment"] < 0.9  # 12 at once queue past 400 ms
     assert sweep["goodput_rate"] is not None and 6 <= sweep["goodput_rate"] < 400
     assert not sweep["saturated"]
+    # Each probe sends prompts of its own: repeated ones would be served from the server's
+    # prefix cache after the first probe, and later probes would measure the cache.
+    probes = [set(server.prompts[1 + 12 * i : 1 + 12 * (i + 1)]) for i in range(3)]
+    assert len(server.prompts) == 1 + 3 * 12 and all(len(p) == 12 for p in probes)
+    assert not (probes[0] & probes[1] or probes[0] & probes[2] or probes[1] & probes[2])
     for name in ("attainment_vs_rate.png", "latency_cdf.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
 
