@@ -236,7 +236,21 @@ async def _sweep(
     slo: SLO,
     search: GoodputSearch,
 ) -> dict[str, Any]:
-    probes = await run_sweep(reqs, cfg, slo, search)
+    def probe_requests(i: int) -> list[ds.BenchRequest]:
+        # Probe i draws with seed + i; a JSONL file's prompts are what they are.
+        return (
+            reqs
+            if i == 0
+            else load_requests(argparse.Namespace(**{**vars(args), "seed": args.seed + i}))
+        )
+
+    if args.dataset not in ("random", "mixed", "sharegpt"):
+        print(
+            f"warning: --sweep sends the prompts of {args.dataset} in every probe: a server "
+            "with a prefix cache answers repeated prompts from it",
+            file=sys.stderr,
+        )
+    probes = await run_sweep(probe_requests, cfg, slo, search)
     print(format_sweep(probes, search.goodput, search.saturated))
     plots = _sweep_plots(probes, search, slo, args.plot_dir, args.label) if args.plot_dir else []
     # The top-level rate means nothing here: each probe has its own.

@@ -9,14 +9,15 @@ Found by binary search over rates, assuming attainment falls as the rate rises:
     bisect (geometric mean) between the highest passing and lowest failing rate until
     they are within rel_tol of each other or max_probes runs were spent.
 
-Each probe is a full run of the same prompts at one rate; attainment measured on a few
-hundred requests is noisy, so give the search enough prompts per probe.
+Each probe is a full run at one rate, with prompts of its own (the same sizes, the next
+seed): repeated prompts would be answered from the server's prefix cache. Attainment
+measured on a few hundred requests is noisy, so give the search enough prompts per probe.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,14 +101,20 @@ class SweepProbe:
 
 
 async def run_sweep(
-    requests: Sequence[BenchRequest], cfg: RunConfig, slo: SLO, search: GoodputSearch
+    requests: Callable[[int], Sequence[BenchRequest]],
+    cfg: RunConfig,
+    slo: SLO,
+    search: GoodputSearch,
 ) -> list[SweepProbe]:
-    """Run probes until ``search`` is done; every probe sends the same ``requests``."""
+    """Run probes until ``search`` is done; probe i sends ``requests(i)``. Give each probe
+    prompts of its own: a server's prefix cache answers prompts it has seen, so a probe
+    that repeats an earlier one's measures the cache rather than the rate."""
     if slo.empty:
         raise ValueError("--sweep needs an SLO, e.g. --slo ttft:2000 tpot:200")
     probes: list[SweepProbe] = []
     while (rate := search.next_rate()) is not None:
-        outcome = await run_benchmark(requests, cfg.with_rate(rate), desc=f"{rate:.3g} req/s")
+        batch = requests(len(probes))
+        outcome = await run_benchmark(batch, cfg.with_rate(rate), desc=f"{rate:.3g} req/s")
         metrics = compute_metrics(outcome.results, outcome.duration, slo)
         probe = SweepProbe(rate, metrics, outcome.results)
         search.record(rate, probe.attainment)
