@@ -56,6 +56,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def serve_ratios(args: argparse.Namespace) -> None:
     v, h = (json.loads(p.read_text()) if p.is_file() else {} for p in (args.vllm, args.hetero_pd))
     out: dict[str, Any] = {"mode": "serve", "dtype": args.dtype, "hetero_pd": h.get("label")}
+    if "sweep" in h and "sweep" in v:  # no single run: its throughput and latencies are none
+        print(json.dumps({**out, **_sweep_ratios(v, h)}))
+        return
     for key, name in (
         ("output_throughput", "output_throughput_ratio"),
         ("p50_ttft_ms", "ttft_p50_ratio"),
@@ -68,8 +71,6 @@ def serve_ratios(args: argparse.Namespace) -> None:
         out[name] = _ratio(h.get(key), v.get(key))
         out[f"hetero_pd_{key}"], out[f"vllm_{key}"] = h.get(key), v.get(key)
     out["completed"] = {"hetero_pd": h.get("completed"), "vllm": v.get("completed")}
-    if "sweep" in h or "sweep" in v:
-        out.update(_sweep_ratios(v, h))
     print(json.dumps(out))
 
 
