@@ -159,6 +159,9 @@ class RouterSpec:
     elastic_busy_max_tokens: int = opt(
         64, lo=0, doc="elastic: the longest prompt a decode worker with requests in flight takes"
     )
+    elastic_tokens_per_output: float = opt(
+        6.0, lo=0.0, doc="elastic: ... or up to this x the shortest max_tokens there (0: off)"
+    )
     kv_overlap_weight: float = opt(1.0, lo=0.0, doc="kv_aware: weight of prompt blocks to compute")
     prefix_pull_min_tokens: int = opt(
         32, lo=0, doc="kv_aware: pull a prefix held elsewhere when it saves this many tokens"
@@ -179,6 +182,7 @@ class RouterSpec:
                 local_prefill_max_tokens=self.local_prefill_max_tokens,
                 elastic_prefill=self.elastic_prefill,
                 elastic_busy_max_tokens=self.elastic_busy_max_tokens,
+                elastic_tokens_per_output=self.elastic_tokens_per_output,
                 block_size=block_size,
                 kv_overlap_weight=self.kv_overlap_weight,
                 prefix_pull_min_tokens=self.prefix_pull_min_tokens,

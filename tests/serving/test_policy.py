@@ -33,7 +33,7 @@ def worker(
         load=load,
         info=V.WorkerInfo(block_size=4, num_blocks=100),
         held=held,
-        inflight=set(),
+        inflight={},
         backlog_tokens=backlog,
         load_score=backlog + 16.0 * running,
     )
@@ -151,10 +151,33 @@ def test_elastic_prefill_keeps_long_prompts_off_a_running_decode_batch() -> None
     # Requests the router sent there are its batch before a heartbeat says so, those still
     # waiting for their KV too: they decode beside whatever it computes next.
     sent = worker("d")
-    sent.inflight = {"a", "b"}
+    sent.inflight = {"a": 16, "b": 16}  # rid -> max_tokens
     assert not chooser.prefill_locally(1024, 0, [worker("p", 100)], sent)
     assert chooser.prefill_locally(1024, 0, [worker("p", 100)], worker("d"))  # empty batch
     assert chooser.prefill_locally(1024, 0, [worker("p", 9000)], running)  # prefill hopeless
+
+
+def test_elastic_prefill_sizes_a_prompt_to_the_outputs_in_flight() -> None:
+    """Beside requests of many output tokens a decode worker takes a longer prompt: its
+    stall is spread over their output. Up to `elastic_tokens_per_output` (6) x the shortest
+    max_tokens there, and only while the prefill worker is busier (issue 30: on two cores,
+    1P1D's 256-token prompts queued behind one another for the one prefill core while the
+    decode worker's requests of 64 tokens could have absorbed them)."""
+    chooser = Chooser(RoutingConfig(local_prefill_max_tokens=32))
+    queued = [worker("p", 256)]  # a 256-token prompt ahead on the prefill worker
+    long_outputs = worker("d")
+    long_outputs.inflight = {"a": 64, "b": 128, "prefill-only": 0}  # rid -> max_tokens
+    assert chooser.prefill_locally(256, 0, queued, long_outputs)  # 256 <= 6 x 64
+    assert not chooser.prefill_locally(400, 0, [worker("p", 400)], long_outputs)  # > 384
+    assert not chooser.prefill_locally(256, 0, [worker("p", 100)], long_outputs)  # P is sooner
+    short_outputs = worker("d")
+    short_outputs.inflight = {"a": 64, "b": 16}
+    assert not chooser.prefill_locally(256, 0, queued, short_outputs)  # > max(64, 6 x 16)
+    assert chooser.prefill_locally(64, 0, queued, short_outputs)  # the floor still holds
+    # Requests only a heartbeat reports (their length unknown) leave the floor.
+    assert not chooser.prefill_locally(256, 0, queued, worker("d", running=3))
+    off = Chooser(RoutingConfig(local_prefill_max_tokens=32, elastic_tokens_per_output=0))
+    assert not off.prefill_locally(256, 0, queued, long_outputs)
 
 
 def test_elastic_prefill_uses_an_idle_decode_worker(
@@ -162,16 +185,15 @@ def test_elastic_prefill_uses_an_idle_decode_worker(
 ) -> None:
     """Eight long prompts at once on 1P1D: with elastic prefill the decode worker computes
     some prompts itself while the prefill worker works through its queue; every answer
-    equals the engine's."""
+    equals the engine's. Their 50 output tokens each let a decode worker with requests in
+    flight take these 300-token prompts (6 x 50): the router records each request's
+    max_tokens where it decodes."""
     from hetero_pd import SamplingParams
 
-    # Prompts up to 400 tokens may go to a decode worker with requests in flight.
-    dep = deployment(
-        tiny_llama_dir, router={"elastic_prefill": True, "elastic_busy_max_tokens": 400}
-    )
+    dep = deployment(tiny_llama_dir, router={"elastic_prefill": True})
     prompts = random_prompts([300] * 8, seed=5)
     expected = tiny_reference.texts(
-        prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        prompts, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     )
     with running_stack(dep) as stack:
 
@@ -183,7 +205,7 @@ def test_elastic_prefill_uses_an_idle_decode_worker(
                     r = await client.completions.create(
                         model=dep.model,
                         prompt=prompt,
-                        max_tokens=6,
+                        max_tokens=50,
                         temperature=0,
                         extra_body={"ignore_eos": True},
                     )

@@ -24,6 +24,7 @@ from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import sampling as W
 from hetero_pd.serving.router.inbox import Inbox, get_within
 from hetero_pd.serving.router.metrics import ServingMetrics
+from hetero_pd.serving.router.policy import output_tokens
 from hetero_pd.serving.router.worker_client import WorkerClient, WorkerGone, WorkerUnreachable
 
 log = logging.getLogger("hetero_pd.router")
@@ -151,7 +152,7 @@ class Migrator:
         inbox: Inbox = asyncio.Queue()
         self.inboxes[rid] = inbox
         stream.dest = dest
-        dest.inflight.add(rid)
+        dest.inflight[rid] = output_tokens(stream.params)
         if dest not in stream.involved:
             stream.involved.append(dest)
         started = time.monotonic()
@@ -162,12 +163,12 @@ class Migrator:
         finally:
             self.inboxes.pop(rid, None)
         if result.ok:
-            source.inflight.discard(rid)
+            source.inflight.pop(rid, None)
             self.metrics.migration("completed", result.pause_s, result.bytes)
         else:
             if stream.dest is dest:
                 stream.dest, stream.handing_over, stream.stage = None, False, ""
-            dest.inflight.discard(rid)
+            dest.inflight.pop(rid, None)
             dest.try_send(P.Abort(rid=rid))
             source.try_send(M.MigrateCancel(rid=rid))
             self.metrics.migration("aborted")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from hetero_pd.engine.kv_cache_manager import prompt_block_hashes
+from hetero_pd.serving.control.sampling import MAX_TOKENS, WireParams
 from hetero_pd.serving.router.worker_client import WorkerClient
 
 Policy = Literal["round_robin", "least_loaded", "prefix_aware", "kv_aware"]
@@ -36,13 +37,21 @@ class RoutingConfig:
     local_prefill_max_tokens: int = 32
     # ... or (elastic) when the decode worker's batch is empty while the prefill workers
     # are busy (it would only wait for the KV), or when the prefill workers' backlog is
-    # longer than the decode worker's whole job and the prompt is at most
-    # `elastic_busy_max_tokens` long: each prompt token a decode worker computes delays
-    # every running request's next token, so a longer prompt goes there while requests run
-    # only when every prefill worker has more than `prefill_queue_limit_tokens` queued.
-    # Without elastic prefill, only then.
+    # longer than the decode worker's whole job and the prompt is short enough for the
+    # requests in flight there (`busy_prompt_limit`): each prompt token a decode worker
+    # computes delays every running request's next token, so a longer prompt goes there
+    # while requests run only when every prefill worker has more than
+    # `prefill_queue_limit_tokens` queued. Without elastic prefill, only then.
     elastic_prefill: bool = True
+    #: The longest prompt a decode worker with requests in flight always takes.
     elastic_busy_max_tokens: int = 64
+    #: ... and longer ones up to this many prompt tokens per output token of the shortest
+    #: request there (its max_tokens): computing the prompt stalls each of them once, which
+    #: their TPOT spreads over their output. On a CPU a prompt token costs ~1/25 of a decode
+    #: step (a 256-token prompt ~1.1 s, a step ~0.1 s, the default model on one core), so
+    #: 6 tokens per output token raise a request's TPOT by about a quarter at most: the
+    #: 1.25 that PD's TPOT interference is held to (docs/BENCHMARKS.md section 3). 0: off.
+    elastic_tokens_per_output: float = 6.0
     prefill_queue_limit_tokens: int = 8192
     #: A decode worker with more of its KV cache in use than this takes no prompt itself.
     elastic_kv_limit: float = 0.85
@@ -166,6 +175,24 @@ class Chooser:
         if batch == 0 and decode_backlog == 0:
             # decode would idle until the KV came: it computes the prompt now
             return prefill_backlog > 0
-        if batch and uncached > self.cfg.elastic_busy_max_tokens:
+        if batch and uncached > self.busy_prompt_limit(decode):
             return hopeless  # its chunks would slow every running request's steps
         return prefill_backlog >= decode_backlog + uncached
+
+    def busy_prompt_limit(self, decode: WorkerClient) -> int:
+        """The longest prompt (its uncached part) elastic prefill gives `decode` while
+        requests are in flight there: `elastic_busy_max_tokens`, or more where every
+        request the router has decoding there has the output to absorb the stall
+        (`elastic_tokens_per_output` x the shortest one's max_tokens). Requests only a
+        heartbeat reports (the router does not know their length) do not raise it."""
+        floor = self.cfg.elastic_busy_max_tokens
+        outputs = [n for n in decode.inflight.values() if n > 0]
+        if not outputs:
+            return floor
+        return max(floor, int(self.cfg.elastic_tokens_per_output * min(outputs)))
+
+
+def output_tokens(params: WireParams) -> int:
+    """The tokens a request decodes at most: its max_tokens (None: as many as the wire
+    allows, i.e. until EOS or the context is full)."""
+    return params.max_tokens or MAX_TOKENS

@@ -325,7 +325,7 @@ class Router:
             self.streams.pop(rid, None)
             self._decoder.pop(rid, None)
             for w in flow.involved:
-                w.inflight.discard(rid)
+                w.inflight.pop(rid, None)
                 if not finished:
                     w.try_send(P.Abort(rid=rid))
 
@@ -339,7 +339,7 @@ class Router:
         worker = min(workers, key=lambda w: w.load_score)
         queue: Inbox = asyncio.Queue()
         self.queues[rid] = queue
-        worker.inflight.add(rid)
+        worker.inflight[rid] = 0  # no tokens to decode
         try:
             worker.send(P.Embed(rid=rid, inputs=inputs))
             while True:
@@ -357,7 +357,7 @@ class Router:
             raise RouterError(503, str(e), "worker_unreachable", 2.0) from None
         finally:
             self.queues.pop(rid, None)
-            worker.inflight.discard(rid)
+            worker.inflight.pop(rid, None)
 
     def supply_hidden(self, rid: str, frame: V.HiddenFrame) -> None:
         """Forwards an edge device's hidden state for split request `rid`'s newest token."""

@@ -71,7 +71,9 @@ class WorkerClient:
         self.dead_at = 0.0
         self.gone = False  # its process exited or it said bye: back only after a new hello
         self.invalid_frames = 0
-        self.inflight: set[str] = set()
+        #: The router's requests here -> the tokens each decodes here (its max_tokens; 0
+        #: where it does not decode here: a prompt to prefill, an embedding).
+        self.inflight: dict[str, int] = {}
         #: Prompt tokens the router sent here to compute and has not seen done yet.
         self.pending_tokens = 0
         #: The prefix blocks its KV cache holds, as far as the router knows.
