@@ -160,7 +160,7 @@ class RouterSpec:
         64, lo=0, doc="elastic: the longest prompt a decode worker with requests in flight takes"
     )
     elastic_tokens_per_output: float = opt(
-        6.0, lo=0.0, doc="elastic: ... or up to this x the shortest max_tokens there (0: off)"
+        6.0, lo=0.0, doc="elastic: ... or what its requests absorb: this x each max_tokens (0: off)"
     )
     kv_overlap_weight: float = opt(1.0, lo=0.0, doc="kv_aware: weight of prompt blocks to compute")
     prefix_pull_min_tokens: int = opt(

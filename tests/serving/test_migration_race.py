@@ -50,7 +50,7 @@ def test_a_drain_does_not_count_a_request_that_ended_as_a_failed_move() -> None:
     again (here: the request is gone by then) and is in neither the moved nor the failed."""
     streams = {"r1": SimpleNamespace(decode=SimpleNamespace(worker_id="d0"), decoding=True,
                                      migratable=True, dest=None)}  # fmt: skip
-    source = SimpleNamespace(gone=False, inflight=set())
+    source = SimpleNamespace(gone=False, inflight={})
     calls: list[str] = []
 
     class OneWorker(Migrator):
@@ -92,7 +92,7 @@ def test_a_source_that_always_says_not_here_holds_a_drain_no_longer_than_its_tim
 
     migrator = Liar.__new__(Liar)
     migrator.streams = streams  # type: ignore[assignment]
-    migrator.workers = {"d0": SimpleNamespace(gone=False, inflight=set())}  # type: ignore[dict-item]
+    migrator.workers = {"d0": SimpleNamespace(gone=False, inflight={})}  # type: ignore[dict-item]
     done = asyncio.run(asyncio.wait_for(migrator.evacuate("d0", timeout_s=0.5), 10))
     assert done == []
     assert len(asked) >= 2  # looked at again, turn after turn, until the timeout

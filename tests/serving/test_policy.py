@@ -13,6 +13,7 @@ import openai
 
 from hetero_pd.deploy.testing import deployment, random_prompts, running_stack
 from hetero_pd.engine.kv_cache_manager import prompt_block_hashes
+from hetero_pd.serving.control import sampling as W
 from hetero_pd.serving.control import values as V
 from hetero_pd.serving.router.policy import POLICIES, Chooser, RoutingConfig
 from hetero_pd.serving.router.prefix_index import HeldBlocks
@@ -34,6 +35,7 @@ def worker(
         info=V.WorkerInfo(block_size=4, num_blocks=100),
         held=held,
         inflight={},
+        prompt_tokens_given=0,
         backlog_tokens=backlog,
         load_score=backlog + 16.0 * running,
     )
@@ -151,7 +153,7 @@ def test_elastic_prefill_keeps_long_prompts_off_a_running_decode_batch() -> None
     # Requests the router sent there are its batch before a heartbeat says so, those still
     # waiting for their KV too: they decode beside whatever it computes next.
     sent = worker("d")
-    sent.inflight = {"a": 16, "b": 16}  # rid -> max_tokens
+    sent.inflight = {"a": None, "b": None}  # lengths unknown here
     assert not chooser.prefill_locally(1024, 0, [worker("p", 100)], sent)
     assert chooser.prefill_locally(1024, 0, [worker("p", 100)], worker("d"))  # empty batch
     assert chooser.prefill_locally(1024, 0, [worker("p", 9000)], running)  # prefill hopeless
@@ -159,25 +161,40 @@ def test_elastic_prefill_keeps_long_prompts_off_a_running_decode_batch() -> None
 
 def test_elastic_prefill_sizes_a_prompt_to_the_outputs_in_flight() -> None:
     """Beside requests of many output tokens a decode worker takes a longer prompt: its
-    stall is spread over their output. Up to `elastic_tokens_per_output` (6) x the shortest
-    max_tokens there, and only while the prefill worker is busier (issue 30: on two cores,
-    1P1D's 256-token prompts queued behind one another for the one prefill core while the
-    decode worker's requests of 64 tokens could have absorbed them)."""
+    stall is spread over their output. Each request may be stalled by prompts of up to
+    `elastic_tokens_per_output` (6) x its max_tokens, all of them together, and a prompt
+    goes there only while the prefill worker is busier (issue 30: on two cores, 1P1D's
+    256-token prompts queued behind one another for the one prefill core while the decode
+    worker's requests of 64 tokens could have absorbed them)."""
     chooser = Chooser(RoutingConfig(local_prefill_max_tokens=32))
     queued = [worker("p", 256)]  # a 256-token prompt ahead on the prefill worker
-    long_outputs = worker("d")
-    long_outputs.inflight = {"a": 64, "b": 128, "prefill-only": 0}  # rid -> max_tokens
-    assert chooser.prefill_locally(256, 0, queued, long_outputs)  # 256 <= 6 x 64
+
+    def decoding(*max_tokens: int, by: Chooser = chooser) -> Any:
+        d = worker("d")
+        for i, n in enumerate(max_tokens):
+            d.inflight[f"r{i}"] = by.stall_until(d, W.WireParams(max_tokens=n))
+        d.inflight["prefill-only"] = None
+        return d
+
+    long_outputs = decoding(64, 128)
+    assert chooser.busy_prompt_limit(long_outputs) == 6 * 64
+    assert chooser.prefill_locally(256, 0, queued, long_outputs)
     assert not chooser.prefill_locally(400, 0, [worker("p", 400)], long_outputs)  # > 384
     assert not chooser.prefill_locally(256, 0, [worker("p", 100)], long_outputs)  # P is sooner
-    short_outputs = worker("d")
-    short_outputs.inflight = {"a": 64, "b": 16}
-    assert not chooser.prefill_locally(256, 0, queued, short_outputs)  # > max(64, 6 x 16)
-    assert chooser.prefill_locally(64, 0, queued, short_outputs)  # the floor still holds
+    # What the first request could absorb, it has absorbed after 256 + 128 tokens.
+    long_outputs.prompt_tokens_given += 256
+    assert chooser.busy_prompt_limit(long_outputs) == 128
+    assert not chooser.prefill_locally(256, 0, queued, long_outputs)
+    long_outputs.prompt_tokens_given += 128
+    assert chooser.busy_prompt_limit(long_outputs) == 64  # the floor still holds
+    assert chooser.prefill_locally(64, 0, queued, long_outputs)
+
+    assert not chooser.prefill_locally(256, 0, queued, decoding(64, 16))  # > max(64, 6 x 16)
     # Requests only a heartbeat reports (their length unknown) leave the floor.
     assert not chooser.prefill_locally(256, 0, queued, worker("d", running=3))
     off = Chooser(RoutingConfig(local_prefill_max_tokens=32, elastic_tokens_per_output=0))
-    assert not off.prefill_locally(256, 0, queued, long_outputs)
+    assert not off.prefill_locally(256, 0, queued, decoding(64, 128, by=off))
+    assert chooser.stall_until(worker("d"), W.WireParams(max_tokens=None)) >= 6 * (1 << 20)
 
 
 def test_elastic_prefill_uses_an_idle_decode_worker(
@@ -186,8 +203,8 @@ def test_elastic_prefill_uses_an_idle_decode_worker(
     """Eight long prompts at once on 1P1D: with elastic prefill the decode worker computes
     some prompts itself while the prefill worker works through its queue; every answer
     equals the engine's. Their 50 output tokens each let a decode worker with requests in
-    flight take these 300-token prompts (6 x 50): the router records each request's
-    max_tokens where it decodes."""
+    flight take one of these 300-token prompts (6 x 50): the router records what each
+    request decoding there can absorb."""
     from hetero_pd import SamplingParams
 
     dep = deployment(tiny_llama_dir, router={"elastic_prefill": True})

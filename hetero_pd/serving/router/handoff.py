@@ -41,7 +41,7 @@ from hetero_pd.serving.control import values as V
 from hetero_pd.serving.router.errors import RouterError, worker_error
 from hetero_pd.serving.router.inbox import Inbox, answer_from, get_within, next_message
 from hetero_pd.serving.router.metrics import ServingMetrics
-from hetero_pd.serving.router.policy import Chooser, output_tokens
+from hetero_pd.serving.router.policy import Chooser
 from hetero_pd.serving.router.worker_client import WorkerClient, WorkerGone, WorkerUnreachable
 from transfer import RemoteBlocks, StatusCode
 
@@ -150,7 +150,9 @@ class Handoff:
         local = decode.role == "both" or chooser.prefill_locally(
             self.prompt_len, cached, prefill, decode
         )
-        self._enlist(decode, decodes=True)
+        if local:  # given before it joins: its own prompt does not stall it
+            decode.prompt_tokens_given += uncached
+        self._enlist(decode, chooser.stall_until(decode, self.params))
         chooser.record(decode, self.prompt_ids)
         if local:
             self.metrics.decision("colocated" if decode.role == "both" else "local_prefill")
@@ -256,8 +258,8 @@ class Handoff:
             "edge": self.edge,
         }
 
-    def _enlist(self, worker: WorkerClient, decodes: bool = False) -> None:
-        worker.inflight[self.rid] = output_tokens(self.params) if decodes else 0
+    def _enlist(self, worker: WorkerClient, stall_until: int | None = None) -> None:
+        worker.inflight[self.rid] = stall_until
         if worker not in self.involved:
             self.involved.append(worker)
 

@@ -24,7 +24,6 @@ from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import sampling as W
 from hetero_pd.serving.router.inbox import Inbox, get_within
 from hetero_pd.serving.router.metrics import ServingMetrics
-from hetero_pd.serving.router.policy import output_tokens
 from hetero_pd.serving.router.worker_client import WorkerClient, WorkerGone, WorkerUnreachable
 
 log = logging.getLogger("hetero_pd.router")
@@ -152,7 +151,10 @@ class Migrator:
         inbox: Inbox = asyncio.Queue()
         self.inboxes[rid] = inbox
         stream.dest = dest
-        dest.inflight[rid] = output_tokens(stream.params)
+        # It takes the stall allowance it has left along (policy.Chooser.stall_until).
+        end = source.inflight.get(rid)
+        left = 0 if end is None else end - source.prompt_tokens_given
+        dest.inflight[rid] = dest.prompt_tokens_given + left
         if dest not in stream.involved:
             stream.involved.append(dest)
         started = time.monotonic()

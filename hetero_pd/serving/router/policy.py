@@ -45,12 +45,13 @@ class RoutingConfig:
     elastic_prefill: bool = True
     #: The longest prompt a decode worker with requests in flight always takes.
     elastic_busy_max_tokens: int = 64
-    #: ... and longer ones up to this many prompt tokens per output token of the shortest
-    #: request there (its max_tokens): computing the prompt stalls each of them once, which
-    #: their TPOT spreads over their output. On a CPU a prompt token costs ~1/25 of a decode
-    #: step (a 256-token prompt ~1.1 s, a step ~0.1 s, the default model on one core), so
-    #: 6 tokens per output token raise a request's TPOT by about a quarter at most: the
-    #: 1.25 that PD's TPOT interference is held to (docs/BENCHMARKS.md section 3). 0: off.
+    #: ... and longer ones while every request there can absorb it: each may be stalled by
+    #: prompts computed beside it of at most this many tokens per output token of its own
+    #: (its max_tokens), all of them together, which its TPOT spreads over its output. On a
+    #: CPU a prompt token costs ~1/25 of a decode step (a 256-token prompt ~1.1 s, a step
+    #: ~0.1 s, the default model on one core), so 6 raise a request's TPOT by about a
+    #: quarter at most: the 1.25 PD's TPOT interference is held to (docs/BENCHMARKS.md
+    #: section 3). 0: off.
     elastic_tokens_per_output: float = 6.0
     prefill_queue_limit_tokens: int = 8192
     #: A decode worker with more of its KV cache in use than this takes no prompt itself.
@@ -179,17 +180,24 @@ class Chooser:
             return hopeless  # its chunks would slow every running request's steps
         return prefill_backlog >= decode_backlog + uncached
 
+    def stall_until(self, decode: WorkerClient, params: WireParams) -> int:
+        """For a request about to decode on `decode`: the count of the worker's
+        `prompt_tokens_given` past which prompts computed beside it would stall it more
+        than its output absorbs (`elastic_tokens_per_output` x its max_tokens)."""
+        allowance = int(self.cfg.elastic_tokens_per_output * output_tokens(params))
+        return decode.prompt_tokens_given + allowance
+
     def busy_prompt_limit(self, decode: WorkerClient) -> int:
         """The longest prompt (its uncached part) elastic prefill gives `decode` while
-        requests are in flight there: `elastic_busy_max_tokens`, or more where every
-        request the router has decoding there has the output to absorb the stall
-        (`elastic_tokens_per_output` x the shortest one's max_tokens). Requests only a
-        heartbeat reports (the router does not know their length) do not raise it."""
+        requests are in flight there: `elastic_busy_max_tokens`, or more while every
+        request the router has decoding there can still absorb that stall (the least
+        allowance left, `stall_until`). Requests only a heartbeat reports (the router does
+        not know their length) do not raise it."""
         floor = self.cfg.elastic_busy_max_tokens
-        outputs = [n for n in decode.inflight.values() if n > 0]
-        if not outputs:
+        ends = [end for end in decode.inflight.values() if end is not None]
+        if not ends:
             return floor
-        return max(floor, int(self.cfg.elastic_tokens_per_output * min(outputs)))
+        return max(floor, min(ends) - decode.prompt_tokens_given)
 
 
 def output_tokens(params: WireParams) -> int:

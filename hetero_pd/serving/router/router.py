@@ -339,7 +339,7 @@ class Router:
         worker = min(workers, key=lambda w: w.load_score)
         queue: Inbox = asyncio.Queue()
         self.queues[rid] = queue
-        worker.inflight[rid] = 0  # no tokens to decode
+        worker.inflight[rid] = None  # it decodes nothing
         try:
             worker.send(P.Embed(rid=rid, inputs=inputs))
             while True:

@@ -71,9 +71,13 @@ class WorkerClient:
         self.dead_at = 0.0
         self.gone = False  # its process exited or it said bye: back only after a new hello
         self.invalid_frames = 0
-        #: The router's requests here -> the tokens each decodes here (its max_tokens; 0
-        #: where it does not decode here: a prompt to prefill, an embedding).
-        self.inflight: dict[str, int] = {}
+        #: The router's requests here -> for those that decode here, the count of
+        #: `prompt_tokens_given` at which the prompts computed beside them have stalled them
+        #: as much as their output absorbs (policy.Chooser.stall_until); None for the others
+        #: (a prompt to prefill, an embedding).
+        self.inflight: dict[str, int | None] = {}
+        #: Prompt tokens the router gave this worker to compute beside what it decodes, total.
+        self.prompt_tokens_given = 0
         #: Prompt tokens the router sent here to compute and has not seen done yet.
         self.pending_tokens = 0
         #: The prefix blocks its KV cache holds, as far as the router knows.
