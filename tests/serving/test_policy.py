@@ -197,6 +197,24 @@ def test_elastic_prefill_sizes_a_prompt_to_the_outputs_in_flight() -> None:
     assert chooser.stall_until(worker("d"), W.WireParams(max_tokens=None)) >= 6 * (1 << 20)
 
 
+def test_a_clients_max_tokens_cannot_spend_another_requests_allowance() -> None:
+    """max_tokens comes from API clients. A hostile one asking for the most the wire allows
+    (or none: until EOS) raises only its own allowance: the limit is the least left among
+    the requests there, so a victim of 16 tokens keeps the floor. One asking for a single
+    token only brings back the floor, the rule before it had this allowance."""
+    chooser = Chooser(RoutingConfig(local_prefill_max_tokens=32))
+    queued = [worker("p", 4096)]
+    d = worker("d")
+    d.inflight["victim"] = chooser.stall_until(d, W.WireParams(max_tokens=16))
+    d.inflight["hostile"] = chooser.stall_until(d, W.WireParams(max_tokens=None))
+    assert chooser.busy_prompt_limit(d) == 6 * 16 < 4096
+    assert not chooser.prefill_locally(4096, 0, queued, d)
+    tiny = worker("d")
+    tiny.inflight["a"] = chooser.stall_until(tiny, W.WireParams(max_tokens=1))
+    tiny.inflight["b"] = chooser.stall_until(tiny, W.WireParams(max_tokens=64))
+    assert chooser.busy_prompt_limit(tiny) == 64  # elastic_busy_max_tokens
+
+
 def test_elastic_prefill_uses_an_idle_decode_worker(
     tiny_llama_dir: Path, tiny_reference: Any
 ) -> None:
