@@ -152,10 +152,15 @@ def _cpu_quota_in(group: Path) -> float | None:
         return None
 
 
+# CPU flags of native bfloat16 matmuls, where oneDNN's packed bf16 linear is the fast one.
+NATIVE_BF16 = frozenset({"amx_bf16", "avx512_bf16"})
+
+
 @functools.cache
-def amx_bf16() -> bool:
-    """The CPU has AMX for bfloat16 (read once: `linear_kernel` asks for every weight)."""
-    return "amx_bf16" in cpu_flags()
+def native_bf16() -> bool:
+    """The CPU multiplies bfloat16 natively: AMX or AVX-512 BF16 (read once:
+    `linear_kernel` asks for every weight)."""
+    return bool(cpu_flags() & NATIVE_BF16)
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel:
@@ -274,18 +279,20 @@ class CpuBackend(Backend):
 
     def linear_kernel(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel | None:
         """oneDNN's linear on a weight reordered once into its blocked layout: float32, and
-        bfloat16 where the CPU has AMX.
+        bfloat16 where the CPU multiplies it natively (AMX, AVX-512 BF16).
 
         float32, measured on the 2-core AMD development machine at 32 rows: 1.6x faster than
         `F.linear` (MKL) over SmolLM2's layers and 2.5x on its LM head, because MKL does
         not use its fast kernels on AMD CPUs. bfloat16 on an Intel Xeon with AMX (2 cores,
         SmolLM2's layer shapes): 1.6x faster than `F.linear` at 16-64 rows (a decode step),
-        equal at 512; on AVX-512 BF16 without AMX it was no faster, so `F.linear` stays
-        there. None for other dtypes or without oneDNN.
+        equal at 512; on a Zen 5 EPYC with AVX-512 BF16 (2 cores, all 30 layers' shapes):
+        1.2-1.7x at 1-64 rows, 1.01-1.08x at 256-2048 (docs/BENCHMARKS.md section 14); on
+        a busy Zen 4 it measured within noise of `F.linear`. None for other dtypes, for
+        bfloat16 where it is emulated, or without oneDNN.
         """
         if not torch.backends.mkldnn.is_available():
             return None
-        if weight.dtype != torch.float32 and not (weight.dtype == torch.bfloat16 and amx_bf16()):
+        if weight.dtype != torch.float32 and not (weight.dtype == torch.bfloat16 and native_bf16()):
             return None
         return packed_linear(weight, bias)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backends import cpu, cpuinfo, get_backend
-from backends.cpu import CpuBackend
+from backends.cpu import NATIVE_BF16, CpuBackend
 from backends.cpuinfo import cpu_flags
 
 HOST = torch.device("cpu")
@@ -146,18 +146,21 @@ def test_linear_kernel_equals_f_linear(backend: CpuBackend, rows: int, with_bias
         torch.testing.assert_close(kernel(x), expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("flags", [frozenset({"avx512_bf16"}), frozenset({"amx_bf16"})])
-def test_a_bfloat16_linear_kernel_only_with_amx(
+@pytest.mark.parametrize(
+    "flags", [frozenset({"avx2"}), frozenset({"avx512_bf16"}), frozenset({"amx_bf16"})]
+)
+def test_a_bfloat16_linear_kernel_only_with_native_bf16(
     backend: CpuBackend, flags: frozenset[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bfloat16 weights get the packed kernel where the CPU has AMX (1.6x F.linear at a decode
-    step's rows there), F.linear elsewhere (no faster on AVX-512 BF16 alone); float16 never.
-    The flags are injected, and so is the packing where this CPU cannot reorder bfloat16
-    weights (oneDNN needs AVX-512 BW/VL/DQ for it): a fake standing in for an AMX CPU, which
-    records what it packed."""
+    """bfloat16 weights get the packed kernel where the CPU has native bf16 matmuls, AMX or
+    AVX-512 BF16 (1.6x F.linear at a decode step's rows with AMX, 1.2-1.7x at 1-64 rows on
+    a Zen 5 EPYC), F.linear elsewhere (emulated bf16); float16 never. The flags are
+    injected, and so is the packing where this CPU cannot reorder bfloat16 weights (oneDNN
+    needs AVX-512 BW/VL/DQ for it): a fake standing in for such a CPU, which records what
+    it packed."""
     import backends.cpu
 
-    monkeypatch.setattr(backends.cpu, "amx_bf16", lambda: "amx_bf16" in flags)
+    monkeypatch.setattr(backends.cpu, "native_bf16", lambda: bool(flags & NATIVE_BF16))
     packed: list[torch.dtype] = []
     fake = not {"avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
     if fake:
@@ -169,14 +172,14 @@ def test_a_bfloat16_linear_kernel_only_with_amx(
         monkeypatch.setattr(backends.cpu, "packed_linear", fake_packed_linear)
     assert backend.linear_kernel(torch.zeros(4, 4, dtype=torch.float16), None) is None
     kernel = backend.linear_kernel(torch.zeros(4, 4, dtype=torch.bfloat16), None)
-    amx = "amx_bf16" in flags and torch.backends.mkldnn.is_available()
-    assert (kernel is not None) == amx
-    assert packed == ([torch.bfloat16] if fake and amx else [])
+    native = bool(flags & NATIVE_BF16) and torch.backends.mkldnn.is_available()
+    assert (kernel is not None) == native
+    assert packed == ([torch.bfloat16] if fake and native else [])
 
 
 @pytest.mark.skipif(
-    "amx_bf16" not in cpu_flags() or not torch.backends.mkldnn.is_available(),
-    reason="the bfloat16 kernel runs where the CPU has AMX",
+    not cpu_flags() & NATIVE_BF16 or not torch.backends.mkldnn.is_available(),
+    reason="the bfloat16 kernel runs where the CPU has AMX or AVX-512 BF16",
 )
 @pytest.mark.parametrize("rows", [1, 16, 64, 300])
 def test_bfloat16_linear_kernel_equals_f_linear_within_a_rounding(
