@@ -90,8 +90,14 @@ def test_float32_equals_sdpa_over_a_gathered_copy(kv_heads: int, group: int) -> 
 
 
 #: (context lengths, block size, head dim): past SDPA's 512-token KV split, blocks of 1 to 32
-#: slots, and head dims that leave the AVX-512 loops a masked tail (72 = 2 x 32 + 8).
-SHAPES = [([1, 17, 64, 130, 5], 16, 64), ([700, 3, 513], 32, 64), ([40, 9], 1, 72)]
+#: slots, head dims that leave the AVX-512 loops a masked tail (72 = 2 x 32 + 8), and the
+#: blocked AVX-512 path's two (64 and 128; a length of exactly one 16-position block).
+SHAPES = [
+    ([1, 17, 64, 130, 5], 16, 64),
+    ([700, 3, 513], 32, 64),
+    ([40, 9], 1, 72),
+    ([33, 300, 16], 16, 128),
+]
 #: The bf16 paths: the portable one runs everywhere, AVX-512 BF16 where the CPU has it.
 BF16_PATHS = [
     pytest.param(True, id="portable"),
