@@ -58,6 +58,9 @@ def _load(path: Path) -> ctypes.CDLL:
     bf16 = lib.paged_decode_bf16
     bf16.argtypes = [*fn.argtypes, ctypes.c_int, ptr]
     bf16.restype = ctypes.c_int
+    prefill = lib.prefill_causal_bf16
+    prefill.argtypes = [ptr] * 4 + [i64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    prefill.restype = ctypes.c_int
     lib.paged_decode_paths.argtypes = []
     lib.paged_decode_paths.restype = ctypes.c_int
     return lib
@@ -154,6 +157,58 @@ def decode(
     )
     if rc:
         raise RuntimeError(f"paged_decode: {_ERRORS.get(rc, f'error {rc}')}")
+    return out
+
+
+def prefill_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens: int, scale: float,
+    portable: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """Causal attention within prefill chunks of `tokens` rows each, back to back: q [size *
+    tokens, heads, dim], k and v [size * tokens, kv_heads, dim], bfloat16. Row i of a chunk
+    attends to its rows 0..i, as SDPA with `is_causal` over each chunk; the kernel computes
+    each row as a decode query over the rows before it (only what a row attends to, where
+    SDPA's blocks also score the masked half), on the fastest bf16 path unless `portable`.
+    Returns [size * tokens, heads, dim] bfloat16."""
+    lib = _loaded
+    if lib is None:
+        raise RuntimeError("prefill_causal called before available() loaded the kernel")
+    tensors = {"q": q, "k": k, "v": v}
+    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors.values()):
+        got = {name: (t.dtype, t.device.type) for name, t in tensors.items()}
+        raise ValueError(f"prefill_causal: q, k and v must be bfloat16 on the cpu, got {got}")
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[::2] != q.shape[::2]:
+        raise ValueError(
+            f"prefill_causal: q [rows, heads, dim] and K/V [rows, kv_heads, dim] of its rows "
+            f"and dim, got {tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    rows, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if not 0 < kv_heads <= heads <= MAX_HEADS or heads % kv_heads or not dim:
+        raise ValueError(
+            f"prefill_causal: {heads} query heads cannot share {kv_heads} KV heads "
+            f"(at most {MAX_HEADS} query heads)"
+        )
+    if tokens <= 0 or rows % tokens:
+        raise ValueError(f"prefill_causal: {rows} rows are not chunks of {tokens} tokens")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty((rows, heads, dim), dtype=torch.bfloat16)
+    rc = lib.prefill_causal_bf16(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        rows // tokens,
+        tokens,
+        kv_heads,
+        heads // kv_heads,
+        dim,
+        scale,
+        torch.get_num_threads(),
+        PATHS[bf16_path(portable)],
+    )
+    if rc:
+        raise RuntimeError(f"prefill_causal: {_ERRORS.get(rc, f'error {rc}')}")
     return out
 
 

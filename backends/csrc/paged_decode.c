@@ -463,3 +463,69 @@ int paged_decode_bf16(const bf16 *q, const bf16 *k, const bf16 *v, const int64_t
     return run(q, k, v, slots, mask, out, out16, n, ctx, kv_heads, group, d, num_slots, scale,
                threads, sizeof(bf16), seq);
 }
+
+/* Causal attention within prefill chunks, each row as a decode query over the rows before
+ * it: `size` chunks of `tokens` rows, back to back in q [size * tokens, kv_heads * group, d]
+ * and k, v [size * tokens, kv_heads, d], all bfloat16; row i of a chunk attends to its rows
+ * 0..i. out16 [size * tokens, heads, d], rounded to bfloat16 as SDPA's output is. Only
+ * the rows a row attends to are computed (SDPA's blocks also score the masked half), and
+ * K/V of a chunk stay in cache across its rows. Returns 0, or -2, -3, -4 as above. */
+int prefill_causal_bf16(const bf16 *q, const bf16 *k, const bf16 *v, bf16 *out16, int64_t size,
+                        int64_t tokens, int64_t kv_heads, int64_t group, int64_t d, float scale,
+                        int threads, int path) {
+    void (*seq)(const seq_t *) = seq_bf16_portable;
+    if (path == PATH_AVX512_BF16) {
+#ifdef HAVE_AVX512_BF16
+        seq = seq_bf16_avx512;
+#else
+        return -4;
+#endif
+    } else if (path != PATH_PORTABLE) {
+        return -4;
+    }
+    int64_t heads = kv_heads * group, width = kv_heads * d, rows = size * tokens;
+    if (heads > MAX_HEADS) return -2;
+    if (rows <= 0 || heads <= 0 || d <= 0) return 0;
+    if (threads < 1) threads = 1;
+    int64_t kv_of[MAX_HEADS];
+    for (int64_t j = 0; j < heads; j++) kv_of[j] = (j / group) * d;
+    int64_t ldp = (tokens + 15) / 16 * 16;
+    int64_t per_thread = heads * ldp + width + 2 * heads * d;
+    float *scratch = malloc(sizeof(float) * (size_t)(per_thread * threads));
+    int64_t *sl = malloc(sizeof(int64_t) * (size_t)tokens); /* a chunk's rows are its slots */
+    uint8_t *mk = malloc((size_t)tokens);
+    if (!scratch || !sl || !mk) {
+        free(scratch), free(sl), free(mk);
+        return -3;
+    }
+    for (int64_t t = 0; t < tokens; t++) sl[t] = t, mk[t] = 1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t r = 0; r < rows; r++) {
+        /* The longest rows first (each chunk's last), so that the short ones fill the end. */
+        int64_t c = (rows - 1 - r) % size, i = tokens - 1 - (r / size), row = c * tokens + i;
+        float *mine = scratch + per_thread * omp_get_thread_num();
+        seq_t s = {
+            .q = q + row * heads * d,
+            .k = k + c * tokens * width,
+            .v = v + c * tokens * width,
+            .out = mine + heads * ldp + width + heads * d,
+            .p = mine,
+            .row = mine + heads * ldp,
+            .qf = mine + heads * ldp + width,
+            .sl = sl,
+            .kv_of = kv_of,
+            .mk = mk,
+            .ctx = i + 1,
+            .ldp = (i + 1 + 15) / 16 * 16,
+            .heads = heads,
+            .d = d,
+            .width = width,
+            .scale = scale,
+        };
+        seq(&s);
+        for (int64_t e = 0; e < heads * d; e++)
+            out16[row * heads * d + e] = (bf16)(as_bits(round_to_bf16(s.out[e])) >> 16);
+    }
+    free(scratch), free(sl), free(mk);
+    return 0;
+}

@@ -167,14 +167,32 @@ def paged_attention(
     out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale)
+    by_kernel = _causal_prefill_by_kernel(q, meta)
     for g in prefill_groups(meta, q.device):
         if g.context_slots is None:
             kg, vg = group_rows(k, g), group_rows(v, g)
+            if by_kernel:
+                rows = paged_decode.prefill_causal(group_rows(q, g), kg, vg, g.tokens, scale)
+                put_rows(out, g, rows)
+                continue
         else:
             kg = read_slots(k_cache, g.context_slots, meta.kv_layout)
             vg = read_slots(v_cache, g.context_slots, meta.kv_layout)
         put_rows(out, g, group_sdpa(group_rows(q, g), kg, vg, g, scale))
     return out
+
+
+def _causal_prefill_by_kernel(q: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """bfloat16 chunks without a cached prefix go to the C kernel's causal prefill where the
+    CPU has AVX-512 BF16: 2.4-3.3x faster than SDPA's flash kernel over the same groups
+    (SmolLM2's heads, 8 x 256 to 16 x 64 tokens, 1 and 2 threads, a Zen 5 EPYC), which
+    scores every block of the causal mask's masked half too. Elsewhere, in float32 and
+    for chunks that attend to a cached prefix (a mask over the context): SDPA."""
+    return (
+        meta.native_decode
+        and q.dtype == torch.bfloat16
+        and paged_decode.bf16_path() == "avx512_bf16"
+    )
 
 
 def _decode(

@@ -170,6 +170,61 @@ def reference(
 
 
 @needs_kernel
+@pytest.mark.parametrize("portable", BF16_PATHS)
+@pytest.mark.parametrize(
+    "size,tokens,kv_heads,group,dim",
+    [(8, 37, 3, 3, 64), (1, 300, 3, 3, 64), (2, 16, 2, 1, 128), (3, 5, 1, 8, 72)],
+)
+def test_causal_prefill_equals_sdpa_within_a_rounding(
+    portable: bool, size: int, tokens: int, kv_heads: int, group: int, dim: int
+) -> None:
+    """Chunks of equal length attended causally, each row as a decode query over the rows
+    before it: against float32 attention over the same values, the weights rounded to bf16,
+    to the output's own rounding; and against SDPA with is_causal over each chunk in
+    bfloat16 (what transformers and the eager prefill otherwise run) to bfloat16's rtol and
+    4e-3 absolute: SDPA's own exp rounds some weights the other way (6,221 of 170,496 of its
+    outputs differ from that reference's rounding here, 1 of the kernel's), and in a row of
+    a few positions one weight's rounding moves an output by up to ~3e-3."""
+    gen = torch.Generator().manual_seed(size * tokens + dim)
+    rows, heads = size * tokens, kv_heads * group
+    q = torch.randn(rows, heads, dim, generator=gen).bfloat16()
+    k, v = (torch.randn(rows, kv_heads, dim, generator=gen).bfloat16() for _ in range(2))
+    got = paged_decode.prefill_causal(q, k, v, tokens, dim**-0.5, portable=portable)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # [size, heads, tokens, dim]
+        return t.view(size, tokens, -1, dim).transpose(1, 2)
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        chunks(q), chunks(k), chunks(v), is_causal=True, enable_gqa=True
+    )
+    torch.testing.assert_close(got, sdpa.transpose(1, 2).reshape(q.shape), atol=4e-3, rtol=1.6e-2)
+    kf, vf = (chunks(t).float().repeat_interleave(group, 1) for t in (k, v))
+    scores = (chunks(q).float() @ kf.transpose(-1, -2)) * dim**-0.5
+    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    e = (scores - scores.amax(-1, keepdim=True)).exp()
+    want = (e.bfloat16().float() @ vf) / e.sum(-1, keepdim=True)
+    torch.testing.assert_close(
+        got.float(), want.transpose(1, 2).reshape(q.shape), atol=1e-4, rtol=8e-3
+    )
+
+
+@needs_kernel
+def test_causal_prefill_refuses_what_it_cannot_read() -> None:
+    q = torch.zeros(6, 4, 8, dtype=torch.bfloat16)
+    kv = torch.zeros(6, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 on the cpu"):
+        paged_decode.prefill_causal(q.float(), kv, kv, 3, 1.0)
+    with pytest.raises(ValueError, match="of its rows and dim"):
+        paged_decode.prefill_causal(q, kv[:5], kv[:5], 3, 1.0)
+    with pytest.raises(ValueError, match="cannot share 3 KV heads"):
+        paged_decode.prefill_causal(q, q[:, :3], q[:, :3], 3, 1.0)
+    with pytest.raises(ValueError, match="6 rows are not chunks of 4 tokens"):
+        paged_decode.prefill_causal(q, kv, kv, 4, 1.0)
+
+
+@needs_kernel
 def test_float16_stays_on_the_portable_path() -> None:
     assert paged_decode.available(torch.bfloat16, KERNELS)
     assert not paged_decode.available(torch.float16, KERNELS)
