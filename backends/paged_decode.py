@@ -8,9 +8,12 @@ each slot's K row and V row once, for every query head.
 
 It reads float32 and bfloat16 caches. bfloat16 accumulates in float32 and rounds the
 softmax's weights to bfloat16 before they multiply V, as torch's CPU SDPA does (and so
-transformers in bfloat16). Its scores take AVX-512 BF16 (`vdpbf16ps`) where /proc/cpuinfo
-says the CPU has it, else the kernel's portable bf16 path (widened to float32 by a shift);
-`bf16_path()` names the one taken, and `decode(..., portable=True)` forces the portable one.
+transformers in bfloat16). Where /proc/cpuinfo says the CPU has AVX-512 BF16, both dtypes
+take the kernel's blocked AVX-512 loops (bf16 scores by `vdpbf16ps`; 16 positions' scores
+summed at once, a vectorized softmax, outputs in registers across the context: head dims 64
+and 128), else its portable path (bf16 widened to float32 by a shift); `bf16_path()` names
+the one taken, and `decode(..., portable=True)` forces the portable one. `prefill_causal`
+runs the same loops over prefill chunks, each row a decode query over the rows before it.
 
 It is built on first use and loaded by backends/native.py (the machine's compiler,
 `-march=native`, the AVX-512 BF16 path compiled in by a target attribute on any x86-64 and
@@ -53,13 +56,13 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     fn = lib.paged_decode
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
     bf16 = lib.paged_decode_bf16
-    bf16.argtypes = [*fn.argtypes, ctypes.c_int, ptr]
+    bf16.argtypes = [*fn.argtypes, ptr]
     bf16.restype = ctypes.c_int
-    prefill = lib.prefill_causal_bf16
-    prefill.argtypes = [ptr] * 4 + [i64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    prefill = lib.prefill_causal
+    prefill.argtypes = [ptr] * 4 + [i64] * 5 + [ctypes.c_float] + [ctypes.c_int] * 3
     prefill.restype = ctypes.c_int
     lib.paged_decode_paths.argtypes = []
     lib.paged_decode_paths.restype = ctypes.c_int
@@ -118,8 +121,8 @@ def decode(
 
     q [n, heads, dim]; k_flat, v_flat [num_slots, kv_heads, dim] (the cache's blocks as
     rows, layout nd, float32 or bfloat16; q is read in their dtype); slots [n * ctx] int64
-    cache slots; mask [n * ctx] bool, True = attend. `portable` keeps bfloat16 off the
-    CPU's bf16 instructions (tests compare the paths). Returns [n, heads, dim] float32, or
+    cache slots; mask [n * ctx] bool, True = attend. `portable` keeps both dtypes off the
+    AVX-512 loops (tests compare the paths). Returns [n, heads, dim] float32, or
     with `bf16_out` (bfloat16 K/V only) that rounded to bfloat16 by the kernel as it goes
     (the same bits as `.to(torch.bfloat16)`, without a float32 output to cast)."""
     lib = _loaded
@@ -137,7 +140,7 @@ def decode(
         raise ValueError(f"paged_decode: a bfloat16 output needs bfloat16 K/V, got {k_flat.dtype}")
     out = torch.empty((n, heads, dim), dtype=torch.bfloat16 if bf16_out else torch.float32)
     fn = lib.paged_decode_bf16 if bf16 else lib.paged_decode
-    extra = (PATHS[bf16_path(portable)], out.data_ptr() if bf16_out else None) if bf16 else ()
+    extra = (out.data_ptr() if bf16_out else None,) if bf16 else ()
     rc = fn(
         qk.data_ptr(),
         k_flat.data_ptr(),
@@ -153,6 +156,7 @@ def decode(
         num_slots,
         scale,
         torch.get_num_threads(),
+        PATHS[bf16_path(portable)],
         *extra,
     )
     if rc:
@@ -165,18 +169,20 @@ def prefill_causal(
     portable: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention within prefill chunks of `tokens` rows each, back to back: q [size *
-    tokens, heads, dim], k and v [size * tokens, kv_heads, dim], bfloat16. Row i of a chunk
-    attends to its rows 0..i, as SDPA with `is_causal` over each chunk; the kernel computes
-    each row as a decode query over the rows before it (only what a row attends to, where
-    SDPA's blocks also score the masked half), on the fastest bf16 path unless `portable`.
-    Returns [size * tokens, heads, dim] bfloat16."""
+    tokens, heads, dim], k and v [size * tokens, kv_heads, dim], all float32 or all
+    bfloat16. Row i of a chunk attends to its rows 0..i, as SDPA with `is_causal` over each
+    chunk; the kernel computes each row as a decode query over the rows before it (only
+    what a row attends to, where SDPA's blocks also score the masked half), on the fastest
+    path unless `portable`. Returns [size * tokens, heads, dim] in their dtype."""
     lib = _loaded
     if lib is None:
         raise RuntimeError("prefill_causal called before available() loaded the kernel")
     tensors = {"q": q, "k": k, "v": v}
-    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors.values()):
+    if q.dtype not in KV_DTYPES or any(
+        t.dtype != q.dtype or t.device.type != "cpu" for t in tensors.values()
+    ):
         got = {name: (t.dtype, t.device.type) for name, t in tensors.items()}
-        raise ValueError(f"prefill_causal: q, k and v must be bfloat16 on the cpu, got {got}")
+        raise ValueError(f"prefill_causal: q, k and v of one of {KV_DTYPES} on the cpu, got {got}")
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[::2] != q.shape[::2]:
         raise ValueError(
             f"prefill_causal: q [rows, heads, dim] and K/V [rows, kv_heads, dim] of its rows "
@@ -192,8 +198,8 @@ def prefill_causal(
     if tokens <= 0 or rows % tokens:
         raise ValueError(f"prefill_causal: {rows} rows are not chunks of {tokens} tokens")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty((rows, heads, dim), dtype=torch.bfloat16)
-    rc = lib.prefill_causal_bf16(
+    out = torch.empty((rows, heads, dim), dtype=q.dtype)
+    rc = lib.prefill_causal(
         q.data_ptr(),
         k.data_ptr(),
         v.data_ptr(),
@@ -206,6 +212,7 @@ def prefill_causal(
         scale,
         torch.get_num_threads(),
         PATHS[bf16_path(portable)],
+        q.dtype == torch.float32,
     )
     if rc:
         raise RuntimeError(f"prefill_causal: {_ERRORS.get(rc, f'error {rc}')}")

@@ -9,8 +9,8 @@ of sequences whose blocks are scattered over a cache larger than the CPU's cache
 take turns over `--rounds`; each prints its median per call, and the last line is one JSON
 object with the ratios to native and the machine.
 
-With `--dtype bfloat16` the kernel runs both of its bf16 paths: `native` (AVX-512 BF16
-where the CPU has it) and `portable` (bf16 widened by a shift).
+The kernel runs both of its paths: `native` (the blocked AVX-512 loops where the CPU has
+AVX-512 BF16) and `portable` (plain C loops; bf16 widened by a shift).
 
     python scripts/bench_decode_attention.py [--batch 64] [--context 272] [--threads 2]
         [--dtype float32|bfloat16]
@@ -70,10 +70,9 @@ def main() -> None:
         "inductor": lambda: fused(q, k, v, slots, mask.view(n, 1, 1, -1), scale),
         "eager": eager,
     }
-    if dtype == torch.bfloat16:
-        ways["portable"] = lambda: paged_decode.decode(
-            q, k, v, slots, mask, scale, portable=True
-        ).to(dtype)
+    ways["portable"] = lambda: paged_decode.decode(
+        q, k, v, slots, mask, scale, portable=True
+    ).to(dtype)
     want = eager()
     for name, fn in ways.items():  # warm up (and compile), and check they agree
         tol = (

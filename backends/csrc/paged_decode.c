@@ -249,33 +249,49 @@ TARGET_BF16 static inline __m512 widen16(const bf16 *x) {
 }
 
 /* Scores of positions t0.. t0+15 (those past ctx or masked: -inf) for every query head,
- * into p; mx[j] the running maxima. NV: vectors of 32 bf16 in a head (d / 32). */
+ * into p; mx[j] the running maxima. F32: float32 K and q (else bfloat16); D the head dim. */
 __attribute__((always_inline)) TARGET_BF16 static inline void scores16(
-    const seq_t *s, int64_t t0, __m512 *mx, const int NV) {
-    const bf16 *k = s->k, *q = s->q, *rows[16];
-    int64_t nb = s->ctx - t0 < 16 ? s->ctx - t0 : 16, bytes = s->width * (int64_t)sizeof(bf16);
+    const seq_t *s, int64_t t0, __m512 *mx, const int D, const int F32) {
+    const int ES = F32 ? 4 : 2; /* bytes per element */
+    const char *k = s->k, *rows[16];
+    int64_t nb = s->ctx - t0 < 16 ? s->ctx - t0 : 16, bytes = s->width * ES;
     __mmask16 in = (__mmask16)((1u << nb) - 1);
     __m128i m8 = _mm_maskz_loadu_epi8(in, s->mk + t0);
     __mmask16 attend = _mm_test_epi8_mask(m8, m8) & in;
     for (int i = 0; i < 16; i++)
-        rows[i] = attend >> i & 1 ? k + s->sl[t0 + i] * s->width : (const bf16 *)s->row;
+        rows[i] = attend >> i & 1 ? k + s->sl[t0 + i] * bytes : (const char *)s->row;
     /* The next block's K rows, before they are needed, and its V rows for the weighted sum
-     * (in L2 by then: one sequence's V is ~100 KB), which alone would wait on each row. */
+     * (in L2 by then: one sequence's V is ~100-200 KB), which alone would wait on each row. */
     for (int64_t t = t0 + 16; t < t0 + 32; t++) {
-        prefetch_row((const char *)k, s->sl, s->mk, t, s->ctx, bytes);
+        prefetch_row(k, s->sl, s->mk, t, s->ctx, bytes);
         prefetch_row((const char *)s->v, s->sl, s->mk, t, s->ctx, bytes);
     }
     __m512 scale = _mm512_set1_ps(s->scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < s->heads; j++) {
-        __m512i qv[4];
-        for (int c = 0; c < NV; c++) qv[c] = _mm512_loadu_si512(q + j * s->d + 32 * c);
+        const char *qj = (const char *)s->q + j * s->d * ES;
         __m512 acc[16];
-        for (int i = 0; i < 16; i++) {
-            const bf16 *kr = rows[i] + s->kv_of[j];
-            __m512 a = _mm512_setzero_ps();
-            for (int c = 0; c < NV; c++)
-                a = _mm512_dpbf16_ps(a, (__m512bh)qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
-            acc[i] = a;
+        if (F32) { /* 16 floats a vector: D / 16 fused multiply-adds */
+            __m512 qv[8];
+            for (int c = 0; c < D / 16; c++) qv[c] = _mm512_loadu_ps((const float *)qj + 16 * c);
+            for (int i = 0; i < 16; i++) {
+                const float *kr = (const float *)rows[i] + s->kv_of[j];
+                __m512 a = _mm512_setzero_ps();
+                for (int c = 0; c < D / 16; c++)
+                    a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), a);
+                acc[i] = a;
+            }
+        } else { /* 32 bfloat16 a vector, in pairs: D / 32 vdpbf16ps */
+            __m512i qv[4];
+            for (int c = 0; c < D / 32; c++)
+                qv[c] = _mm512_loadu_si512((const bf16 *)qj + 32 * c);
+            for (int i = 0; i < 16; i++) {
+                const bf16 *kr = (const bf16 *)rows[i] + s->kv_of[j];
+                __m512 a = _mm512_setzero_ps();
+                for (int c = 0; c < D / 32; c++)
+                    a = _mm512_dpbf16_ps(a, (__m512bh)qv[c],
+                                         (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+                acc[i] = a;
+            }
         }
         __m512 sc = _mm512_mask_blend_ps(attend, ninf, _mm512_mul_ps(sum16(acc), scale));
         _mm512_storeu_ps(s->p + j * s->ldp + t0, sc);
@@ -283,9 +299,9 @@ __attribute__((always_inline)) TARGET_BF16 static inline void scores16(
     }
 }
 
-/* p[j] = bfloat16-rounded exp(score - max) (0 where masked; a NaN score stays NaN), inv[j] = 1 / the unrounded sum
- * (0 where nothing is attended), for every query head. */
-TARGET_BF16 static void softmax16(const seq_t *s, const __m512 *mx, float *inv) {
+/* p[j] = exp(score - max) (0 where masked; a NaN score stays NaN), rounded to bfloat16 with
+ * `round`, inv[j] = 1 / the unrounded sum (0 where nothing is attended), every query head. */
+TARGET_BF16 static void softmax16(const seq_t *s, const __m512 *mx, float *inv, int round) {
     for (int64_t j = 0; j < s->heads; j++) {
         float *pj = s->p + j * s->ldp, m = _mm512_reduce_max_ps(mx[j]);
         if (m == -INFINITY) {
@@ -299,29 +315,32 @@ TARGET_BF16 static void softmax16(const seq_t *s, const __m512 *mx, float *inv) 
             __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_UQ);
             __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, mm)));
             sum = _mm512_add_ps(sum, e);
-            _mm512_storeu_ps(pj + t, round16_bf16(e));
+            _mm512_storeu_ps(pj + t, round ? round16_bf16(e) : e);
         }
         inv[j] = 1.0f / _mm512_reduce_add_ps(sum);
     }
 }
 
 /* out[j] = inv[j] * sum over attended t of p[j][t] * V[t] for QB query heads j0.. of one KV
- * head, NO vectors of 16 each (d / 16), held in registers across the context. */
+ * head, D / 16 vectors of 16 each, held in registers across the context. */
 __attribute__((always_inline)) TARGET_BF16 static inline void weigh(
-    const seq_t *s, const float *inv, int64_t j0, const int QB, const int NO) {
+    const seq_t *s, const float *inv, int64_t j0, const int QB, const int D, const int F32) {
+    const int NO = D / 16, ES = F32 ? 4 : 2;
     __m512 acc[6][8];
     for (int h = 0; h < QB; h++)
         for (int c = 0; c < NO; c++) acc[h][c] = _mm512_setzero_ps();
-    const bf16 *v = (const bf16 *)s->v + s->kv_of[j0];
+    const char *v = (const char *)s->v + s->kv_of[j0] * ES;
     const float *p = s->p + j0 * s->ldp;
     for (int64_t t = 0; t < s->ctx; t++) {
         if (!s->mk[t]) continue;
         if (t + AHEAD < s->ctx && s->mk[t + AHEAD])
-            for (int c = 0; c < NO; c += 2) /* a cache line: 32 bf16 */
-                __builtin_prefetch(v + s->sl[t + AHEAD] * s->width + 16 * c);
-        const bf16 *vr = v + s->sl[t] * s->width;
+            for (int c = 0; c < NO * 16 * ES; c += 64) /* a cache line at a time */
+                __builtin_prefetch(v + s->sl[t + AHEAD] * s->width * ES + c);
+        const char *vr = v + s->sl[t] * s->width * ES;
         __m512 vv[8];
-        for (int c = 0; c < NO; c++) vv[c] = widen16(vr + 16 * c);
+        for (int c = 0; c < NO; c++)
+            vv[c] = F32 ? _mm512_loadu_ps((const float *)vr + 16 * c)
+                        : widen16((const bf16 *)vr + 16 * c);
         for (int h = 0; h < QB; h++) {
             __m512 w = _mm512_set1_ps(p[h * s->ldp + t]);
             for (int c = 0; c < NO; c++) acc[h][c] = _mm512_fmadd_ps(w, vv[c], acc[h][c]);
@@ -334,42 +353,45 @@ __attribute__((always_inline)) TARGET_BF16 static inline void weigh(
     }
 }
 
-/* The query heads sharing a KV head, at most 24 / NO at a time (their accumulators and
- * the widened V row fit the 32 vector registers). */
-#define WEIGH_CASE(QB, NO) \
-    case QB:               \
-        weigh(s, inv, j, QB, NO); \
+/* The query heads sharing a KV head, at most 24 / (D / 16) at a time (their accumulators
+ * and the V row fit the 32 vector registers). */
+#define WEIGH_CASE(QB, D, F32) \
+    case QB:                   \
+        weigh(s, inv, j, QB, D, F32); \
         break;
 
 __attribute__((always_inline)) TARGET_BF16 static inline void seq_blocked(const seq_t *s,
-                                                                          const int NV) {
-    const int NO = 2 * NV, most = 24 / NO;
+                                                                          const int D,
+                                                                          const int F32) {
+    const int most = 24 / (D / 16), ES = F32 ? 4 : 2;
     __m512 mx[MAX_HEADS];
     float inv[MAX_HEADS];
     for (int64_t j = 0; j < s->heads; j++) mx[j] = _mm512_set1_ps(-INFINITY);
-    memset(s->row, 0, sizeof(bf16) * (size_t)s->width); /* masked positions' row */
-    int64_t bytes = s->width * (int64_t)sizeof(bf16);
+    memset(s->row, 0, sizeof(float) * (size_t)s->width); /* masked positions' row */
+    int64_t bytes = s->width * ES;
     for (int64_t t = 0; t < 16; t++) { /* the first block's rows (scores16 asks for the rest) */
         prefetch_row((const char *)s->k, s->sl, s->mk, t, s->ctx, bytes);
         prefetch_row((const char *)s->v, s->sl, s->mk, t, s->ctx, bytes);
     }
-    for (int64_t t = 0; t < s->ctx; t += 16) scores16(s, t, mx, NV);
-    softmax16(s, mx, inv);
+    for (int64_t t = 0; t < s->ctx; t += 16) scores16(s, t, mx, D, F32);
+    softmax16(s, mx, inv, !F32);
     int64_t group = s->heads / (s->width / s->d);
     for (int64_t j = 0; j < s->heads;) {
         int64_t left = group - j % group, qb = left < most ? left : most;
-        if (NO == 4) {
-            switch (qb) { WEIGH_CASE(1, 4) WEIGH_CASE(2, 4) WEIGH_CASE(3, 4) WEIGH_CASE(4, 4)
-                          WEIGH_CASE(5, 4) WEIGH_CASE(6, 4) }
+        if (D == 64) {
+            switch (qb) { WEIGH_CASE(1, 64, F32) WEIGH_CASE(2, 64, F32) WEIGH_CASE(3, 64, F32)
+                          WEIGH_CASE(4, 64, F32) WEIGH_CASE(5, 64, F32) WEIGH_CASE(6, 64, F32) }
         } else {
-            switch (qb) { WEIGH_CASE(1, 8) WEIGH_CASE(2, 8) WEIGH_CASE(3, 8) }
+            switch (qb) { WEIGH_CASE(1, 128, F32) WEIGH_CASE(2, 128, F32) WEIGH_CASE(3, 128, F32) }
         }
         j += qb;
     }
 }
 
-TARGET_BF16 static void seq_bf16_blocked64(const seq_t *s) { seq_blocked(s, 2); }
-TARGET_BF16 static void seq_bf16_blocked128(const seq_t *s) { seq_blocked(s, 4); }
+TARGET_BF16 static void seq_bf16_blocked64(const seq_t *s) { seq_blocked(s, 64, 0); }
+TARGET_BF16 static void seq_bf16_blocked128(const seq_t *s) { seq_blocked(s, 128, 0); }
+TARGET_BF16 static void seq_f32_blocked64(const seq_t *s) { seq_blocked(s, 64, 1); }
+TARGET_BF16 static void seq_f32_blocked128(const seq_t *s) { seq_blocked(s, 128, 1); }
 
 TARGET_BF16 static void seq_bf16_avx512(const seq_t *s) {
     if (s->d == 64)
@@ -378,6 +400,17 @@ TARGET_BF16 static void seq_bf16_avx512(const seq_t *s) {
         seq_bf16_blocked128(s);
     else
         seq_bf16_avx512_any(s);
+}
+
+/* float32 on the same blocked path (compiled with the same target, so taken only where the
+ * CPU has AVX-512 BF16 too); other head dims as the portable path. */
+TARGET_BF16 static void seq_f32_avx512(const seq_t *s) {
+    if (s->d == 64)
+        seq_f32_blocked64(s);
+    else if (s->d == 128)
+        seq_f32_blocked128(s);
+    else
+        seq_f32(s);
 }
 #endif
 
@@ -437,11 +470,23 @@ static int run(const void *q, const void *k, const void *v, const int64_t *slots
     return 0;
 }
 
+/* path: as for bfloat16 below (PATH_AVX512_BF16 takes the blocked AVX-512 loops). */
 int paged_decode(const float *q, const float *k, const float *v, const int64_t *slots,
                  const uint8_t *mask, float *out, int64_t n, int64_t ctx, int64_t kv_heads,
-                 int64_t group, int64_t d, int64_t num_slots, float scale, int threads) {
+                 int64_t group, int64_t d, int64_t num_slots, float scale, int threads,
+                 int path) {
+    void (*seq)(const seq_t *) = seq_f32;
+    if (path == PATH_AVX512_BF16) {
+#ifdef HAVE_AVX512_BF16
+        seq = seq_f32_avx512;
+#else
+        return -4;
+#endif
+    } else if (path != PATH_PORTABLE) {
+        return -4;
+    }
     return run(q, k, v, slots, mask, out, NULL, n, ctx, kv_heads, group, d, num_slots, scale,
-               threads, sizeof(float), seq_f32);
+               threads, sizeof(float), seq);
 }
 
 /* out16 not NULL: the output rounded to bfloat16 there (as torch's cast rounds it; out is
@@ -466,17 +511,18 @@ int paged_decode_bf16(const bf16 *q, const bf16 *k, const bf16 *v, const int64_t
 
 /* Causal attention within prefill chunks, each row as a decode query over the rows before
  * it: `size` chunks of `tokens` rows, back to back in q [size * tokens, kv_heads * group, d]
- * and k, v [size * tokens, kv_heads, d], all bfloat16; row i of a chunk attends to its rows
- * 0..i. out16 [size * tokens, heads, d], rounded to bfloat16 as SDPA's output is. Only
- * the rows a row attends to are computed (SDPA's blocks also score the masked half), and
- * K/V of a chunk stay in cache across its rows. Returns 0, or -2, -3, -4 as above. */
-int prefill_causal_bf16(const bf16 *q, const bf16 *k, const bf16 *v, bf16 *out16, int64_t size,
-                        int64_t tokens, int64_t kv_heads, int64_t group, int64_t d, float scale,
-                        int threads, int path) {
-    void (*seq)(const seq_t *) = seq_bf16_portable;
+ * and k, v [size * tokens, kv_heads, d], all float32 (f32) or all bfloat16; row i of a chunk
+ * attends to its rows 0..i. out [size * tokens, heads, d] in their dtype (bfloat16 rounded
+ * as SDPA's output is). Only the rows a row attends to are computed (SDPA's blocks also
+ * score the masked half), and K/V of a chunk stay in cache across its rows. Returns 0, or
+ * -2, -3, -4 as above. */
+int prefill_causal(const void *q, const void *k, const void *v, void *out, int64_t size,
+                   int64_t tokens, int64_t kv_heads, int64_t group, int64_t d, float scale,
+                   int threads, int path, int f32) {
+    void (*seq)(const seq_t *) = f32 ? seq_f32 : seq_bf16_portable;
     if (path == PATH_AVX512_BF16) {
 #ifdef HAVE_AVX512_BF16
-        seq = seq_bf16_avx512;
+        seq = f32 ? seq_f32_avx512 : seq_bf16_avx512;
 #else
         return -4;
 #endif
@@ -484,6 +530,7 @@ int prefill_causal_bf16(const bf16 *q, const bf16 *k, const bf16 *v, bf16 *out16
         return -4;
     }
     int64_t heads = kv_heads * group, width = kv_heads * d, rows = size * tokens;
+    size_t elem = f32 ? sizeof(float) : sizeof(bf16);
     if (heads > MAX_HEADS) return -2;
     if (rows <= 0 || heads <= 0 || d <= 0) return 0;
     if (threads < 1) threads = 1;
@@ -505,10 +552,10 @@ int prefill_causal_bf16(const bf16 *q, const bf16 *k, const bf16 *v, bf16 *out16
         int64_t c = (rows - 1 - r) % size, i = tokens - 1 - (r / size), row = c * tokens + i;
         float *mine = scratch + per_thread * omp_get_thread_num();
         seq_t s = {
-            .q = q + row * heads * d,
-            .k = k + c * tokens * width,
-            .v = v + c * tokens * width,
-            .out = mine + heads * ldp + width + heads * d,
+            .q = (const char *)q + (size_t)(row * heads * d) * elem,
+            .k = (const char *)k + (size_t)(c * tokens * width) * elem,
+            .v = (const char *)v + (size_t)(c * tokens * width) * elem,
+            .out = f32 ? (float *)out + row * heads * d : mine + heads * ldp + width + heads * d,
             .p = mine,
             .row = mine + heads * ldp,
             .qf = mine + heads * ldp + width,
@@ -523,8 +570,9 @@ int prefill_causal_bf16(const bf16 *q, const bf16 *k, const bf16 *v, bf16 *out16
             .scale = scale,
         };
         seq(&s);
-        for (int64_t e = 0; e < heads * d; e++)
-            out16[row * heads * d + e] = (bf16)(as_bits(round_to_bf16(s.out[e])) >> 16);
+        if (!f32)
+            for (int64_t e = 0; e < heads * d; e++)
+                ((bf16 *)out)[row * heads * d + e] = (bf16)(as_bits(round_to_bf16(s.out[e])) >> 16);
     }
     free(scratch), free(sl), free(mk);
     return 0;

@@ -63,7 +63,7 @@ def attend(
 def kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, portable: bool
 ) -> torch.Tensor:
-    """The kernel's float32 output on one bf16 path, as the compiled step calls it."""
+    """The kernel's float32 output on one path, as the compiled step calls it."""
     assert meta.decode_slots is not None and meta.decode_mask is not None
     flat = (k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:]))
     mask = meta.decode_mask.reshape(-1)
@@ -79,16 +79,6 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-@needs_kernel
-@pytest.mark.parametrize("kv_heads,group", [(3, 3), (2, 1), (1, 8)])
-def test_float32_equals_sdpa_over_a_gathered_copy(kv_heads: int, group: int) -> None:
-    q, k, v, meta = cache_and_batch(torch.float32, kv_heads, group, [1, 17, 64, 130, 5])
-    got = attend(q, k, v, meta, native=True)
-    want = attend(q, k, v, meta, native=False)
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
-
-
 #: (context lengths, block size, head dim): past SDPA's 512-token KV split, blocks of 1 to 32
 #: slots, head dims that leave the AVX-512 loops a masked tail (72 = 2 x 32 + 8), and the
 #: blocked AVX-512 path's two (64 and 128; a length of exactly one 16-position block).
@@ -98,7 +88,8 @@ SHAPES = [
     ([40, 9], 1, 72),
     ([33, 300, 16], 16, 128),
 ]
-#: The bf16 paths: the portable one runs everywhere, AVX-512 BF16 where the CPU has it.
+#: The kernel's paths: the portable one runs everywhere, AVX-512 BF16 where the CPU has it
+#: (float32 takes its blocked loops too).
 BF16_PATHS = [
     pytest.param(True, id="portable"),
     pytest.param(
@@ -109,6 +100,21 @@ BF16_PATHS = [
         ),
     ),
 ]
+
+
+@needs_kernel
+@pytest.mark.parametrize("portable", BF16_PATHS)
+@pytest.mark.parametrize("kv_heads,group", [(3, 3), (2, 1), (1, 8)])
+@pytest.mark.parametrize("lens,block,dim", SHAPES)
+def test_float32_equals_sdpa_over_a_gathered_copy(
+    portable: bool, kv_heads: int, group: int, lens: list[int], block: int, dim: int
+) -> None:
+    q, k, v, meta = cache_and_batch(torch.float32, kv_heads, group, lens, block=block, dim=dim)
+    got = kernel(q, k, v, meta, portable)
+    want = attend(q, k, v, meta, native=False)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    assert torch.equal(attend(q, k, v, meta, native=True), kernel(q, k, v, meta, False))
 
 
 @needs_kernel
@@ -211,11 +217,35 @@ def test_causal_prefill_equals_sdpa_within_a_rounding(
 
 
 @needs_kernel
+@pytest.mark.parametrize("portable", BF16_PATHS)
+@pytest.mark.parametrize("size,tokens,kv_heads,group,dim", [(8, 37, 3, 3, 64), (2, 16, 2, 1, 128)])
+def test_causal_prefill_in_float32_equals_sdpa(
+    portable: bool, size: int, tokens: int, kv_heads: int, group: int, dim: int
+) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    rows, heads = size * tokens, kv_heads * group
+    q = torch.randn(rows, heads, dim, generator=gen)
+    k, v = (torch.randn(rows, kv_heads, dim, generator=gen) for _ in range(2))
+    got = paged_decode.prefill_causal(q, k, v, tokens, dim**-0.5, portable=portable)
+    assert got.dtype == torch.float32
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:
+        return t.view(size, tokens, -1, dim).transpose(1, 2)
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        chunks(q), chunks(k), chunks(v), is_causal=True, enable_gqa=True
+    )
+    torch.testing.assert_close(got, sdpa.transpose(1, 2).reshape(q.shape), atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
 def test_causal_prefill_refuses_what_it_cannot_read() -> None:
     q = torch.zeros(6, 4, 8, dtype=torch.bfloat16)
     kv = torch.zeros(6, 2, 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="bfloat16 on the cpu"):
+    with pytest.raises(ValueError, match="of one of"):
         paged_decode.prefill_causal(q.float(), kv, kv, 3, 1.0)
+    with pytest.raises(ValueError, match="of one of"):
+        paged_decode.prefill_causal(q.half(), kv.half(), kv.half(), 3, 1.0)
     with pytest.raises(ValueError, match="of its rows and dim"):
         paged_decode.prefill_causal(q, kv[:5], kv[:5], 3, 1.0)
     with pytest.raises(ValueError, match="cannot share 3 KV heads"):
