@@ -55,6 +55,7 @@ def main() -> None:
     q = torch.randn(n, kv_heads * group, dim).to(dtype)
     scale = dim**-0.5
     fused = torch.compile(_decode_fused, backend="inductor")
+    portable = paged_decode.decode
 
     def eager() -> torch.Tensor:
         kd = k.index_select(0, slots).view(n, -1, kv_heads, dim).transpose(1, 2)
@@ -70,9 +71,7 @@ def main() -> None:
         "inductor": lambda: fused(q, k, v, slots, mask.view(n, 1, 1, -1), scale),
         "eager": eager,
     }
-    ways["portable"] = lambda: paged_decode.decode(
-        q, k, v, slots, mask, scale, portable=True
-    ).to(dtype)
+    ways["portable"] = lambda: portable(q, k, v, slots, mask, scale, portable=True).to(dtype)
     want = eager()
     for name, fn in ways.items():  # warm up (and compile), and check they agree
         tol = (
