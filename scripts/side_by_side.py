@@ -7,6 +7,8 @@
     side_by_side.py serve-ratios VLLM.json HPD.json      one JSON line: hetero-pd / vLLM
                                                          (with --sweep: goodput rates too)
     side_by_side.py offline-ratios DIR                   one JSON line from DIR/offline-*.json
+    side_by_side.py roofline MODEL_DIR DTYPE RESULT...   per served result: its model FLOP/s
+                                                         and share of this CPU's GEMM rate
 
 Ratios are hetero-pd's number over vLLM's: above 1 is better for throughput, below 1 is
 better for latencies.
@@ -134,6 +136,39 @@ def offline_ratios(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
+def roofline(args: argparse.Namespace) -> None:
+    """One JSON line per `bench serve` result: the model FLOPs its requests took
+    (profile_ops.served_flops: prompts prefilled, outputs decoded over their context, the LM
+    head per output token) over its duration, and that rate's share of the roofline: the
+    GEMM rate of the model's own layer shapes at `--rows` tokens in DTYPE on this machine
+    (F.linear or oneDNN's packed linear, the faster; median of `--repeats`), measured here
+    after the servers are gone. Both sides served the same requests, so the shares compare
+    their durations against one ceiling."""
+    from hetero_pd import LLM
+    from hetero_pd.bench import profile_ops
+
+    model = LLM(args.model_dir, dtype=args.dtype, num_kv_blocks=16).engine.runner.model
+    dtype = next(model.parameters()).dtype
+    shapes = profile_ops.linear_shapes(model)
+    layers = [s for s in shapes if s[0] != "lm_head"]
+    rate = profile_ops.gemm_rate(layers, args.rows, dtype, args.repeats)["best"]
+    for path in args.results:
+        r = json.loads(path.read_text())
+        flops = profile_ops.served_flops(
+            model.cfg, shapes, r["completed"], r["total_input_tokens"], r["total_output_tokens"]
+        )
+        achieved = flops / r["duration"] / 1e9
+        out = {"mode": "roofline", "label": r.get("label"), "dtype": str(dtype)[6:]}
+        out |= {"model_gflop": _sig(flops / 1e9), "achieved_gflops": _sig(achieved)}
+        out |= {"gemm_gflops": _sig(rate), "gemm_rows": args.rows}
+        print(json.dumps({**out, "roofline_share": round(achieved / rate, 3)}))
+
+
+def _sig(x: float) -> float:
+    """x to 4 significant digits."""
+    return float(f"{x:.4g}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -164,6 +199,13 @@ def main() -> int:
     s = sub.add_parser("offline-ratios")
     s.add_argument("dir")
     s.set_defaults(run=offline_ratios)
+    s = sub.add_parser("roofline")
+    s.add_argument("model_dir")
+    s.add_argument("dtype")
+    s.add_argument("results", type=Path, nargs="+")
+    s.add_argument("--rows", type=int, default=2048, help="tokens of the GEMM probe")
+    s.add_argument("--repeats", type=int, default=5)
+    s.set_defaults(run=roofline)
     args = p.parse_args()
     args.run(args)
     return 0

@@ -35,7 +35,9 @@
 #      then runs vLLM's `LLM.generate` (scripts/vllm_offline.py) and hetero-pd's engine
 #      (python -m hetero_pd.bench.offline_side) on it, each in its own process under the
 #      same taskset, --repeats rounds, taking turns going first;
-#   4. prints the results (serve: python -m hetero_pd.bench.compare) and, last, one JSON
+#   4. prints the results (serve: python -m hetero_pd.bench.compare; each run's model FLOP/s
+#      and its share of this CPU's GEMM rate in that dtype, the roofline: side_by_side.py
+#      roofline, roofline.json) and, last, one JSON
 #      line of ratios, hetero-pd over vLLM (scripts/side_by_side.py); serve mode with
 #      several configs: one such line per config, labelled hetero-pd-<config name>.
 #
@@ -351,6 +353,10 @@ if [[ " ${BENCH_ARGS[*]} " == *" --sweep "* ]]; then  # no single run to tabulat
   log "--sweep: each side's probes are in ${OUT}/<label>.txt; goodput rates below"
 else
   "$HPD_PY" -m hetero_pd.bench.compare "${files[@]}" | tee "${OUT}/compare.txt"
+fi
+if [[ " ${BENCH_ARGS[*]} " != *" --sweep "* ]]; then  # each run's share of the GEMM rate
+  "${SIDE_PY[@]}" roofline "$MODEL_DIR" "$DTYPE_RESOLVED" "${files[@]}" \
+    | tee "${OUT}/roofline.json"
 fi
 : >"${OUT}/ratios.json"
 for label in "${labels[@]:1}"; do

@@ -176,6 +176,28 @@ def step_flops(
     return 2.0 * layer_params * tokens + 2.0 * head * sampled_rows + attn
 
 
+def served_flops(
+    cfg: ModelConfig,
+    shapes: list[tuple[str, int, int]],
+    requests: int,
+    input_tokens: int,
+    output_tokens: int,
+) -> float:
+    """Model FLOPs of a served run (`step_flops` summed over its work): `requests` prompts of
+    input_tokens / requests tokens each prefilled, then each request's output tokens but the
+    first (sampled at the end of its prefill) decoded one at a time over its growing
+    context; the LM head on every output token. Requests of one length, as `bench serve`'s
+    random dataset sends (other datasets: their mean lengths)."""
+    if requests <= 0:
+        return 0.0
+    n_in, n_out = input_tokens / requests, output_tokens / requests
+    prefill = step_flops(cfg, shapes, [(round(n_in), 0)], 0)
+    steps = max(round(n_out) - 1, 0)
+    decode = sum(step_flops(cfg, shapes, [(1, round(n_in) + i)], 0) for i in range(steps))
+    head = step_flops(cfg, [s for s in shapes if s[0] == "lm_head"], [], 1)
+    return requests * (prefill + decode) + output_tokens * head
+
+
 def _median_s(run: Any, repeats: int) -> float:
     run()
     times = []

@@ -101,3 +101,28 @@ def test_config_copy_sets_dtype_and_a_router_port(tmp_path: Path) -> None:
     assert (
         raw["workers"] == yaml.safe_load((REPO / "configs" / "local.yaml").read_text())["workers"]
     )
+
+
+def test_roofline_gives_each_served_run_its_share_of_the_gemm_rate(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Two `bench serve` results of one workload (the fields roofline reads): the same model
+    FLOPs, and a run that took half the time reaches twice the share."""
+    results = []
+    for label, duration in (("vllm", 2.0), ("hetero-pd-local", 1.0)):
+        path = tmp_path / f"{label}.json"
+        fields = {"label": label, "completed": 4, "duration": duration}
+        path.write_text(json.dumps({**fields, "total_input_tokens": 32, "total_output_tokens": 8}))
+        results.append(str(path))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, str(REPO / "scripts" / "side_by_side.py"), "roofline"]
+    cmd += [str(tiny_llama_dir), "float32", *results, "--rows", "16", "--repeats", "1"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    vllm, ours = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
+    assert (vllm["label"], ours["label"]) == ("vllm", "hetero-pd-local")
+    assert vllm["model_gflop"] == ours["model_gflop"] > 0 and ours["dtype"] == "float32"
+    assert vllm["gemm_gflops"] == ours["gemm_gflops"] > 0 and ours["gemm_rows"] == 16
+    assert ours["achieved_gflops"] == pytest.approx(2 * vllm["achieved_gflops"], rel=1e-3)
+    share = ours["achieved_gflops"] / ours["gemm_gflops"]
+    assert ours["roofline_share"] == pytest.approx(share, abs=1e-3)

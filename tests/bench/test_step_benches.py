@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -73,3 +74,23 @@ def test_ops_fall_into_their_categories() -> None:
     assert category("aten::copy_") == category("aten::_to_copy") == "copies"
     assert category("aten::rsqrt") == category("cpp_fused_add_mean_mul_0") == "elementwise"
     assert category("aten::view") == "other_ops"
+
+
+def test_served_flops_are_the_steps_a_served_run_took() -> None:
+    """Two requests of 3 prompt tokens and 3 output tokens each: one prefill of 3 tokens and
+    decodes at contexts 3 and 4 per request, the LM head on all 6 output tokens; against
+    the count by hand for one 2-layer shape set (4 x 8 projections, 4 x 16 head)."""
+    from types import SimpleNamespace
+
+    from hetero_pd.bench.profile_ops import served_flops, step_flops
+
+    cfg: Any = SimpleNamespace(num_layers=2, num_heads=2, head_dim=4)  # what the count reads
+    shapes = [("q", 8, 4), ("o", 4, 8), ("lm_head", 8, 16)]
+    layer, head = 8 * 4 + 4 * 8, 8 * 16
+    attn_pairs = (1 + 2 + 3) + 4 + 5  # prefill causal, then decode over 3 + 1 and 4 + 1 keys
+    by_hand = 2 * (2 * layer * (3 + 2) + 4 * 2 * 4 * attn_pairs * 2) + 2 * head * 6
+    assert served_flops(cfg, shapes, 2, 6, 6) == by_hand
+    steps = [step_flops(cfg, shapes, [(3, 0)], 0), *(step_flops(cfg, shapes, [(1, c)], 0)
+             for c in (3, 4))]  # fmt: skip
+    assert served_flops(cfg, shapes, 2, 6, 6) == 2 * sum(steps) + 6 * 2 * head
+    assert served_flops(cfg, shapes, 0, 0, 0) == 0.0
