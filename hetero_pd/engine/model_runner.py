@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from backends import Backend, backend_for, native
+from backends import Backend, backend_for, native, paged_decode
 from backends.compiler import use_cache_dir
 from hetero_pd import envs
 from hetero_pd.engine.logprobs import record_prompt_logprobs, wants_prompt_logprobs
@@ -130,13 +130,17 @@ class ModelRunner:
         self.sampler = Sampler()
         #: Decode attention by the backend's kernel (it reads the nd layout and K/V heads
         #: only; MLA decodes over its latents, mla.py).
-        self.native_decode = (
-            kv_layout == ND
-            and all(t.is_contiguous() for t in tensors)  # not a TP rank's slice of heads
+        kernel = (
+            all(t.is_contiguous() for t in tensors)  # not a TP rank's slice of heads
             and cfg.mla is None
             and envs.native_attention()
             and backend.native_decode_attention(dtype, compiled_code_dir("kernels"))
         )
+        self.native_decode = kernel and kv_layout == ND
+        #: Causal prefill chunks by the kernel too, where its AVX-512 loops run (attention.py
+        #: `native_prefill`): whatever the cache's layout, since prefill attends to the
+        #: chunk's own K/V, so that a worker in the NPU's layout rounds as an nd one does.
+        self.native_prefill = kernel and paged_decode.bf16_path() == "avx512_bf16"
         self.compiled = compile
         self.compiled_steps = 0  # steps that ran through the compiled graph
         if compile:
@@ -182,6 +186,7 @@ class ModelRunner:
             decode_mask=torch.ones(n, 1, 1, ctx, dtype=torch.bool, device=self.device),
             kv_layout=self.kv_layout,
             native_decode=self.native_decode,
+            native_prefill=self.native_prefill,
         )
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         hidden = self.model(positions.to(self.device), meta, self.kv_caches, ids, compiled=True)
@@ -232,6 +237,7 @@ class ModelRunner:
             num_decode_tokens=len(decode_rows),
             kv_layout=self.kv_layout,
             native_decode=self.native_decode,
+            native_prefill=self.native_prefill,
         )
         if decode_rows:
             offsets = torch.arange(ctx)

@@ -50,6 +50,13 @@ class AttentionMetadata:
     # Decode attention through the backend's kernel (backends/paged_decode.py), which reads
     # K/V where they lie: ModelRunner sets it.
     native_decode: bool = False
+    # Causal prefill chunks (no cached prefix) through the kernel's AVX-512 loops
+    # (`paged_decode.prefill_causal`), which ModelRunner sets where they run: faster than
+    # SDPA's flash kernel over the same groups, which scores every block of the causal
+    # mask's masked half too (SmolLM2's heads, 8 x 256 to 16 x 64 tokens, 1 and 2 threads,
+    # a Zen 5 EPYC: 2.4-3.3x in bfloat16, 1.7-2.8x in float32). Chunks attending to a
+    # cached prefix (a mask over the context) stay on SDPA.
+    native_prefill: bool = False
     # `prefills` batched for SDPA (prefill_groups): built by the first layer, shared by all.
     groups: list[PrefillGroup] | None = None
 
@@ -167,11 +174,10 @@ def paged_attention(
     out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale)
-    by_kernel = _causal_prefill_by_kernel(q, meta)
     for g in prefill_groups(meta, q.device):
         if g.context_slots is None:
             kg, vg = group_rows(k, g), group_rows(v, g)
-            if by_kernel:
+            if meta.native_prefill:
                 rows = paged_decode.prefill_causal(group_rows(q, g), kg, vg, g.tokens, scale)
                 put_rows(out, g, rows)
                 continue
@@ -180,16 +186,6 @@ def paged_attention(
             vg = read_slots(v_cache, g.context_slots, meta.kv_layout)
         put_rows(out, g, group_sdpa(group_rows(q, g), kg, vg, g, scale))
     return out
-
-
-def _causal_prefill_by_kernel(q: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """Chunks without a cached prefix go to the C kernel's causal prefill where the CPU has
-    AVX-512 BF16 (its blocked loops): faster than SDPA's flash kernel over the same groups,
-    which scores every block of the causal mask's masked half too (SmolLM2's heads, 8 x 256
-    to 16 x 64 tokens, 1 and 2 threads, a Zen 5 EPYC: 2.4-3.3x in bfloat16, 1.7-2.8x in
-    float32). Elsewhere, and for chunks that attend to a cached prefix (a mask over the
-    context): SDPA."""
-    return meta.native_decode and paged_decode.bf16_path() == "avx512_bf16"
 
 
 def _decode(

@@ -330,18 +330,25 @@ def test_edges_empty_batches_masked_rows_views_and_thread_counts() -> None:
 def test_the_engine_uses_it_unless_told_not_to(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """float32 and bfloat16 engines take the kernel; float16 keeps the portable path."""
+    """float32 and bfloat16 engines take the kernel for decode, and for causal prefill where
+    its AVX-512 loops run (in the NPU's KV layout too: prefill reads no cache); float16
+    keeps the portable path."""
     from hetero_pd import LLM
 
     cpu = get_backend("cpu")
     assert cpu.native_decode_attention(torch.float32, KERNELS)
     assert cpu.native_decode_attention(torch.bfloat16, KERNELS)
     assert not cpu.native_decode_attention(torch.float16, KERNELS)
+    fast = paged_decode.bf16_path() == "avx512_bf16"
     for dtype in ("float32", "bfloat16"):
-        assert LLM(str(tiny_llama_dir), dtype=dtype, num_kv_blocks=16).engine.runner.native_decode
+        runner = LLM(str(tiny_llama_dir), dtype=dtype, num_kv_blocks=16).engine.runner
+        assert runner.native_decode and runner.native_prefill == fast
+    nz = {"dtype": "bfloat16", "num_kv_blocks": 16, "kv_layout": "fractal_nz"}
+    runner = LLM(str(tiny_llama_dir), **nz).engine.runner
+    assert not runner.native_decode and runner.native_prefill == fast
     monkeypatch.setenv("HETERO_PD_NATIVE_ATTENTION", "0")
-    fp32 = {"dtype": "float32", "num_kv_blocks": 16}
-    assert not LLM(str(tiny_llama_dir), **fp32).engine.runner.native_decode
+    runner = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16).engine.runner
+    assert not runner.native_decode and not runner.native_prefill
 
 
 def test_no_working_compiler_means_the_portable_path_and_a_warning(
