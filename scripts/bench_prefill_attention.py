@@ -1,8 +1,10 @@
-"""Prefill attention for one step's chunks, three ways, side by side in one process:
+"""Prefill attention for one step's chunks, side by side in one process:
 
     per_chunk  one SDPA call per chunk (what `paged_attention` did before prefill_groups)
-    grouped    `paged_attention` itself: one call per (length, context length) group
+    grouped    `paged_attention` on SDPA: one call per (length, context length) group
     padded     every chunk padded to the longest, one causal call (not used: to compare)
+    kernel     `paged_attention` with `native_prefill`: the C kernel's causal prefill
+               (backends/paged_decode.py), where its AVX-512 loops run on this CPU
 
 Sizes are one layer of the default model (9 query heads, 3 KV heads, dim 64); `--lens` the
 chunks' lengths (all without a cached prefix). The ways take turns over `--rounds`; each
@@ -23,6 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from backends import paged_decode
+from hetero_pd import envs
 from hetero_pd.bench.machine import cpu_info, take_turns
 from hetero_pd.models.attention import AttentionMetadata, PrefillSpan, paged_attention
 
@@ -73,11 +77,22 @@ def main() -> None:
         o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
         return torch.cat([o[i, :, :n].transpose(0, 1) for i, n in enumerate(lens)])
 
+    def kernel() -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(tokens), prefills=list(spans), native_prefill=True
+        )
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
     ways: dict[str, Callable[[], torch.Tensor]] = {
         "per_chunk": per_chunk,
         "grouped": grouped,
         "padded": padded,
     }
+    if paged_decode.available(dtype, envs.compile_cache_dir() / "kernels"):
+        if paged_decode.bf16_path() == "avx512_bf16":
+            ways["kernel"] = kernel
+        else:
+            print("kernel: not timed (this CPU has no AVX-512 BF16: prefill stays on SDPA)")
     want = per_chunk()
     diff = {name: float((fn() - want).abs().max()) for name, fn in ways.items()}
     ms = take_turns(ways, args.rounds, args.calls)

@@ -71,6 +71,7 @@ def test_ops_fall_into_their_categories() -> None:
     assert category("aten::addmm") == category("mkldnn::_linear_pointwise") == "gemm"
     assert category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert category("hetero_pd::paged_decode") == "attention"
+    assert category("hetero_pd::prefill_causal") == "attention"  # a named C kernel call
     assert category("aten::copy_") == category("aten::_to_copy") == "copies"
     assert category("aten::rsqrt") == category("cpp_fused_add_mean_mul_0") == "elementwise"
     assert category("aten::view") == "other_ops"
