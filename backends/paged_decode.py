@@ -48,7 +48,7 @@ _ERRORS = {
     -1: "a cache slot lies outside the KV cache",
     -2: f"more than {MAX_HEADS} query heads",
     -3: "no memory for the kernel's scratch",
-    -4: "the bfloat16 path asked for is not compiled into the kernel",
+    -4: "the path asked for is not compiled into the kernel",
 }
 
 

@@ -470,21 +470,23 @@ static int run(const void *q, const void *k, const void *v, const int64_t *slots
     return 0;
 }
 
+/* The sequence function of `path` for float32 (f32) or bfloat16; NULL for a path that is
+ * not compiled in or not known. */
+static void (*pick(int path, int f32))(const seq_t *) {
+    if (path == PATH_PORTABLE) return f32 ? seq_f32 : seq_bf16_portable;
+#ifdef HAVE_AVX512_BF16
+    if (path == PATH_AVX512_BF16) return f32 ? seq_f32_avx512 : seq_bf16_avx512;
+#endif
+    return NULL;
+}
+
 /* path: as for bfloat16 below (PATH_AVX512_BF16 takes the blocked AVX-512 loops). */
 int paged_decode(const float *q, const float *k, const float *v, const int64_t *slots,
                  const uint8_t *mask, float *out, int64_t n, int64_t ctx, int64_t kv_heads,
                  int64_t group, int64_t d, int64_t num_slots, float scale, int threads,
                  int path) {
-    void (*seq)(const seq_t *) = seq_f32;
-    if (path == PATH_AVX512_BF16) {
-#ifdef HAVE_AVX512_BF16
-        seq = seq_f32_avx512;
-#else
-        return -4;
-#endif
-    } else if (path != PATH_PORTABLE) {
-        return -4;
-    }
+    void (*seq)(const seq_t *) = pick(path, 1);
+    if (!seq) return -4;
     return run(q, k, v, slots, mask, out, NULL, n, ctx, kv_heads, group, d, num_slots, scale,
                threads, sizeof(float), seq);
 }
@@ -495,16 +497,8 @@ int paged_decode_bf16(const bf16 *q, const bf16 *k, const bf16 *v, const int64_t
                       const uint8_t *mask, float *out, int64_t n, int64_t ctx, int64_t kv_heads,
                       int64_t group, int64_t d, int64_t num_slots, float scale, int threads,
                       int path, bf16 *out16) {
-    void (*seq)(const seq_t *) = seq_bf16_portable;
-    if (path == PATH_AVX512_BF16) {
-#ifdef HAVE_AVX512_BF16
-        seq = seq_bf16_avx512;
-#else
-        return -4;
-#endif
-    } else if (path != PATH_PORTABLE) {
-        return -4;
-    }
+    void (*seq)(const seq_t *) = pick(path, 0);
+    if (!seq) return -4;
     return run(q, k, v, slots, mask, out, out16, n, ctx, kv_heads, group, d, num_slots, scale,
                threads, sizeof(bf16), seq);
 }
@@ -519,16 +513,8 @@ int paged_decode_bf16(const bf16 *q, const bf16 *k, const bf16 *v, const int64_t
 int prefill_causal(const void *q, const void *k, const void *v, void *out, int64_t size,
                    int64_t tokens, int64_t kv_heads, int64_t group, int64_t d, float scale,
                    int threads, int path, int f32) {
-    void (*seq)(const seq_t *) = f32 ? seq_f32 : seq_bf16_portable;
-    if (path == PATH_AVX512_BF16) {
-#ifdef HAVE_AVX512_BF16
-        seq = f32 ? seq_f32_avx512 : seq_bf16_avx512;
-#else
-        return -4;
-#endif
-    } else if (path != PATH_PORTABLE) {
-        return -4;
-    }
+    void (*seq)(const seq_t *) = pick(path, f32);
+    if (!seq) return -4;
     int64_t heads = kv_heads * group, width = kv_heads * d, rows = size * tokens;
     size_t elem = f32 ? sizeof(float) : sizeof(bf16);
     if (heads > MAX_HEADS) return -2;

@@ -90,7 +90,7 @@ SHAPES = [
 ]
 #: The kernel's paths: the portable one runs everywhere, AVX-512 BF16 where the CPU has it
 #: (float32 takes its blocked loops too).
-BF16_PATHS = [
+KERNEL_PATHS = [
     pytest.param(True, id="portable"),
     pytest.param(
         False,
@@ -103,7 +103,7 @@ BF16_PATHS = [
 
 
 @needs_kernel
-@pytest.mark.parametrize("portable", BF16_PATHS)
+@pytest.mark.parametrize("portable", KERNEL_PATHS)
 @pytest.mark.parametrize("kv_heads,group", [(3, 3), (2, 1), (1, 8)])
 @pytest.mark.parametrize("lens,block,dim", SHAPES)
 def test_float32_equals_sdpa_over_a_gathered_copy(
@@ -118,7 +118,7 @@ def test_float32_equals_sdpa_over_a_gathered_copy(
 
 
 @needs_kernel
-@pytest.mark.parametrize("portable", BF16_PATHS)
+@pytest.mark.parametrize("portable", KERNEL_PATHS)
 @pytest.mark.parametrize("kv_heads,group", [(3, 3), (2, 1), (1, 8)])
 @pytest.mark.parametrize("lens,block,dim", SHAPES)
 def test_bfloat16_equals_sdpa_within_a_rounding(
@@ -142,7 +142,7 @@ def test_bfloat16_equals_sdpa_within_a_rounding(
 
 
 @needs_kernel
-@pytest.mark.parametrize("portable", BF16_PATHS)
+@pytest.mark.parametrize("portable", KERNEL_PATHS)
 def test_a_bfloat16_output_is_the_float32_one_rounded(portable: bool) -> None:
     """`bf16_out` rounds in the kernel (the engine's bf16 steps take it: no float32 output
     for a separate cast loop): the same bits as casting the float32 output; float32 K/V
@@ -176,7 +176,7 @@ def reference(
 
 
 @needs_kernel
-@pytest.mark.parametrize("portable", BF16_PATHS)
+@pytest.mark.parametrize("portable", KERNEL_PATHS)
 @pytest.mark.parametrize(
     "size,tokens,kv_heads,group,dim",
     [(8, 37, 3, 3, 64), (1, 300, 3, 3, 64), (2, 16, 2, 1, 128), (3, 5, 1, 8, 72)],
@@ -217,7 +217,7 @@ def test_causal_prefill_equals_sdpa_within_a_rounding(
 
 
 @needs_kernel
-@pytest.mark.parametrize("portable", BF16_PATHS)
+@pytest.mark.parametrize("portable", KERNEL_PATHS)
 @pytest.mark.parametrize("size,tokens,kv_heads,group,dim", [(8, 37, 3, 3, 64), (2, 16, 2, 1, 128)])
 def test_causal_prefill_in_float32_equals_sdpa(
     portable: bool, size: int, tokens: int, kv_heads: int, group: int, dim: int
