@@ -8,6 +8,8 @@
 #   scripts/vllm_side_by_side.sh --dtype auto --hetero-pd-config configs/local.yaml \
 #       --hetero-pd-config configs/colocated.yaml -- --num-prompts 32 --rate 1
 #   scripts/vllm_side_by_side.sh --mode offline --dtype bfloat16  # LLM.generate vs ours
+#   scripts/vllm_side_by_side.sh --dtype float32,bfloat16 --hetero-pd-config configs/local.yaml
+#       # one run per dtype in turn, results in OUT/float32 and OUT/bfloat16
 #   scripts/vllm_side_by_side.sh --hetero-pd-config configs/local.yaml -- --endpoint \
 #       completions --dataset random --random-input-len 256 --random-output-len 64 \
 #       --num-prompts 32 --ignore-eos --slo ttft:2000 tpot:200 --sweep \
@@ -89,7 +91,8 @@ Options (defaults in brackets):
                            compare several deployments (e.g. configs/local.yaml and
                            configs/colocated.yaml) with the same vLLM run
   --mode serve|offline     served (bench serve) or offline (LLM.generate) [$MODE]
-  --dtype D                auto | float32 | bfloat16, the same for both sides [$DTYPE]
+  --dtype D                auto | float32 | bfloat16, the same for both sides [$DTYPE];
+                           several joined by commas (float32,bfloat16): one run each
   --repeats N              offline rounds, the sides taking turns going first [$REPEATS]
   --hpd-threads N          offline: hetero-pd engine's torch threads [CPUs in --cpus]
                            (vLLM's CPU build picks its own: on 2 CPUs, 1 OMP thread on the
@@ -108,6 +111,7 @@ Environment: PYTHON (for the venv) [python3], HPD_PY (hetero-pd's python)
 EOF
 }
 
+ORIG_ARGS=("$@")
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model-dir) MODEL_DIR="$2"; shift 2 ;;
@@ -144,11 +148,31 @@ log() { echo "== $*" >&2; }
 [[ -f "${MODEL_DIR}/config.json" ]] || die "no model at ${MODEL_DIR} (run: hetero-pd fetch-model ${MODEL_NAME})"
 [[ -x "$HPD_PY" ]] || die "no ${HPD_PY}: run 'make setup' in ${REPO} first (or set HPD_PY)"
 [[ "$MODE" == serve || "$MODE" == offline ]] || die "--mode must be serve or offline, not ${MODE}"
-[[ "$DTYPE" =~ ^(auto|float32|bfloat16)$ ]] || die "--dtype must be auto, float32 or bfloat16"
+[[ "$DTYPE" =~ ^(auto|float32|bfloat16)(,(auto|float32|bfloat16))*$ ]] \
+  || die "--dtype must be auto, float32 or bfloat16, or several of them joined by commas"
 [[ "$REPEATS" =~ ^[1-9][0-9]*$ ]] || die "--repeats must be a positive integer"
 command -v taskset >/dev/null || die "taskset not found (util-linux)"
 [[ "$MODE" == offline ]] || command -v curl >/dev/null || die "curl not found"
 mkdir -p "$OUT"
+
+if [[ "$DTYPE" == *,* ]]; then  # several dtypes: this script once per dtype, in turn
+  rest=() skip=0 after=0
+  for arg in "${ORIG_ARGS[@]}"; do  # every option but --dtype and --out, as given
+    if ((after)); then rest+=("$arg"); continue; fi
+    if ((skip)); then skip=0; continue; fi
+    case "$arg" in
+      --dtype | --out) skip=1 ;;
+      --) after=1; rest+=("$arg") ;;
+      *) rest+=("$arg") ;;
+    esac
+  done
+  IFS=, read -ra dtypes <<<"$DTYPE"
+  for dtype in "${dtypes[@]}"; do
+    log "--dtype ${DTYPE}: the ${dtype} run, results in ${OUT}/${dtype}"
+    "$0" --dtype "$dtype" --out "${OUT}/${dtype}" "${rest[@]}"
+  done
+  exit 0
+fi
 
 # shellcheck source=scripts/servers.sh
 source "${REPO}/scripts/servers.sh"  # SERVER_PIDS, stop_servers, free_port, wait_healthy

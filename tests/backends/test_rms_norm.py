@@ -13,7 +13,7 @@ from backends import get_backend, rms_norm
 from backends.cpuinfo import cpu_flags
 from hetero_pd import LLM, envs
 from hetero_pd.models.llama import RMSNorm
-from tests.backends.test_paged_decode import BF16_PATHS as PATHS
+from tests.backends.test_paged_decode import KERNEL_PATHS as PATHS
 
 KERNELS = envs.compile_cache_dir() / "kernels"  # where engines keep it
 pytestmark = pytest.mark.skipif(

@@ -43,6 +43,25 @@ def test_offline_mode_ends_with_one_json_line(text_llama_dir: Path, tmp_path: Pa
     assert "--dtype auto: hetero-pd's engine picks" in done.stderr
 
 
+def test_several_dtypes_run_in_turn(text_llama_dir: Path, tmp_path: Path) -> None:
+    """`--dtype float32,bfloat16`: one run of the script per dtype, each in its own folder
+    under --out, each ending with its own JSON line."""
+    env = {**os.environ, "HPD_PY": sys.executable, "PYTHONPATH": str(REPO)}
+    cmd = [str(SCRIPT), "--mode", "offline", "--skip-vllm", "--dtype", "float32,bfloat16"]
+    cmd += ["--model-dir", str(text_llama_dir), "--repeats", "1", "--offline-prompts", "1"]
+    cmd += ["--offline-max-tokens", "2", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.strip().splitlines()[-2:]]
+    assert [r["dtype"] for r in lines] == ["float32", "bfloat16"]
+    for dtype in ("float32", "bfloat16"):
+        assert (tmp_path / dtype / "ratios.json").is_file()
+    bad = [str(SCRIPT), "--dtype", "float32,float64", "--model-dir", str(text_llama_dir)]
+    bad += ["--out", str(tmp_path / "x")]
+    refused = subprocess.run(bad, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "joined by commas" in refused.stderr
+
+
 def test_serve_ratios_are_hetero_pd_over_vllm(tmp_path: Path) -> None:
     vllm, hpd = tmp_path / "vllm.json", tmp_path / "hetero-pd.json"
     vllm.write_text(json.dumps({"output_throughput": 80.0, "p99_ttft_ms": 300.0, "completed": 4}))

@@ -180,7 +180,17 @@ class Migrations:
             self._fail(rid, "it finished while its KV was copied", True)
             return
         new = sum(now[p.engine_id][1] // bs - p.sent for p in live)
-        if out.precopy and new > SMALL_ROUND_BLOCKS * len(live) and out.rounds < MAX_ROUNDS:
+        # Blocks the destination still has room for beyond what each part holds now. After
+        # the first round `new` is what decoding filled during the last one, about what the
+        # next will fill: it pauses while the rest still fits rather than push past the
+        # reservation (a small model on a fast CPU outgrew the router's headroom that way).
+        room = min(len(p.dest_blocks) - -(-now[p.engine_id][1] // bs) for p in live)
+        if (
+            out.precopy
+            and new > SMALL_ROUND_BLOCKS * len(live)
+            and out.rounds < MAX_ROUNDS
+            and room > (new if out.rounds else 0)
+        ):
             for part in live:
                 blocks, computed, _ = now[part.engine_id]
                 full = computed // bs
