@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -28,12 +29,17 @@ def test_names_no_package_index() -> None:
         assert all(u.startswith("http://127.0.0.1") for u in urls), (path.name, urls)
 
 
-def test_offline_mode_ends_with_one_json_line(text_llama_dir: Path, tmp_path: Path) -> None:
+def offline(model: Path, out: Path, dtype: str, prompts: int, tokens: int) -> Any:
+    """The script in offline mode without vLLM: its finished process."""
     env = {**os.environ, "HPD_PY": sys.executable, "PYTHONPATH": str(REPO)}
-    cmd = [str(SCRIPT), "--mode", "offline", "--skip-vllm", "--dtype", "auto"]
-    cmd += ["--model-dir", str(text_llama_dir), "--repeats", "1", "--offline-prompts", "2"]
-    cmd += ["--offline-max-tokens", "4", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
+    cmd = [str(SCRIPT), "--mode", "offline", "--skip-vllm", "--dtype", dtype]
+    cmd += ["--model-dir", str(model), "--repeats", "1", "--offline-prompts", str(prompts)]
+    cmd += ["--offline-max-tokens", str(tokens), "--out", str(out)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
+
+
+def test_offline_mode_ends_with_one_json_line(text_llama_dir: Path, tmp_path: Path) -> None:
+    done = offline(text_llama_dir, tmp_path, "auto", 2, 4)
     assert done.returncode == 0, done.stderr[-3000:]
     res = json.loads(done.stdout.strip().splitlines()[-1])
     assert res["mode"] == "offline" and res["rounds"] == 1
@@ -46,19 +52,13 @@ def test_offline_mode_ends_with_one_json_line(text_llama_dir: Path, tmp_path: Pa
 def test_several_dtypes_run_in_turn(text_llama_dir: Path, tmp_path: Path) -> None:
     """`--dtype float32,bfloat16`: one run of the script per dtype, each in its own folder
     under --out, each ending with its own JSON line."""
-    env = {**os.environ, "HPD_PY": sys.executable, "PYTHONPATH": str(REPO)}
-    cmd = [str(SCRIPT), "--mode", "offline", "--skip-vllm", "--dtype", "float32,bfloat16"]
-    cmd += ["--model-dir", str(text_llama_dir), "--repeats", "1", "--offline-prompts", "1"]
-    cmd += ["--offline-max-tokens", "2", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
+    done = offline(text_llama_dir, tmp_path, "float32,bfloat16", 1, 2)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.strip().splitlines()[-2:]]
     assert [r["dtype"] for r in lines] == ["float32", "bfloat16"]
     for dtype in ("float32", "bfloat16"):
         assert (tmp_path / dtype / "ratios.json").is_file()
-    bad = [str(SCRIPT), "--dtype", "float32,float64", "--model-dir", str(text_llama_dir)]
-    bad += ["--out", str(tmp_path / "x")]
-    refused = subprocess.run(bad, env=env, capture_output=True, text=True, timeout=60)
+    refused = offline(text_llama_dir, tmp_path / "x", "float32,float64", 1, 2)
     assert refused.returncode != 0 and "joined by commas" in refused.stderr
 
 
