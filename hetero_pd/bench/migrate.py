@@ -33,6 +33,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def output_tokens(migrations: int, gap: int) -> int:
+    """The measured request's max_tokens. Tokens go on while a migration runs: on a Zen 5
+    core the tests' tiny model decoded the 32 a migration once had to spare before the
+    next one began (the request ended, "not decoding"). The request is cancelled after
+    its last migration, so a machine that keeps up never decodes them all."""
+    return 2 * migrations * (gap + 256) + 64
+
+
 #: Tries again after a migration that failed and left its request decoding where it was
 #: (on a fast CPU a small model can outgrow the destination's headroom during the copy).
 RETRIES = 2
@@ -43,10 +51,7 @@ def measure(stack: Stack, context: int, migrations: int, gap: int) -> dict[str, 
     router = stack.router
     assert router is not None
     rid = f"bench-migrate-{context}"
-    # Tokens go on while a migration runs: on a Zen 5 core the tests' tiny model decoded
-    # the 32 a migration once had to spare before the next one began (the request ended,
-    # "not decoding"). The request is cancelled after the last migration anyway.
-    max_tokens = 2 * migrations * (gap + 256) + 64
+    max_tokens = output_tokens(migrations, gap)
     prompt = random_prompts([context], seed=context)[0]
 
     async def consume() -> int:
@@ -156,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     engine: dict[str, Any] = {
-        "max_model_len": max(contexts) + 2 * args.migrations * (args.gap + 32) + 128,
+        # the request's context, its output, and the router's headroom on a destination
+        "max_model_len": max(contexts) + output_tokens(args.migrations, args.gap) + 128,
         "num_kv_blocks": (max(contexts) * 3) // 16 + 512,
         "max_num_batched_tokens": 2048,
     }
