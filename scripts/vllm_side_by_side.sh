@@ -267,11 +267,13 @@ PY
 
 run_vllm() {
   install_vllm
-  local port url logfile="${OUT}/vllm-server.log"
+  local port url ipc_dir logfile="${OUT}/vllm-server.log"
   port="$(free_port)"
   url="http://127.0.0.1:${port}"
   log "starting vllm serve on ${url}, CPUs ${CPUS}"
+  ipc_dir="$(vllm_ipc_dir)"
   VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}" \
+    VLLM_RPC_BASE_PATH="$ipc_dir" \
     setsid taskset -c "$CPUS" "${VENV}/bin/vllm" serve "$MODEL_DIR" \
     --served-model-name "$MODEL_NAME" --host 127.0.0.1 --port "$port" \
     --dtype "$DTYPE_RESOLVED" --max-model-len 2048 >"$logfile" 2>&1 &
@@ -279,7 +281,13 @@ run_vllm() {
   wait_healthy "$url" "$!" "$logfile"
   bench vllm "$url"
   stop_servers
+  rm -rf "$ipc_dir"
 }
+
+# vLLM names its processes' ZMQ sockets ipc://$VLLM_RPC_BASE_PATH/<uuid> (default: the temp
+# folder) and leaves them when it stops: each vLLM run gets a folder of its own, removed
+# after it.
+vllm_ipc_dir() { mktemp -d "${TMPDIR:-/tmp}/vllm-ipc.XXXXXX"; }
 
 hpd_label() {  # CONFIG: the results' label, named after CONFIG when several are compared
   if ((${#HPD_CONFIGS[@]} > 1)); then
@@ -324,7 +332,7 @@ run_offline() {
   "${SIDE_PY[@]}" spec "$MODEL_DIR" "$DTYPE_RESOLVED" "$spec" --threads "$threads" \
     --num-prompts "$OFFLINE_PROMPTS" --max-tokens "$OFFLINE_MAX_TOKENS"
   if ((RUN_VLLM)); then install_vllm; fi
-  local r side order
+  local r side order ipc_dir
   for ((r = 0; r < REPEATS; r++)); do
     order=(hetero-pd vllm)
     if ((r % 2)); then order=(vllm hetero-pd); fi
@@ -332,10 +340,13 @@ run_offline() {
       if [[ $side == vllm ]]; then
         ((RUN_VLLM)) || continue
         log "round $((r + 1)): vLLM LLM.generate, CPUs ${CPUS}"
+        ipc_dir="$(vllm_ipc_dir)"
         VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}" \
+          VLLM_RPC_BASE_PATH="$ipc_dir" \
           taskset -c "$CPUS" "${VENV}/bin/python" "${REPO}/scripts/vllm_offline.py" \
           <"$spec" >"${OUT}/offline-vllm-${r}.json" 2>>"${OUT}/offline-vllm.log" \
           || { tail -n 40 "${OUT}/offline-vllm.log" >&2; die "vLLM's side failed"; }
+        rm -rf "$ipc_dir"
       else
         ((RUN_HPD)) || continue
         log "round $((r + 1)): hetero-pd engine, ${threads} threads, CPUs ${CPUS}"
