@@ -248,6 +248,15 @@ TARGET_BF16 static inline __m512 widen16(const bf16 *x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* K and V rows of positions t0.. t0+15, before they are needed: V for the weighted sum
+ * (in L2 by then: one sequence's V is ~100-200 KB), which alone would wait on each row. */
+static inline void prefetch_block(const seq_t *s, int64_t t0, int64_t bytes) {
+    for (int64_t t = t0; t < t0 + 16; t++) {
+        prefetch_row((const char *)s->k, s->sl, s->mk, t, s->ctx, bytes);
+        prefetch_row((const char *)s->v, s->sl, s->mk, t, s->ctx, bytes);
+    }
+}
+
 /* Scores of positions t0.. t0+15 (those past ctx or masked: -inf) for every query head,
  * into p; mx[j] the running maxima. F32: float32 K and q (else bfloat16); D the head dim. */
 __attribute__((always_inline)) TARGET_BF16 static inline void scores16(
@@ -260,12 +269,7 @@ __attribute__((always_inline)) TARGET_BF16 static inline void scores16(
     __mmask16 attend = _mm_test_epi8_mask(m8, m8) & in;
     for (int i = 0; i < 16; i++)
         rows[i] = attend >> i & 1 ? k + s->sl[t0 + i] * bytes : (const char *)s->row;
-    /* The next block's K rows, before they are needed, and its V rows for the weighted sum
-     * (in L2 by then: one sequence's V is ~100-200 KB), which alone would wait on each row. */
-    for (int64_t t = t0 + 16; t < t0 + 32; t++) {
-        prefetch_row(k, s->sl, s->mk, t, s->ctx, bytes);
-        prefetch_row((const char *)s->v, s->sl, s->mk, t, s->ctx, bytes);
-    }
+    prefetch_block(s, t0 + 16, bytes);
     __m512 scale = _mm512_set1_ps(s->scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < s->heads; j++) {
         const char *qj = (const char *)s->q + j * s->d * ES;
@@ -333,7 +337,7 @@ __attribute__((always_inline)) TARGET_BF16 static inline void weigh(
     const float *p = s->p + j0 * s->ldp;
     for (int64_t t = 0; t < s->ctx; t++) {
         if (!s->mk[t]) continue;
-        if (t + AHEAD < s->ctx && s->mk[t + AHEAD])
+        if (t + AHEAD < s->ctx && s->mk[t + AHEAD]) /* into L1, from where scores16 left it */
             for (int c = 0; c < NO * 16 * ES; c += 64) /* a cache line at a time */
                 __builtin_prefetch(v + s->sl[t + AHEAD] * s->width * ES + c);
         const char *vr = v + s->sl[t] * s->width * ES;
@@ -368,11 +372,7 @@ __attribute__((always_inline)) TARGET_BF16 static inline void seq_blocked(const 
     float inv[MAX_HEADS];
     for (int64_t j = 0; j < s->heads; j++) mx[j] = _mm512_set1_ps(-INFINITY);
     memset(s->row, 0, sizeof(float) * (size_t)s->width); /* masked positions' row */
-    int64_t bytes = s->width * ES;
-    for (int64_t t = 0; t < 16; t++) { /* the first block's rows (scores16 asks for the rest) */
-        prefetch_row((const char *)s->k, s->sl, s->mk, t, s->ctx, bytes);
-        prefetch_row((const char *)s->v, s->sl, s->mk, t, s->ctx, bytes);
-    }
+    prefetch_block(s, 0, s->width * ES); /* the first block (scores16 asks for the next) */
     for (int64_t t = 0; t < s->ctx; t += 16) scores16(s, t, mx, D, F32);
     softmax16(s, mx, inv, !F32);
     int64_t group = s->heads / (s->width / s->d);
@@ -388,16 +388,11 @@ __attribute__((always_inline)) TARGET_BF16 static inline void seq_blocked(const 
     }
 }
 
-TARGET_BF16 static void seq_bf16_blocked64(const seq_t *s) { seq_blocked(s, 64, 0); }
-TARGET_BF16 static void seq_bf16_blocked128(const seq_t *s) { seq_blocked(s, 128, 0); }
-TARGET_BF16 static void seq_f32_blocked64(const seq_t *s) { seq_blocked(s, 64, 1); }
-TARGET_BF16 static void seq_f32_blocked128(const seq_t *s) { seq_blocked(s, 128, 1); }
-
 TARGET_BF16 static void seq_bf16_avx512(const seq_t *s) {
     if (s->d == 64)
-        seq_bf16_blocked64(s);
+        seq_blocked(s, 64, 0);
     else if (s->d == 128)
-        seq_bf16_blocked128(s);
+        seq_blocked(s, 128, 0);
     else
         seq_bf16_avx512_any(s);
 }
@@ -406,13 +401,35 @@ TARGET_BF16 static void seq_bf16_avx512(const seq_t *s) {
  * CPU has AVX-512 BF16 too); other head dims as the portable path. */
 TARGET_BF16 static void seq_f32_avx512(const seq_t *s) {
     if (s->d == 64)
-        seq_f32_blocked64(s);
+        seq_blocked(s, 64, 1);
     else if (s->d == 128)
-        seq_f32_blocked128(s);
+        seq_blocked(s, 128, 1);
     else
         seq_f32(s);
 }
 #endif
+
+/* A task's view of its thread's scratch (`scratch_floats` of them): every query head's
+ * scores (row stride ldp), a widened row, a widened query, and an output for rounding. */
+static int64_t scratch_floats(int64_t heads, int64_t ldp, int64_t width, int64_t d) {
+    return heads * ldp + width + 2 * heads * d;
+}
+
+static void use_scratch(seq_t *s, float *mine, int64_t ldp, int64_t width) {
+    s->p = mine;
+    s->row = mine + s->heads * ldp;
+    s->qf = s->row + width;
+    if (!s->out) s->out = s->qf + s->heads * s->d;
+}
+
+/* A task's float32 output rounded to bfloat16 into dst, as torch's cast rounds it. */
+static void store_bf16(bf16 *dst, const float *src, int64_t count) {
+    for (int64_t e = 0; e < count; e++) dst[e] = (bf16)(as_bits(round_to_bf16(src[e])) >> 16);
+}
+
+static void head_offsets(int64_t *kv_of, int64_t heads, int64_t group, int64_t d) {
+    for (int64_t j = 0; j < heads; j++) kv_of[j] = (j / group) * d; /* its KV head's, in a row */
+}
 
 /* The loop over sequences shared by both dtypes; `elem` is the byte size of q, K and V. */
 static int run(const void *q, const void *k, const void *v, const int64_t *slots,
@@ -432,25 +449,18 @@ static int run(const void *q, const void *k, const void *v, const int64_t *slots
     for (int64_t t = 0; t < n * ctx; t++)
         if (mask[t] && (slots[t] < 0 || slots[t] >= num_slots)) return -1;
     if (threads < 1) threads = 1;
-    int64_t kv_of[MAX_HEADS]; /* offset of query head j's KV head in a slot's row */
-    for (int64_t j = 0; j < heads; j++) kv_of[j] = (j / group) * d;
-    /* Per thread: every query head's scores, a widened row and a widened query; with out16,
-     * the sequence's float32 output before it is rounded to bf16 there. */
-    int64_t ldp = (ctx + 15) / 16 * 16;
-    int64_t per_thread = heads * ldp + width + heads * d + (out16 ? heads * d : 0);
+    int64_t kv_of[MAX_HEADS];
+    head_offsets(kv_of, heads, group, d);
+    int64_t ldp = (ctx + 15) / 16 * 16, per_thread = scratch_floats(heads, ldp, width, d);
     float *scratch = malloc(sizeof(float) * (size_t)(per_thread * threads));
     if (!scratch) return -3;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t i = 0; i < n; i++) {
-        float *mine = scratch + per_thread * omp_get_thread_num();
         seq_t s = {
             .q = (const char *)q + (size_t)(i * heads * d) * elem,
             .k = k,
             .v = v,
-            .out = out16 ? mine + heads * ldp + width + heads * d : out + i * heads * d,
-            .p = mine,
-            .row = mine + heads * ldp,
-            .qf = mine + heads * ldp + width,
+            .out = out16 ? NULL : out + i * heads * d, /* NULL: the scratch's (use_scratch) */
             .sl = slots + i * ctx,
             .kv_of = kv_of,
             .mk = mask + i * ctx,
@@ -461,10 +471,9 @@ static int run(const void *q, const void *k, const void *v, const int64_t *slots
             .width = width,
             .scale = scale,
         };
+        use_scratch(&s, scratch + per_thread * omp_get_thread_num(), ldp, width);
         seq(&s);
-        if (out16)
-            for (int64_t c = 0; c < heads * d; c++)
-                out16[i * heads * d + c] = (bf16)(as_bits(round_to_bf16(s.out[c])) >> 16);
+        if (out16) store_bf16(out16 + i * heads * d, s.out, heads * d);
     }
     free(scratch);
     return 0;
@@ -521,9 +530,8 @@ int prefill_causal(const void *q, const void *k, const void *v, void *out, int64
     if (rows <= 0 || heads <= 0 || d <= 0) return 0;
     if (threads < 1) threads = 1;
     int64_t kv_of[MAX_HEADS];
-    for (int64_t j = 0; j < heads; j++) kv_of[j] = (j / group) * d;
-    int64_t ldp = (tokens + 15) / 16 * 16;
-    int64_t per_thread = heads * ldp + width + 2 * heads * d;
+    head_offsets(kv_of, heads, group, d);
+    int64_t ldp = (tokens + 15) / 16 * 16, per_thread = scratch_floats(heads, ldp, width, d);
     float *scratch = malloc(sizeof(float) * (size_t)(per_thread * threads));
     int64_t *sl = malloc(sizeof(int64_t) * (size_t)tokens); /* a chunk's rows are its slots */
     uint8_t *mk = malloc((size_t)tokens);
@@ -536,15 +544,11 @@ int prefill_causal(const void *q, const void *k, const void *v, void *out, int64
     for (int64_t r = 0; r < rows; r++) {
         /* The longest rows first (each chunk's last), so that the short ones fill the end. */
         int64_t c = (rows - 1 - r) % size, i = tokens - 1 - (r / size), row = c * tokens + i;
-        float *mine = scratch + per_thread * omp_get_thread_num();
         seq_t s = {
             .q = (const char *)q + (size_t)(row * heads * d) * elem,
             .k = (const char *)k + (size_t)(c * tokens * width) * elem,
             .v = (const char *)v + (size_t)(c * tokens * width) * elem,
-            .out = f32 ? (float *)out + row * heads * d : mine + heads * ldp + width + heads * d,
-            .p = mine,
-            .row = mine + heads * ldp,
-            .qf = mine + heads * ldp + width,
+            .out = f32 ? (float *)out + row * heads * d : NULL,
             .sl = sl,
             .kv_of = kv_of,
             .mk = mk,
@@ -555,10 +559,9 @@ int prefill_causal(const void *q, const void *k, const void *v, void *out, int64
             .width = width,
             .scale = scale,
         };
+        use_scratch(&s, scratch + per_thread * omp_get_thread_num(), ldp, width);
         seq(&s);
-        if (!f32)
-            for (int64_t e = 0; e < heads * d; e++)
-                ((bf16 *)out)[row * heads * d + e] = (bf16)(as_bits(round_to_bf16(s.out[e])) >> 16);
+        if (!f32) store_bf16((bf16 *)out + row * heads * d, s.out, heads * d);
     }
     free(scratch), free(sl), free(mk);
     return 0;
