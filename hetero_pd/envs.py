@@ -63,8 +63,9 @@ def adaptive_threads() -> bool:
 
 
 def native_attention() -> bool:
-    """$HETERO_PD_NATIVE_ATTENTION: "0" keeps CPU decode attention on the portable path
-    instead of the C kernel built on first use (backends/paged_decode.py)."""
+    """$HETERO_PD_NATIVE_ATTENTION: "0" keeps CPU decode attention on the portable path,
+    and causal prefill on SDPA, instead of the C kernel built on first use
+    (backends/paged_decode.py)."""
     return os.environ.get(NATIVE_ATTENTION, "1").strip() != "0"
 
 
