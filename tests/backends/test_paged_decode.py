@@ -239,6 +239,29 @@ def test_causal_prefill_in_float32_equals_sdpa(
 
 
 @needs_kernel
+@pytest.mark.parametrize("portable", KERNEL_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_poisoned_chunk_leaves_the_others_in_its_call_alone(
+    portable: bool, dtype: torch.dtype
+) -> None:
+    """Chunks of several requests share one call (prefill_groups): one whose q, K and V a
+    hostile client filled with NaN, inf and huge values (an edge session's hidden states,
+    say) changes no bit of the others' outputs, and the call does not fail."""
+    gen = torch.Generator().manual_seed(7)
+    size, tokens, heads, kv_heads, dim = 4, 40, 9, 3, 64
+    q = torch.randn(size * tokens, heads, dim, generator=gen).to(dtype)
+    k, v = (torch.randn(size * tokens, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    clean = paged_decode.prefill_causal(q, k, v, tokens, dim**-0.5, portable=portable)
+    bad = slice(tokens, 2 * tokens)  # the second chunk
+    for t, value in ((q, float("nan")), (k, float("inf")), (v, 3e38)):
+        t[bad, :, ::3] = value
+    got = paged_decode.prefill_causal(q, k, v, tokens, dim**-0.5, portable=portable)
+    others = torch.ones(size * tokens, dtype=torch.bool)
+    others[bad] = False
+    assert torch.equal(got[others], clean[others])
+
+
+@needs_kernel
 def test_causal_prefill_refuses_what_it_cannot_read() -> None:
     q = torch.zeros(6, 4, 8, dtype=torch.bfloat16)
     kv = torch.zeros(6, 2, 8, dtype=torch.bfloat16)
