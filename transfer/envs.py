@@ -27,6 +27,24 @@ def hash_inline_bytes() -> int:
     return int(os.environ.get("HETERO_PD_HASH_INLINE_BYTES", 64 << 20))
 
 
+def hash_piece_bytes(l2_bytes: int | None) -> int:
+    """$HETERO_PD_HASH_PIECE_BYTES: the data channel hashes a chunk in pieces of this size,
+    each right after the kernel copied it (sending) or wrote it (receiving), while it is in
+    this core's cache. Default: three quarters of the core's L2 cache (``l2_bytes``; 768 KiB
+    where it is unknown), kept within 256 KiB - 2 MiB. A piece as large as the L2 left it
+    half evicted by the kernel's own copy: on a Zen 5 core (1 MiB L2) 1 MiB pieces cost
+    0.22-0.32 of a tcp push's time, 768 KiB ones 0.02-0.13 (docs/BENCHMARKS.md, section 2)."""
+    env = os.environ.get("HETERO_PD_HASH_PIECE_BYTES")
+    if env:
+        value = int(env)
+        if value < 4096:
+            raise ValueError(f"HETERO_PD_HASH_PIECE_BYTES={env}: need at least 4096")
+        return value
+    if not l2_bytes:
+        return 768 << 10
+    return min(max(l2_bytes * 3 // 4, 256 << 10), 2 << 20)
+
+
 def native_hash() -> bool:
     """$HETERO_PD_NATIVE_HASH: "0" keeps checksums in Python (the `xxhash` package) instead
     of the C loops that hash KV as they move it (backends/xxh3_io.py; default on)."""

@@ -95,6 +95,27 @@ def test_cpu_name_from_cpuinfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert cpuinfo.host_cpu_name()
 
 
+def test_l2_cache_size_from_sysfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The level-2 data/unified cache is found among sysfs's caches (not L1's or L3's)."""
+    for i, (level, kind, size) in enumerate(
+        [("1", "Data", "48K"), ("1", "Instruction", "32K"), ("2", "Unified", "1024K"),
+         ("3", "Unified", "32768K")]
+    ):  # fmt: skip
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(level + "\n")
+        (d / "type").write_text(kind + "\n")
+        (d / "size").write_text(size + "\n")
+    monkeypatch.setattr(cpuinfo, "CACHE_PATH", tmp_path)
+    assert cpuinfo.l2_cache_bytes() == 1 << 20
+    (tmp_path / "index2" / "size").write_text("2M\n")
+    assert cpuinfo.l2_cache_bytes() == 2 << 20
+    (tmp_path / "index2" / "size").write_text("lots\n")
+    assert cpuinfo.l2_cache_bytes() is None
+    monkeypatch.setattr(cpuinfo, "CACHE_PATH", tmp_path / "missing")
+    assert cpuinfo.l2_cache_bytes() is None
+
+
 @pytest.mark.parametrize("shape", [(4, 8), torch.Size([2, 3, 5])])
 def test_pinned_empty_is_a_host_buffer(
     backend: CpuBackend, shape: tuple[int, ...] | torch.Size

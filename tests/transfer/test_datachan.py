@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from transfer import RemoteBlocks, TransferEngine, TransferState
+from transfer import RemoteBlocks, TransferEngine, TransferState, envs
 from transfer.testing import PeerProcess, blocks_digest
 from transfer.transports.tcp import data_in, data_out, frames
 
@@ -126,6 +126,25 @@ def test_trailer_flag_round_trip_and_bounds() -> None:
     )
     with pytest.raises(Exception, match="malformed"):  # trailers are for DATA only
         frames.unpack(message, 64)
+
+
+@pytest.mark.parametrize(
+    ("l2", "piece"),
+    [(1 << 20, 768 << 10), (512 << 10, 384 << 10), (128 << 10, 256 << 10),
+     (8 << 20, 2 << 20), (None, 768 << 10)],
+)  # fmt: skip
+def test_hash_pieces_follow_the_l2_cache(
+    monkeypatch: pytest.MonkeyPatch, l2: int | None, piece: int
+) -> None:
+    """Three quarters of the core's L2, within 256 KiB - 2 MiB; the variable overrides it
+    and a piece too small to be one is refused by name."""
+    monkeypatch.delenv("HETERO_PD_HASH_PIECE_BYTES", raising=False)
+    assert envs.hash_piece_bytes(l2) == piece
+    monkeypatch.setenv("HETERO_PD_HASH_PIECE_BYTES", "65536")
+    assert envs.hash_piece_bytes(l2) == 65536
+    monkeypatch.setenv("HETERO_PD_HASH_PIECE_BYTES", "100")
+    with pytest.raises(ValueError, match="HETERO_PD_HASH_PIECE_BYTES"):
+        envs.hash_piece_bytes(l2)
 
 
 @pytest.mark.parametrize("piece", [1000, 4096])

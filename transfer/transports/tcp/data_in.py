@@ -49,7 +49,7 @@ MAX_STREAMS = 4096
 _SCRATCH = bytearray(1 << 20)
 #: A chunk landing in its blocks is read (and hashed) in pieces of at most this size, so
 #: each piece is hashed while it is still in this core's cache.
-HASH_PIECE = 1 << 20
+HASH_PIECE = frames.HASH_PIECE
 #: Staging buffers kept for sealed chunks (each opened on a hashing thread with its own).
 SPARE_BUFFERS = 4
 

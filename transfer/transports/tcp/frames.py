@@ -28,7 +28,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from transfer import aead, wire
+from backends.cpuinfo import l2_cache_bytes
+from transfer import aead, envs, wire
 from transfer.auth import NONCE_BYTES
 
 HEADER = struct.Struct("<4sBBHQIIIIQQ")
@@ -41,6 +42,9 @@ FLAG_TRAILER = 2
 FLAG_SEALED = 4
 TRAILER_BYTES = 8
 _U32 = (1 << 32) - 1
+#: Checksummed chunks are hashed in pieces of this size on both ends, each while the
+#: kernel's copy of it is still in this core's cache (``envs.hash_piece_bytes``).
+HASH_PIECE = envs.hash_piece_bytes(l2_cache_bytes())
 
 
 @dataclass(frozen=True, slots=True)
