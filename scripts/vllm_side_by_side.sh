@@ -273,7 +273,8 @@ run_vllm() {
   log "starting vllm serve on ${url}, CPUs ${CPUS}"
   ipc_dir="$(vllm_ipc_dir)"
   VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}" \
-    VLLM_RPC_BASE_PATH="$ipc_dir" \
+    VLLM_RPC_BASE_PATH="$ipc_dir" TMPDIR="$ipc_dir" \
+    TORCHINDUCTOR_CACHE_DIR="$(inductor_dir)" \
     setsid taskset -c "$CPUS" "${VENV}/bin/vllm" serve "$MODEL_DIR" \
     --served-model-name "$MODEL_NAME" --host 127.0.0.1 --port "$port" \
     --dtype "$DTYPE_RESOLVED" --max-model-len 2048 >"$logfile" 2>&1 &
@@ -285,9 +286,11 @@ run_vllm() {
 }
 
 # vLLM names its processes' ZMQ sockets ipc://$VLLM_RPC_BASE_PATH/<uuid> (default: the temp
-# folder) and leaves them when it stops: each vLLM run gets a folder of its own, removed
-# after it.
+# folder) and its torch.distributed store $TMPDIR/vllm_dist_<uuid>, and leaves both when it
+# stops: each vLLM run gets a folder of its own for them (its TMPDIR), removed after it.
 vllm_ipc_dir() { mktemp -d "${TMPDIR:-/tmp}/vllm-ipc.XXXXXX"; }
+# torch's compile cache stays where it was (under the temp folder), warm from run to run.
+inductor_dir() { echo "${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/torchinductor_$(id -un)}"; }
 
 hpd_label() {  # CONFIG: the results' label, named after CONFIG when several are compared
   if ((${#HPD_CONFIGS[@]} > 1)); then
@@ -342,7 +345,8 @@ run_offline() {
         log "round $((r + 1)): vLLM LLM.generate, CPUs ${CPUS}"
         ipc_dir="$(vllm_ipc_dir)"
         VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}" \
-          VLLM_RPC_BASE_PATH="$ipc_dir" \
+          VLLM_RPC_BASE_PATH="$ipc_dir" TMPDIR="$ipc_dir" \
+          TORCHINDUCTOR_CACHE_DIR="$(inductor_dir)" \
           taskset -c "$CPUS" "${VENV}/bin/python" "${REPO}/scripts/vllm_offline.py" \
           <"$spec" >"${OUT}/offline-vllm-${r}.json" 2>>"${OUT}/offline-vllm.log" \
           || { tail -n 40 "${OUT}/offline-vllm.log" >&2; die "vLLM's side failed"; }
