@@ -20,12 +20,25 @@ twice as long and we worked through it (a long step: its window is an average al
 Workers that share a box unpinned (the launcher's default on one host) are each given every
 CPU and start at their fair share (CPUs / workers): a decode worker whose prefill neighbour
 has gone idle then grows into the idle core, and gives it back when the neighbour is busy.
+
+Giving it back cannot wait for the windows: two workers' OpenMP threads on one core make
+every parallel region wait for a descheduled thread, and a step goes 10-50x slower (two
+`both` workers at two threads each on two cores: TPOT 700 ms against 20), so a neighbour's
+prompt that arrived while this worker ran above its share waited 0.5-1.2 s for the windows
+to agree. Such workers therefore share a :class:`HostBoard` (a small file the launcher
+makes, one slot each): before each step a worker says it works and how many threads it
+runs; above its share it grows only while no neighbour works and drops to its share at the
+first step after one does, and a worker about to step waits (at most ``WAIT_S``) until the
+threads of the working workers fit the CPUs, i.e. for the grown neighbour's current step.
+The windows still decide about every other process.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
+import struct
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -44,6 +57,10 @@ TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 STALE_S = 10.0
 # CPUs we kept busy over a long window for it to count as one long step, not an idle gap.
 BUSY_THROUGH = 0.8
+# How long a worker about to step waits for a grown neighbour to give its CPU back (one of
+# the neighbour's steps), and how often it looks.
+WAIT_S = 0.5
+WAIT_STEP_S = 0.0005
 
 
 def cpus_busy_ticks(stat_text: str, cpus: Iterable[int]) -> int:
@@ -66,6 +83,52 @@ def process_ticks(self_stat_text: str) -> int:
     return int(rest[11]) + int(rest[12])  # fields 14 and 15 of the whole line
 
 
+class HostBoard:
+    """Workers sharing one host's CPUs, a slot each in one small file: whether the worker
+    works now, how many threads it runs, and when it said so (CLOCK_MONOTONIC, one clock
+    for the whole host). Each worker writes its own slot only; a slot not renewed for
+    ``STALE_S`` (its worker died mid-step) counts as idle."""
+
+    SLOT = struct.Struct("<IId")
+    STALE_S = 2.0
+
+    def __init__(self, path: str | os.PathLike[str], slot: int) -> None:
+        with open(path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), 0)
+        self.slots = len(self._map) // self.SLOT.size
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"cpu board {path}: slot {slot} of {self.slots}")
+        self.slot = slot
+
+    @classmethod
+    def create(cls, path: str | os.PathLike[str], slots: int) -> None:
+        """A board of ``slots`` idle slots at ``path`` (readable and writable by us only)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, bytes(cls.SLOT.size * slots))
+        finally:
+            os.close(fd)
+
+    def publish(self, working: bool, threads: int) -> None:
+        self.SLOT.pack_into(
+            self._map, self.slot * self.SLOT.size, int(working), threads, time.monotonic()
+        )
+
+    def others(self) -> tuple[bool, int]:
+        """(whether another worker works, the threads the working others run)."""
+        now, working, threads = time.monotonic(), False, 0
+        for i in range(self.slots):
+            if i == self.slot:
+                continue
+            busy, n, stamp = self.SLOT.unpack_from(self._map, i * self.SLOT.size)
+            if busy and now - stamp < self.STALE_S:
+                working, threads = True, threads + n
+        return working, threads
+
+    def close(self) -> None:
+        self._map.close()
+
+
 def threads_for(cpus: int, others_cpus: float, max_threads: int) -> int:
     """Threads for `cpus` CPUs of which other processes keep `others_cpus` busy."""
     return max(1, min(max_threads, int(cpus - others_cpus + 0.5)))
@@ -85,14 +148,21 @@ class ThreadGovernor:
         read_self: Callable[[], str] = PROC_SELF_STAT.read_text,
         clock: Callable[[], float] = time.monotonic,
         set_threads: Callable[[int], None] = torch.set_num_threads,
+        board: HostBoard | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.max_threads = max_threads
         self.cpus = sorted(affinity_cpus() if cpus is None else cpus)
         self.window_s = window_s
         self._read_stat, self._read_self = read_stat, read_self
-        self._clock, self._set = clock, set_threads
+        self._clock, self._set, self._sleep = clock, set_threads, sleep
         #: The count in force (the caller set it: ``start_threads``, else ``max_threads``).
         self.threads = min(max_threads, start_threads or max_threads)
+        #: Our share of a host we share through ``board``: above it only while no one else
+        #: on the board works.
+        self.share = self.threads
+        self.board = board
+        self._published: tuple[bool, int] | None = None
         self.others_cpus = 0.0  # other processes' load on our CPUs, last window
         self._proposal: int | None = None
         self._last = self._sample()
@@ -106,7 +176,45 @@ class ThreadGovernor:
         return self._clock(), busy, ours
 
     def tick(self) -> int:
-        """Measures once a window has passed; returns the thread count in force."""
+        """Before a step: measures once a window has passed, and (sharing a board) gives
+        a neighbour that works its CPU back at once and waits for a grown one to give ours
+        back. Returns the thread count in force."""
+        if self.board is None:
+            return self._measure()
+        others_work, _ = self.board.others()
+        if others_work and self.threads > self.share:
+            self._change(self.share, "a neighbour on this host works")
+        self._measure(cap=self.share if others_work else None)
+        self._publish(True)
+        waited = 0.0
+        while waited < WAIT_S:
+            others_work, others_threads = self.board.others()
+            if others_threads + self.threads <= len(self.cpus):
+                break
+            self._sleep(WAIT_STEP_S)
+            waited += WAIT_STEP_S
+        return self.threads
+
+    def idle(self) -> None:
+        """No step to run: the board hears that we neither work nor hold CPUs."""
+        if self.board is not None:
+            self._publish(False)
+
+    def _publish(self, working: bool) -> None:
+        assert self.board is not None
+        state = (working, self.threads if working else 0)
+        if working or state != self._published:  # a working slot's time is renewed
+            self.board.publish(*state)
+            self._published = state
+
+    def _change(self, threads: int, why: str) -> None:
+        log.info("%s: %d -> %d threads", why, self.threads, threads)
+        self._set(threads)
+        self.threads, self._proposal = threads, None
+
+    def _measure(self, cap: int | None = None) -> int:
+        """The windows: once one has passed, the count the load on our CPUs calls for
+        (never above ``cap``)."""
         now = self._clock()
         if self._last is not None and now - self._last[0] < self.window_s:
             return self.threads
@@ -120,6 +228,8 @@ class ThreadGovernor:
         others = max(0, (busy1 - busy0) - (ours1 - ours0)) / TICKS_PER_S / (t1 - t0)
         self.others_cpus = others
         want = threads_for(len(self.cpus), others, self.max_threads)
+        if cap is not None:
+            want = min(want, cap)
         # A window spanning two or more, all of it spent working (a step of a second or
         # more, e.g. at one thread), is already an average: it needs no second opinion,
         # which would delay a change by two such steps. One with an idle gap does: the
@@ -131,13 +241,7 @@ class ThreadGovernor:
         elif want != self._proposal and not settled:
             self._proposal = want  # a second window must agree
         else:
-            log.info(
-                "other processes keep %.1f of our %d CPUs busy: %d -> %d threads",
-                others,
-                len(self.cpus),
-                self.threads,
-                want,
+            self._change(
+                want, f"other processes keep {others:.1f} of our {len(self.cpus)} CPUs busy"
             )
-            self._set(want)
-            self.threads, self._proposal = want, None
         return self.threads

@@ -30,6 +30,7 @@ from typing import Any
 from backends.cpu import usable_cpus
 from hetero_pd import secrets
 from hetero_pd.deploy.addresses import bind_address, check_advertised
+from hetero_pd.deploy.cpu_board import remove_cpu_board, with_cpu_board
 from hetero_pd.deploy.launcher import thread_counts, worker_config
 from hetero_pd.deploy.schema import Deployment
 from hetero_pd.deploy.supervisor import Supervisor
@@ -79,6 +80,7 @@ def run_host(dep: Deployment, host_id: str | None, router_main: RouterMain) -> i
 
 
 async def _run(dep: Deployment, configs: list[WorkerConfig], router: RouterMain | None) -> None:
+    configs, board = with_cpu_board(configs)
     procs = HostWorkers([replace(c, parent_pid=os.getpid()) for c in configs], dep)
     supervisor = Supervisor(procs, procs, dep.supervisor)
     try:
@@ -93,6 +95,7 @@ async def _run(dep: Deployment, configs: list[WorkerConfig], router: RouterMain 
     finally:
         await supervisor.stop()
         await procs.stop(dep.supervisor.stop_grace_s)
+        remove_cpu_board(board)
 
 
 def worker_envs(worker_ids: list[str]) -> dict[str, dict[str, str]]:

@@ -19,10 +19,12 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from backends.cpu import usable_cpus
 from hetero_pd import envs, omp_wait_defaults, secrets
+from hetero_pd.deploy.cpu_board import remove_cpu_board, with_cpu_board
 from hetero_pd.deploy.forkserver import ForkedProcess, start_worker
 from hetero_pd.deploy.formats import worker_format
 from hetero_pd.deploy.schema import Deployment
@@ -140,10 +142,11 @@ class Launcher:
         self.procs: dict[str, WorkerProcess] = {}
         self.supervisor = Supervisor(self, router, dep.supervisor)
         router.follow_supervision(self.supervisor.states)
+        self._cpu_board: Path | None = None
 
     async def start(self) -> None:
         resolve_model(self.dep.model)  # fetch once here, not in every worker at the same time
-        configs = worker_configs(self.dep)
+        configs, self._cpu_board = with_cpu_board(worker_configs(self.dep))
         try:
             for cfg in configs:
                 await self._spawn(cfg)
@@ -309,6 +312,7 @@ class Launcher:
                 with contextlib.suppress(ProcessLookupError):
                     wp.proc.send_signal(signal.SIGTERM)
         await asyncio.gather(*(_terminate(wp, grace) for wp in self.procs.values()))
+        remove_cpu_board(self._cpu_board)
 
 
 async def _terminate(wp: WorkerProcess, grace_s: float) -> None:

@@ -11,14 +11,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from backends import backend_for, parse_device
-from backends.cpu_share import ThreadGovernor
-from hetero_pd import envs
+from backends.cpu_share import HostBoard
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.health import EngineFault, EngineLoad, RequestFailure
 from hetero_pd.engine.hidden_prompts import HiddenPrompts
 from hetero_pd.engine.kv_cache_manager import KVCacheManager
 from hetero_pd.engine.kv_tiers import KVTierStats, build_kv_tiers
-from hetero_pd.engine.loading import load_runner, max_model_len, rank_threads
+from hetero_pd.engine.loading import load_runner, max_model_len, thread_governor
 from hetero_pd.engine.logprobs import adopt_remote_logprobs
 from hetero_pd.engine.model_runner import KVAllocator
 from hetero_pd.engine.output_builder import OutputBuilder
@@ -63,18 +62,9 @@ class LLMEngine(HiddenPrompts):
         self.device = parse_device(config.device)
         backend = backend_for(self.device)
         backend.require_available()
-        threads = rank_threads(config, backend)
-        # Fewer threads while other processes keep our CPUs busy, more (up to `threads`) from
-        # `initial_threads` while they are idle (backends/cpu_share.py); a compiled CPU step
-        # follows too (CpuBackend.compile_step: dynamic OpenMP threads).
-        adaptive = self.device.type == "cpu" and (threads or 0) > 1 and envs.adaptive_threads()
-        adaptive = adaptive and config.tensor_parallel_size == 1
-        start = min(config.initial_threads or threads or 0, threads or 0) or None
-        if start:
-            torch.set_num_threads(start)
+        self.thread_governor = thread_governor(config, self.device, backend)
         self.dtype_choice = config.dtype_choice(cfg.checkpoint_dtype)
         self.compile_choice = config.compile_choice()
-        self.thread_governor = ThreadGovernor(threads, start) if adaptive else None
         dtype = self.dtype_choice.dtype
         self.decoder = load_decoder(self.model_path)  # output ids -> text
         self._tokenizer: PreTrainedTokenizerBase | None = None
@@ -293,6 +283,17 @@ class LLMEngine(HiddenPrompts):
         """Requests ended because running them raised, since the last call."""
         failures, self._failures = self._failures, []
         return failures
+
+    def share_cpus(self, board: HostBoard) -> None:
+        """Share this host's CPUs with the other workers on ``board`` (a thread governor's
+        growth beyond its share then waits for them to idle: backends/cpu_share.py)."""
+        if self.thread_governor is not None:
+            self.thread_governor.board = board
+
+    def idle(self) -> None:
+        """Nothing to step: the board (if any) hears that this engine holds no CPU."""
+        if self.thread_governor is not None:
+            self.thread_governor.idle()
 
     # -- one step ------------------------------------------------------------------------
     def step(self, layer_hook: LayerHookFactory | None = None) -> list[RequestOutput]:

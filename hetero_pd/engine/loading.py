@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from backends import Backend, backend_for, parse_device
+from backends.cpu_share import ThreadGovernor
 from hetero_pd import envs
 from hetero_pd.config import EngineConfig
 from hetero_pd.engine.model_runner import KVAllocator, ModelRunner, compiled_code_dir
@@ -44,6 +45,23 @@ def rank_threads(config: EngineConfig, backend: Backend) -> int:
     default = backend.default_threads()
     tp = config.tensor_parallel_size
     return config.num_threads or envs.num_threads() or (default and max(1, default // tp))
+
+
+def thread_governor(
+    config: EngineConfig, device: torch.device, backend: Backend
+) -> ThreadGovernor | None:
+    """Sets the threads a CPU engine starts with (`initial_threads`, else all of its
+    threads) and returns what moves them with the load: fewer while other processes keep
+    its CPUs busy, more (up to its threads) while they idle (backends/cpu_share.py; a
+    compiled CPU step follows too: CpuBackend.compile_step's dynamic OpenMP threads). None:
+    a fixed count (one thread, tensor parallel, or $HETERO_PD_ADAPTIVE_THREADS=0)."""
+    threads = rank_threads(config, backend)
+    adaptive = device.type == "cpu" and (threads or 0) > 1 and envs.adaptive_threads()
+    adaptive = adaptive and config.tensor_parallel_size == 1
+    start = min(config.initial_threads or threads or 0, threads or 0) or None
+    if start:
+        torch.set_num_threads(start)
+    return ThreadGovernor(threads, start) if adaptive else None
 
 
 def use_backend_kernels(model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:

@@ -30,6 +30,10 @@ class WorkerConfig:
     layerwise: bool = False  # push each layer's KV as soon as it is computed
     remote_kv_timeout_s: float = 60.0
     cpus: tuple[int, ...] = ()
+    #: The file through which this host's unpinned workers share its CPUs, and this
+    #: worker's slot in it (hetero_pd/deploy/cpu_board.py; "": none).
+    cpu_board: str = ""
+    cpu_board_slot: int = 0
     #: Touched on every heartbeat of the main loop (Kubernetes exec probes read its age).
     alive_file: str = ""
     #: The launcher's pid: a worker whose launcher is gone stops instead of living on.

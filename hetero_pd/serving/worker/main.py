@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 import torch
 
+from backends.cpu_share import HostBoard
 from hetero_pd import secrets
 from hetero_pd.engine.llm_engine import LLMEngine
 from hetero_pd.engine.scheduler import Role, SchedulerOutput
@@ -76,6 +77,8 @@ class Worker:
         )
         assert self.region is not None
         self.transfer.register_region(self.region)
+        if cfg.cpu_board:
+            self._share_cpus(cfg.cpu_board, cfg.cpu_board_slot)
         self.control: ControlServer = ControlServer(cfg.host, cfg.port, WorkerKeys.of(credential))
         self.address: str = self._advertised(f"tcp://{cfg.host}:{self.control.port}")
         self.book: RequestBook = RequestBook(
@@ -142,6 +145,12 @@ class Worker:
             dtype_reason=e.dtype_choice.reason,
         )
 
+    def _share_cpus(self, path: str, slot: int) -> None:
+        try:
+            self.engine.share_cpus(HostBoard(path, slot))
+        except (OSError, ValueError) as e:  # it only costs neighbours' latency: run on
+            log.warning("%s: no CPU board (%s): threads follow the load alone", self.worker_id, e)
+
     def _advertised(self, address: str) -> str:
         if not self.cfg.advertise_host:
             return address
@@ -163,6 +172,8 @@ class Worker:
                 for failure in self.engine.pop_failures():
                     self.book.on_failure(failure)
                 self.step_faults.stepped(started)
+            else:
+                self.engine.idle()
             self.embeds.step(self.engine, self.control.send)
             self.transfer.progress()
             self.book.tick()

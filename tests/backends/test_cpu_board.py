@@ -1,0 +1,106 @@
+"""Workers sharing one host's CPUs through a board: a worker grown into an idle neighbour's
+CPU gives it back at its first step after the neighbour works, never grows while one works,
+and a worker about to step waits (bounded) for a grown neighbour to give its CPU back. Two
+real boards on one file stand for two worker processes; the /proc windows are faked."""
+
+from __future__ import annotations
+
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from backends.cpu_share import WAIT_S, HostBoard, ThreadGovernor
+
+from .test_cpu_share import FakeHost
+
+
+@pytest.fixture
+def boards(tmp_path: Path) -> tuple[HostBoard, HostBoard]:
+    path = tmp_path / "board"
+    HostBoard.create(path, 2)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    return HostBoard(path, 0), HostBoard(path, 1)
+
+
+def governor(
+    host: FakeHost, board: HostBoard, calls: list[int], sleep: Callable[[float], None] = time.sleep
+) -> ThreadGovernor:
+    gov = host.governor(calls, start=1)
+    gov.board, gov._sleep = board, sleep
+    return gov
+
+
+def grown(host: FakeHost, gov: ThreadGovernor) -> None:
+    """Two windows of an idle neighbour: the worker takes both CPUs."""
+    for _ in range(2):
+        host.advance(0.5, ours=1.0, others=0.0)
+        gov.tick()
+    assert gov.threads == 2
+
+
+def test_a_grown_worker_gives_the_cpu_back_at_its_next_step(
+    boards: tuple[HostBoard, HostBoard],
+) -> None:
+    mine, neighbour = boards
+    host, calls = FakeHost(), []
+    gov = governor(host, mine, calls)
+    grown(host, gov)
+    assert neighbour.others() == (True, 2)  # the neighbour sees us working at two threads
+    neighbour.publish(True, 1)  # it got a prompt
+    host.advance(0.25, ours=2.0, others=0.0)  # one step later, inside a window
+    assert gov.tick() == 1 and calls == [2, 1]
+    assert neighbour.others() == (True, 1)
+    for _ in range(4):  # however idle the windows say the host is, no growth meanwhile
+        host.advance(0.5, ours=1.0, others=0.0)
+        assert gov.tick() == 1
+    neighbour.publish(False, 0)  # its request is done: growth follows the windows again
+    grown(host, gov)
+
+
+def test_a_worker_about_to_step_waits_for_a_grown_neighbour(
+    boards: tuple[HostBoard, HostBoard],
+) -> None:
+    mine, neighbour = boards
+    neighbour.publish(True, 2)  # mid-step at two threads
+    slept: list[float] = []
+
+    gives_back = [True]
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        if len(slept) == 30 and gives_back[0]:
+            neighbour.publish(True, 1)  # its step ended and it gave our CPU back
+
+    host, calls = FakeHost(), []
+    gov = governor(host, mine, calls, sleep)
+    assert gov.tick() == 1 and len(slept) == 30 and calls == []
+    assert neighbour.others() == (True, 1)
+    neighbour.publish(True, 2)  # one that never gives it back: we wait WAIT_S, no longer
+    slept.clear()
+    gives_back[0] = False
+    host.advance(0.25, ours=1.0, others=1.0)
+    assert gov.tick() == 1 and sum(slept) == pytest.approx(WAIT_S)
+
+
+def test_idle_and_dead_neighbours_hold_no_cpu(
+    boards: tuple[HostBoard, HostBoard], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mine, neighbour = boards
+    host, calls = FakeHost(), []
+    gov = governor(host, mine, calls)
+    gov.tick()
+    gov.idle()
+    assert neighbour.others() == (False, 0)
+    mine.publish(True, 2)  # a worker that died mid-step: its slot goes stale
+    later = time.monotonic() + HostBoard.STALE_S + 1
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    assert neighbour.others() == (False, 0)
+
+
+def test_a_slot_outside_the_board_is_refused(tmp_path: Path) -> None:
+    HostBoard.create(tmp_path / "board", 2)
+    with pytest.raises(ValueError, match="slot 2 of 2"):
+        HostBoard(tmp_path / "board", 2)

@@ -1,0 +1,32 @@
+"""One host's unpinned workers get one CPU board, a slot each (hetero_pd/deploy/cpu_board.py);
+pinned workers and a worker alone get none; the board's folder goes when they stop."""
+
+from __future__ import annotations
+
+import stat
+
+from backends.cpu_share import HostBoard
+from hetero_pd.deploy.cpu_board import remove_cpu_board, with_cpu_board
+from hetero_pd.deploy.launcher import worker_config
+from hetero_pd.deploy.schema import parse_deployment
+from hetero_pd.deploy.workers import expand_workers
+
+
+def test_unpinned_workers_sharing_a_host_get_one_board() -> None:
+    workers = [{"role": "both", "count": 2}, {"role": "decode", "cpus": [0]}]
+    dep = parse_deployment({"model": "smollm2-135m-instruct", "workers": workers}, "<t>")
+    instances = expand_workers(dep.workers)
+    configs = [
+        worker_config(dep, w, 1, None) if w.cpus else worker_config(dep, w, 4, 2) for w in instances
+    ]
+    shared, folder = with_cpu_board(configs)
+    assert folder is not None and stat.S_IMODE(folder.stat().st_mode) == 0o700
+    sharers = [c for c in shared if c.cpu_board]
+    assert [c.cpu_board_slot for c in sharers] == [0, 1]  # the pinned one holds no slot
+    assert {c.cpu_board for c in sharers} == {str(folder / "board")}
+    HostBoard(sharers[1].cpu_board, sharers[1].cpu_board_slot).publish(True, 2)
+    assert HostBoard(sharers[0].cpu_board, 0).others() == (True, 2)
+    remove_cpu_board(folder)
+    assert not folder.exists()
+    alone, none = with_cpu_board([c for c in configs if not c.cpus][:1])
+    assert none is None and not alone[0].cpu_board
