@@ -285,8 +285,7 @@ class LLMEngine(HiddenPrompts):
         return failures
 
     def share_cpus(self, board: HostBoard) -> None:
-        """Share this host's CPUs with the other workers on ``board`` (a thread governor's
-        growth beyond its share then waits for them to idle: backends/cpu_share.py)."""
+        """Share this host's CPUs with the workers on ``board`` (backends/cpu_share.py)."""
         if self.thread_governor is not None:
             self.thread_governor.board = board
 
@@ -304,7 +303,8 @@ class LLMEngine(HiddenPrompts):
         if self.speculator is not None and self.config.role != "prefill":
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
-        if not out:
+        if not out:  # e.g. every request waits for its KV: hold no CPU meanwhile
+            self.idle()
             return []
         if self.thread_governor is not None:
             self.thread_governor.tick()

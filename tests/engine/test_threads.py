@@ -62,3 +62,32 @@ def test_an_engine_starts_at_its_initial_threads_and_may_grow_to_num_threads(
             LLM(str(tiny_llama_dir), num_kv_blocks=16, initial_threads=0)
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_engine_on_a_cpu_board_says_when_it_works_and_when_it_holds_no_cpu(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its slot says "working" while it steps requests and "idle" once a step finds nothing
+    to run (every request done, or waiting for its KV), so a neighbour never waits on it."""
+    import torch
+
+    from backends.cpu_share import HostBoard
+    from hetero_pd import LLM, SamplingParams
+
+    monkeypatch.setenv("HETERO_PD_ADAPTIVE_THREADS", "1")
+    HostBoard.create(tmp_path / "board", 2)
+    neighbour = HostBoard(tmp_path / "board", 1)
+    before = torch.get_num_threads()
+    try:
+        llm = LLM(str(tiny_llama_dir), num_kv_blocks=16, num_threads=2, initial_threads=1)
+        llm.engine.share_cpus(HostBoard(tmp_path / "board", 0))
+        llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), "r")
+        llm.engine.step()
+        assert neighbour.others() == (True, 1)
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+        assert neighbour.others() == (True, 1)  # its last step ran: not idle yet
+        assert llm.engine.step() == []
+        assert neighbour.others() == (False, 0)
+    finally:
+        torch.set_num_threads(before)
