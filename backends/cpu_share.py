@@ -27,10 +27,11 @@ every parallel region wait for a descheduled thread, and a step goes 10-50x slow
 prompt that arrived while this worker ran above its share waited 0.5-1.2 s for the windows
 to agree. Such workers therefore share a :class:`HostBoard` (a small file the launcher
 makes, one slot each): before each step a worker says it works and how many threads it
-runs; above its share it grows only while no neighbour works and drops to its share at the
-first step after one does, and a worker about to step waits (at most ``WAIT_S``) until the
-threads of the working workers fit the CPUs, i.e. for the grown neighbour's current step.
-The windows still decide about every other process.
+runs, and when it has nothing to step it says it holds no CPU; it grows above its share only
+while no neighbour works and drops to its share at its first step after one does, and a
+worker about to step waits (at most ``WAIT_S``) until the threads of the working workers
+fit the CPUs, i.e. for the grown neighbour's current step. The windows still decide about
+every other process.
 """
 
 from __future__ import annotations
