@@ -39,11 +39,14 @@ timed() { # LABEL DIR CMD...: runs CMD in DIR, prints pytest's times and the CPU
     least_memory "$stop" >"$out.mem" &
     before=$(cpu)
     echo "== $label  $(date -u +%H:%M:%S) UTC, load $(cut -d' ' -f1-3 /proc/loadavg)"
-    (cd "$dir" && "$@") >"$out" 2>&1 || echo "   (failed: see $out)"
+    local ok=1
+    (cd "$dir" && "$@") >"$out" 2>&1 || { ok=0; echo "   (failed: see $out)"; }
     touch "$stop"
     wait
     grep -E '(passed|failed).* in [0-9.]+s' "$out" | sed 's/^/   /'
     echo "   CPUs busy $(busy_since "$before"), least MemAvailable $(cat "$out.mem") MiB"
+    rm -f "$stop" "$out.mem"
+    if ((ok)); then rm -f "$out"; fi  # a failed run's output stays, named above
 }
 
 lscpu | grep -E '^Model name:'
