@@ -187,13 +187,11 @@ class ThreadGovernor:
             self._change(self.share, "a neighbour on this host works")
         self._measure(cap=self.share if others_work else None)
         self._publish(True)
-        waited = 0.0
-        while waited < WAIT_S:
-            others_work, others_threads = self.board.others()
-            if others_threads + self.threads <= len(self.cpus):
+        deadline = self._clock() + WAIT_S  # by the clock: a busy host stretches each sleep
+        while self.board.others()[1] + self.threads > len(self.cpus):
+            if self._clock() >= deadline:
                 break
             self._sleep(WAIT_STEP_S)
-            waited += WAIT_STEP_S
         return self.threads
 
     def idle(self) -> None:
