@@ -105,3 +105,24 @@ def test_a_slot_outside_the_board_is_refused(tmp_path: Path) -> None:
     HostBoard.create(tmp_path / "board", 2)
     with pytest.raises(ValueError, match="slot 2 of 2"):
         HostBoard(tmp_path / "board", 2)
+
+
+def test_a_garbled_board_costs_at_most_the_wait_and_never_raises(
+    boards: tuple[HostBoard, HostBoard],
+) -> None:
+    """Whatever bytes a neighbour's slot holds (huge thread counts, a NaN or future time),
+    a worker reads them without error and waits no longer than ``WAIT_S`` per step."""
+    mine, neighbour = boards
+    slept: list[float] = []
+    host, calls = FakeHost(), []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        host.now += s
+
+    gov = governor(host, mine, calls, sleep)
+    for stamp in (float("nan"), float("inf"), time.monotonic() + 1e9):
+        HostBoard.SLOT.pack_into(neighbour._map, HostBoard.SLOT.size, 0xFFFFFFFF, 0xFFFFFFFF, stamp)
+        slept.clear()
+        host.advance(0.25, ours=1.0, others=1.0)
+        assert gov.tick() == 1 and sum(slept) <= WAIT_S + 0.001
