@@ -12,13 +12,18 @@ object with the ratios to native and the machine.
 The kernel runs both of its paths: `native` (the blocked AVX-512 loops where the CPU has
 AVX-512 BF16) and `portable` (plain C loops; bf16 widened by a shift).
 
+`--layers N` gives each call N layers' caches in turn, as a decode step reads them: with the
+default 1 the touched K/V (~15 MB at batch 64) stay in the last-level cache between calls,
+with 30 (the default model's) they come from memory, as they do in the engine.
+
     python scripts/bench_decode_attention.py [--batch 64] [--context 272] [--threads 2]
-        [--dtype float32|bfloat16]
+        [--dtype float32|bfloat16] [--layers 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from collections.abc import Callable
 
@@ -38,6 +43,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=5, help="calls per way per round")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--layers", type=int, default=1, help="caches read in turn (30: DRAM)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     if not paged_decode.available(dtype, envs.cache_dir() / "kernels"):
@@ -45,9 +51,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     n, ctx, kv_heads, group, dim, block = args.batch, args.context, 3, 3, 64, 16
     width = -(-ctx // block)
-    num_blocks = max(20000, 4 * n * width)  # ~120 MB per K or V: past the last-level cache
-    k = torch.randn(num_blocks * block, kv_heads, dim).to(dtype)
-    v = torch.randn(num_blocks * block, kv_heads, dim).to(dtype)
+    # One layer: ~120 MB per K or V, past the last-level cache. Several: each its own.
+    num_blocks = max(20000 if args.layers == 1 else 0, 2 * n * width)
+    caches = [
+        (
+            torch.randn(num_blocks * block, kv_heads, dim).to(dtype),
+            torch.randn(num_blocks * block, kv_heads, dim).to(dtype),
+        )
+        for _ in range(args.layers)
+    ]
+    k, v = caches[0]
     tables = torch.randperm(num_blocks)[: n * width].view(n, width)
     offsets = torch.arange(width * block)
     slots = (tables[:, offsets // block] * block + offsets % block).reshape(-1)
@@ -57,7 +70,7 @@ def main() -> None:
     fused = torch.compile(_decode_fused, backend="inductor")
     portable = paged_decode.decode
 
-    def eager() -> torch.Tensor:
+    def eager(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kd = k.index_select(0, slots).view(n, -1, kv_heads, dim).transpose(1, 2)
         vd = v.index_select(0, slots).view(n, -1, kv_heads, dim).transpose(1, 2)
         m = mask.view(n, 1, 1, -1)
@@ -66,19 +79,24 @@ def main() -> None:
         )
         return out.reshape(n, -1, dim)
 
-    ways: dict[str, Callable[[], torch.Tensor]] = {
-        "native": lambda: paged_decode.paged_decode(q, k, v, slots, mask, scale).to(dtype),
-        "inductor": lambda: fused(q, k, v, slots, mask.view(n, 1, 1, -1), scale),
+    ways: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+        "native": lambda k, v: paged_decode.paged_decode(q, k, v, slots, mask, scale).to(dtype),
+        "inductor": lambda k, v: fused(q, k, v, slots, mask.view(n, 1, 1, -1), scale),
         "eager": eager,
+        "portable": lambda k, v: portable(q, k, v, slots, mask, scale, portable=True).to(dtype),
     }
-    ways["portable"] = lambda: portable(q, k, v, slots, mask, scale, portable=True).to(dtype)
-    want = eager()
+    want = eager(k, v)
     for name, fn in ways.items():  # warm up (and compile), and check they agree
         tol = (
             {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 2e-2}
         )
-        torch.testing.assert_close(fn(), want, **tol, msg=f"{name} differs")
-    ms = take_turns(ways, args.rounds, args.calls)
+        torch.testing.assert_close(fn(k, v), want, **tol, msg=f"{name} differs")
+    turn = itertools.cycle(caches)  # each call the next layer's cache
+
+    def rotating(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[], object]:
+        return lambda: fn(*next(turn))
+
+    ms = take_turns({name: rotating(fn) for name, fn in ways.items()}, args.rounds, args.calls)
     kv_mb = 2 * n * ctx * kv_heads * dim * k.element_size() / 1e6
     for name, t in ms.items():
         print(f"{name:9s} {t:7.2f} ms per layer  ({kv_mb / t:.1f} GB/s of K/V)")
@@ -86,6 +104,7 @@ def main() -> None:
         "batch": n,
         "context": ctx,
         "threads": args.threads,
+        "layers": args.layers,
         "dtype": args.dtype,
         "ms": {name: round(t, 3) for name, t in ms.items()},
         **{
