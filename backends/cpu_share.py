@@ -31,7 +31,11 @@ runs, and when it has nothing to step it says it holds no CPU; it grows above it
 while no neighbour works and drops to its share at its first step after one does, and a
 worker about to step waits (at most ``WAIT_S``) until the threads of the working workers
 fit the CPUs, i.e. for the grown neighbour's current step. The windows still decide about
-every other process.
+every other process: a neighbour's own CPU time (its slot names its pid) is not counted as
+the load of others, so once every neighbour has been idle for ``GROW_AFTER_S`` a worker
+grows at its next step into the room the others leave, without waiting for two windows
+(1P1D at rate inf: the decode worker ran at one thread for 1.3 s after the prefill worker's
+last prompt, a step 115 ms where two threads took 85).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import struct
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -62,6 +67,9 @@ BUSY_THROUGH = 0.8
 # the neighbour's steps), and how often it looks.
 WAIT_S = 0.5
 WAIT_STEP_S = 0.0005
+# How long every neighbour on the board must have been idle before a worker grows into
+# their CPUs at once: a neighbour between two prompts (low request rates) keeps its CPU.
+GROW_AFTER_S = 0.25
 
 
 def cpus_busy_ticks(stat_text: str, cpus: Iterable[int]) -> int:
@@ -84,22 +92,33 @@ def process_ticks(self_stat_text: str) -> int:
     return int(rest[11]) + int(rest[12])  # fields 14 and 15 of the whole line
 
 
+class Neighbours(NamedTuple):
+    """What a worker reads of the other slots on its board."""
+
+    working: bool  # another worker works now
+    threads: int  # the threads the working others run
+    idle_s: float  # how long every other has been idle (0.0 while one works)
+    pids: tuple[int, ...]  # the others' processes (0: a slot no worker has taken yet)
+
+
 class HostBoard:
     """Workers sharing one host's CPUs, a slot each in one small file: whether the worker
-    works now, how many threads it runs, and when it said so (CLOCK_MONOTONIC, one clock
-    for the whole host). Each worker writes its own slot only; a slot not renewed for
-    ``STALE_S`` (its worker died mid-step) counts as idle."""
+    works now, how many threads it runs, when it said so (CLOCK_MONOTONIC, one clock for
+    the whole host) and its pid. Each worker writes its own slot only; a slot not renewed
+    for ``STALE_S`` (its worker died mid-step) counts as idle."""
 
-    SLOT = struct.Struct("<IId")
+    SLOT = struct.Struct("<IIdI")
     STALE_S = 2.0
 
-    def __init__(self, path: str | os.PathLike[str], slot: int) -> None:
+    def __init__(self, path: str | os.PathLike[str], slot: int, pid: int | None = None) -> None:
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), 0)
         self.slots = len(self._map) // self.SLOT.size
         if not 0 <= slot < self.slots:
             raise ValueError(f"cpu board {path}: slot {slot} of {self.slots}")
         self.slot = slot
+        self.pid = os.getpid() if pid is None else pid
+        self.publish(False, 0)
 
     @classmethod
     def create(cls, path: str | os.PathLike[str], slots: int) -> None:
@@ -111,20 +130,22 @@ class HostBoard:
             os.close(fd)
 
     def publish(self, working: bool, threads: int) -> None:
-        self.SLOT.pack_into(
-            self._map, self.slot * self.SLOT.size, int(working), threads, time.monotonic()
-        )
+        at = self.slot * self.SLOT.size
+        self.SLOT.pack_into(self._map, at, int(working), threads, time.monotonic(), self.pid)
 
-    def others(self) -> tuple[bool, int]:
-        """(whether another worker works, the threads the working others run)."""
-        now, working, threads = time.monotonic(), False, 0
+    def others(self) -> Neighbours:
+        now, working, threads, since, pids = time.monotonic(), False, 0, 0.0, []
         for i in range(self.slots):
             if i == self.slot:
                 continue
-            busy, n, stamp = self.SLOT.unpack_from(self._map, i * self.SLOT.size)
+            busy, n, stamp, pid = self.SLOT.unpack_from(self._map, i * self.SLOT.size)
+            pids.append(pid)
             if busy and now - stamp < self.STALE_S:
                 working, threads = True, threads + n
-        return working, threads
+            elif not busy or now - stamp >= self.STALE_S:  # idle, or died mid-step
+                since = max(since, stamp)  # the latest of the others to stop working
+        idle_s = 0.0 if working else max(0.0, now - since)  # a garbled stamp: NaN -> 0
+        return Neighbours(working, threads, idle_s if idle_s == idle_s else 0.0, tuple(pids))
 
     def close(self) -> None:
         self._map.close()
@@ -151,12 +172,13 @@ class ThreadGovernor:
         set_threads: Callable[[int], None] = torch.set_num_threads,
         board: HostBoard | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        read_pid: Callable[[int], str] = lambda pid: Path(f"/proc/{pid}/stat").read_text(),
     ) -> None:
         self.max_threads = max_threads
         self.cpus = sorted(affinity_cpus() if cpus is None else cpus)
         self.window_s = window_s
         self._read_stat, self._read_self = read_stat, read_self
-        self._clock, self._set, self._sleep = clock, set_threads, sleep
+        self._clock, self._set, self._sleep, self._read_pid = clock, set_threads, sleep, read_pid
         #: The count in force (the caller set it: ``start_threads``, else ``max_threads``).
         self.threads = min(max_threads, start_threads or max_threads)
         #: Our share of a host we share through ``board``: above it only while no one else
@@ -164,17 +186,32 @@ class ThreadGovernor:
         self.share = self.threads
         self.board = board
         self._published: tuple[bool, int] | None = None
-        self.others_cpus = 0.0  # other processes' load on our CPUs, last window
+        #: Other processes' load on our CPUs (board neighbours' left out), last window; None
+        #: before the first.
+        self.others_cpus: float | None = None
         self._proposal: int | None = None
         self._last = self._sample()
 
-    def _sample(self) -> tuple[float, int, int] | None:
+    def _sample(self) -> tuple[float, int, int, dict[int, int]] | None:
         try:
             busy = cpus_busy_ticks(self._read_stat(), self.cpus)
             ours = process_ticks(self._read_self())
         except (OSError, ValueError, IndexError):
             return None  # no /proc (or an odd one): keep the threads we have
-        return self._clock(), busy, ours
+        return self._clock(), busy, ours, self._neighbour_ticks()
+
+    def _neighbour_ticks(self) -> dict[int, int]:
+        """CPU ticks of each board neighbour's process (none we cannot read: its load then
+        counts as others')."""
+        ticks: dict[int, int] = {}
+        if self.board is None:
+            return ticks
+        for pid in set(self.board.others().pids) - {0, self.board.pid}:
+            try:
+                ticks[pid] = process_ticks(self._read_pid(pid))
+            except (OSError, ValueError, IndexError):
+                continue
+        return ticks
 
     def tick(self) -> int:
         """Before a step: measures once a window has passed, and (sharing a board) gives
@@ -182,10 +219,14 @@ class ThreadGovernor:
         back. Returns the thread count in force."""
         if self.board is None:
             return self._measure()
-        others_work, _ = self.board.others()
-        if others_work and self.threads > self.share:
+        others = self.board.others()
+        if others.working and self.threads > self.share:
             self._change(self.share, "a neighbour on this host works")
-        self._measure(cap=self.share if others_work else None)
+        self._measure(cap=self.share if others.working else None)
+        if others.idle_s >= GROW_AFTER_S and self.others_cpus is not None:
+            room = threads_for(len(self.cpus), self.others_cpus, self.max_threads)
+            if self.threads < room:
+                self._change(room, f"the neighbours on this host idle {others.idle_s:.2f}s")
         self._publish(True)
         deadline = self._clock() + WAIT_S  # by the clock: a busy host stretches each sleep
         while self.board.others()[1] + self.threads > len(self.cpus):
@@ -222,9 +263,10 @@ class ThreadGovernor:
             self._last = sample  # after a long idle spell, start afresh: decide on the load
             self._proposal = None  # of now, not an average over minutes or an old proposal
             return self.threads
-        (t0, busy0, ours0), (t1, busy1, ours1) = self._last, sample
+        (t0, busy0, ours0, near0), (t1, busy1, ours1, near1) = self._last, sample
         self._last = sample
-        others = max(0, (busy1 - busy0) - (ours1 - ours0)) / TICKS_PER_S / (t1 - t0)
+        near = sum(near1[pid] - near0[pid] for pid in near1.keys() & near0.keys())
+        others = max(0, (busy1 - busy0) - (ours1 - ours0) - near) / TICKS_PER_S / (t1 - t0)
         self.others_cpus = others
         want = threads_for(len(self.cpus), others, self.max_threads)
         if cap is not None:

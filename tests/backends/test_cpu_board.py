@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.cpu_share import WAIT_S, HostBoard, ThreadGovernor
+from backends.cpu_share import GROW_AFTER_S, WAIT_S, HostBoard, ThreadGovernor
 
 from .test_cpu_share import FakeHost
 
@@ -48,11 +48,11 @@ def test_a_grown_worker_gives_the_cpu_back_at_its_next_step(
     host, calls = FakeHost(), []
     gov = governor(host, mine, calls)
     grown(host, gov)
-    assert neighbour.others() == (True, 2)  # the neighbour sees us working at two threads
+    assert neighbour.others()[:2] == (True, 2)  # the neighbour sees us working at two threads
     neighbour.publish(True, 1)  # it got a prompt
     host.advance(0.25, ours=2.0, others=0.0)  # one step later, inside a window
     assert gov.tick() == 1 and calls == [2, 1]
-    assert neighbour.others() == (True, 1)
+    assert neighbour.others()[:2] == (True, 1)
     for _ in range(4):  # however idle the windows say the host is, no growth meanwhile
         host.advance(0.5, ours=1.0, others=0.0)
         assert gov.tick() == 1
@@ -78,7 +78,7 @@ def test_a_worker_about_to_step_waits_for_a_grown_neighbour(
 
     gov = governor(host, mine, calls, sleep)
     assert gov.tick() == 1 and len(slept) == 30 and calls == []
-    assert neighbour.others() == (True, 1)
+    assert neighbour.others()[:2] == (True, 1)
     neighbour.publish(True, 2)  # one that never gives it back: we wait WAIT_S, no longer
     slept.clear()
     gives_back[0] = False
@@ -94,11 +94,11 @@ def test_idle_and_dead_neighbours_hold_no_cpu(
     gov = governor(host, mine, calls)
     gov.tick()
     gov.idle()
-    assert neighbour.others() == (False, 0)
+    assert neighbour.others()[:2] == (False, 0)
     mine.publish(True, 2)  # a worker that died mid-step: its slot goes stale
     later = time.monotonic() + HostBoard.STALE_S + 1
     monkeypatch.setattr(time, "monotonic", lambda: later)
-    assert neighbour.others() == (False, 0)
+    assert neighbour.others()[:2] == (False, 0)
 
 
 def test_a_slot_outside_the_board_is_refused(tmp_path: Path) -> None:
@@ -122,7 +122,48 @@ def test_a_garbled_board_costs_at_most_the_wait_and_never_raises(
 
     gov = governor(host, mine, calls, sleep)
     for stamp in (float("nan"), float("inf"), time.monotonic() + 1e9):
-        HostBoard.SLOT.pack_into(neighbour._map, HostBoard.SLOT.size, 0xFFFFFFFF, 0xFFFFFFFF, stamp)
+        huge = 0xFFFFFFFF  # a thread count, and a pid no process has
+        HostBoard.SLOT.pack_into(neighbour._map, HostBoard.SLOT.size, huge, huge, stamp, huge)
         slept.clear()
         host.advance(0.25, ours=1.0, others=1.0)
         assert gov.tick() == 1 and sum(slept) <= WAIT_S + 0.001
+
+
+def test_a_neighbours_cpu_is_not_others_load_and_its_idle_cpu_is_taken_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The windows leave a board neighbour's own CPU time out of the load of "other
+    processes" (its slot names its pid); once every neighbour has idled GROW_AFTER_S, a
+    worker grows at its next step into the room those others leave, without two windows;
+    not sooner, and not into a CPU a stranger keeps busy."""
+    clock = [time.monotonic()]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    HostBoard.create(tmp_path / "board", 2)
+    mine, neighbour = HostBoard(tmp_path / "board", 0), HostBoard(tmp_path / "board", 1, 4243)
+    host, calls = FakeHost(), []
+    gov = governor(host, mine, calls)
+    neighbour.publish(True, 1)
+    for _ in range(2):  # the neighbour busy on the other CPU: not others' load, no growth
+        host.advance(0.5, ours=1.0, others=0.0, near=1.0)
+        assert gov.tick() == 1
+    assert gov.others_cpus == pytest.approx(0.0, abs=0.05) and calls == []
+
+    neighbour.publish(False, 0)  # its last prompt is done
+    clock[0] += GROW_AFTER_S / 2
+    host.advance(0.1, ours=1.0, others=0.0)
+    assert gov.tick() == 1 and calls == []  # idle too briefly: it may be between prompts
+    clock[0] += GROW_AFTER_S
+    host.advance(0.1, ours=1.0, others=0.0)  # inside the same window: no window decides
+    assert gov.tick() == 2 and calls == [2]
+
+    neighbour.publish(True, 1)  # back to work: ours again at our next step
+    host.advance(0.1, ours=2.0, others=0.0)
+    assert gov.tick() == 1 and calls == [2, 1]
+    for _ in range(2):  # a stranger keeps a CPU busy as well
+        host.advance(0.5, ours=1.0, others=1.0, near=1.0)
+        gov.tick()
+    assert gov.others_cpus == pytest.approx(1.0, abs=0.05)
+    neighbour.publish(False, 0)
+    clock[0] += 2 * GROW_AFTER_S
+    host.advance(0.1, ours=1.0, others=1.0)
+    assert gov.tick() == 1 and calls == [2, 1]  # the stranger's CPU is not room

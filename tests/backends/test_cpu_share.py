@@ -53,17 +53,25 @@ def test_threads_never_exceed_what_was_given() -> None:
 
 
 class FakeHost:
-    """Two CPUs; each `advance` runs `dt` seconds in which we use `ours` CPUs and other
-    processes `others` CPUs (in /proc's ticks)."""
+    """Two CPUs; each `advance` runs `dt` seconds in which we use `ours` CPUs, a neighbour
+    worker (process NEIGHBOUR) `near` and other processes `others` (in /proc's ticks)."""
+
+    NEIGHBOUR = 4243
 
     def __init__(self) -> None:
-        self.now, self.busy, self.ours = 0.0, [0, 0], 0
+        self.now, self.busy, self.ours, self.near = 0.0, [0, 0], 0, 0
 
-    def advance(self, dt: float, ours: float, others: float) -> None:
+    def advance(self, dt: float, ours: float, others: float, near: float = 0.0) -> None:
         self.now += dt
-        per_cpu = (ours + others) * TICKS_PER_S * dt / 2
+        per_cpu = (ours + others + near) * TICKS_PER_S * dt / 2
         self.busy = [int(b + per_cpu) for b in self.busy]
         self.ours += int(ours * TICKS_PER_S * dt)
+        self.near += int(near * TICKS_PER_S * dt)
+
+    def read_pid(self, pid: int) -> str:
+        if pid != self.NEIGHBOUR:
+            raise FileNotFoundError(f"/proc/{pid}/stat")
+        return self_stat(self.near)
 
     def governor(self, calls: list[int], start: int | None = None) -> ThreadGovernor:
         return ThreadGovernor(
@@ -75,6 +83,7 @@ class FakeHost:
             read_self=lambda: self_stat(self.ours),
             clock=lambda: self.now,
             set_threads=calls.append,
+            read_pid=self.read_pid,
         )
 
 

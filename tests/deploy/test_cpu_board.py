@@ -25,7 +25,7 @@ def test_unpinned_workers_sharing_a_host_get_one_board() -> None:
     assert [c.cpu_board_slot for c in sharers] == [0, 1]  # the pinned one holds no slot
     assert {c.cpu_board for c in sharers} == {str(folder / "board")}
     HostBoard(sharers[1].cpu_board, sharers[1].cpu_board_slot).publish(True, 2)
-    assert HostBoard(sharers[0].cpu_board, 0).others() == (True, 2)
+    assert HostBoard(sharers[0].cpu_board, 0).others()[:2] == (True, 2)
     remove_cpu_board(folder)
     assert not folder.exists()
     alone, none = with_cpu_board([c for c in configs if not c.cpus][:1])

@@ -83,11 +83,11 @@ def test_an_engine_on_a_cpu_board_says_when_it_works_and_when_it_holds_no_cpu(
         llm.engine.share_cpus(HostBoard(tmp_path / "board", 0))
         llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), "r")
         llm.engine.step()
-        assert neighbour.others() == (True, 1)
+        assert neighbour.others()[:2] == (True, 1)
         while llm.engine.has_unfinished_requests():
             llm.engine.step()
-        assert neighbour.others() == (True, 1)  # its last step ran: not idle yet
+        assert neighbour.others()[:2] == (True, 1)  # its last step ran: not idle yet
         assert llm.engine.step() == []
-        assert neighbour.others() == (False, 0)
+        assert neighbour.others()[:2] == (False, 0)
     finally:
         torch.set_num_threads(before)
