@@ -13,7 +13,10 @@ take the kernel's blocked AVX-512 loops (bf16 scores by `vdpbf16ps`; 16 position
 summed at once, a vectorized softmax, outputs in registers across the context: head dims 64
 and 128), else its portable path (bf16 widened to float32 by a shift); `bf16_path()` names
 the one taken, and `decode(..., portable=True)` forces the portable one. `prefill_causal`
-runs the same loops over prefill chunks, each row a decode query over the rows before it.
+runs the same loops over prefill chunks, each row a decode query over the rows before it,
+except bfloat16 at head dim 64 on the AVX-512 BF16 path: there the scores of 16 rows' query
+heads against 16 positions, and their weights times V, are GEMMs by `vdpbf16ps` over K and V
+laid out once per chunk (positions in the lanes), 1.5x the per-row loops.
 
 It is built on first use and loaded by backends/native.py (the machine's compiler,
 `-march=native`, the AVX-512 BF16 path compiled in by a target attribute on any x86-64 and
