@@ -55,7 +55,8 @@ class AttentionMetadata:
     # SDPA's flash kernel over the same groups, which scores every block of the causal
     # mask's masked half too (SmolLM2's heads, 8 x 256 to 16 x 64 tokens, 1 and 2 threads,
     # a Zen 5 EPYC: 2.4-3.3x in bfloat16, 1.7-2.8x in float32). Chunks attending to a
-    # cached prefix (a mask over the context) stay on SDPA.
+    # cached prefix (a mask over the context) take the decode kernel, each row a query over
+    # the context where it lies, where it reads the cache (`native_decode`), else SDPA.
     native_prefill: bool = False
     # `prefills` batched for SDPA (prefill_groups): built by the first layer, shared by all.
     groups: list[PrefillGroup] | None = None
@@ -75,6 +76,9 @@ class PrefillGroup:
     # [size, 1, tokens, context]; without, causal attention within each chunk.
     context_slots: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    # The same per row, flat, for the decode kernel (built by the first layer that asks).
+    row_slots: torch.Tensor | None = None  # [size * tokens * context]
+    row_mask: torch.Tensor | None = None  # [size * tokens * context] bool
 
 
 def prefill_groups(meta: AttentionMetadata, device: torch.device) -> list[PrefillGroup]:
@@ -184,11 +188,42 @@ def paged_attention(
                     rows = paged_decode.prefill_causal(group_rows(q, g), kg, vg, g.tokens, scale)
                 put_rows(out, g, rows)
                 continue
+        elif meta.native_prefill and meta.native_decode and meta.kv_layout == ND:
+            with torch.profiler.record_function("hetero_pd::prefix_rows"):
+                put_rows(out, g, _prefix_rows(group_rows(q, g), k_cache, v_cache, g, scale))
+            continue
         else:
             kg = read_slots(k_cache, g.context_slots, meta.kv_layout)
             vg = read_slots(v_cache, g.context_slots, meta.kv_layout)
         put_rows(out, g, group_sdpa(group_rows(q, g), kg, vg, g, scale))
     return out
+
+
+def _prefix_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: PrefillGroup,
+    scale: float,
+) -> torch.Tensor:
+    """A group of chunks over a cached prefix (their own rows written already), each row as
+    a decode query over its chunk's context, read where it lies: in the served 1P1D run the
+    decode worker's mixed steps split a prompt at the token budget, and SDPA over a gathered
+    copy of these contexts took more of its time than every whole chunk's attention."""
+    assert group.context_slots is not None and group.mask is not None
+    if group.row_slots is None:
+        context = group.context_slots.numel() // group.size
+        per_chunk = group.context_slots.view(group.size, 1, context)
+        group.row_slots = per_chunk.expand(-1, group.tokens, -1).reshape(-1)
+        group.row_mask = group.mask.reshape(-1)
+    assert group.row_mask is not None
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    bf16_out = q.dtype == k_flat.dtype == torch.bfloat16
+    rows = paged_decode.decode(
+        q, k_flat, v_flat, group.row_slots, group.row_mask, scale, bf16_out=bf16_out
+    )
+    return rows.to(q.dtype)
 
 
 def _decode(

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hetero_pd import LLM, SamplingParams
+from backends import paged_decode
+from hetero_pd import LLM, SamplingParams, envs
 from hetero_pd.models.attention import AttentionMetadata, PrefillSpan, paged_attention
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
@@ -92,6 +93,28 @@ def test_grouped_prefill_equals_a_call_per_chunk(dtype: torch.dtype) -> None:
     # that shape by how it splits work over threads (as it does at one thread against two).
     ulp = torch.finfo(dtype).eps * float(want.abs().max())
     torch.testing.assert_close(got, want, rtol=0, atol=ulp)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_over_a_cached_prefix_through_the_kernel_equal_sdpa(dtype: torch.dtype) -> None:
+    """With the kernel (`native_prefill` and `native_decode`), chunks after a cached prefix
+    attend row by row through the decode kernel over the cache, the whole chunks through
+    `prefill_causal`: within a rounding of SDPA per chunk (float32 to a few ulps, bfloat16 to
+    its rtol; the kernel rounds bf16 weights as SDPA does, its exp differs in the last bits)."""
+    kernels = envs.compile_cache_dir() / "kernels"
+    if not paged_decode.available(dtype, kernels) or paged_decode.bf16_path() != "avx512_bf16":
+        pytest.skip("the kernel's prefill runs only where the CPU has AVX-512 BF16")
+    q, k, v, k_cache, v_cache = _step(dtype)
+    meta = _meta()
+    meta.native_prefill = meta.native_decode = True
+    got = paged_attention(q, k, v, k_cache, v_cache, meta, DIM**-0.5)
+    assert meta.groups is not None
+    assert [g.row_slots is not None for g in meta.groups] == [
+        g.mask is not None for g in meta.groups
+    ]
+    want = _per_chunk(q, k, v, k_cache, v_cache, meta)
+    tol = {"atol": 2e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 1.6e-2}
+    torch.testing.assert_close(got, want, **tol)
 
 
 Ref = Callable[..., list[int]]
