@@ -93,12 +93,11 @@ def process_ticks(self_stat_text: str) -> int:
 
 
 class Neighbours(NamedTuple):
-    """What a worker reads of the other slots on its board."""
+    """What a worker reads of the other slots on its board before each step."""
 
     working: bool  # another worker works now
     threads: int  # the threads the working others run
     idle_s: float  # how long every other has been idle (0.0 while one works)
-    pids: tuple[int, ...]  # the others' processes (0: a slot no worker has taken yet)
 
 
 class HostBoard:
@@ -117,6 +116,7 @@ class HostBoard:
         if not 0 <= slot < self.slots:
             raise ValueError(f"cpu board {path}: slot {slot} of {self.slots}")
         self.slot = slot
+        self._others = [i for i in range(self.slots) if i != slot]
         self.pid = os.getpid() if pid is None else pid
         self.publish(False, 0)
 
@@ -134,18 +134,21 @@ class HostBoard:
         self.SLOT.pack_into(self._map, at, int(working), threads, time.monotonic(), self.pid)
 
     def others(self) -> Neighbours:
-        now, working, threads, since, pids = time.monotonic(), False, 0, 0.0, []
-        for i in range(self.slots):
-            if i == self.slot:
-                continue
-            busy, n, stamp, pid = self.SLOT.unpack_from(self._map, i * self.SLOT.size)
-            pids.append(pid)
+        now, working, threads, since = time.monotonic(), False, 0, 0.0
+        for i in self._others:
+            busy, n, stamp, _pid = self.SLOT.unpack_from(self._map, i * self.SLOT.size)
             if busy and now - stamp < self.STALE_S:
                 working, threads = True, threads + n
-            elif not busy or now - stamp >= self.STALE_S:  # idle, or died mid-step
-                since = max(since, stamp)  # the latest of the others to stop working
-        idle_s = 0.0 if working else max(0.0, now - since)  # a garbled stamp: NaN -> 0
-        return Neighbours(working, threads, idle_s if idle_s == idle_s else 0.0, tuple(pids))
+            else:  # idle, or died mid-step: the latest of the others to stop working (a
+                since = max(since, stamp)  # NaN stamp never wins a max; an infinite one
+                # leaves no idle time, so no growth)
+        return Neighbours(working, threads, 0.0 if working else max(0.0, now - since))
+
+    def pids(self) -> set[int]:
+        """The other workers' processes (slots not taken yet name none)."""
+        at = self.SLOT.size
+        pids = {self.SLOT.unpack_from(self._map, i * at)[3] for i in self._others}
+        return pids - {0, self.pid}
 
     def close(self) -> None:
         self._map.close()
@@ -206,7 +209,7 @@ class ThreadGovernor:
         ticks: dict[int, int] = {}
         if self.board is None:
             return ticks
-        for pid in set(self.board.others().pids) - {0, self.board.pid}:
+        for pid in self.board.pids():
             try:
                 ticks[pid] = process_ticks(self._read_pid(pid))
             except (OSError, ValueError, IndexError):
@@ -229,7 +232,7 @@ class ThreadGovernor:
                 self._change(room, f"the neighbours on this host idle {others.idle_s:.2f}s")
         self._publish(True)
         deadline = self._clock() + WAIT_S  # by the clock: a busy host stretches each sleep
-        while self.board.others()[1] + self.threads > len(self.cpus):
+        while self.board.others().threads + self.threads > len(self.cpus):
             if self._clock() >= deadline:
                 break
             self._sleep(WAIT_STEP_S)

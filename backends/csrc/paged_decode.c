@@ -529,12 +529,10 @@ TARGET_BF16 static void gemm_task(const gemm_t *g, int64_t c, int64_t h, int64_t
             sum = _mm512_add_ps(sum, e);
             _mm256_storeu_si256((__m256i *)(pm + t), narrow16_bf16(e));
         }
-        pm[tiles * 16] = 0, pm[tiles * 16 + 1] = 0; /* a pair past the end weighs nothing */
         float total = _mm512_reduce_add_ps(sum);
         inv[m] = total > 0.0f ? 1.0f / total : 0.0f;
     }
     /* out = weights x V, OV query vectors at a time, 64 dims in 4 vectors each. */
-    int64_t pairs = (tiles * 16 + 1) / 2;
     for (int64_t m0 = 0; m0 < M; m0 += OV) {
         int64_t mb = M - m0 < OV ? M - m0 : OV;
         __m512 acc[OV][4];
@@ -543,8 +541,9 @@ TARGET_BF16 static void gemm_task(const gemm_t *g, int64_t c, int64_t h, int64_t
             pr[m] = (const uint32_t *)(s + (m0 + (m < mb ? m : 0)) * ld);
             for (int d = 0; d < 4; d++) acc[m][d] = _mm512_setzero_ps();
         }
-        int64_t stop = (i0 + (m0 + mb - 1) / G + 2) / 2; /* the last row's pairs */
-        if (stop > pairs) stop = pairs;
+        /* the pairs of positions the last row attends to, all within its tiles (a row's
+         * weights past its last position are 0) */
+        int64_t stop = (i0 + (m0 + mb - 1) / G + 2) / 2;
         for (int64_t t2 = 0; t2 < stop; t2++) {
             __m512i vv[4];
             for (int d = 0; d < 4; d++) vv[d] = _mm512_loadu_si512(vp + t2 * 64 + 16 * d);

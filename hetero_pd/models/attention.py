@@ -76,9 +76,9 @@ class PrefillGroup:
     # [size, 1, tokens, context]; without, causal attention within each chunk.
     context_slots: torch.Tensor | None = None
     mask: torch.Tensor | None = None
-    # The same per row, flat, for the decode kernel (built by the first layer that asks).
-    row_slots: torch.Tensor | None = None  # [size * tokens * context]
-    row_mask: torch.Tensor | None = None  # [size * tokens * context] bool
+    # The context slots once per row, for the decode kernel (built by the first layer that
+    # asks): [size * tokens * context].
+    row_slots: torch.Tensor | None = None
 
 
 def prefill_groups(meta: AttentionMetadata, device: torch.device) -> list[PrefillGroup]:
@@ -215,15 +215,26 @@ def _prefix_rows(
         context = group.context_slots.numel() // group.size
         per_chunk = group.context_slots.view(group.size, 1, context)
         group.row_slots = per_chunk.expand(-1, group.tokens, -1).reshape(-1)
-        group.row_mask = group.mask.reshape(-1)
-    assert group.row_mask is not None
+    return _kernel(q, k_cache, v_cache, group.row_slots, group.mask.reshape(-1), scale)
+
+
+def _kernel(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Each row of q [n, heads, dim] attends to its `slots` [n * ctx] of the cache (layout
+    nd) where `mask` [n * ctx] is True, through the kernel; out in q's dtype (a bf16 cache's
+    rounded by the kernel as it goes)."""
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    # Compiled: the op (opaque to the compiler). Eager: the function behind it.
+    kernel = paged_decode.paged_decode if torch.compiler.is_compiling() else paged_decode.decode
     bf16_out = q.dtype == k_flat.dtype == torch.bfloat16
-    rows = paged_decode.decode(
-        q, k_flat, v_flat, group.row_slots, group.row_mask, scale, bf16_out=bf16_out
-    )
-    return rows.to(q.dtype)
+    return kernel(q, k_flat, v_flat, slots, mask, scale, bf16_out=bf16_out).to(q.dtype)
 
 
 def _decode(
@@ -235,17 +246,12 @@ def _decode(
 ) -> torch.Tensor:
     """One query token per sequence against its cached context."""
     assert meta.decode_slots is not None and meta.decode_mask is not None
-    if meta.kv_layout == ND and (meta.native_decode or torch.compiler.is_compiling()):
+    if meta.kv_layout == ND and meta.native_decode:
+        return _kernel(q, k_cache, v_cache, meta.decode_slots, meta.decode_mask.reshape(-1), scale)
+    if meta.kv_layout == ND and torch.compiler.is_compiling():
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
-        if not meta.native_decode:
-            return _decode_fused(q, k_flat, v_flat, meta.decode_slots, meta.decode_mask, scale)
-        # Compiled: the op (opaque to the compiler). Eager: the function behind it.
-        kernel = paged_decode.paged_decode if torch.compiler.is_compiling() else paged_decode.decode
-        mask = meta.decode_mask.reshape(-1)
-        bf16_out = q.dtype == k_flat.dtype == torch.bfloat16  # rounded in the kernel
-        od = kernel(q, k_flat, v_flat, meta.decode_slots, mask, scale, bf16_out=bf16_out)
-        return od.to(q.dtype)
+        return _decode_fused(q, k_flat, v_flat, meta.decode_slots, meta.decode_mask, scale)
     nd, num_kv_heads, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
     # index_select on the flat cache is far cheaper than advanced indexing by block table.
     kd = read_slots(k_cache, meta.decode_slots, meta.kv_layout).view(nd, -1, num_kv_heads, head_dim)
