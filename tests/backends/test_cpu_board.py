@@ -167,3 +167,13 @@ def test_a_neighbours_cpu_is_not_others_load_and_its_idle_cpu_is_taken_at_once(
     clock[0] += 2 * GROW_AFTER_S
     host.advance(0.1, ours=1.0, others=1.0)
     assert gov.tick() == 1 and calls == [2, 1]  # the stranger's CPU is not room
+
+
+def test_the_pids_a_board_names_leave_out_ours_and_untaken_slots(tmp_path: Path) -> None:
+    """The windows subtract the CPU time of the pids the other slots name: never our own
+    (counted as ours already) nor 0 (a slot no worker took), whatever a slot holds."""
+    HostBoard.create(tmp_path / "board", 4)
+    mine = HostBoard(tmp_path / "board", 0)
+    HostBoard(tmp_path / "board", 1, 4243)
+    HostBoard(tmp_path / "board", 2, mine.pid)  # a garbled slot naming us
+    assert mine.pids() == {4243}  # slot 3 never taken: pid 0

@@ -117,6 +117,36 @@ def test_chunks_over_a_cached_prefix_through_the_kernel_equal_sdpa(dtype: torch.
     torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_poisoned_prefix_leaves_the_other_chunks_of_its_kernel_call_alone(
+    dtype: torch.dtype,
+) -> None:
+    """Two chunks after 8 cached tokens share one kernel call: one whose cached K/V and
+    query a hostile client filled with NaN, inf and huge values changes no bit of the other
+    chunk's rows (nor of any other chunk's), and the call does not fail."""
+    kernels = envs.compile_cache_dir() / "kernels"
+    if not paged_decode.available(dtype, kernels) or paged_decode.bf16_path() != "avx512_bf16":
+        pytest.skip("the kernel's prefill runs only where the CPU has AVX-512 BF16")
+    starts = [sum(n for _, n in SEQS[:i]) for i in range(len(SEQS))]
+    bad = slice(starts[5], starts[5] + 3)  # sequence 5: 3 tokens after 8 cached (slots 100..)
+
+    def run(poison: bool) -> torch.Tensor:
+        q, k, v, k_cache, v_cache = _step(dtype)
+        if poison:
+            q[bad, :, ::3] = float("nan")
+            k_cache.view(-1, KV_HEADS, DIM)[100:108, :, ::3] = float("inf")
+            v_cache.view(-1, KV_HEADS, DIM)[100:108, :, ::3] = 3e38
+        meta = _meta()
+        meta.native_prefill = meta.native_decode = True
+        return paged_attention(q, k, v, k_cache, v_cache, meta, DIM**-0.5)
+
+    clean, got = run(False), run(True)
+    others = torch.ones(clean.shape[0], dtype=torch.bool)
+    others[bad] = False
+    assert torch.equal(got[others], clean[others])
+    assert not torch.equal(got[bad], clean[bad])  # the poison reached its own rows
+
+
 Ref = Callable[..., list[int]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 
