@@ -162,6 +162,9 @@ class RouterSpec:
     elastic_tokens_per_output: float = opt(
         6.0, lo=0.0, doc="elastic: ... or what its requests absorb: this x each max_tokens (0: off)"
     )
+    tpot_slo_ms: float = opt(
+        0.0, lo=0.0, doc="elastic: a TPOT target whose headroom decode workers spend on prompts"
+    )
     kv_overlap_weight: float = opt(1.0, lo=0.0, doc="kv_aware: weight of prompt blocks to compute")
     prefix_pull_min_tokens: int = opt(
         32, lo=0, doc="kv_aware: pull a prefix held elsewhere when it saves this many tokens"
@@ -183,6 +186,7 @@ class RouterSpec:
                 elastic_prefill=self.elastic_prefill,
                 elastic_busy_max_tokens=self.elastic_busy_max_tokens,
                 elastic_tokens_per_output=self.elastic_tokens_per_output,
+                tpot_slo_ms=self.tpot_slo_ms,
                 block_size=block_size,
                 kv_overlap_weight=self.kv_overlap_weight,
                 prefix_pull_min_tokens=self.prefix_pull_min_tokens,

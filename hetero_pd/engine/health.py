@@ -31,3 +31,6 @@ class EngineLoad:
     used_blocks: int
     #: Prompt tokens computed (not served by the prefix cache) since the engine started.
     prompt_tokens_computed: int = 0
+    #: Seconds of a decode-only step and of a prompt token, lately (engine/step_costs.py).
+    decode_step_s: float = 0.0
+    prompt_token_s: float = 0.0

@@ -27,6 +27,7 @@ from hetero_pd.engine.request import Request, RequestStatus
 from hetero_pd.engine.sampler import advance_generator
 from hetero_pd.engine.scheduler import Role, Scheduler, SchedulerConfig, SchedulerOutput
 from hetero_pd.engine.spec.speculator import build_speculator
+from hetero_pd.engine.step_costs import StepCosts
 from hetero_pd.engine.structured import GrammarCompiler
 from hetero_pd.models.config import ModelConfig
 from hetero_pd.models.fetch import resolve_model
@@ -79,9 +80,8 @@ class LLMEngine(HiddenPrompts):
         )
         # Prompt token ids of split requests are placeholders: hashing them would alias.
         caching = config.enable_prefix_caching and config.start_layer == 0
-        tier_config = config.kv_tiers
         tiers = None
-        if tier_config is not None:
+        if (tier_config := config.kv_tiers) is not None:
             kv = self.runner.kv_tensors
             tiers = build_kv_tiers(
                 tier_config, self.model_path, kv, self.runner.kv_layout, disk_key
@@ -106,7 +106,7 @@ class LLMEngine(HiddenPrompts):
         self._ids = itertools.count()
         self._failures: list[RequestFailure] = []
         self._failed_steps = 0
-        self._prompt_tokens_computed = 0
+        self.costs = StepCosts()
         log.info("%s", self.describe())
 
     def describe(self) -> str:
@@ -257,7 +257,7 @@ class LLMEngine(HiddenPrompts):
         return list(req.block_ids), req.num_prompt_tokens
 
     def load(self) -> EngineLoad:
-        s = self.scheduler
+        s, c = self.scheduler, self.costs
         return EngineLoad(
             waiting=len(s.waiting),
             running=len(s.running),
@@ -267,7 +267,9 @@ class LLMEngine(HiddenPrompts):
             kv_usage=round(self.kv.usage, 4),
             free_blocks=self.kv.num_free_blocks,
             used_blocks=self.kv.num_used_blocks,
-            prompt_tokens_computed=self._prompt_tokens_computed,
+            prompt_tokens_computed=c.prompt_tokens_computed,
+            decode_step_s=c.decode_step_s,
+            prompt_token_s=c.prompt_token_s,
         )
 
     def switch_role(self, role: Role) -> None:
@@ -308,12 +310,10 @@ class LLMEngine(HiddenPrompts):
             return []
         if self.thread_governor is not None:
             self.thread_governor.tick()
-        self._prompt_tokens_computed += sum(
-            max(0, min(c.num_tokens, c.request.num_prompt_tokens - c.request.num_computed_tokens))
-            for c in out.chunks
-        )
+        step = self.costs.start(out)
         try:
             outputs = self._run(out, layer_hook)
+            self.costs.done(step)
         except EngineFault:  # the engine's own (a tensor-parallel rank died): no retry
             raise
         except Exception as e:  # find out whether one request caused it

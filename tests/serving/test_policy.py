@@ -5,11 +5,14 @@ blocks the router knows they hold; then elastic prefill on a real stack."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import openai
+import pytest
 
 from hetero_pd.deploy.testing import deployment, random_prompts, running_stack
 from hetero_pd.engine.kv_cache_manager import prompt_block_hashes
@@ -197,6 +200,46 @@ def test_elastic_prefill_sizes_a_prompt_to_the_outputs_in_flight() -> None:
     assert chooser.stall_until(worker("d"), W.WireParams(max_tokens=None)) >= 6 * (1 << 20)
 
 
+def test_a_tpot_target_spends_its_headroom_over_the_decode_step_on_prompts() -> None:
+    """With `tpot_slo_ms`, a request on a decode worker absorbs as many prompt tokens per
+    output token as half the target's headroom over the worker's decode step buys at its
+    cost per prompt token, as its heartbeat reports them (issue 30: at 100 ms TPOT and
+    25 ms steps, 1P1D's requests of 64 tokens absorbed 384 prompt tokens while their TPOT
+    stayed at a third of the target and the prompts waited for the one prefill core)."""
+    queued = [worker("p", 256)]
+    measured = worker("d")
+    measured.load = V.WorkerLoad(decode_step_s=0.025, prompt_token_s=0.0008)
+    target = Chooser(RoutingConfig(local_prefill_max_tokens=32, tpot_slo_ms=100))
+    assert target.tokens_per_output(measured) == pytest.approx(0.5 * 0.075 / 0.0008)
+    measured.inflight["r"] = target.stall_until(measured, W.WireParams(max_tokens=64))
+    assert abs(measured.inflight["r"] - 3000) <= 1  # prompt tokens: 47 per output token
+    measured.prompt_tokens_given += 2048
+    assert target.prefill_locally(256, 0, queued, measured)
+    measured.prompt_tokens_given += 768
+    assert not target.prefill_locally(256, 0, queued, measured)  # ~184 left
+
+    # Never less than elastic_tokens_per_output: no target, a worker that has not measured
+    # both costs, or a decode step already over the target.
+    for chooser, load in [
+        (Chooser(RoutingConfig()), V.WorkerLoad(decode_step_s=0.025, prompt_token_s=0.0008)),
+        (target, V.WorkerLoad(decode_step_s=0.025)),
+        (target, V.WorkerLoad(prompt_token_s=0.0008)),
+        (target, V.WorkerLoad(decode_step_s=0.150, prompt_token_s=0.0008)),
+    ]:
+        d = worker("d")
+        d.load = load
+        assert chooser.tokens_per_output(d) == 6.0
+
+
+def test_a_heartbeats_step_costs_are_checked() -> None:
+    """The costs a heartbeat reports steer routing: NaN, infinite or negative ones are
+    refused with the frame, as every other field's bad value is."""
+    for bad in (float("nan"), float("inf"), -0.001, 1e9):
+        frame = msgspec.msgpack.encode({"prompt_token_s": bad})
+        with pytest.raises(msgspec.ValidationError, match="prompt_token_s"):
+            msgspec.msgpack.decode(frame, type=V.WorkerLoad)
+
+
 def test_a_clients_max_tokens_cannot_spend_another_requests_allowance() -> None:
     """max_tokens comes from API clients. A hostile one asking for the most the wire allows
     (or none: until EOS) raises only its own allowance: the limit is the least left among
@@ -253,4 +296,11 @@ def test_elastic_prefill_uses_an_idle_decode_worker(
         disaggregated = stack.metric(DECISIONS, decision="disaggregated")
         assert local >= 1 and disaggregated >= 1 and local + disaggregated == 8
         assert all(w.pending_tokens == 0 for w in stack.router.workers.values())
+        # The decode worker computed prompts and decoded: its heartbeats tell the router
+        # what each cost (what a TPOT target weighs).
+        decode = stack.router.workers["decode-0"]
+        deadline = time.monotonic() + 30
+        while not (decode.load.decode_step_s and decode.load.prompt_token_s):
+            assert time.monotonic() < deadline, decode.load
+            time.sleep(0.1)
         stack.wait_idle()

@@ -25,6 +25,7 @@ Name = Annotated[str, Meta(max_length=256)]
 Text = Annotated[str, Meta(max_length=16 * 2**20)]
 Message = Annotated[str, Meta(max_length=16384)]
 Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Seconds = Annotated[float, Meta(ge=0.0, le=3600.0)]
 #: A number of a prompt's tokens.
 PromptCount = Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
 Blob = Annotated[bytes, Meta(max_length=MAX_FRAME_BYTES)]
@@ -175,6 +176,10 @@ class WorkerLoad(Value, kw_only=True, frozen=True):
     transfer: Annotated[dict[Name, TransportCounters], Meta(max_length=16)] = {}
     #: Prompt tokens this worker's engine computed (not served by its prefix cache), total.
     prompt_tokens_computed: Count = 0
+    #: Seconds of a decode-only step and per prompt token of a step, lately (0.0: not seen
+    #: yet; hetero_pd/engine/step_costs.py): what elastic prefill weighs against a TPOT target.
+    decode_step_s: Seconds = 0.0
+    prompt_token_s: Seconds = 0.0
     #: Prefix pulls from other workers: finished whole, their tokens, and failed ones
     #: (whose prompts were computed here instead).
     prefix_pulls: Count = 0

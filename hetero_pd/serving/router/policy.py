@@ -25,6 +25,9 @@ Policy = Literal["round_robin", "least_loaded", "prefix_aware", "kv_aware"]
 FailurePolicy = Literal["recompute", "retry", "fail"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 FAILURE_POLICIES: tuple[str, ...] = get_args(FailurePolicy)
+#: The share of a TPOT target's headroom elastic prefill spends: the rest absorbs what the
+#: averages miss (prompts arrive in bursts, steps slow as the batch grows).
+SLO_SHARE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,11 @@ class RoutingConfig:
     #: quarter at most: the 1.25 PD's TPOT interference is held to (docs/BENCHMARKS.md
     #: section 3). 0: off.
     elastic_tokens_per_output: float = 6.0
+    #: A TPOT target in milliseconds (0: none). With one, a request decoding on a worker
+    #: absorbs as many prompt tokens per output token as `SLO_SHARE` of the target's headroom
+    #: over the worker's decode step buys at its cost per prompt token (both as its
+    #: heartbeat last reported them), when that is more than `elastic_tokens_per_output`.
+    tpot_slo_ms: float = 0.0
     prefill_queue_limit_tokens: int = 8192
     #: A decode worker with more of its KV cache in use than this takes no prompt itself.
     elastic_kv_limit: float = 0.85
@@ -183,9 +191,21 @@ class Chooser:
     def stall_until(self, decode: WorkerClient, params: WireParams) -> int:
         """For a request about to decode on `decode`: the count of the worker's
         `prompt_tokens_given` past which prompts computed beside it would stall it more
-        than its output absorbs (`elastic_tokens_per_output` x its max_tokens)."""
-        allowance = int(self.cfg.elastic_tokens_per_output * output_tokens(params))
+        than its output absorbs (`tokens_per_output` x its max_tokens)."""
+        allowance = int(self.tokens_per_output(decode) * output_tokens(params))
         return decode.prompt_tokens_given + allowance
+
+    def tokens_per_output(self, decode: WorkerClient) -> float:
+        """The prompt tokens computed on `decode` a request there absorbs per output token:
+        `elastic_tokens_per_output`, or what `SLO_SHARE` of the TPOT target's headroom over
+        the worker's decode step buys, whichever is more. A step with prompt tokens costs
+        their count x their cost more than a decode step; spread over a request's output,
+        that is the TPOT it adds."""
+        least = self.cfg.elastic_tokens_per_output
+        target, load = self.cfg.tpot_slo_ms / 1000, decode.load
+        if not (target and load.decode_step_s and load.prompt_token_s):
+            return least  # no target, or the worker has not measured both costs yet
+        return max(least, SLO_SHARE * (target - load.decode_step_s) / load.prompt_token_s)
 
     def busy_prompt_limit(self, decode: WorkerClient) -> int:
         """The longest prompt (its uncached part) elastic prefill gives `decode` while
