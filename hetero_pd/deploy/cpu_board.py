@@ -5,17 +5,27 @@ may grow into a neighbour's while it idles (backends/cpu_share.py). So that a ne
 that gets work has its CPU back at its next step, not after the grown worker's load
 windows agree, they share a :class:`backends.cpu_share.HostBoard`: one small file, made
 here in a folder of its own (mode 0700, removed when the workers stop), a slot per worker.
+The folder's name carries the launcher's pid, so that the next launcher removes those of
+launchers killed outright (`sweep_stale_boards`).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 import shutil
+import stat
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 from backends.cpu_share import HostBoard
 from hetero_pd.serving.worker.config import WorkerConfig
+
+PREFIX = "hetero-pd-cpus-"
+_NAME = re.compile(re.escape(PREFIX) + r"(\d{1,10})-[^/]+")
+log = logging.getLogger("hetero_pd.deploy")
 
 
 def shares_cpus(cfg: WorkerConfig) -> bool:
@@ -32,7 +42,8 @@ def with_cpu_board(configs: list[WorkerConfig]) -> tuple[list[WorkerConfig], Pat
     sharers = [c.worker_id for c in configs if shares_cpus(c)]
     if len(sharers) < 2:
         return configs, None
-    folder = Path(tempfile.mkdtemp(prefix="hetero-pd-cpus-"))
+    sweep_stale_boards(Path(tempfile.gettempdir()))
+    folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
     path = folder / "board"
     HostBoard.create(path, len(sharers))
     slot = {worker_id: i for i, worker_id in enumerate(sharers)}
@@ -47,3 +58,34 @@ def with_cpu_board(configs: list[WorkerConfig]) -> tuple[list[WorkerConfig], Pat
 def remove_cpu_board(folder: Path | None) -> None:
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def sweep_stale_boards(tmp: Path) -> list[Path]:
+    """Removes the board folders in `tmp` that are ours (this uid's, real folders, not
+    links) and name a launcher pid no process has any more; returns them. Another uid's,
+    a live launcher's and names without a pid (made before pids were named) stay."""
+    swept = []
+    for entry in tmp.glob(f"{PREFIX}*"):
+        match = _NAME.fullmatch(entry.name)
+        try:
+            st = entry.lstat()
+        except OSError:
+            continue
+        if match is None or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue
+        if _alive(int(match.group(1))):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        log.info("removed %s: its launcher (pid %s) is gone", entry, match.group(1))
+        swept.append(entry)
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another uid's process, or no pid we can ask about: leave it
+    return True
