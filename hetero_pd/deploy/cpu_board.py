@@ -21,10 +21,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from backends.cpu_share import HostBoard
+from hetero_pd.deploy.netns_sys import is_alive
 from hetero_pd.serving.worker.config import WorkerConfig
 
 PREFIX = "hetero-pd-cpus-"
-_NAME = re.compile(re.escape(PREFIX) + r"(\d{1,10})-[^/]+")
+_NAME = re.compile(re.escape(PREFIX) + r"(\d{1,9})-[^/]+")  # a pid_t, at most
 log = logging.getLogger("hetero_pd.deploy")
 
 
@@ -73,19 +74,9 @@ def sweep_stale_boards(tmp: Path) -> list[Path]:
             continue
         if match is None or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
             continue
-        if _alive(int(match.group(1))):
+        if is_alive(int(match.group(1))):  # another uid's counts as alive
             continue
         shutil.rmtree(entry, ignore_errors=True)
         log.info("removed %s: its launcher (pid %s) is gone", entry, match.group(1))
         swept.append(entry)
     return swept
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True  # another uid's process, or no pid we can ask about: leave it
-    return True
