@@ -59,6 +59,14 @@ CASES = [
         "unknown key; allowed in router.rebalance: cooldown_s, enabled, high",
     ),
     (
+        "negative TPOT target",
+        HEAD + PD + "router:\n  tpot_slo_ms: -100\n",
+        "local",
+        7,
+        "router.tpot_slo_ms",
+        "-100.0 is out of range; must be >= 0.0",
+    ),
+    (
         "rebalance threshold out of range",
         HEAD + PD + "router:\n  rebalance: {high: 1.5}\n",
         "local",

@@ -58,6 +58,9 @@ def test_local_yaml_is_one_prefill_and_one_decode_on_cpu() -> None:
         ("prefill-0", "prefill", "cpu"),
         ("decode-0", "decode", "cpu"),
     ]
+    # The SLO its goodput is measured at reaches the router's elastic prefill.
+    routing = load_deployment(CONFIGS / "local.yaml").router.router_config(16).routing
+    assert routing.tpot_slo_ms == 100
 
 
 def test_ascend_h100_puts_prefill_on_npu_and_decode_on_cuda() -> None:
