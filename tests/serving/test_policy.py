@@ -229,6 +229,10 @@ def test_a_tpot_target_spends_its_headroom_over_the_decode_step_on_prompts() -> 
         d = worker("d")
         d.load = load
         assert chooser.tokens_per_output(d) == 6.0
+    # A worker reporting a vanishing cost (5e-324 s) makes the allowance large, not infinite.
+    tiny = worker("d")
+    tiny.load = V.WorkerLoad(decode_step_s=0.025, prompt_token_s=5e-324)
+    assert target.stall_until(tiny, W.WireParams(max_tokens=None)) == int(1e6) * (1 << 20)
 
 
 def test_a_heartbeats_step_costs_are_checked() -> None:

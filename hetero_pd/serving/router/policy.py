@@ -28,6 +28,9 @@ FAILURE_POLICIES: tuple[str, ...] = get_args(FailurePolicy)
 #: The share of a TPOT target's headroom elastic prefill spends: the rest absorbs what the
 #: averages miss (prompts arrive in bursts, steps slow as the batch grows).
 SLO_SHARE = 0.5
+#: The most prompt tokens per output token a TPOT target lets a request absorb: far more
+#: than any prompt, and finite whatever a heartbeat's costs (a denormal one would be inf).
+MAX_TOKENS_PER_OUTPUT = 1e6
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +208,8 @@ class Chooser:
         target, load = self.cfg.tpot_slo_ms / 1000, decode.load
         if not (target and load.decode_step_s and load.prompt_token_s):
             return least  # no target, or the worker has not measured both costs yet
-        return max(least, SLO_SHARE * (target - load.decode_step_s) / load.prompt_token_s)
+        buys = SLO_SHARE * (target - load.decode_step_s) / load.prompt_token_s
+        return min(max(least, buys), MAX_TOKENS_PER_OUTPUT)  # a tiny cost buys no infinity
 
     def busy_prompt_limit(self, decode: WorkerClient) -> int:
         """The longest prompt (its uncached part) elastic prefill gives `decode` while
