@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -121,6 +122,9 @@ def check_value(value: Any, tp: Any, key: str, src: Source, meta: Any = None) ->
         return BAD
     if tp is float:
         value = float(value)
+        if not math.isfinite(value):  # nan compares false with every bound: it passes them
+            src.error(key, f"must be a finite number, got {value}")
+            return BAD
     return _constrain(value, key, src, meta)
 
 

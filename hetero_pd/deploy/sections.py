@@ -160,10 +160,16 @@ class RouterSpec:
         64, lo=0, doc="elastic: the longest prompt a decode worker with requests in flight takes"
     )
     elastic_tokens_per_output: float = opt(
-        6.0, lo=0.0, doc="elastic: ... or what its requests absorb: this x each max_tokens (0: off)"
+        6.0,
+        lo=0.0,
+        hi=1e6,
+        doc="elastic: ... or what its requests absorb: this x each max_tokens (0: off)",
     )
     tpot_slo_ms: float = opt(
-        0.0, lo=0.0, doc="elastic: a TPOT target whose headroom decode workers spend on prompts"
+        0.0,
+        lo=0.0,
+        hi=3.6e6,
+        doc="elastic: a TPOT target whose headroom decode workers spend on prompts",
     )
     kv_overlap_weight: float = opt(1.0, lo=0.0, doc="kv_aware: weight of prompt blocks to compute")
     prefix_pull_min_tokens: int = opt(
