@@ -139,9 +139,9 @@ class HostBoard:
             busy, n, stamp, _pid = self.SLOT.unpack_from(self._map, i * self.SLOT.size)
             if busy and now - stamp < self.STALE_S:
                 working, threads = True, threads + n
-            else:  # idle, or died mid-step: the latest of the others to stop working (a
-                since = max(since, stamp)  # NaN stamp never wins a max; an infinite one
-                # leaves no idle time, so no growth)
+            else:  # idle, or died mid-step: when the last of the others stopped working.
+                # A NaN stamp never wins a max; an infinite one leaves no idle time.
+                since = max(since, stamp)
         return Neighbours(working, threads, 0.0 if working else max(0.0, now - since))
 
     def pids(self) -> set[int]:

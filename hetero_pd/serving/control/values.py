@@ -25,7 +25,9 @@ Name = Annotated[str, Meta(max_length=256)]
 Text = Annotated[str, Meta(max_length=16 * 2**20)]
 Message = Annotated[str, Meta(max_length=16384)]
 Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
-Seconds = Annotated[float, Meta(ge=0.0, le=3600.0)]
+#: The longest duration a worker reports (a step's cost): an hour.
+MAX_SECONDS = 3600.0
+Seconds = Annotated[float, Meta(ge=0.0, le=MAX_SECONDS)]
 #: A number of a prompt's tokens.
 PromptCount = Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
 Blob = Annotated[bytes, Meta(max_length=MAX_FRAME_BYTES)]

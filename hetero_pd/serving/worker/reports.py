@@ -38,8 +38,8 @@ def load_report(
             name: V.TransportCounters.of(counters) for name, counters in metrics.transports.items()
         },
         prompt_tokens_computed=load.prompt_tokens_computed,
-        decode_step_s=min(load.decode_step_s, 3600.0),
-        prompt_token_s=min(load.prompt_token_s, 3600.0),
+        decode_step_s=min(load.decode_step_s, V.MAX_SECONDS),
+        prompt_token_s=min(load.prompt_token_s, V.MAX_SECONDS),
         prefix_pulls=book.pulls.done,
         prefix_pulled_tokens=book.pulls.tokens,
         prefix_pull_failures=book.pulls.failed,
