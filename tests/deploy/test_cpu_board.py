@@ -38,7 +38,7 @@ def test_unpinned_workers_sharing_a_host_get_one_board() -> None:
 
 def test_boards_a_killed_launcher_left_are_swept_and_no_others(tmp_path: Path) -> None:
     """A launcher killed outright cannot remove its board's folder; the next one to make a
-    board removes ours whose launcher is gone, and nothing else: a live launcher's, a
+    board removes ours whose launcher is gone, and nothing else: another uid's, a live one's, a
     stranger's name, a file, a link (not followed), or an old folder without a pid."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -57,9 +57,16 @@ def test_boards_a_killed_launcher_left_are_swept_and_no_others(tmp_path: Path) -
     plain = tmp_path / f"hetero-pd-cpus-{dead.pid}-file"
     plain.write_text("x")
 
-    assert sweep_stale_boards(tmp_path) == [stale]
-    assert not stale.exists()
+    stranger = tmp_path / f"hetero-pd-cpus-{dead.pid}-theirs"  # another uid's, same name
+    stranger.mkdir(mode=0o700)
+    if os.geteuid() == 0:  # root (as in CI) can hand it to nobody; others test the rest
+        os.chown(stranger, 65534, 65534)
+
+    swept = sweep_stale_boards(tmp_path)
+    assert stale in swept and not stale.exists()
     assert all(p.exists() for p in (live, old, other, link, plain, target / "keep"))
+    if os.geteuid() == 0:
+        assert swept == [stale] and stranger.exists()
 
 
 def test_a_board_folder_names_its_launcher() -> None:

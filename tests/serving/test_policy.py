@@ -16,6 +16,7 @@ import pytest
 
 from hetero_pd.deploy.testing import deployment, random_prompts, running_stack
 from hetero_pd.engine.kv_cache_manager import prompt_block_hashes
+from hetero_pd.serving.control import protocol as P
 from hetero_pd.serving.control import sampling as W
 from hetero_pd.serving.control import values as V
 from hetero_pd.serving.router.policy import POLICIES, Chooser, RoutingConfig
@@ -237,11 +238,15 @@ def test_a_tpot_target_spends_its_headroom_over_the_decode_step_on_prompts() -> 
 
 def test_a_heartbeats_step_costs_are_checked() -> None:
     """The costs a heartbeat reports steer routing: NaN, infinite or negative ones are
-    refused with the frame, as every other field's bad value is."""
+    refused with the frame by the router's own codec, as every other field's bad value is."""
+    codec = P.router_codec()
+    good = P.Heartbeat(worker="decode-0", load=V.WorkerLoad(prompt_token_s=0.0008))
+    assert codec.decode(codec.encode(good)).load.prompt_token_s == 0.0008
     for bad in (float("nan"), float("inf"), -0.001, 1e9):
-        frame = msgspec.msgpack.encode({"prompt_token_s": bad})
-        with pytest.raises(msgspec.ValidationError, match="prompt_token_s"):
-            msgspec.msgpack.decode(frame, type=V.WorkerLoad)
+        raw = msgspec.msgpack.decode(codec.encode(good))
+        raw["load"]["prompt_token_s"] = bad
+        with pytest.raises(V.MessageError, match="prompt_token_s"):
+            codec.decode(msgspec.msgpack.encode(raw))
 
 
 def test_a_clients_max_tokens_cannot_spend_another_requests_allowance() -> None:
