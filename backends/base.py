@@ -303,8 +303,9 @@ class Backend(ABC):
         """The static shapes compiled steps need, or None when any shape runs."""
         return None
 
-    def compile_by_default(self) -> bool:
-        """Whether `compile: auto` compiles on this backend."""
+    def compile_by_default(self, decode_kernel: bool) -> bool:
+        """Whether `compile: auto` compiles on this backend, for an engine whose decode
+        attention runs (`decode_kernel`) or not through the backend's own kernel."""
         return False
 
     def default_threads(self) -> int:

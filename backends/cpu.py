@@ -189,11 +189,17 @@ class CpuBackend(Backend):
         """Always True."""
         return True
 
-    def compile_by_default(self) -> bool:
-        """True where inductor can build its C++ (a compiler on PATH, or $CXX): measured on a
-        quiet 2-vCPU AMD box, the compiled decode step made 130-151 tok/s against eager's
-        124-134 on short contexts and ran decode 1.8x faster at ~300 tokens of context, where
-        it reads K/V in place instead of gathering them (docs/BENCHMARKS.md section 4)."""
+    def compile_by_default(self, decode_kernel: bool) -> bool:
+        """Eager where the C decode-attention kernel runs: both steps then call the same
+        kernels (attention, packed linears, RMSNorm), inductor only fuses the elementwise
+        ops between them, and dynamo's guards and graph call per layer cost more than that
+        saves (the compiled step 1.02-1.17x the eager one's time in float32 and bfloat16,
+        batch 4-64: docs/BENCHMARKS.md section 14). Without the kernel (an MLA model, a
+        dtype it lacks, HETERO_PD_NATIVE_ATTENTION=0), compiled where inductor can build its
+        C++ (a compiler on PATH, or $CXX): its loops read K/V in place where eager gathers a
+        copy (1.8x at ~300 tokens of context, section 4)."""
+        if decode_kernel:
+            return False
         cxx = os.environ.get("CXX")
         return any(shutil.which(c) for c in ((cxx,) if cxx else ("g++", "c++", "clang++")))
 

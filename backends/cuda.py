@@ -101,7 +101,7 @@ class CudaBackend(Backend):
         """Batch buckets 1, 2, 4, 8..256 and contexts in multiples of 256."""
         return compiler.GRAPH_PADDING
 
-    def compile_by_default(self) -> bool:
+    def compile_by_default(self, decode_kernel: bool) -> bool:
         """True: replaying a graph removes the per-kernel launch cost that decode is made of."""
         return True
 

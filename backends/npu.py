@@ -149,7 +149,7 @@ class NpuBackend(Backend):
         """The same buckets as CUDA graphs: a graph is built per static shape."""
         return compiler.GRAPH_PADDING
 
-    def compile_by_default(self) -> bool:
+    def compile_by_default(self, decode_kernel: bool) -> bool:
         """True: graph mode removes the per-operator dispatch that dominates NPU decode."""
         return True
 

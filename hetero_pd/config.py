@@ -180,9 +180,10 @@ class EngineConfig:
             return self.kv_layout
         return backend_for(parse_device(self.device)).kv_layout
 
-    def compile_choice(self) -> tuple[bool, str]:
+    def compile_choice(self) -> tuple[bool | None, str]:
         """(compile the decode step?, why): `compile`, with "auto" overridden by
-        $HETERO_PD_COMPILE when set, else the device's backend's default."""
+        $HETERO_PD_COMPILE when set, else None: the device's backend decides once the engine
+        knows whether its decode-attention kernel runs (`Backend.compile_by_default`)."""
         if self.compile != "auto":
             return self.compile == "on", "configured"
         if self.tensor_parallel_size > 1:
@@ -190,8 +191,7 @@ class EngineConfig:
         env = envs.compile_mode()
         if env is not None:
             return env == "on", "HETERO_PD_COMPILE"
-        backend = backend_for(parse_device(self.device))
-        return backend.compile_by_default(), f"auto on {backend.kind}"
+        return None, f"auto on {backend_for(parse_device(self.device)).kind}"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:

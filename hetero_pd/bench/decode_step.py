@@ -9,10 +9,13 @@ off over on). The thread count is fixed (no thread governor) so that all four ru
 last stdout line is one JSON object with the machine.
 
 With `--torch-norm` a fifth engine runs bfloat16 with torch's RMSNorm instead of the C
-kernel (backends/rms_norm.py), side by side with the others.
+kernel (backends/rms_norm.py), side by side with the others. With `--compiled-too` (the four
+run eager) two more run float32 and bfloat16 with the kernel and the step compiled by inductor
+(`compile: on`), and the ratios say what compiling gains over eager. `--dtypes float32` runs
+the float32 engines only (ratios between absent engines are left out).
 
     hetero-pd bench decode-step [--batch 32] [--prompt-len 256] [--compile auto|on|off]
-                                [--torch-norm]
+                                [--torch-norm] [--compiled-too] [--dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -39,6 +42,20 @@ CONFIGS = (
     ("bfloat16-kernel", "bfloat16", False),
 )
 TORCH_NORM = "bfloat16+kernel,torch-norm"
+#: (name, dtype, eager baseline) of `--compiled-too`'s engines
+COMPILED = (
+    ("float32+kernel,compiled", "float32", "float32+kernel"),
+    ("bfloat16+kernel,compiled", "bfloat16", "bfloat16+kernel"),
+)
+#: (ratio, engine, baseline engine): printed where both ran
+RATIOS = (
+    ("bf16_over_fp32_kernel_on", "bfloat16+kernel", "float32+kernel"),
+    ("bf16_over_fp32_kernel_off", "bfloat16-kernel", "float32-kernel"),
+    ("fp32_off_over_on", "float32-kernel", "float32+kernel"),
+    ("bf16_off_over_on", "bfloat16-kernel", "bfloat16+kernel"),
+    ("bf16_torch_norm_over_c_norm", TORCH_NORM, "bfloat16+kernel"),
+    *((f"{dtype}_compiled_over_eager", name, eager) for name, dtype, eager in COMPILED),
+)
 
 
 @dataclass(slots=True)
@@ -49,16 +66,22 @@ class Engine:
 
 
 def start(
-    name: str, dtype: str, kernel: bool, args: argparse.Namespace, norm: bool = True
+    name: str,
+    dtype: str,
+    kernel: bool,
+    args: argparse.Namespace,
+    norm: bool = True,
+    compile: str | None = None,
 ) -> Engine:
-    """An engine with every request prefilled and decoding (`norm`: the C RMSNorm kernel)."""
+    """An engine with every request prefilled and decoding (`norm`: the C RMSNorm kernel;
+    `compile`: instead of `--compile`)."""
     os.environ[envs.NATIVE_ATTENTION] = "1" if kernel else "0"
     os.environ[envs.NATIVE_NORM] = "1" if norm else "0"
     blocks = args.batch * -(-(args.prompt_len + args.rounds * args.steps + 8) // 16)
     llm = LLM(
         args.model,
         dtype=dtype,
-        compile=args.compile,
+        compile=compile or args.compile,
         num_threads=args.threads,
         num_kv_blocks=blocks + 8,
         max_num_batched_tokens=max(2048, args.prompt_len),
@@ -93,11 +116,27 @@ def main(argv: list[str] | None = None) -> int:
         help=f"a fifth engine, {TORCH_NORM}: bf16 with the attention kernel and torch's RMSNorm "
         "(HETERO_PD_NATIVE_NORM=0), against bfloat16+kernel",
     )
+    ap.add_argument(
+        "--compiled-too",
+        action="store_true",
+        help="two more engines, float32 and bf16 with the kernel and the step compiled "
+        "(compile: on), against the eager ones (needs the four eager: --compile off or auto "
+        "where it means eager)",
+    )
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="the engines' dtypes")
     args = ap.parse_args(argv)
+    dtypes = set(args.dtypes.split(","))
+    if not dtypes or dtypes - {"float32", "bfloat16"}:
+        raise SystemExit(f"--dtypes: float32 and/or bfloat16, got {args.dtypes!r}")
     os.environ[envs.ADAPTIVE_THREADS] = "0"  # one thread count for all engines
-    engines = [start(name, dtype, kernel, args) for name, dtype, kernel in CONFIGS]
-    if args.torch_norm:
+    engines = [start(n, dtype, kernel, args) for n, dtype, kernel in CONFIGS if dtype in dtypes]
+    if args.compiled_too and any(e.llm.engine.runner.compiled for e in engines):
+        raise SystemExit("--compiled-too compares with eager engines: add --compile off")
+    if args.torch_norm and "bfloat16" in dtypes:
         engines.append(start(TORCH_NORM, "bfloat16", True, args, norm=False))
+    if args.compiled_too:
+        extra = [(n, dtype) for n, dtype, _ in COMPILED if dtype in dtypes]
+        engines += [start(n, dtype, True, args, compile="on") for n, dtype in extra]
     for _ in range(args.rounds):
         for e in engines:
             t0 = time.perf_counter()
@@ -107,17 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     ms = {e.name: statistics.median(e.step_ms) for e in engines}
     for e in engines:
         tok_s = args.batch / ms[e.name] * 1e3
-        print(f"{e.name:16s} {ms[e.name]:8.1f} ms per step  ({tok_s:6.1f} tok/s)")
-    ratios = {
-        "bf16_over_fp32_kernel_on": ms["bfloat16+kernel"] / ms["float32+kernel"],
-        "bf16_over_fp32_kernel_off": ms["bfloat16-kernel"] / ms["float32-kernel"],
-        "fp32_off_over_on": ms["float32-kernel"] / ms["float32+kernel"],
-        "bf16_off_over_on": ms["bfloat16-kernel"] / ms["bfloat16+kernel"],
-    }
-    if args.torch_norm:
-        ratios["bf16_torch_norm_over_c_norm"] = ms[TORCH_NORM] / ms["bfloat16+kernel"]
+        print(f"{e.name:24s} {ms[e.name]:8.1f} ms per step  ({tok_s:6.1f} tok/s)")
+    ratios = {r: ms[a] / ms[b] for r, a, b in RATIOS if a in ms and b in ms}
     for name, r in ratios.items():
-        print(f"{name:26s} {r:.3f}")
+        print(f"{name:30s} {r:.3f}")
     compiled = {e.name: e.llm.engine.runner.compiled_steps for e in engines}
     result: dict[str, Any] = {
         "batch": args.batch,

@@ -117,7 +117,7 @@ def load_runner(
     cfg: ModelConfig,
     dtype: torch.dtype,
     max_model_len: int,
-    compile_step: bool,
+    compile_step: bool | None,
     kv_allocator: KVAllocator | None,
 ) -> tuple[ModelRunner, RankGroup | None, int]:
     """(runner, the other ranks or None, KV blocks per rank) for `config`'s engine."""

@@ -87,7 +87,7 @@ class ModelRunner:
         dtype: torch.dtype,
         kv_allocator: KVAllocator | None = None,
         start_layer: int = 0,
-        compile: bool = False,
+        compile: bool | None = False,
         compile_required: bool = False,
         kv_layout: str = ND,
         ranks: RankGroup | None = None,
@@ -106,7 +106,7 @@ class ModelRunner:
         # The null block stays zero: a decode row's masked positions read its first slot, not
         # slots the row does not own (attention weighs masked V by 0, and 0 x inf is NaN).
         # Graph replay needs static shapes: padded rows write their K/V to the scratch block.
-        self.padding = backend.step_padding() if compile else None
+        self.padding = backend.step_padding() if compile is not False else None
         self.null_slot = num_blocks * block_size
         self.scratch_block = num_blocks + 1 if self.padding else None
         block_shape = cfg.kv_block_shape(block_size)
@@ -141,6 +141,8 @@ class ModelRunner:
         #: `native_prefill`): whatever the cache's layout, since prefill attends to the
         #: chunk's own K/V, so that a worker in the NPU's layout rounds as an nd one does.
         self.native_prefill = kernel and paged_decode.bf16_path() == "avx512_bf16"
+        if compile is None:  # `compile: auto`: the backend's default for this step
+            compile = backend.compile_by_default(self.native_decode)
         self.compiled = compile
         self.compiled_steps = 0  # steps that ran through the compiled graph
         if compile:

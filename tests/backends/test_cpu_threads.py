@@ -98,14 +98,18 @@ def test_this_process_is_counted_from_its_own_affinity() -> None:
     assert 1 <= cpu.usable_cpus() <= len(os.sched_getaffinity(0))
 
 
-def test_compile_auto_on_cpu_needs_a_cxx_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`compile: auto` compiles on CPU only where inductor can build its C++."""
+def test_compile_auto_on_cpu_only_without_the_kernel_and_with_a_cxx_compiler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`compile: auto` runs eager on CPU where the decode kernel runs; without it, compiles
+    only where inductor can build its C++."""
     backend = get_backend("cpu")
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(cpu.shutil, "which", lambda name: None)
-    assert backend.compile_by_default() is False
+    assert backend.compile_by_default(decode_kernel=False) is False
     monkeypatch.setattr(cpu.shutil, "which", lambda name: f"/usr/bin/{name}")
-    assert backend.compile_by_default() is True
+    assert backend.compile_by_default(decode_kernel=False) is True
+    assert backend.compile_by_default(decode_kernel=True) is False
     monkeypatch.setenv("CXX", "my-cxx")
     monkeypatch.setattr(cpu.shutil, "which", lambda name: None if name == "g++" else name)
-    assert backend.compile_by_default() is True  # $CXX is what inductor would use
+    assert backend.compile_by_default(decode_kernel=False) is True  # $CXX: inductor's

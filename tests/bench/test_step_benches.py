@@ -23,22 +23,42 @@ def test_per_token_compares_both_ways(
     assert all(r > 0 for r in result["ratios"].values())
 
 
-def test_decode_step_runs_five_engines(
-    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def run_decode_step(
+    model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *extra: str
+) -> dict[str, Any]:
+    """`bench decode-step` at toy sizes, eager; its JSON line."""
     names = ("HETERO_PD_NATIVE_ATTENTION", "HETERO_PD_NATIVE_NORM", "HETERO_PD_ADAPTIVE_THREADS")
     for name in names:
         monkeypatch.setenv(name, "1")  # restored after: the bench sets them for its engines
     threads = torch.get_num_threads()
-    argv = ["--model", str(tiny_llama_dir), "--batch", "2", "--prompt-len", "8", "--torch-norm"]
+    argv = ["--model", str(model), "--batch", "2", "--prompt-len", "8"]
     try:
-        assert decode_step.main([*argv, "--steps", "1", "--rounds", "1", "--compile", "off"]) == 0
+        argv += ["--steps", "1", "--rounds", "1", "--compile", "off", *extra]
+        assert decode_step.main(argv) == 0
     finally:
         torch.set_num_threads(threads)
-    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    result: dict[str, Any] = json.loads(capsys.readouterr().out.splitlines()[-1])
+    return result
+
+
+def test_decode_step_runs_five_engines(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = run_decode_step(tiny_llama_dir, monkeypatch, capsys, "--torch-norm")
     names = {name for name, _, _ in decode_step.CONFIGS} | {decode_step.TORCH_NORM}
     assert set(result["ms_per_step"]) == names
     assert len(result["ratios"]) == 5 and result["cpu"]["model"]
+
+
+def test_decode_step_of_one_dtype_reports_its_ratios_only(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit, match="--dtypes: float32 and/or bfloat16, got 'float16'"):
+        decode_step.main(["--model", str(tiny_llama_dir), "--dtypes", "float16"])
+    args = ("--dtypes", "float32", "--torch-norm")
+    result = run_decode_step(tiny_llama_dir, monkeypatch, capsys, *args)
+    assert set(result["ms_per_step"]) == {"float32+kernel", "float32-kernel"}
+    assert set(result["ratios"]) == {"fp32_off_over_on"}
 
 
 def test_profile_shares_sum_to_one(

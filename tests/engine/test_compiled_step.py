@@ -111,7 +111,7 @@ def test_auto_follows_the_backend_and_the_environment(
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=16, compile="off")
     assert llm.engine.config.compile_choice() == (False, "configured")
     auto = llm.engine.config.__class__(model="x", compile="auto")
-    assert auto.compile_choice() == (get_backend("cpu").compile_by_default(), "auto on cpu")
+    assert auto.compile_choice() == (None, "auto on cpu")  # the backend decides at load
     monkeypatch.setenv("HETERO_PD_COMPILE", "off")
     assert auto.compile_choice() == (False, "HETERO_PD_COMPILE")
     monkeypatch.setenv("HETERO_PD_COMPILE", "sometimes")
@@ -119,6 +119,28 @@ def test_auto_follows_the_backend_and_the_environment(
         auto.compile_choice()
     with pytest.raises(ValueError, match="compile must be one of"):
         llm.engine.config.__class__(model="x", compile="yes")
+
+
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_auto_asks_the_backend_whether_the_decode_kernel_runs(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, kernel: str
+) -> None:
+    """`compile: auto` is the backend's call once the engine knows whether its decode
+    attention runs through the kernel (eager on CPU then: section 14 of BENCHMARKS)."""
+    monkeypatch.delenv("HETERO_PD_COMPILE")
+    monkeypatch.setenv("HETERO_PD_NATIVE_ATTENTION", kernel)
+    asked: list[bool] = []
+    backend = type(get_backend("cpu"))
+
+    def never(self: object, decode_kernel: bool) -> bool:
+        asked.append(decode_kernel)
+        return False  # not compiled here: these tests do not pay for a compile
+
+    monkeypatch.setattr(backend, "compile_by_default", never)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16)
+    assert asked == [llm.engine.runner.native_decode] == [kernel == "1"]
+    assert not llm.engine.runner.compiled
+    assert "decode step eager (auto on cpu)" in llm.engine.describe()
 
 
 @pytest.mark.device
