@@ -25,12 +25,17 @@ def process_logits(
 ) -> torch.Tensor:
     """``logits`` after bans, biases and penalties; the same tensor when no row has any.
 
-    ``histories`` is needed (one per row) when a row has a penalty."""
+    Biases and penalties are added in float32 (logits of the model's dtype are widened
+    first, exactly); bans keep the dtype (-inf is exact in any). ``histories`` is needed
+    (one per row) when a row has a penalty."""
     if suppress_token_ids is not None and any(suppress_token_ids):
         logits = suppress(logits, suppress_token_ids)
-    if any(p.logit_bias for p in params):
-        logits = apply_logit_bias(logits, params)
     rows = [i for i, p in enumerate(params) if p.has_penalties]
+    bias = any(p.logit_bias for p in params)
+    if bias or rows:
+        logits = logits.float()
+    if bias:
+        logits = apply_logit_bias(logits, params)
     if rows:
         if histories is None:
             raise ValueError("rows with penalties need the token history of each row")

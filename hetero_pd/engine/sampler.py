@@ -119,7 +119,9 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Samples one token per row of a ``[num_seqs, vocab]`` float logits tensor.
+    """Samples one token per row of a ``[num_seqs, vocab]`` logits tensor, float32 or the
+    model's dtype: greedy rows take the maximum of the values as they are (a bf16 value
+    widened to float32 is the same value), the rest is computed in float32.
 
     The logits first go through ``logits_processors.process_logits`` (min_tokens bans,
     logit_bias, penalties; rows that ask for none keep their values). Greedy rows
@@ -239,9 +241,9 @@ class Sampler:
         num_seqs = logits.shape[0]
         greedy = [p.greedy for p in params]
         if all(greedy):
-            return logits.argmax(dim=-1).tolist()
+            return _greedy(logits)
 
-        tokens = logits.argmax(dim=-1).tolist() if any(greedy) else [0] * num_seqs
+        tokens = _greedy(logits) if any(greedy) else [0] * num_seqs
         rows = [i for i, g in enumerate(greedy) if not g]
         temperature = torch.tensor([params[i].temperature for i in rows], device=logits.device)
         x = logits[rows].float().div_(temperature.unsqueeze(1))
@@ -276,6 +278,12 @@ def _logprobs(
     for i, entry in zip(rows, entries, strict=True):
         out[i] = entry
     return out
+
+
+def _greedy(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first of its maxima, as `argmax`): through `max`, whose bf16
+    reduction on CPU took 0.93 ms at [64, 49152] where `argmax`'s took 5.2."""
+    return logits.max(dim=-1).indices.tolist()
 
 
 def _take(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

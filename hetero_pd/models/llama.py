@@ -329,13 +329,13 @@ class CausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden_states: torch.Tensor, compiled: bool = False) -> torch.Tensor:
-        """Final norm and LM head on the rows that sample; logits in float32 (under tensor
-        parallelism whole on rank 0 only)."""
+        """Final norm and LM head on the rows that sample; logits in the model's dtype (under
+        tensor parallelism whole on rank 0 only): the sampler widens what it computes on."""
         if compiled and self.compiled_logits is not None:
             if self.dynamic_batch:
                 _mark_batch_dynamic(hidden_states)
             return self.compiled_logits(hidden_states)
-        return self.tp.gather_vocab(self.lm_head(self.norm(hidden_states)).float())
+        return self.tp.gather_vocab(self.lm_head(self.norm(hidden_states)))
 
 
 def run_layer(

@@ -50,6 +50,21 @@ def test_frequency_and_presence_follow_openai_formula() -> None:
     assert torch.equal(out[1], logits[1])
 
 
+def test_biases_and_penalties_on_bf16_logits_are_computed_in_float32() -> None:
+    """Logits come in the model's dtype: a bias or penalty is added to their float32 copy
+    (exact), not rounded back to bf16, so a bf16 model's row gets what a float32 row of the
+    same values gets."""
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    params = [SamplingParams(logit_bias={5: 0.01}), SamplingParams(frequency_penalty=0.013)]
+    histories = [([1], [2]), ([1], [7, 7])]
+    out = process_logits(logits, params, None, histories)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, process_logits(logits.float(), params, None, histories))
+    assert out[0, 5] == logits[0, 5].float() + 0.01  # 0.01 would vanish in bf16 near 1
+    plain = [SamplingParams(), SamplingParams()]
+    assert process_logits(logits, plain, [[3], []], histories).dtype == torch.bfloat16
+
+
 def test_repetition_penalty_divides_positive_and_multiplies_negative() -> None:
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0]])
     out = process_logits(logits, [SamplingParams(repetition_penalty=2.0)], None, [([0], [1])])

@@ -29,6 +29,17 @@ def test_greedy_is_argmax_including_ties_and_low_precision() -> None:
         assert all(isinstance(t, int) for t in tokens)
 
 
+def test_greedy_over_a_wide_bf16_row_takes_the_first_of_tied_maxima() -> None:
+    """The engine hands the sampler logits in the model's dtype (bf16: 49,152 columns for the
+    default model); the pick must be the float32 copy's argmax, ties to the first index."""
+    logits = torch.randn(64, 49152, generator=torch.Generator().manual_seed(2)).bfloat16()
+    logits[0, 100] = logits[0, 40000] = logits[0, 49151] = 50.0
+    logits[1, 49151] = logits[1, 30000] = 50.0
+    tokens = Sampler()(logits, [GREEDY] * 64, [None] * 64)
+    assert tokens == logits.float().argmax(dim=-1).tolist()
+    assert tokens[:2] == [100, 30000]
+
+
 def test_greedy_rows_in_a_mixed_batch_stay_argmax() -> None:
     logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(1))
     params = [GREEDY, SamplingParams(top_k=5), GREEDY, SamplingParams(temperature=2.0)]
