@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import mmap
 import os
@@ -17,6 +18,8 @@ from backends.base import Backend, LinearKernel
 from backends.compiler import F
 from backends.cpuinfo import cpu_flags, host_cpu_name
 from backends.dtype import FAST_BF16_CPU_FLAGS, DtypeChoice, choose_cpu_dtype
+
+log = logging.getLogger(__name__)
 
 # Module-level so tests can point them at fixture files.
 MEMINFO_PATH = Path("/proc/meminfo")
@@ -176,6 +179,11 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKern
     return linear
 
 
+@functools.cache
+def _unpacked(dtype: torch.dtype, why: str) -> None:
+    log.warning("cpu: %s linears stay on F.linear: oneDNN cannot pack them (%s)", dtype, why)
+
+
 class CpuBackend(Backend):
     """The host. Copies are synchronous, there are no streams or events, and host buffers
     are ordinary (unpinned) memory: pinning needs an accelerator runtime."""
@@ -295,13 +303,18 @@ class CpuBackend(Backend):
         equal at 512; on a Zen 5 EPYC with AVX-512 BF16 (2 cores, all 30 layers' shapes):
         1.2-1.7x at 1-64 rows, 1.01-1.08x at 256-2048 (docs/BENCHMARKS.md section 14); on
         a busy Zen 4 it measured within noise of `F.linear`. None for other dtypes, for
-        bfloat16 where it is emulated, or without oneDNN.
+        bfloat16 where it is emulated, without oneDNN, or where oneDNN refuses to pack the
+        weight (held below the CPU's ISA by ONEDNN_MAX_CPU_ISA: said once in the log).
         """
         if not torch.backends.mkldnn.is_available():
             return None
         if weight.dtype != torch.float32 and not (weight.dtype == torch.bfloat16 and native_bf16()):
             return None
-        return packed_linear(weight, bias)
+        try:
+            return packed_linear(weight, bias)
+        except RuntimeError as e:
+            _unpacked(weight.dtype, str(e).splitlines()[0])
+            return None
 
     def profile_threads(self) -> int:
         """torch's intra-op thread count."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +199,29 @@ def test_a_bfloat16_linear_kernel_only_with_native_bf16(
     native = bool(flags & NATIVE_BF16) and torch.backends.mkldnn.is_available()
     assert (kernel is not None) == native
     assert packed == ([torch.bfloat16] if fake and native else [])
+
+
+@pytest.mark.skipif(
+    not cpu_flags() & NATIVE_BF16 or not torch.backends.mkldnn.is_available(),
+    reason="bfloat16 weights are packed only where the CPU has AMX or AVX-512 BF16",
+)
+def test_a_bfloat16_weight_onednn_cannot_pack_falls_back_to_f_linear() -> None:
+    """The CPU's flags say native bf16, but oneDNN is held to AVX2 (ONEDNN_MAX_CPU_ISA, read
+    once per process: a child) and refuses to reorder bf16 weights: the layer keeps
+    F.linear rather than failing the engine's load."""
+    code = (
+        "import torch\n"
+        "from backends import get_backend\n"
+        "w = torch.randn(8, 16).bfloat16()\n"
+        "k = get_backend('cpu').linear_kernel(w, None)\n"
+        "print('none' if k is None else 'kernel')\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "none"
 
 
 @pytest.mark.skipif(
