@@ -13,6 +13,7 @@ from hetero_pd.config import COMPILE_MODES, DTYPE_CHOICES, EngineConfig
 from hetero_pd.deploy.fields import opt, required
 from hetero_pd.hidden_codec import CODECS as EDGE_CODECS
 from hetero_pd.serving.router.policy import FAILURE_POLICIES, POLICIES, RoutingConfig
+from hetero_pd.serving.router.policy import MAX_TOKENS_PER_OUTPUT as MAX_PER_OUTPUT
 from hetero_pd.serving.router.rebalance import RebalanceConfig
 from hetero_pd.serving.router.router import RouterConfig
 from transfer import FaultPlan, FaultRule, TransferConfig
@@ -162,7 +163,7 @@ class RouterSpec:
     elastic_tokens_per_output: float = opt(
         6.0,
         lo=0.0,
-        hi=1e6,
+        hi=MAX_PER_OUTPUT,
         doc="elastic: ... or what its requests absorb: this x each max_tokens (0: off)",
     )
     tpot_slo_ms: float = opt(
